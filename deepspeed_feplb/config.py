@@ -1,0 +1,230 @@
+"""The ``"feplb"`` section of ``ds_config.json``: pydantic models, ``load_config()``, JSON schema.
+
+The models are the documentation: every field's docstring becomes its description in
+``config_schemas/feplb.schema.json`` (regenerate with
+``python -m deepspeed_feplb schema --output config_schemas/feplb.schema.json``).
+
+Example::
+
+    "feplb": {
+        "dynamic_experts_per_rank": 4,
+        "nvlink_domain_size": "auto",
+        "scheduler": {"mode": "process", "plan_timeout_ms": 20},
+        "gating": {"score": "sigmoid"}
+    }
+"""
+import argparse
+import difflib
+import json
+import os
+import reprlib
+import sys
+from typing import Annotated, Literal, Optional, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["FEPLBConfig", "SchedulerConfig", "GatingConfig", "StatsConfig", "FEPLBConfigError", "load_config", "schema"]
+
+SECTION = "feplb"
+SCHEMA_COMMAND = "python -m deepspeed_feplb schema --output config_schemas/feplb.schema.json"
+
+
+class FEPLBConfigError(ValueError):
+    """Invalid ``"feplb"`` section; the message names the offending key path (``feplb.scheduler.x``)."""
+
+
+class FEPLBConfigModel(BaseModel):
+    """Base of the FEPLB config models, following ``deepspeed.runtime.config_utils.DeepSpeedConfigModel``.
+
+    We replicate its conventions instead of subclassing it because importing it pulls in all of
+    DeepSpeed and torch (~4 s and an accelerator warning), too slow for the CLI and the
+    simulator: the same ``model_config`` (unknown keys are errors, aliases or field names both
+    accepted, validation on assignment), and a value ``"auto"`` for a field that does not accept
+    it means "use the default", as DeepSpeed's non-strict mode does (e.g. configs written for HF
+    Trainer). Fields whose type includes ``Literal["auto"]`` keep ``"auto"`` as the string.
+    Deprecations use pydantic's ``Field(deprecated=...)``: a warning on use and
+    ``"deprecated": true`` in the schema.
+    """
+
+    model_config = ConfigDict(
+        validate_default=True,
+        validate_assignment=True,
+        use_enum_values=True,
+        populate_by_name=True,
+        extra="forbid",
+        arbitrary_types_allowed=True,
+        protected_namespaces=(),
+        use_attribute_docstrings=True,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_auto(cls, data):
+        if isinstance(data, dict):
+            fields = {key: f for name, f in cls.model_fields.items() for key in {name, f.alias} if key}
+            data = {k: v for k, v in data.items()
+                    if not (isinstance(v, str) and v == "auto" and k in fields and not _accepts_auto(fields[k].annotation))}
+        return data
+
+
+def _accepts_auto(annotation) -> bool:
+    if get_origin(annotation) is Literal:
+        return "auto" in get_args(annotation)
+    return any(_accepts_auto(arg) for arg in get_args(annotation))
+
+
+class SchedulerConfig(FEPLBConfigModel):
+    """The per-node CPU scheduler that decides where the tokens of dynamic experts are computed."""
+
+    mode: Literal["process", "inline"] = "process"
+    """'process': one scheduler process per node (named feplb-sched) plans while the ranks compute their static experts; 'inline': every rank computes the (identical, deterministic) plan itself."""
+
+    plan_timeout_ms: float = Field(20.0, gt=0)
+    """How long a rank waits for the scheduler process's plan before computing the same plan in-process."""
+
+    peer_timeout_s: float = Field(60.0, gt=0)
+    """A peer rank that does not answer within this many seconds is declared dead; the error names it."""
+
+    restart: bool = True
+    """Restart the scheduler process if it dies (ranks use the in-process plan meanwhile)."""
+
+
+class GatingConfig(FEPLBConfigModel):
+    """How the router scores experts."""
+
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """'softmax': DeepSpeed's own TopKGate (top-1/top-2/top-k); 'sigmoid': sigmoid top-k scoring with aux-loss-free bias balancing (DeepSeek-V3 style)."""
+
+    bias_update_rate: float = Field(1e-3, ge=0)
+    """sigmoid: step size of the aux-loss-free balancing bias update (per step, towards the mean expert load)."""
+
+    normalize_topk: bool = True
+    """sigmoid: renormalise the selected top-k scores to sum to 1."""
+
+
+class StatsConfig(FEPLBConfigModel):
+    """Balancing statistics."""
+
+    enabled: bool = True
+    """Fill layer.feplb_stats on every forward: tokens per rank before and after balancing, migrated tokens and experts, plan latency, whether the fallback plan was used."""
+
+    monitor: bool = True
+    """Also write the stats to DeepSpeed's monitor (TensorBoard, W&B, CSV, ...) when one is configured."""
+
+    record_trace: Optional[str] = None
+    """Path of an .npz routing trace to record (counts int64 [steps, layers, src_ranks, experts]), replayable by `python -m deepspeed_feplb simulate`; null: do not record."""
+
+
+class FEPLBConfig(FEPLBConfigModel):
+    """The "feplb" section of ds_config.json: per-micro-batch MoE load balancing over the NVLink copy engine."""
+
+    enabled: bool = True
+    """Balance MoE layers with FEPLB; false: the layers behave as DeepSpeed's dropless MoE."""
+
+    dynamic_experts_per_rank: int = Field(2, ge=0)
+    """D: each rank's D hottest local experts of a micro-batch may be moved to helper ranks; the others are static and start computing at once. 0 disables migration."""
+
+    max_helpers_per_expert: int = Field(2, ge=1)
+    """Most helper ranks that the tokens of one dynamic expert are split over (each helper also receives the expert's weights)."""
+
+    chunk_align_tokens: int = Field(8, ge=1)
+    """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment)."""
+
+    nvlink_domain_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"
+    """Consecutive ranks that share an NVLink / copy-engine domain (a node); migration stays inside a domain. 'auto': the local world size."""
+
+    ep_backend: Literal["auto", "torch", "deepep"] = "auto"
+    """Phase-1 expert-parallel dispatch: 'torch' (all_to_all_single), 'deepep' (DeepEP, CUDA); 'auto': deepep when available, else torch."""
+
+    transport: Literal["auto", "shm", "cuda_ce"] = "auto"
+    """Phase-2 migration transport: 'shm' (shared-memory arena and copy thread, CPU), 'cuda_ce' (CUDA IPC peer buffers, copies on the copy engine); 'auto': cuda_ce on CUDA, else shm."""
+
+    copy_engine_gbps: float = Field(370.0, gt=0)
+    """One-way copy-engine bandwidth between two GPUs of a domain, in GB/s (1e9 bytes/s); used for the 'auto' ce_budget."""
+
+    ce_budget: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
+    """Bytes (tokens and expert weights) a rank may move over the copy engine per MoE layer pass. 'auto': copy_engine_gbps times the estimated static-compute time, so migration hides behind the static experts."""
+
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    gating: GatingConfig = Field(default_factory=GatingConfig)
+    stats: StatsConfig = Field(default_factory=StatsConfig)
+
+
+def load_config(ds_config: Union[dict, str, os.PathLike]) -> FEPLBConfig:
+    """Validate the ``"feplb"`` section of a whole ds_config (a dict, or the path of a JSON file).
+
+    A missing section gives the defaults. Raises ``FEPLBConfigError`` naming the offending key
+    path (``feplb.scheduler.plan_timeout_ms: ...``), the file, or the section.
+    """
+    where = "ds_config"
+    if isinstance(ds_config, (str, os.PathLike)):
+        where = os.fspath(ds_config)
+        try:
+            with open(where) as f:
+                ds_config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise FEPLBConfigError(f"{where}: cannot read the ds_config JSON file: {e}") from e
+    if not isinstance(ds_config, dict):
+        raise FEPLBConfigError(f"{where}: the ds_config must be a JSON object (got {type(ds_config).__name__})")
+    section = ds_config.get(SECTION, {})
+    if not isinstance(section, dict):
+        raise FEPLBConfigError(f"{SECTION}: the section must be a JSON object (got {reprlib.repr(section)})")
+    try:
+        return FEPLBConfig(**section)
+    except ValidationError as e:
+        raise FEPLBConfigError(_describe(e)) from None
+
+
+def _describe(error: ValidationError) -> str:
+    """One line per offending key: ``feplb.<path>: <problem> (got <value>)``."""
+    problems = {}  # path -> (messages, input); the alternatives of a union share one path
+    for err in error.errors(include_url=False):
+        path, model = [SECTION], FEPLBConfig
+        for part in err["loc"]:  # stop at the first key that is not a sub-model (drops union tags)
+            path.append(str(part))
+            parent, field = model, model.model_fields.get(part)
+            model = field.annotation if field else None
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                break
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), list(parent.model_fields), n=1)
+            msg = "unknown key" + (f", did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(parent.model_fields)}")
+        messages, _ = problems.setdefault(".".join(path), ([], err["input"]))
+        messages.append(msg)
+    return "\n".join(f"{path}: {_either(msgs)} (got {reprlib.repr(value)})" for path, (msgs, value) in problems.items())
+
+
+def _either(messages) -> str:
+    """Join the alternatives of a union: "Input should be 'auto' or greater than or equal to 0"."""
+    first, *rest = messages
+    return " or ".join([first, *(m.removeprefix("Input should be ") for m in rest)])
+
+
+def schema() -> dict:
+    """The JSON schema of the ``"feplb"`` section (as checked in at ``config_schemas/feplb.schema.json``)."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **FEPLBConfig.model_json_schema()}
+
+
+def schema_text() -> str:
+    """``schema()`` as written to ``config_schemas/feplb.schema.json``: sorted keys, indent 2, final newline."""
+    return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``python -m deepspeed_feplb schema [--output PATH]``."""
+    parser = subparsers.add_parser("schema", help="print the JSON schema of the \"feplb\" ds_config section",
+                                   description="Print (or write) the JSON schema of the \"feplb\" section of ds_config.json.")
+    parser.add_argument("--output", metavar="PATH", help="write the schema to PATH instead of stdout")
+    parser.set_defaults(func=_schema_command)
+    return parser
+
+
+def _schema_command(args) -> int:
+    text = schema_text()
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
