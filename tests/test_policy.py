@@ -1,0 +1,183 @@
+"""Property and example tests of the FEPLB planner (deepspeed_feplb/planner/policy.py)."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from deepspeed_feplb.planner.policy import Plan, PlanConstraints, dynamic_candidates, lower_bound, plan_node
+
+
+def check_plan(counts, cons, plan):
+    """Assert every contract of a plan (DESIGN §2/§4 and the planner API)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    G, E = counts.shape
+    moves = plan.moves
+    assert isinstance(plan, Plan)
+    assert moves.dtype == np.int64 and moves.ndim == 2 and moves.shape[1] == 4
+    assert plan.rank_tokens.dtype == np.int64 and plan.rank_tokens.shape == (G,)
+    # conservation: rank_tokens is what the moves imply, and no token appears or disappears
+    expect = counts.sum(axis=1).copy()
+    for home, e, helper, tok in moves.tolist():
+        assert 0 <= home < G and 0 <= helper < G and helper != home and 0 <= e < E
+        assert tok > 0
+        expect[home] -= tok
+        expect[helper] += tok
+    assert np.array_equal(plan.rank_tokens, expect)
+    assert plan.rank_tokens.sum() == counts.sum() and plan.rank_tokens.min() >= 0
+    if len(moves) == 0:
+        return
+    # sorted by (home, local_expert)
+    keys = moves[:, 0] * (E + 1) + moves[:, 1]
+    assert np.all(np.diff(keys) >= 0)
+    cand = dynamic_candidates(counts, cons.dynamic_experts)
+    copies_out = np.zeros(G, dtype=np.int64)
+    copies_in = np.zeros(G, dtype=np.int64)
+    offloaded = {}
+    for (home, e), idx in _groups(moves).items():
+        rows = moves[idx]
+        assert e in cand[home].tolist(), "only dynamic candidates may move"
+        helpers = rows[:, 2].tolist()
+        assert len(set(helpers)) == len(helpers) <= cons.max_helpers
+        moved = int(rows[:, 3].sum())
+        assert moved <= counts[home, e]
+        kept = counts[home, e] - moved
+        # every chunk is aligned except the one that ends the expert's rows, which is the last
+        # chunk; the planner keeps even that one aligned unless it leaves the home no rows
+        a = max(1, cons.chunk_align)
+        for k, tok in enumerate(rows[:, 3].tolist()):
+            last = k == len(rows) - 1
+            assert tok % a == 0 or (last and kept == 0), (tok, a, kept)
+        copies_out[home] += len(rows)
+        for h in helpers:
+            copies_in[h] += 1
+        offloaded.setdefault(home, set()).add(e)
+    for home, es in offloaded.items():
+        assert len(es) <= min(cons.dynamic_experts, E)
+    budget = cons.copies_per_rank()
+    if not math.isinf(budget):
+        assert copies_out.max() <= budget and copies_in.max() <= budget
+        assert copies_out.max() * cons.expert_bytes <= cons.ce_budget_bytes
+        assert copies_in.max() * cons.expert_bytes <= cons.ce_budget_bytes
+
+
+def _groups(moves):
+    out = {}
+    for i, (home, e) in enumerate(moves[:, :2].tolist()):
+        out.setdefault((home, e), []).append(i)
+    return out
+
+
+@st.composite
+def instances(draw):
+    G = draw(st.integers(1, 8))
+    E = draw(st.integers(1, 8))
+    skew = draw(st.sampled_from([0, 1, 3]))
+    flat = draw(st.lists(st.integers(0, 2000), min_size=G * E, max_size=G * E))
+    counts = np.array(flat, dtype=np.int64).reshape(G, E)
+    if skew:  # a few very hot ranks, as without an aux loss
+        hot = draw(st.integers(0, G - 1))
+        counts[hot] *= 1 + skew * 4
+    D = draw(st.integers(0, E + 1))
+    H = draw(st.integers(1, 4))
+    align = draw(st.sampled_from([1, 2, 8, 128]))
+    expert_bytes = draw(st.sampled_from([0, 1000]))
+    copies = draw(st.sampled_from([math.inf, 0, 1, 2, 5]))
+    budget = math.inf if math.isinf(copies) else copies * 1000 + draw(st.integers(0, 999))
+    return counts, PlanConstraints(D, H, align, budget, expert_bytes)
+
+
+@settings(max_examples=400, deadline=None)
+@given(instances())
+def test_plan_contracts(inst):
+    counts, cons = inst
+    plan = plan_node(counts, cons)
+    check_plan(counts, cons, plan)
+    # deterministic, and independent of the input's memory layout and dtype
+    again = plan_node(np.asfortranarray(counts.astype(np.int32)), cons)
+    assert np.array_equal(plan.moves, again.moves) and np.array_equal(plan.rank_tokens, again.rank_tokens)
+    # never worse than doing nothing, never better than the lower bound
+    assert plan.rank_tokens.max() <= counts.sum(axis=1).max()
+    if counts.shape[0] > 0 and counts.sum() > 0:
+        assert plan.rank_tokens.max() >= lower_bound(counts, cons.dynamic_experts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_reaches_lower_bound_without_limits(inst):
+    """With unlimited helpers and Copy-Engine budget and no alignment, water-filling is exact."""
+    counts, cons = inst
+    G = counts.shape[0]
+    cons = PlanConstraints(cons.dynamic_experts, max(1, G - 1), 1)
+    plan = plan_node(counts, cons)
+    check_plan(counts, cons, plan)
+    if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
+        assert plan.rank_tokens.max() == lower_bound(counts, cons.dynamic_experts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances())
+def test_alignment_costs_less_than_one_chunk(inst):
+    """With enough helpers, chunk alignment costs at most chunk_align - 1 tokens of straggler."""
+    counts, cons = inst
+    G = counts.shape[0]
+    cons = PlanConstraints(cons.dynamic_experts, max(1, G - 1), cons.chunk_align)
+    plan = plan_node(counts, cons)
+    check_plan(counts, cons, plan)
+    if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
+        assert plan.rank_tokens.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
+
+
+def test_dynamic_candidates_ties_and_shapes():
+    counts = np.array([[5, 7, 7, 1], [0, 0, 0, 0], [3, 9, 2, 9]])
+    assert dynamic_candidates(counts, 2).tolist() == [[1, 2], [0, 1], [1, 3]]
+    assert dynamic_candidates(counts, 9).shape == (3, 4)
+    assert dynamic_candidates(counts, 0).shape == (3, 0)
+    assert dynamic_candidates(counts, 2).dtype == np.int64
+
+
+def test_degenerate_inputs_give_empty_plans():
+    for counts, D in [(np.array([[10, 20, 30]]), 2), (np.array([[10, 0], [90, 3]]), 0),
+                      (np.zeros((4, 3), dtype=np.int64), 2), (np.zeros((3, 0), dtype=np.int64), 1)]:
+        plan = plan_node(counts, PlanConstraints(D))
+        assert plan.moves.shape == (0, 4) and plan.moves.dtype == np.int64
+        assert plan.rank_tokens.tolist() == counts.sum(axis=1).tolist()
+    with pytest.raises(ValueError):
+        plan_node(np.zeros(4, dtype=np.int64), PlanConstraints(1))
+    with pytest.raises(ValueError):
+        plan_node(np.array([[-1, 900], [0, 0]]), PlanConstraints(1))
+
+
+def test_small_example_by_hand():
+    # rank 0 holds 100 + 60 + 40 = 200, rank 1 holds 20, rank 2 holds 20: mean 80.
+    counts = np.array([[100, 60, 40], [10, 10, 0], [20, 0, 0]])
+    plan = plan_node(counts, PlanConstraints(dynamic_experts=1, max_helpers=2))
+    # only expert 0 (the hottest) may move; static part of rank 0 = 100, so the bound is 100
+    assert lower_bound(counts, 1) == 100
+    assert plan.rank_tokens.tolist() == [100, 70, 70] or plan.rank_tokens.max() == 100
+    assert plan.moves[:, :2].tolist() == [[0, 0]] * len(plan.moves)
+    assert plan.moves[:, 3].sum() == 100
+    plan2 = plan_node(counts, PlanConstraints(dynamic_experts=2, max_helpers=2))
+    assert plan2.rank_tokens.max() == 80  # mean reached: 120 tokens leave rank 0
+    check_plan(counts, PlanConstraints(dynamic_experts=2, max_helpers=2), plan2)
+
+
+def test_copy_engine_budget_limits_copies():
+    counts = np.array([[400, 300, 200, 100], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    free = plan_node(counts, PlanConstraints(4, 3))
+    assert free.rank_tokens.max() == 250
+    one = PlanConstraints(4, 3, 1, ce_budget_bytes=1.5e6, expert_bytes=10**6)
+    plan = plan_node(counts, one)
+    check_plan(counts, one, plan)
+    assert len(plan.moves) == 1 and plan.rank_tokens.max() == 600  # best single move: 400 away
+    none = PlanConstraints(4, 3, 1, ce_budget_bytes=0.5e6, expert_bytes=10**6)
+    assert plan_node(counts, none).moves.shape == (0, 4)
+
+
+def test_row_order_and_tail_chunk():
+    """Chunks are aligned; only a chunk that empties the home may be unaligned."""
+    counts = np.array([[1000, 5], [0, 0], [0, 0], [0, 0]])
+    cons = PlanConstraints(1, 3, 128)
+    plan = plan_node(counts, cons)
+    check_plan(counts, cons, plan)
+    assert plan.rank_tokens.max() <= lower_bound(counts, 1) + 127
