@@ -1,0 +1,18 @@
+"""deepspeed_feplb: per-micro-batch MoE load balancing for DeepSpeed (FEPLB, arXiv 2604.19654).
+
+Light to import: the planner, simulator and config need no torch; the layer and the engine
+helpers (which import DeepSpeed) load on first use.
+"""
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
+
+__all__ = ["FEPLBConfig", "FEPLBConfigError", "load_config", "MoE", "convert", "initialize"]
+__version__ = "0.1.0"
+
+_LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.engine", "initialize": "deepspeed_feplb.engine"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'deepspeed_feplb' has no attribute {name!r}")

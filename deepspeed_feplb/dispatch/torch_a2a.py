@@ -1,0 +1,110 @@
+"""Phase 1 with `torch.distributed.all_to_all_single` and uneven splits (any backend, gloo included).
+
+`dispatch` sends every routed (token, expert) pair to its expert's home rank and returns the
+received rows grouped by local expert; `combine` is its exact inverse followed by the gate-weighted
+sum over routes, computed like DeepSpeed's `_sparse_decode` (fp32 products, summed over routes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class AllToAllV(torch.autograd.Function):
+    """Uneven all-to-all of rows ``[N_send, ...] -> [N_recv, ...]``; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        send_splits, recv_splits = ctx.splits
+        return AllToAllV.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+
+
+@dataclass
+class DispatchHandle:
+    """What `combine` needs to undo `dispatch`.
+
+    route_order: int64 [N_send] routes sorted by expert; regroup: int64 [N_recv] rows of the
+    received buffer in (local expert, source) order; send/recv splits per rank.
+    """
+    num_routes: int
+    valid: torch.Tensor
+    route_order: torch.Tensor
+    regroup: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class TorchDispatcher:
+    """Expert-parallel dispatch over ``group`` (``ep_size`` ranks, ``num_local_experts`` each)."""
+
+    def __init__(self, group, ep_size: int, num_local_experts: int):
+        self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
+
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
+        """Send rows to their experts' home ranks.
+
+        Args:
+            x: ``[S, H]`` tokens.
+            expert_ids: ``[k, S]`` global expert of each route, -1 for a route not taken.
+
+        Returns:
+            rows ``[N_recv, H]`` grouped by local expert (then by source rank), counts
+            ``int64 [ep_size, E_local]`` (rows from each source rank for each local expert; numpy)
+            and a `DispatchHandle`.
+        """
+        k, num_tokens = expert_ids.shape
+        flat = expert_ids.reshape(-1).long()
+        valid = flat >= 0
+        experts = flat[valid]
+        route_order = torch.nonzero(valid).squeeze(1)[torch.argsort(experts, stable=True)]
+        send_rows = x.index_select(0, route_order % num_tokens)
+        send_counts = torch.bincount(experts, minlength=self.ep_size * self.num_local_experts)
+        send_counts = send_counts.view(self.ep_size, self.num_local_experts)
+        if self.ep_size > 1:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        else:
+            recv_counts = send_counts
+        recv_np = recv_counts.cpu().numpy()
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_np.sum(1).tolist()
+        rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group) if self.ep_size > 1 else send_rows
+        regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
+        handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
+        return rows.index_select(0, regroup), recv_np, handle
+
+    def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Return expert outputs to their tokens and sum them weighted by ``gates [k, S]`` -> ``[S, H]``."""
+        source_order = torch.empty_like(handle.regroup)
+        source_order[handle.regroup] = torch.arange(handle.regroup.numel(), device=rows.device)
+        back = rows.index_select(0, source_order)
+        if self.ep_size > 1:
+            back = AllToAllV.apply(back, handle.recv_splits, handle.send_splits, self.group)
+        k, num_tokens = gates.shape
+        # one extra zero row for routes not taken, as DeepSpeed's decode does for dropped routes
+        slot_of_route = torch.full((handle.num_routes, ), back.shape[0], dtype=torch.long, device=rows.device)
+        slot_of_route[handle.route_order] = torch.arange(back.shape[0], device=rows.device)
+        padded = torch.cat([back, back.new_zeros(1, back.shape[1])])
+        routed = padded.index_select(0, slot_of_route).view(k, num_tokens, -1)
+        return (routed * gates.unsqueeze(-1)).sum(0).to(rows.dtype)
+
+
+def expert_major_order(counts: np.ndarray) -> np.ndarray:
+    """Permutation taking rows laid out (source, expert) to (expert, source).
+
+    counts: ``int64 [sources, experts]`` block sizes of the source-major layout -> ``int64 [sum]``.
+    """
+    starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
+    blocks = [np.arange(starts[s, e], starts[s, e] + counts[s, e]) for e in range(counts.shape[1])
+              for s in range(counts.shape[0])]
+    return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, dtype=np.int64)

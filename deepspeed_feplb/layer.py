@@ -1,0 +1,196 @@
+"""`deepspeed_feplb.MoE`: a drop-in for `deepspeed.moe.layer.MoE` that balances every micro-batch.
+
+Stages of `FEPLBMOELayer.forward` (one micro-batch, tokens ``[S, H]``):
+
+1. gate (DeepSpeed's own `TopKGate`, dropless; or sigmoid top-k with aux-loss-free bias);
+2. phase 1: routes to the experts' home ranks, rows grouped by local expert (`dispatch/`);
+3. publish the per-expert counts to the node's mailbox, where the scheduler process plans;
+4. static experts (all but this rank's D hottest) compute meanwhile;
+5. phase 2: dynamic experts computed where the plan says, weights and rows moved inside the
+   NVLink domain (`migrate/`), gradients brought home in backward;
+6. phase 1 in reverse and the gate-weighted combine.
+
+Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move both ways.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.moe import layer as ds_layer
+from deepspeed.moe.sharded_moe import MOELayer
+
+from deepspeed_feplb.config import FEPLBConfig, load_config
+from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+from deepspeed_feplb.gating import SigmoidTopKGate
+from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Step
+from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates
+from deepspeed_feplb.planner.service import ce_budget_bytes
+from deepspeed_feplb.runtime import domain_size, get_runtime
+from deepspeed_feplb.stats import layer_stats
+
+
+def _resolve(config) -> Optional[FEPLBConfig]:
+    if config is None or isinstance(config, FEPLBConfig):
+        return config
+    return load_config({"feplb": config} if isinstance(config, dict) and "feplb" not in config else config)
+
+
+class FEPLBMOELayer(MOELayer):
+    """DeepSpeed's `MOELayer` with FEPLB's two-phase dispatch (module docstring)."""
+
+    feplb_config: Optional[FEPLBConfig]
+
+    def feplb_setup(self, config=None) -> None:
+        """Turn a DeepSpeed `MOELayer` (class already swapped) into a FEPLB one; attach lazily."""
+        self.feplb_config = _resolve(config)
+        self.feplb_stats: dict = {}
+        self._feplb_ready = False
+        self._static_seconds = 0.0
+
+    # ------------------------------------------------------------------ runtime attach
+    def _attach(self) -> None:
+        if self.feplb_config is None:
+            self.feplb_config = FEPLBConfig()
+        config = self.feplb_config
+        self._feplb_ready = True
+        if not config.enabled:
+            return
+        self.gate.drop_tokens = False  # FEPLB is dropless
+        if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
+            self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating)
+        if config.transport == "cuda_ce" or config.ep_backend == "deepep":
+            raise NotImplementedError("feplb: the cuda_ce transport and the deepep backend need the GPU path "
+                                      "(not in this build); use transport/ep_backend \"auto\"")
+        group = self.ep_group if self.ep_size > 1 else None
+        self.dispatcher = TorchDispatcher(group, self.ep_size, self.num_local_experts)
+        experts = list(self.experts.deepspeed_experts)
+        self.expert_spec = ExpertSpec.of(experts[0])
+        self.expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters())
+        balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
+        self.domain = get_runtime(self.ep_group, config) if balance else None
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
+        if not self._feplb_ready:
+            self._attach()
+        if not self.feplb_config.enabled:
+            return MOELayer.forward(self, *input, **kwargs)
+        d_model = input[0].shape[-1]
+        x = input[0].reshape(-1, d_model)
+        used_token = input[1] if len(input) > 1 else None
+        self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
+        rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
+        out = self._experts(rows, counts_by_source.sum(0))
+        return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
+
+    def _experts(self, rows: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+        """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``."""
+        experts = self.experts.deepspeed_experts
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        if self.domain is None:
+            outs = [_call(experts[e], rows[starts[e]:starts[e + 1]]) for e in range(len(experts))]
+            self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
+                if self.feplb_config.stats.enabled else {}
+            return torch.cat(outs) if outs else rows
+        config, domain = self.feplb_config, self.domain
+        seq = domain.next_seq()
+        constraints = PlanConstraints(
+            dynamic_experts=config.dynamic_experts_per_rank, max_helpers=config.max_helpers_per_expert,
+            chunk_align=config.chunk_align_tokens, expert_bytes=self.expert_bytes,
+            ce_budget_bytes=ce_budget_bytes(config.ce_budget, config.copy_engine_gbps, self._static_seconds))
+        domain.scheduler.publish(seq, counts, constraints)
+
+        dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
+        outs: list = [None] * len(experts)
+        start = time.perf_counter()
+        for e in range(len(experts)):
+            if e not in dynamic:
+                outs[e] = _call(experts[e], rows[starts[e]:starts[e + 1]])
+        self._static_seconds = time.perf_counter() - start
+
+        moves, node_counts, plan_seconds, fallback = domain.scheduler.plan(seq)
+        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(
+            p.requires_grad for p in experts[0].parameters()))
+        step = Phase2Step(domain.transport, seq, domain.local_rank, moves, dynamic,
+                          [int(counts[e]) for e in dynamic], list(experts), self.expert_spec, needs_grad)
+        params = [p for e in dynamic for p in experts[e].parameters()]
+        dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
+        dyn_y = DynamicExperts.apply(step, len(self.expert_spec.param_names), dyn_x, *params)
+        for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
+            outs[e] = y
+        if config.stats.enabled:
+            self.feplb_stats = layer_stats(node_counts, moves, plan_seconds, fallback, domain.ranks)
+            self.feplb_stats["seq"] = seq
+        return torch.cat(outs)
+
+
+def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = expert(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _engine_feplb_section(depth: int = 4) -> Optional[dict]:
+    """The ``"feplb"`` section of the DeepSpeed engine that is configuring us, if we are called from one.
+
+    `DeepSpeedEngine._configure_distributed_model` calls ``set_deepspeed_parallelism`` on every
+    module; a plain ``deepspeed.initialize`` therefore still reaches the user's ds_config.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back
+            if frame is None:
+                return None
+            engine = frame.f_locals.get("self")
+            config = getattr(engine, "config", None)
+            if type(engine).__name__.endswith("Engine") and isinstance(config, dict):
+                return {"feplb": config.get("feplb", {})}
+        return None
+    finally:
+        del frame
+
+
+class MoE(ds_layer.MoE):
+    """Drop-in `deepspeed.moe.layer.MoE` with FEPLB balancing (same arguments, returns, state_dict).
+
+    Extra keyword-only argument:
+        feplb_config: a `FEPLBConfig`, a ``"feplb"`` section dict, or a whole ds_config (dict or
+            path). Default: the ``"feplb"`` section of the DeepSpeed engine that wraps the model,
+            or the defaults.
+    """
+
+    def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True, *, feplb_config=None) -> None:
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        self.deepspeed_moe.__class__ = FEPLBMOELayer
+        self.deepspeed_moe.feplb_setup(feplb_config)
+
+    @property
+    def feplb_stats(self) -> dict:
+        """Stats of the last forward (DESIGN §4); see `deepspeed_feplb.stats.layer_stats`."""
+        return self.deepspeed_moe.feplb_stats
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+        if self.deepspeed_moe.feplb_config is None:
+            section = _engine_feplb_section()
+            if section is not None:
+                self.deepspeed_moe.feplb_config = load_config(section)
+
+    @classmethod
+    def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":
+        """Turn a `deepspeed.moe.layer.MoE` into this class in place (weights and names kept)."""
+        module.__class__ = cls
+        module.deepspeed_moe.__class__ = FEPLBMOELayer
+        module.deepspeed_moe.feplb_setup(feplb_config)
+        return module

@@ -1,0 +1,259 @@
+"""CPU transport for phase 2: a per-node shared-memory arena and a copy thread.
+
+This is the CPU analogue of the GPU design (DESIGN §1, §3): every local rank maps the same
+shared memory ("peer pointers"), and a dedicated copy thread ("the Copy Engine") writes a
+rank's outgoing messages straight into the receiver's buffers while the main thread computes.
+
+Layout. One control segment per NVLink domain holds, for every ordered pair of local ranks
+``src -> dst``, a channel header ``[seq, ack, generation, nbytes]`` (int64). The payload of a
+channel lives in a data segment owned by ``src``; when a message does not fit, ``src`` creates a
+larger segment under a new generation, so a channel never blocks on size. A channel carries
+one message at a time: the producer waits until the consumer acknowledged the previous message
+(``ack == seq``) before it writes the next, and only the copy thread ever waits for that.
+
+A message is a list of tensors. Its payload starts with a small int64 header (tag, tensor
+count, then dtype code, element offset and shape of each tensor), so the receiver checks that it
+got the message it expects (the tag names micro-batch, layer and phase).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+SEGMENT_PREFIX = "feplb-"
+_HEADER_FIELDS = 4  # seq, ack, generation, nbytes
+_SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
+_ALIGN = 64
+_MAX_DIMS = 4
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
+
+
+class PeerTimeoutError(RuntimeError):
+    """A peer rank did not answer within the configured timeout (it died or hangs)."""
+
+
+def open_segment(name: str, size: int = 0, create: bool = False) -> shared_memory.SharedMemory:
+    """Create or attach a POSIX shared-memory segment that this process alone is responsible for.
+
+    Python's resource tracker would unlink attached segments when *any* attaching process
+    exits; ownership here is explicit (the creator unlinks), so attachments are untracked.
+    """
+    shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+    if not create:
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        except Exception:
+            pass
+    return shm
+
+
+def unlink_quietly(shm: shared_memory.SharedMemory | None) -> None:
+    if shm is None:
+        return
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    """Spin briefly, then back off with sleeps: 2 cores serve several ranks in tests."""
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not predicate():
+        spins += 1
+        if spins < 200:
+            continue
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0 if spins < 2000 else 0.0002)
+
+
+def _pack_layout(tag: int, tensors: list[torch.Tensor]) -> tuple[np.ndarray, list[int], int]:
+    header = np.zeros(2 + len(tensors) * (3 + _MAX_DIMS), dtype=np.int64)
+    header[0], header[1] = tag, len(tensors)
+    offset = _round_up(header.nbytes)
+    offsets = []
+    for i, t in enumerate(tensors):
+        if t.dim() > _MAX_DIMS:
+            raise ValueError(f"transport tensors have at most {_MAX_DIMS} dims, got shape {tuple(t.shape)}")
+        field = header[2 + i * (3 + _MAX_DIMS):2 + (i + 1) * (3 + _MAX_DIMS)]
+        field[0] = _DTYPES.index(t.dtype)
+        field[1] = offset
+        field[2] = t.dim()
+        field[3:3 + t.dim()] = t.shape
+        offsets.append(offset)
+        offset = _round_up(offset + t.numel() * t.element_size())
+    return header, offsets, offset
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class ShmTransport:
+    """Moves lists of tensors between the ranks of one NVLink domain through shared memory.
+
+    Args:
+        name: unique prefix of this domain's segments (starts with ``feplb-``).
+        local_rank: this rank's index in the domain, ``0 <= local_rank < size``.
+        size: ranks in the domain.
+        timeout_s: how long to wait for a peer before raising `PeerTimeoutError`.
+
+    The domain's rank 0 must construct its transport (which creates the control segment)
+    before the others construct theirs; `create_control` / attach order is the caller's barrier.
+    """
+
+    def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool):
+        self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
+        control_bytes = size * size * _HEADER_FIELDS * 8
+        self._control_shm = open_segment(f"{name}-ctl", control_bytes, create=create)
+        self._owns_control = create
+        self._control = np.ndarray((size, size, _HEADER_FIELDS), dtype=np.int64, buffer=self._control_shm.buf)
+        if create:
+            self._control[:] = 0
+        self._outgoing: dict[int, shared_memory.SharedMemory] = {}  # dst -> segment we own
+        self._incoming: dict[int, tuple[int, shared_memory.SharedMemory]] = {}  # src -> (generation, segment)
+        self._expected = np.zeros(size, dtype=np.int64)  # messages received so far, per src
+        self._jobs: queue.Queue = queue.Queue()
+        self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
+        self._copy_thread.start()
+        self.closed = False
+
+    # ---------------------------------------------------------------- producer side
+    def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
+        """Queue ``tensors`` for ``dst`` on the copy thread; returns a future done once written.
+
+        The tensors must not be modified until the future is done.
+        """
+        if dst == self.local_rank:
+            raise ValueError("a rank does not send to itself")
+        future: Future = Future()
+        self._jobs.put((dst, tag, [t.detach().contiguous() for t in tensors], future))
+        return future
+
+    def _copy_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            dst, tag, tensors, future = job
+            try:
+                self._write(dst, tag, tensors)
+                future.set_result(None)
+            except BaseException as exc:  # the waiting main thread re-raises it
+                future.set_exception(exc)
+
+    def _write(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> None:
+        channel = self._control[self.local_rank, dst]
+        wait_until(lambda: channel[_ACK] == channel[_SEQ], self.timeout_s,
+                   f"rank {dst} of domain {self.name} to read the previous message")
+        header, offsets, nbytes = _pack_layout(tag, tensors)
+        segment = self._outgoing.get(dst)
+        if segment is None or segment.size < nbytes:
+            generation = int(channel[_GEN]) + 1
+            new = open_segment(f"{self.name}-{self.local_rank}to{dst}-g{generation}",
+                               max(nbytes, 2 * (segment.size if segment else 0), 1 << 16), create=True)
+            if segment is not None:
+                segment.close()
+                unlink_quietly(segment)
+            segment = self._outgoing[dst] = new
+            channel[_GEN] = generation
+        buf = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+        buf[:header.nbytes].copy_(torch.from_numpy(header.view(np.uint8)))
+        for t, offset in zip(tensors, offsets):
+            size = t.numel() * t.element_size()
+            buf[offset:offset + size].view(t.dtype).view(t.shape).copy_(t)
+        del buf
+        channel[_NBYTES] = nbytes
+        channel[_SEQ] += 1  # publish last: the consumer polls seq
+
+    # ---------------------------------------------------------------- consumer side
+    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+        """Block until the next message from ``src`` arrives; return private copies of its tensors."""
+        channel = self._control[src, self.local_rank]
+        expected = self._expected[src] + 1
+        wait_until(lambda: channel[_SEQ] >= expected, self.timeout_s,
+                   f"local rank {src} of domain {self.name} (message tag {tag:#x})")
+        generation = int(channel[_GEN])
+        cached = self._incoming.get(src)
+        if cached is None or cached[0] != generation:
+            if cached is not None:
+                cached[1].close()
+            cached = self._incoming[src] = (generation, open_segment(f"{self.name}-{src}to{self.local_rank}-g{generation}"))
+        buf = torch.frombuffer(cached[1].buf, dtype=torch.uint8, count=int(channel[_NBYTES]))
+        count = int(buf[8:16].view(torch.int64)[0])
+        header = buf[:_round_up((2 + count * (3 + _MAX_DIMS)) * 8)].view(torch.int64).numpy()
+        if header[0] != tag:
+            raise RuntimeError(f"FEPLB transport out of step: expected message {tag:#x} from local rank {src}, "
+                               f"got {int(header[0]):#x}")
+        tensors = []
+        for i in range(count):
+            code, offset, ndim, *shape = header[2 + i * (3 + _MAX_DIMS):2 + (i + 1) * (3 + _MAX_DIMS)]
+            dtype, shape = _DTYPES[code], [int(s) for s in shape[:ndim]]
+            size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            tensors.append(buf[offset:offset + size].view(dtype).view(shape).clone())
+        del buf, header
+        self._expected[src] = expected
+        channel[_ACK] = expected
+        return tensors
+
+    # ---------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Stop the copy thread, unmap everything and unlink the segments this rank owns."""
+        if self.closed:
+            return
+        self.closed = True
+        self._jobs.put(None)
+        self._copy_thread.join(timeout=self.timeout_s)
+        for segment in self._outgoing.values():
+            segment.close()
+            unlink_quietly(segment)
+        for _, segment in self._incoming.values():
+            segment.close()
+        self._outgoing.clear()
+        self._incoming.clear()
+        del self._control
+        self._control_shm.close()
+        if self._owns_control:
+            unlink_quietly(self._control_shm)
+
+
+def leftover_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Names of shared-memory segments in /dev/shm that start with ``prefix``."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def cleanup(prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Remove FEPLB segments left behind by killed jobs; returns the removed names."""
+    removed = []
+    for name in leftover_segments(prefix):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("cleanup", help="remove /dev/shm segments left by killed FEPLB jobs")
+    parser.add_argument("--prefix", default=SEGMENT_PREFIX, help="segment name prefix (default: %(default)s)")
+    parser.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+
+    def run(args):
+        names = leftover_segments(args.prefix) if args.dry_run else cleanup(args.prefix)
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(names)} segment(s)" + "".join(f"\n  /dev/shm/{n}" for n in names))
+
+    parser.set_defaults(func=run)

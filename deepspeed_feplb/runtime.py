@@ -1,0 +1,115 @@
+"""Per-rank runtime of one NVLink domain: the transport, the scheduler client, the step counter.
+
+A domain is ``nvlink_domain_size`` consecutive ranks of an expert-parallel group (DESIGN §3).
+All FEPLB layers that share an EP group share its domain runtime; it is created on first use
+(collectively over the EP group) and closed at exit, on SIGTERM, or by `shutdown()`.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+
+import torch.distributed as dist
+
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.migrate.shm import ShmTransport
+from deepspeed_feplb.planner.service import SchedulerClient
+
+_RUNTIMES: dict[tuple, "DomainRuntime"] = {}
+_LOCK = threading.Lock()
+
+
+def domain_size(config: FEPLBConfig, ep_size: int) -> int:
+    """Ranks per NVLink domain for an EP group of ``ep_size`` ranks ("auto" = local world size)."""
+    size = config.nvlink_domain_size
+    if size == "auto":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", ep_size)))
+        size = min(local, ep_size)
+        while ep_size % size:  # the largest divisor of the EP size that fits in one host
+            size -= 1
+    if ep_size % size:
+        raise FEPLBConfigError(f"feplb.nvlink_domain_size: {size} does not divide the expert-parallel size {ep_size}; "
+                               f"use a divisor of {ep_size} or \"auto\"")
+    return size
+
+
+class DomainRuntime:
+    """This rank's view of its domain: ``local_rank`` in ``[0, size)``, transport, scheduler."""
+
+    def __init__(self, ep_group, config: FEPLBConfig):
+        ep_ranks = dist.get_process_group_ranks(ep_group)
+        ep_rank = ep_ranks.index(dist.get_rank())
+        self.size = domain_size(config, len(ep_ranks))
+        self.local_rank = ep_rank % self.size
+        first = ep_rank - self.local_rank
+        self.ranks = ep_ranks[first:first + self.size]  # global ranks of the domain
+        self.config = config
+        self.seq = 0
+
+        # Agree on segment names and check that a domain never spans hosts.
+        info = [None] * len(ep_ranks)
+        dist.all_gather_object(info, (secrets.token_hex(4), socket.gethostname()), group=ep_group)
+        hosts = {info[first + i][1] for i in range(self.size)}
+        if len(hosts) > 1:
+            raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts {sorted(hosts)}; "
+                                   "set it to the number of ranks per host")
+        self.name = f"feplb-{info[first][0]}"
+        sched = config.scheduler
+        leader = self.local_rank == 0
+        kwargs = dict(mode=sched.mode, plan_timeout_s=sched.plan_timeout_ms / 1e3, peer_timeout_s=sched.peer_timeout_s,
+                      restart=sched.restart)
+        if leader:
+            self.transport = ShmTransport(self.name, 0, self.size, sched.peer_timeout_s, create=True)
+            self.scheduler = SchedulerClient(f"{self.name}-mbox", 0, self.size, create=True, **kwargs)
+        dist.barrier(group=ep_group)
+        if not leader:
+            self.transport = ShmTransport(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=False)
+            self.scheduler = SchedulerClient(f"{self.name}-mbox", self.local_rank, self.size, create=False, **kwargs)
+        self.closed = False
+
+    def next_seq(self) -> int:
+        seq, self.seq = self.seq, self.seq + 1
+        return seq
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
+            self.scheduler.close()
+
+
+def get_runtime(ep_group, config: FEPLBConfig) -> DomainRuntime:
+    key = tuple(dist.get_process_group_ranks(ep_group))
+    with _LOCK:
+        runtime = _RUNTIMES.get(key)
+        if runtime is None or runtime.closed:
+            _install_exit_handlers()
+            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config)
+        return runtime
+
+
+def shutdown() -> None:
+    """Stop scheduler processes and remove this rank's shared memory (idempotent)."""
+    with _LOCK:
+        for runtime in _RUNTIMES.values():
+            runtime.close()
+        _RUNTIMES.clear()
+
+
+_installed = False
+
+
+def _install_exit_handlers() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    atexit.register(shutdown)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # default SIGTERM kills without running atexit; exit normally instead so segments are removed
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -1,0 +1,42 @@
+"""Straggler metrics (DESIGN §2) and the per-forward stats of a FEPLB layer."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def straggler(tokens: np.ndarray) -> tuple[float, float]:
+    """tokens ``[R]`` per rank -> (max - mean, max / mean); (0, 1) for an idle group."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    mean = tokens.mean() if tokens.size else 0.0
+    if mean == 0:
+        return 0.0, 1.0
+    return float(tokens.max() - mean), float(tokens.max() / mean)
+
+
+def layer_stats(node_counts: np.ndarray, moves: np.ndarray, plan_seconds: float, fallback: bool,
+                ranks: list[int]) -> dict:
+    """What one FEPLB layer did in one forward, for the ranks of its NVLink domain.
+
+    node_counts ``int64 [G, E_local]`` rows each rank received per local expert; moves
+    ``int64 [M, 4]`` (home, local_expert, helper, tokens); ranks: the G global ranks.
+    """
+    before = node_counts.sum(axis=1).astype(np.int64)
+    after = before.copy()
+    np.subtract.at(after, moves[:, 0], moves[:, 3])
+    np.add.at(after, moves[:, 2], moves[:, 3])
+    s_before, r_before = straggler(before)
+    s_after, r_after = straggler(after)
+    return {
+        "ranks": list(ranks),
+        "tokens_before": before.tolist(),
+        "tokens_after": after.tolist(),
+        "token_straggler_before": s_before,
+        "token_straggler_after": s_after,
+        "max_over_mean_before": r_before,
+        "max_over_mean_after": r_after,
+        "migrated_tokens": int(moves[:, 3].sum()),
+        "migrated_experts": int(len({(h, e) for h, e in moves[:, :2].tolist()})),
+        "moves": int(moves.shape[0]),
+        "plan_latency_us": plan_seconds * 1e6,
+        "fallback": bool(fallback),
+    }
