@@ -1,0 +1,115 @@
+"""Routing traces: the DESIGN §4 ``.npz`` format, validation and folding onto an EP group.
+
+A trace holds ``counts`` int64 ``[steps, layers, src_ranks, experts]``: tokens (token-expert
+pairs) that the router of ``layer`` sent to ``expert`` from EP rank ``src_rank`` at micro-batch
+``step``. Optional scalars: ``top_k``, ``hidden``, ``ffn_hidden``, ``source`` (free text).
+Experts are placed contiguously (``expert // (experts / ranks)``), as DeepSpeed does.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Trace", "load_trace", "save_trace", "fold_sources", "home_rank", "rank_loads"]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """counts: int64 [steps, layers, src_ranks, experts]; the scalars are optional metadata."""
+
+    counts: np.ndarray
+    top_k: Optional[int] = None
+    hidden: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    source: str = ""
+
+    def __post_init__(self):
+        counts = np.asarray(self.counts)
+        if counts.ndim != 4:
+            raise ValueError(f"trace counts must be [steps, layers, src_ranks, experts], got shape {counts.shape}")
+        if counts.size and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
+            raise ValueError("trace counts must be non-negative integers")
+        object.__setattr__(self, "counts", counts.astype(np.int64, copy=False))
+
+    @property
+    def steps(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def layers(self) -> int:
+        return self.counts.shape[1]
+
+    @property
+    def src_ranks(self) -> int:
+        return self.counts.shape[2]
+
+    @property
+    def experts(self) -> int:
+        return self.counts.shape[3]
+
+    def with_counts(self, counts: np.ndarray) -> "Trace":
+        return replace(self, counts=counts)
+
+
+def save_trace(path: str | os.PathLike, trace: Trace) -> None:
+    """Write ``trace`` to ``path`` (.npz, compressed)."""
+    extra = {k: v for k, v in (("top_k", trace.top_k), ("hidden", trace.hidden),
+                               ("ffn_hidden", trace.ffn_hidden)) if v is not None}
+    if trace.source:
+        extra["source"] = np.array(trace.source)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, counts=trace.counts, **extra)
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Read a DESIGN §4 trace; raises ValueError naming what is wrong."""
+    with np.load(path, allow_pickle=False) as z:
+        if "counts" not in z:
+            raise ValueError(f"{path}: no 'counts' array in trace")
+        meta = {}
+        for key in ("top_k", "hidden", "ffn_hidden"):
+            if key in z:
+                meta[key] = int(z[key])
+        if "source" in z:
+            meta["source"] = str(z["source"])
+        return Trace(counts=z["counts"], **meta)
+
+
+def fold_sources(counts: np.ndarray, ranks: int) -> np.ndarray:
+    """counts int64 [..., src_ranks, experts] -> int64 [..., ranks, experts].
+
+    ``src_ranks`` must equal ``ranks``, be a multiple of it (consecutive sources are summed), or be
+    1 (no source information: each expert's tokens are spread as evenly as possible over the
+    sources, the remainder going to the lowest source ranks)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    S = counts.shape[-2]
+    if S == ranks:
+        return counts
+    if S % ranks == 0:
+        return counts.reshape(counts.shape[:-2] + (ranks, S // ranks, counts.shape[-1])).sum(axis=-2)
+    if S == 1:
+        total = counts[..., 0, :]
+        base = total // ranks
+        rem = total - base * ranks
+        out = np.repeat(base[..., None, :], ranks, axis=-2)
+        out += (np.arange(ranks)[:, None] < rem[..., None, :]).astype(np.int64)
+        return out
+    raise ValueError(f"trace has {S} source ranks; the EP size {ranks} must divide it (or it must be 1)")
+
+
+def home_rank(experts: int, ranks: int) -> np.ndarray:
+    """int64 [experts]: the EP rank that hosts each expert under contiguous placement."""
+    if experts % ranks:
+        raise ValueError(f"{experts} experts cannot be placed evenly on {ranks} ranks")
+    return np.arange(experts, dtype=np.int64) // (experts // ranks)
+
+
+def rank_loads(expert_loads: np.ndarray, ranks: int) -> np.ndarray:
+    """expert_loads int64 [..., experts] -> int64 [..., ranks] under contiguous placement."""
+    E = expert_loads.shape[-1]
+    if E % ranks:
+        raise ValueError(f"{E} experts cannot be placed evenly on {ranks} ranks")
+    return expert_loads.reshape(expert_loads.shape[:-1] + (ranks, E // ranks)).sum(axis=-1)
