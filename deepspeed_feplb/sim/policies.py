@@ -1,0 +1,423 @@
+"""Balancing policies the simulator compares (DESIGN §5).
+
+Each policy turns one (step, layer)'s per-source expert counts into the *expert pieces* every rank
+computes: ``(piece_rank int64 [P], piece_tokens int64 [P])``; the cost model prices each piece
+(tile-quantised GEMM) and the metrics sum them per rank. Stateful policies (EPLB, the cross-node
+layer) only look at past steps.
+
+* ``vanilla``     every expert computed at home (contiguous placement).
+* ``fastermoe``   FasterMoE dynamic shadowing (PPoPP'22): shadow the globally hottest experts while
+                  its cost model says the drop in the hottest expert's latency pays for broadcasting
+                  one more expert; a shadowed expert's tokens are computed on their source rank.
+* ``eplb``        DeepSeek EPLB: redundant experts placed from a moving average of past loads,
+                  refreshed every ``eplb_interval`` steps; a replicated expert's tokens are split
+                  evenly over its replicas.
+* ``feplb-paper`` the FEPLB paper's planner: whole dynamic experts, greedy most-loaded rank ->
+                  its busiest dynamic expert -> least-loaded rank of the node.
+* ``feplb``       ours: :func:`deepspeed_feplb.planner.policy.plan_node` on every node (the very
+                  function the runtime calls), plus the cross-node placement layer on multi-node
+                  groups.
+* ``milp``        the exact MILP oracle per node (small cases only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from deepspeed_feplb.planner.placement import CrossNodePlacer, rebalance_experts
+from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_node
+from .cost import ExpertShape, GemmProfile, PROFILES, gemm_us
+
+__all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy"]
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """The simulated EP group and the knobs of every policy.
+
+    ce_budget: "auto" (Copy-Engine bandwidth x the node's mean static GEMM time, or half its mean
+               GEMM time when every local expert is dynamic), "inf", or bytes.
+    placement: cross-node layer for ``feplb``: "auto" (on when nodes > 1), "on", "off".
+    """
+
+    ranks_per_node: int
+    nodes: int
+    experts: int
+    dynamic_experts: int = 4
+    max_helpers: int = 2
+    chunk_align: int = 1
+    shape: ExpertShape = field(default_factory=ExpertShape)
+    profile: GemmProfile = PROFILES["h100"]
+    ce_budget: str | float = "auto"
+    eplb_redundant: Optional[int] = None
+    eplb_interval: int = 20
+    eplb_decay: float = 0.1
+    placement: str = "auto"
+    placement_interval: int = 20
+    expert_state_bytes: Optional[float] = None
+    oracle_time_limit: float = 10.0
+
+    @property
+    def ranks(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.experts // self.ranks
+
+    def check(self) -> None:
+        if self.ranks_per_node < 1 or self.nodes < 1:
+            raise ValueError("ranks per node and nodes must be >= 1")
+        if self.experts % self.ranks:
+            raise ValueError(f"{self.experts} experts cannot be placed evenly on {self.ranks} ranks")
+
+
+@dataclass
+class StepResult:
+    """piece_rank, piece_tokens int64 [P]: expert pieces and who computes them.
+    moves int64 [M, 4] = (expert, home_rank, helper_rank, tokens) (global ids) or None.
+    lower_bound: DESIGN §2 bound on the largest rank load for this step (intra-node policies).
+    ce: Copy-Engine figures of this step (µs) or None. extra: other per-step numbers."""
+
+    piece_rank: np.ndarray
+    piece_tokens: np.ndarray
+    moves: Optional[np.ndarray] = None
+    lower_bound: Optional[float] = None
+    ce: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _contiguous(setup: SimSetup) -> np.ndarray:
+    return np.arange(setup.experts, dtype=np.int64) // setup.experts_per_rank
+
+
+class Vanilla:
+    name = "vanilla"
+
+    def __init__(self, setup: SimSetup, layers: int):
+        self.home = _contiguous(setup)
+
+    def step(self, step: int, layer: int, src: np.ndarray) -> StepResult:
+        return StepResult(self.home, src.sum(axis=0))
+
+    def summary(self) -> dict:
+        return {}
+
+
+class FasterMoE:
+    """FasterMoE's ``global_policy`` with its cost model, fed the per-expert global load (sum over
+    sources, as the paper describes; see DESIGN §5). Hardware constants come from the profile:
+    ``bw_mm`` = sustained GEMM rate, ``bw_net`` = the slowest link of the EP group (NVLink within
+    one node, the NIC across nodes); the expert is ``shape`` (FasterMoE's alpha·d_model² with
+    ``mats`` matrices)."""
+
+    name = "fastermoe"
+
+    def __init__(self, setup: SimSetup, layers: int):
+        self.setup = setup
+        self.home = _contiguous(setup)
+        prof, shape = setup.profile, setup.shape
+        bw_net = (prof.ce_gbps if setup.nodes == 1 else prof.net_gbps) * 1e9
+        self.send_feature = shape.row_bytes / bw_net
+        self.send_model = shape.weight_bytes / bw_net
+        self.comp = shape.flops_per_row / (prof.tflops * 1e12)
+        self.shadowed_total = 0
+        self.steps = 0
+
+    def shadow_mask(self, loads: np.ndarray) -> np.ndarray:
+        """loads int64 [E] -> bool [E]: experts to shadow."""
+        order = np.argsort(-loads, kind="stable")
+        b = loads[order].astype(np.float64)
+        per_token = 3 * self.comp + 4 * self.send_feature
+        lat_base = per_token * b[0]
+        mask = np.zeros(loads.shape[0], dtype=bool)
+        shadow_time = 0.0
+        for i in range(len(order) - 1):
+            shadow_time += self.send_model
+            lat_new = per_token * b[i + 1] + shadow_time
+            if lat_new < lat_base:
+                lat_base = lat_new
+                mask[order[i]] = True
+            else:
+                break
+        return mask
+
+    def step(self, step: int, layer: int, src: np.ndarray) -> StepResult:
+        loads = src.sum(axis=0)
+        mask = self.shadow_mask(loads)
+        R = src.shape[0]
+        keep = ~mask
+        ranks = [self.home[keep]]
+        tokens = [loads[keep]]
+        if mask.any():
+            ranks.append(np.repeat(np.arange(R, dtype=np.int64), int(mask.sum())))
+            tokens.append(src[:, mask].reshape(-1))
+        n = int(mask.sum())
+        self.shadowed_total += n
+        self.steps += 1
+        bcast_us = n * self.send_model * 1e6
+        return StepResult(np.concatenate(ranks), np.concatenate(tokens),
+                          extra={"shadowed_experts": n, "broadcast_us": bcast_us})
+
+    def summary(self) -> dict:
+        return {"shadowed_experts_mean": self.shadowed_total / max(1, self.steps)}
+
+
+class EPLB:
+    """EPLB redundant experts from an exponential moving average of past per-expert loads,
+    re-placed every ``eplb_interval`` steps (hierarchical over nodes when nodes > 1). Before any
+    history exists the placement is computed from uniform loads."""
+
+    name = "eplb"
+
+    def __init__(self, setup: SimSetup, layers: int):
+        self.setup = setup
+        R = setup.ranks
+        self.redundant = R if setup.eplb_redundant is None else setup.eplb_redundant
+        self.num_phy = setup.experts + self.redundant
+        if self.num_phy % R:
+            raise ValueError(f"EPLB needs experts + redundant ({self.num_phy}) divisible by ranks ({R})")
+        self.ema = [None] * layers
+        self.seen = [0] * layers
+        self.phy2log = [self._place(np.ones(setup.experts)) for _ in range(layers)]
+
+    def _place(self, weight: np.ndarray) -> np.ndarray:
+        s = self.setup
+        groups = s.nodes if s.nodes > 1 else 1
+        phy2log, _, _ = rebalance_experts(weight[None], self.num_phy, groups, s.nodes, s.ranks)
+        return phy2log[0]
+
+    def step(self, step: int, layer: int, src: np.ndarray) -> StepResult:
+        loads = src.sum(axis=0)
+        phy2log = self.phy2log[layer]
+        per_rank = self.num_phy // self.setup.ranks
+        slot_rank = np.arange(self.num_phy, dtype=np.int64) // per_rank
+        cnt = np.bincount(phy2log, minlength=self.setup.experts)
+        # replica index of every slot among its expert's replicas (in slot order)
+        order = np.argsort(phy2log, kind="stable")
+        first = np.cumsum(cnt) - cnt
+        rep = np.empty(self.num_phy, dtype=np.int64)
+        rep[order] = np.arange(self.num_phy) - first[phy2log[order]]
+        base = loads[phy2log] // cnt[phy2log]
+        tokens = base + (rep < loads[phy2log] - base * cnt[phy2log])
+        # learn from this step for later steps
+        f = loads.astype(np.float64)
+        d = self.setup.eplb_decay
+        self.ema[layer] = f if self.ema[layer] is None else (1 - d) * self.ema[layer] + d * f
+        self.seen[layer] += 1
+        if self.seen[layer] % self.setup.eplb_interval == 0:
+            self.phy2log[layer] = self._place(self.ema[layer])
+        return StepResult(slot_rank, tokens)
+
+    def summary(self) -> dict:
+        return {"redundant_experts": self.redundant}
+
+
+def _ce_figures(node_counts: np.ndarray, moves: np.ndarray, static_us: np.ndarray, setup: SimSetup) -> dict:
+    """Copy-Engine time of one node's plan (forward phase 2), against the static GEMM time it must
+    hide behind. node_counts int64 [G, E_local]; moves int64 [M, 4] node-local; static_us [G]."""
+    G = node_counts.shape[0]
+    w = setup.shape.weight_bytes
+    row = setup.shape.row_bytes
+    bw = setup.profile.ce_gbps * 1e3  # bytes per µs
+    if len(moves) == 0:
+        return {"ce_us": 0.0, "exposed_us": 0.0, "static_us": float(static_us.mean()), "copies": 0}
+    copies_out = np.bincount(moves[:, 0], minlength=G)
+    copies_in = np.bincount(moves[:, 2], minlength=G)
+    tok_out = np.bincount(moves[:, 0], weights=moves[:, 3], minlength=G)
+    tok_in = np.bincount(moves[:, 2], weights=moves[:, 3], minlength=G)
+    in_us = (copies_in * w + tok_in * row) / bw
+    out_us = (copies_out * w + tok_out * row) / bw
+    ce_us = float(np.maximum(in_us, out_us).max())
+    exposed = float(np.maximum(in_us - static_us, 0.0).max())
+    return {"ce_us": ce_us, "exposed_us": exposed, "static_us": float(static_us.mean()), "copies": int(len(moves))}
+
+
+class _NodePolicy:
+    """Shared machinery of the intra-node policies: placement, per-node counts, pieces."""
+
+    name = ""
+
+    def __init__(self, setup: SimSetup, layers: int):
+        self.setup = setup
+        self.layers = layers
+        use = setup.placement == "on" or (setup.placement == "auto" and setup.nodes > 1)
+        self.placers = None
+        if use and self.uses_placement:
+            state = setup.expert_state_bytes
+            if state is None:  # bf16 weights + fp32 master, Adam m and v: 2 + 12 bytes per parameter
+                state = setup.shape.weight_bytes / setup.shape.dtype_bytes * 14
+            us_tok = 3 * setup.shape.flops_per_row / (setup.profile.tflops * 1e6)
+            self.placers = [CrossNodePlacer(setup.experts, setup.nodes, setup.ranks_per_node,
+                                            setup.placement_interval, setup.eplb_decay, state,
+                                            setup.profile.net_gbps, us_tok) for _ in range(layers)]
+        self.budget_copies = []
+
+    uses_placement = False
+
+    def slots(self, layer: int) -> np.ndarray:
+        """int64 [R, E_local]: the global expert id of each rank's local experts (ascending)."""
+        s = self.setup
+        if self.placers is None:
+            return np.arange(s.experts, dtype=np.int64).reshape(s.ranks, s.experts_per_rank)
+        e2r = self.placers[layer].expert_to_rank
+        order = np.lexsort((np.arange(s.experts), e2r))
+        return order.reshape(s.ranks, s.experts_per_rank).astype(np.int64)
+
+    def constraints(self, node_counts: np.ndarray) -> tuple[PlanConstraints, np.ndarray]:
+        s = self.setup
+        D = min(s.dynamic_experts, node_counts.shape[1])
+        cand = dynamic_candidates(node_counts, D)
+        t = gemm_us(node_counts, s.shape, s.profile)
+        static_us = t.sum(axis=1) - np.take_along_axis(t, cand, axis=1).sum(axis=1)
+        if s.ce_budget == "auto":
+            # the copies must hide behind the static GEMMs; with no static experts (D = E_local)
+            # behind half of the node's mean GEMM time (what a rank keeps of its own work)
+            window = float(static_us.mean()) if D < node_counts.shape[1] else 0.5 * float(t.sum(axis=1).mean())
+            budget = s.profile.ce_gbps * 1e3 * window
+        elif s.ce_budget == "inf":
+            budget = math.inf
+        else:
+            budget = float(s.ce_budget)
+        cons = PlanConstraints(D, s.max_helpers, s.chunk_align, budget, s.shape.weight_bytes)
+        return cons, static_us
+
+    def plan(self, node_counts: np.ndarray, cons: PlanConstraints) -> np.ndarray:
+        raise NotImplementedError
+
+    def step(self, step: int, layer: int, src: np.ndarray) -> StepResult:
+        s = self.setup
+        G = s.ranks_per_node
+        loads = src.sum(axis=0)
+        slots = self.slots(layer)
+        counts = loads[slots]  # [R, E_local]
+        ranks, tokens, moves_out = [], [], []
+        lb = 0
+        ce = {"ce_us": 0.0, "exposed_us": 0.0, "static_us": 0.0, "copies": 0}
+        for n in range(s.nodes):
+            nc = counts[n * G:(n + 1) * G]
+            cons, static_us = self.constraints(nc)
+            moves = self.plan(nc, cons)
+            lb = max(lb, lower_bound(nc, cons.dynamic_experts))
+            kept = nc.copy()
+            if len(moves):
+                np.subtract.at(kept, (moves[:, 0], moves[:, 1]), moves[:, 3])
+                ranks.append(n * G + moves[:, 2])
+                tokens.append(moves[:, 3])
+                gslots = slots[n * G:(n + 1) * G]
+                moves_out.append(np.stack([gslots[moves[:, 0], moves[:, 1]], n * G + moves[:, 0],
+                                           n * G + moves[:, 2], moves[:, 3]], axis=1))
+            ranks.append(np.repeat(np.arange(n * G, (n + 1) * G, dtype=np.int64), nc.shape[1]))
+            tokens.append(kept.reshape(-1))
+            f = _ce_figures(nc, moves, static_us, s)
+            ce["ce_us"] = max(ce["ce_us"], f["ce_us"])
+            ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
+            ce["static_us"] += f["static_us"] / s.nodes
+            ce["copies"] += f["copies"]
+        if self.placers is not None:
+            self.placers[layer].observe(loads)
+        moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
+        return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce)
+
+    def summary(self) -> dict:
+        if self.placers is None:
+            return {}
+        return {"placement_refreshes": sum(p.refreshes for p in self.placers),
+                "placement_migrated_experts": sum(p.migrated_experts for p in self.placers),
+                "placement_migration_us": sum(p.migration_us for p in self.placers)}
+
+
+class FEPLB(_NodePolicy):
+    name = "feplb"
+    uses_placement = True
+
+    def plan(self, node_counts, cons):
+        return plan_node(node_counts, cons).moves
+
+
+class FEPLBPaper(_NodePolicy):
+    """The paper's greedy: whole experts only, one helper each, no token splitting."""
+
+    name = "feplb-paper"
+
+    def plan(self, node_counts, cons):
+        G, E = node_counts.shape
+        if G <= 1 or cons.dynamic_experts <= 0:
+            return np.zeros((0, 4), dtype=np.int64)
+        cand = dynamic_candidates(node_counts, cons.dynamic_experts).tolist()
+        rows = node_counts.tolist()
+        loads = [sum(r) for r in rows]
+        left = [[(e, rows[r][e]) for e in cand[r] if rows[r][e] > 0] for r in range(G)]
+        copies = cons.copies_per_rank()
+        sent = [0] * G
+        got = [0] * G
+        moves = []
+        while True:
+            r = max(range(G), key=lambda i: (loads[i], -i))
+            order = sorted(range(G), key=lambda i: (loads[i], i))
+            done = True
+            for k, (e, n) in enumerate(left[r]):
+                j = next((i for i in order if i != r and got[i] < copies), None)
+                if j is None or sent[r] >= copies:
+                    break
+                if loads[j] + n < loads[r]:
+                    moves.append((r, e, j, n))
+                    loads[r] -= n
+                    loads[j] += n
+                    sent[r] += 1
+                    got[j] += 1
+                    del left[r][k]
+                    done = False
+                    break
+            if done:
+                break
+        moves.sort()
+        return np.array(moves, dtype=np.int64).reshape(-1, 4)
+
+
+class MILPOracle(_NodePolicy):
+    """Per-node exact optimum (largest rank load) under the same D / helper / CE limits; the
+    pieces assume the optimum's load can be spread as the bound says (token straggler only)."""
+
+    name = "milp"
+
+    def step(self, step, layer, src):
+        from .oracle import optimal_max_load
+
+        s = self.setup
+        G = s.ranks_per_node
+        counts = src.sum(axis=0)[self.slots(layer)]
+        ranks, tokens = [], []
+        lb = 0
+        for n in range(s.nodes):
+            nc = counts[n * G:(n + 1) * G]
+            cons, _ = self.constraints(nc)
+            res = optimal_max_load(nc, cons, s.oracle_time_limit)
+            lb = max(lb, lower_bound(nc, cons.dynamic_experts))
+            # rank loads of an optimal plan: water-fill the node to the optimum's max load
+            loads = nc.sum(axis=1).astype(np.float64)
+            top = math.ceil(res.max_load)
+            excess = np.maximum(loads - top, 0).sum()
+            new = np.minimum(loads, top)
+            room = top - new
+            order = np.argsort(-room, kind="stable")
+            for i in order:
+                take = min(room[i], excess)
+                new[i] += take
+                excess -= take
+            ranks.append(np.arange(n * G, (n + 1) * G, dtype=np.int64))
+            tokens.append(np.rint(new).astype(np.int64))
+        return StepResult(np.concatenate(ranks), np.concatenate(tokens), None, lb)
+
+
+POLICIES = {p.name: p for p in (Vanilla, FasterMoE, EPLB, FEPLBPaper, FEPLB, MILPOracle)}
+
+
+def make_policy(name: str, setup: SimSetup, layers: int):
+    """A fresh policy object by name (see :data:`POLICIES`)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
+    return POLICIES[name](setup, layers)

@@ -1,0 +1,135 @@
+"""Replay a routing trace through the balancing policies and measure stragglers (DESIGN §2).
+
+Per (step, layer) and policy: ``T_r`` tokens each rank computes, token straggler
+``max T - mean T``, ``max/mean``, GEMM straggler from the cost model (:mod:`.cost`), and for the
+intra-node policies the gap to the DESIGN §2 lower bound and Copy-Engine time vs static time.
+
+Averages: every "mean" is over all (step, layer) micro-batches; ``reduction_vs_vanilla`` is
+``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
+for GEMM time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+
+from .cost import rank_gemm_us
+from .policies import SimSetup, make_policy
+from .trace import Trace, fold_sources
+
+__all__ = ["PolicyRun", "SimResult", "simulate"]
+
+
+@dataclass
+class PolicyRun:
+    """Per-micro-batch arrays of one policy. rank_tokens int64 [steps, layers, R];
+    gemm_us float64 [steps, layers, R]; lower_bound float [steps, layers] (nan if none);
+    ce_us, exposed_us, static_us float [steps, layers] (nan if none);
+    moves int64 [M, 6] = (step, layer, expert, home, helper, tokens) or None."""
+
+    name: str
+    rank_tokens: np.ndarray
+    gemm_us: np.ndarray
+    lower_bound: np.ndarray
+    ce_us: np.ndarray
+    exposed_us: np.ndarray
+    static_us: np.ndarray
+    moves: Optional[np.ndarray]
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def token_straggler(self) -> np.ndarray:
+        return self.rank_tokens.max(axis=-1) - self.rank_tokens.mean(axis=-1)
+
+    @property
+    def gemm_straggler(self) -> np.ndarray:
+        return self.gemm_us.max(axis=-1) - self.gemm_us.mean(axis=-1)
+
+    def metrics(self, vanilla: Optional["PolicyRun"]) -> dict:
+        T = self.rank_tokens.astype(np.float64)
+        mean = T.mean(axis=-1)
+        tok = self.token_straggler
+        gem = self.gemm_straggler
+        out = {
+            "token_straggler": float(tok.mean()),
+            "token_straggler_p99": float(np.percentile(tok, 99)),
+            "token_max_over_mean": float((T.max(axis=-1) / np.maximum(mean, 1e-12)).mean()),
+            "gemm_straggler_us": float(gem.mean()),
+            "gemm_max_us": float(self.gemm_us.max(axis=-1).mean()),
+        }
+        if vanilla is not None:
+            vt, vg = vanilla.token_straggler.mean(), vanilla.gemm_straggler.mean()
+            out["reduction_vs_vanilla"] = float(1 - tok.mean() / vt) if vt > 0 else 0.0
+            out["gemm_reduction_vs_vanilla"] = float(1 - gem.mean() / vg) if vg > 0 else 0.0
+        if not np.all(np.isnan(self.lower_bound)):
+            gap = (T.max(axis=-1) - self.lower_bound) / np.maximum(mean, 1e-12)
+            out["lower_bound_gap_pct"] = float(100 * np.nanmean(gap))
+            out["within_1pct_of_bound"] = float(np.nanmean(gap <= 0.01))
+        if not np.all(np.isnan(self.ce_us)):
+            out["ce_us"] = float(np.nanmean(self.ce_us))
+            out["static_us"] = float(np.nanmean(self.static_us))
+            out["ce_exposed_us"] = float(np.nanmean(self.exposed_us))
+            out["ce_hidden_fraction"] = float(np.nanmean(self.exposed_us <= 0))
+        out.update(self.summary)
+        return out
+
+
+@dataclass
+class SimResult:
+    setup: SimSetup
+    runs: dict  # name -> PolicyRun
+
+    def metrics(self) -> dict:
+        vanilla = self.runs.get("vanilla")
+        return {name: run.metrics(vanilla) for name, run in self.runs.items()}
+
+
+def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: bool = False,
+             keep_moves: bool = False) -> SimResult:
+    """Run every policy over every (step, layer) of ``trace``. ``vanilla`` is always included
+    (reductions are relative to it). ``progress`` shows a tqdm bar."""
+    setup.check()
+    if trace.experts != setup.experts:
+        raise ValueError(f"trace has {trace.experts} experts, setup {setup.experts}")
+    names = list(dict.fromkeys(["vanilla", *policies]))
+    src = fold_sources(trace.counts, setup.ranks)  # [S, L, R, E]
+    S, L, R, _ = src.shape
+    objs = {n: make_policy(n, setup, L) for n in names}
+    shape = (S, L, R)
+    data = {n: {"tok": np.zeros(shape, np.int64), "gemm": np.zeros(shape), "lb": np.full((S, L), np.nan),
+                "ce": np.full((S, L), np.nan), "exp": np.full((S, L), np.nan), "st": np.full((S, L), np.nan),
+                "moves": []} for n in names}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=S * L * len(names), desc="simulate", unit="mb", leave=False)
+    for s in range(S):
+        for l in range(L):
+            x = src[s, l]
+            for n in names:
+                res = objs[n].step(s, l, x)
+                d = data[n]
+                d["tok"][s, l] = np.bincount(res.piece_rank, weights=res.piece_tokens, minlength=R).astype(np.int64)
+                d["gemm"][s, l] = rank_gemm_us(res.piece_rank, res.piece_tokens, R, setup.shape, setup.profile)
+                if res.lower_bound is not None:
+                    d["lb"][s, l] = res.lower_bound
+                if res.ce is not None:
+                    d["ce"][s, l] = res.ce["ce_us"]
+                    d["exp"][s, l] = res.ce["exposed_us"]
+                    d["st"][s, l] = res.ce["static_us"]
+                if keep_moves and res.moves is not None and len(res.moves):
+                    m = res.moves
+                    d["moves"].append(np.concatenate([np.full((len(m), 1), s), np.full((len(m), 1), l), m], axis=1))
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    runs = {}
+    for n in names:
+        d = data[n]
+        moves = np.concatenate(d["moves"]).astype(np.int64) if d["moves"] else np.zeros((0, 6), np.int64)
+        runs[n] = PolicyRun(n, d["tok"], d["gemm"], d["lb"], d["ce"], d["exp"], d["st"],
+                            moves if keep_moves else None, objs[n].summary())
+    return SimResult(setup, runs)
