@@ -84,7 +84,7 @@ class DomainRuntime:
 
 
 def get_runtime(ep_group, config: FEPLBConfig) -> DomainRuntime:
-    key = tuple(dist.get_process_group_ranks(ep_group))
+    key = (tuple(dist.get_process_group_ranks(ep_group)), domain_size(config, dist.get_world_size(ep_group)))
     with _LOCK:
         runtime = _RUNTIMES.get(key)
         if runtime is None or runtime.closed:

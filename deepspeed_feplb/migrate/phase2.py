@@ -124,14 +124,12 @@ class Phase2Step:
         results = {helper: self.transport.recv(helper, tag(self.seq, FWD_RESULTS)) for helper in outgoing}
         for future in sends:
             future.result()
-        pieces = [[piece.y.detach()] for piece in self.kept]
+        blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.kept)]
         for helper, chunks in outgoing.items():
-            for (i, _, _), y in zip(chunks, results[helper]):
-                pieces[i].append(y)
-        out = [torch.cat(p) if len(p) > 1 else p[0] for p in pieces]
-        if not out:
+            blocks += [(int(starts[i] + offset), y) for (i, offset, _), y in zip(chunks, results[helper])]
+        if not blocks:
             return dyn_x.new_zeros((0, dyn_x.shape[1]))
-        return torch.cat(out)
+        return torch.cat([y for _, y in sorted(blocks, key=lambda block: block[0])])
 
     def _compute(self, module, params, buffers, x) -> _Piece:
         x = x.detach().requires_grad_(self.needs_grad)

@@ -40,17 +40,17 @@ class PeerTimeoutError(RuntimeError):
 
 
 def open_segment(name: str, size: int = 0, create: bool = False) -> shared_memory.SharedMemory:
-    """Create or attach a POSIX shared-memory segment that this process alone is responsible for.
+    """Create or attach a POSIX shared-memory segment whose lifetime FEPLB manages itself.
 
-    Python's resource tracker would unlink attached segments when *any* attaching process
-    exits; ownership here is explicit (the creator unlinks), so attachments are untracked.
+    Python's resource tracker would unlink a segment when *any* attaching process exits (and
+    ranks spawned by one parent share a tracker), so segments are untracked; the creator
+    unlinks with `unlink_quietly`, and `cleanup` removes what a SIGKILL left behind.
     """
     shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-    if not create:
-        try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        except Exception:
-            pass
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    except Exception:
+        pass
     return shm
 
 
@@ -58,7 +58,7 @@ def unlink_quietly(shm: shared_memory.SharedMemory | None) -> None:
     if shm is None:
         return
     try:
-        shm.unlink()
+        os.unlink(os.path.join("/dev/shm", shm.name))
     except FileNotFoundError:
         pass
 

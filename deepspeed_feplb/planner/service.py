@@ -208,8 +208,12 @@ class SchedulerClient:
         self.fallbacks = 0
         if create and mode == "process":
             self._start_process()
+            # once, at start-up: a cold Python takes a while to import numpy
+            wait_until(lambda: self.mailbox.header[_PID] == self.process.pid or self.process.poll() is not None,
+                       peer_timeout_s, "the feplb-sched process to start")
 
     def _start_process(self) -> None:
+        self.mailbox.header[_PID] = 0
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepspeed_feplb.planner.service", "--mailbox", self.mailbox.name, "--ranks",
              str(self.ranks), "--parent", str(os.getpid())],

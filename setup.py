@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="deepspeed_feplb",
+    version="0.1.0",
+    description="FEPLB for DeepSpeed: per-micro-batch MoE load balancing through the GPU Copy Engine",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["deepspeed_feplb", "deepspeed_feplb.*"]),
+    package_data={"deepspeed_feplb": ["sim/data/*.npz"]},
+    python_requires=">=3.9",
+    # torch is not pinned here: install torch (CPU or CUDA build) first, see README.
+    install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.0", "numpy>=1.24"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7"],
+        "gpu": ["cupy-cuda12x>=13"],
+        "plot": ["matplotlib>=3.7", "tqdm>=4.60"],
+    },
+    entry_points={"console_scripts": ["feplb=deepspeed_feplb.__main__:main"]},
+)
