@@ -5,10 +5,11 @@ helpers (which import DeepSpeed) load on first use.
 """
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 
-__all__ = ["FEPLBConfig", "FEPLBConfigError", "load_config", "MoE", "convert", "initialize"]
+__all__ = ["FEPLBConfig", "FEPLBConfigError", "load_config", "MoE", "convert", "initialize", "shutdown"]
 __version__ = "0.1.0"
 
-_LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.engine", "initialize": "deepspeed_feplb.engine"}
+_LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.engine", "initialize": "deepspeed_feplb.engine",
+         "shutdown": "deepspeed_feplb.runtime"}
 
 
 def __getattr__(name):
