@@ -115,17 +115,18 @@ def test_reaches_lower_bound_without_limits(inst):
         assert plan.rank_tokens.max() == lower_bound(counts, cons.dynamic_experts)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(instances())
-def test_alignment_costs_less_than_one_chunk(inst):
-    """With enough helpers, chunk alignment costs at most chunk_align - 1 tokens of straggler."""
+def test_alignment_costs_about_one_chunk(inst):
+    """With enough helpers, chunk alignment costs at most about one chunk of straggler (rounding
+    two chunks down can leave a donor up to 2 * (chunk_align - 1) above the bound)."""
     counts, cons = inst
     G = counts.shape[0]
     cons = PlanConstraints(cons.dynamic_experts, max(1, G - 1), cons.chunk_align)
     plan = plan_node(counts, cons)
     check_plan(counts, cons, plan)
     if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
-        assert plan.rank_tokens.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
+        assert plan.rank_tokens.max() <= lower_bound(counts, cons.dynamic_experts) + 2 * (cons.chunk_align - 1)
 
 
 def test_dynamic_candidates_ties_and_shapes():

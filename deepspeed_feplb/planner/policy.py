@@ -98,14 +98,17 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
-def _fill(level, slack, loads, tops, G, H, align, copies):
+def _fill(level, slack, loads, tops, rows, D, G, H, align, copies):
     """One water-filling pass toward ``level``: ranks above ``level`` ("donors", largest excess
     first) push their excess, hottest candidate first, to ranks at or below it ("receivers"),
     which may end at most ``slack`` tokens above ``level``. Each chunk goes to the receiver with
-    the least spare room that takes it whole (best fit), else to the roomiest one.
+    the least spare room that takes it whole (best fit), else to the roomiest one. When an
+    expert's last allowed chunk fits no receiver, one receiver first makes room by pushing its own
+    dynamic experts to the others (a chain of two moves beats a helper limit).
 
-    loads:  list [G] of per-rank tokens.
-    tops:   {rank: [(local_expert, tokens), ...] hottest first} for every rank above ``level``.
+    loads:  list [G] of per-rank tokens; rows: list [G] of lists [E_local] (the counts).
+    tops:   {rank: [(local_expert, tokens), ...] hottest first} for every rank above ``level``
+            (filled in lazily for receivers that make room).
     copies: weight copies one rank may send, and one may receive.
     Returns (groups, final): groups = [(home, expert, [(helper, tokens), ...])] in the order
     the rows are taken, and final = list [G] of per-rank tokens after the moves. Pure Python
@@ -113,53 +116,98 @@ def _fill(level, slack, loads, tops, G, H, align, copies):
     room = sorted((level + slack - x, j) for j, x in enumerate(loads) if x <= level and level + slack > x)
     final = list(loads)
     recv = [copies] * G
-    donors = sorted((r for r in range(G) if loads[r] > level), key=lambda r: (level - loads[r], r))
+    send = [copies] * G
     groups = []
-    for r in donors:
-        need = loads[r] - level
-        send = copies
-        for e, left in tops[r]:
-            if need <= 0 or send <= 0 or left <= 0 or not room:
-                break  # candidates are sorted hottest first
-            chunks = []
-            used = ()
-            while need > 0 and left > 0 and len(chunks) < H and send > 0 and room:
-                want = need if need < left else left
-                k = bisect_left(room, (want, -1))
-                n_room = len(room)
-                while k < n_room and room[k][1] in used:
-                    k += 1
-                if k == n_room:  # nobody takes it whole: the roomiest receiver
-                    k = n_room - 1
+    made_room = set()
+
+    def push(r, e, left, need, banned, may_chain):
+        """Move up to ``need`` of the ``left`` rows of (r, e) in at most H chunks; returns the
+        tokens moved."""
+        chunks = []
+        used = banned
+        moved = 0
+        while need > 0 and left > 0 and len(chunks) < H and send[r] > 0 and room:
+            want = need if need < left else left
+            k = bisect_left(room, (want, -1))
+            n_room = len(room)
+            while k < n_room and room[k][1] in used:
+                k += 1
+            if k == n_room:  # nobody takes it whole
+                k = -1
+                if may_chain and (len(chunks) == H - 1 or send[r] == 1):
+                    k = make_room(want, used + (r,))
+                if k < 0:  # the roomiest receiver
+                    k = len(room) - 1
                     while k >= 0 and room[k][1] in used:
                         k -= 1
                     if k < 0:
                         break
-                c, j = room[k]
-                amt = want if want < c else c
-                if amt < left and align > 1 and amt % align:
-                    up = amt - amt % align + align
-                    if up < left and up <= c:
-                        amt = up
-                    elif up >= left and left <= c:
-                        amt = left  # the chunk that ends the expert's rows may be unaligned
-                    else:
-                        amt = up - align
-                        if amt <= 0:
-                            break
-                del room[k]
-                if c > amt and recv[j] > 1:
-                    insort(room, (c - amt, j))
-                recv[j] -= 1
-                chunks.append((j, amt))
-                used += (j,)
-                left -= amt
-                need -= amt
-                final[j] += amt
-                send -= 1
-            if chunks:
-                final[r] -= sum(a for _, a in chunks)
-                groups.append((r, e, chunks))
+            c, j = room[k]
+            amt = want if want < c else c
+            if amt < left and align > 1 and amt % align:
+                up = amt - amt % align + align
+                gap = final[r] - final[j]  # a chunk must leave the receiver below the donor
+                if up < left and up <= c and up < gap:
+                    amt = up
+                elif up >= left and left <= c and left < gap:
+                    amt = left  # the chunk that ends the expert's rows may be unaligned
+                else:
+                    amt = up - align
+                    if amt <= 0:
+                        break
+            del room[k]
+            if c > amt and recv[j] > 1:
+                insort(room, (c - amt, j))
+            recv[j] -= 1
+            chunks.append((j, amt))
+            used += (j,)
+            left -= amt
+            need -= amt
+            moved += amt
+            final[j] += amt
+            send[r] -= 1
+        if chunks:
+            final[r] -= moved
+            groups.append((r, e, chunks))
+        return moved
+
+    def make_room(want, banned):
+        """Let the receiver with the most room plus movable dynamic load push its own dynamic
+        experts elsewhere until it can take ``want``; returns its index in ``room`` or -1."""
+        best = None
+        for k, (c, j) in enumerate(room):
+            if j in banned or j in made_room or send[j] <= 0:
+                continue
+            if j not in tops:
+                row = rows[j]
+                tops[j] = [(e, row[e]) for e in sorted(range(len(row)), key=row.__getitem__, reverse=True)[:D]]
+            free = c + sum(n for _, n in tops[j])
+            if best is None or free > best[0]:
+                best = (free, k, c, j)
+        if best is None or best[0] < want:
+            return -1
+        _, k, c, j = best
+        made_room.add(j)
+        del room[k]
+        extra = want - c
+        for e, n in tops[j]:
+            if extra <= 0 or n <= 0:
+                break
+            extra -= push(j, e, n, extra, banned, False)
+        c = level + slack - final[j]
+        if c <= 0 or recv[j] <= 0:
+            return -1
+        insort(room, (c, j))
+        return bisect_left(room, (c, j))
+
+    donors = sorted((r for r in range(G) if loads[r] > level), key=lambda r: (level - loads[r], r))
+    for r in donors:
+        made_room.add(r)
+        for e, left in tops[r]:
+            need = final[r] - level
+            if need <= 0 or send[r] <= 0 or left <= 0 or not room:
+                break  # candidates are sorted hottest first
+            push(r, e, left, need, (), True)
     return groups, final
 
 
@@ -210,7 +258,7 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
     copies = G * D * H if math.isinf(copies) else int(copies)
     slack = align - 1
 
-    groups, final = _fill(level, slack, loads, tops, G, H, align, copies)
+    groups, final = _fill(level, slack, loads, dict(tops), rows, D, G, H, align, copies)
     best_max = max(final)
     if best_max > level + align - 1:
         # The helper or Copy-Engine limits bind: bisect the level between the lower bound and the
@@ -218,7 +266,7 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
         lo, hi = level + 1, best_max - 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            g, f = _fill(mid, slack, loads, tops, G, H, align, copies)
+            g, f = _fill(mid, slack, loads, dict(tops), rows, D, G, H, align, copies)
             fmax = max(f)
             if fmax < best_max:
                 groups, final, best_max = g, f, fmax
@@ -226,7 +274,7 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
                 hi = mid - 1
             else:
                 lo = mid + 1
-    if not groups:
+    if not groups or best_max >= max(loads):
         return Plan(np.zeros((0, 4), dtype=np.int64), np.array(loads, dtype=np.int64))
     groups.sort(key=_group_key)
     flat = []

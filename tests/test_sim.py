@@ -1,0 +1,217 @@
+"""Tests of the simulator: traces, importers, peer policies, EPLB golden vector, MILP oracle,
+metrics against an independent computation, and the CLI contract (DESIGN §4)."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from deepspeed_feplb.planner.placement import (CrossNodePlacer, node_loads, place_experts,
+                                               rebalance_experts)
+from deepspeed_feplb.planner.policy import PlanConstraints, lower_bound, plan_node
+from deepspeed_feplb.sim.cost import ExpertShape, GemmProfile, gemm_us
+from deepspeed_feplb.sim.generators import GENERATORS, no_aux_trace
+from deepspeed_feplb.sim.importers import read_megatron_router_trace
+from deepspeed_feplb.sim.policies import FasterMoE, SimSetup
+from deepspeed_feplb.sim.simulate import simulate
+from deepspeed_feplb.sim.trace import Trace, fold_sources, load_trace, save_trace
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def test_eplb_readme_golden_vector():
+    weight = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                       [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+    phy2log, log2phy, logcnt = rebalance_experts(weight, 16, 4, 2, 8)
+    assert phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                                [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    assert logcnt.sum(axis=1).tolist() == [16, 16]
+    for l in range(2):  # log2phy inverts phy2log
+        for e in range(12):
+            slots = [s for s in log2phy[l, e] if s >= 0]
+            assert len(slots) == logcnt[l, e] and all(phy2log[l, s] == e for s in slots)
+    # per-GPU load max/mean from the README: 1.208 and 1.242
+    for l, want in ((0, 1.208), (1, 1.242)):
+        per_slot = weight[l][phy2log[l]] / logcnt[l][phy2log[l]]
+        gpu = per_slot.reshape(8, 2).sum(axis=1)
+        assert abs(gpu.max() / gpu.mean() - want) < 1e-3
+
+
+def test_trace_roundtrip_and_fold(tmp_path):
+    counts = np.arange(2 * 1 * 4 * 8).reshape(2, 1, 4, 8)
+    t = Trace(counts, top_k=2, hidden=16, ffn_hidden=32, source="unit")
+    save_trace(tmp_path / "t.npz", t)
+    back = load_trace(tmp_path / "t.npz")
+    assert np.array_equal(back.counts, counts) and (back.top_k, back.hidden, back.ffn_hidden, back.source) == (2, 16, 32, "unit")
+    folded = fold_sources(counts, 2)
+    assert np.array_equal(folded[:, :, 0], counts[:, :, 0] + counts[:, :, 1])
+    one = fold_sources(counts[:, :, :1], 3)  # no source info: spread evenly, remainder first
+    assert np.array_equal(one.sum(axis=2), counts[:, :, 0]) and (one.max(2) - one.min(2)).max() <= 1
+    with pytest.raises(ValueError):
+        fold_sources(counts, 3)
+    with pytest.raises(ValueError):
+        Trace(np.zeros((2, 3)))
+
+
+def test_generators_shapes_and_determinism():
+    for kind, gen in GENERATORS.items():
+        a = gen(3, 2, 4, 16, tokens_per_rank=64, top_k=2, seed=5)
+        b = gen(3, 2, 4, 16, tokens_per_rank=64, top_k=2, seed=5)
+        assert a.counts.shape[:2] == (3, 2) and a.counts.shape[3] == 16, kind
+        assert np.array_equal(a.counts, b.counts), kind
+        if kind != "lplb":  # exact pair totals per source
+            assert (a.counts.sum(axis=3) == 64 * 2).all(), kind
+    biased = GENERATORS["biased"](1, 1, 2, 16, tokens_per_rank=50, top_k=4, seed=1)
+    assert (biased.counts <= 50).all()  # top-k picks distinct experts per token
+
+
+def test_megatron_router_trace_import(tmp_path):
+    recs = {0: [], 1: []}
+    rng = np.random.default_rng(0)
+    expect = np.zeros((4, 2, 2, 8), dtype=np.int64)  # 2 steps x 2 micro-batches
+    for step in range(2):
+        for micro in range(2):
+            for layer_no, layer in ((1, 0), (3, 1)):
+                for rank in range(2):
+                    idx = np.stack([rng.choice(8, 2, replace=False) for _ in range(5)])
+                    recs[rank].append({"step": step, "stage": "pre_dispatch", "block": "decoder",
+                                       "layer": layer_no, "rank": rank, "num_tokens": 5, "topk": 2,
+                                       "top_indices": idx.tolist()})
+                    np.add.at(expect[step * 2 + micro, layer, rank], idx.ravel(), 1)
+    recs[0].append({"step": 0, "layer": 1, "rank": 0, "mtp_idx": 0, "topk": 2, "top_indices": [[0, 1]]})
+    for rank, rs in recs.items():
+        with open(tmp_path / f"router_trace_rank{rank}.jsonl", "w") as f:
+            f.write("\n".join(json.dumps(r) for r in rs) + "\n")
+    t = read_megatron_router_trace([tmp_path], num_experts=8)
+    assert t.top_k == 2 and np.array_equal(t.counts, expect)
+    shipped = read_megatron_router_trace([os.path.join(DATA, "megatron_router_trace")], num_experts=8)
+    assert shipped.counts.shape == (2, 2, 2, 8) and shipped.counts.sum() == 2 * 2 * 2 * 6 * 2
+
+
+def test_gemm_cost_model_tiles():
+    shape = ExpertShape(hidden=4, ffn_hidden=8, mats=2)
+    prof = GemmProfile("t", tflops=1e-6, tile_m=4, overhead_us=1.0, ce_gbps=1.0, net_gbps=1.0)
+    # flops_per_row = 2*2*4*8 = 128; at 1 MFLOP/s -> 128 µs per row, whole tiles of 4 rows
+    assert gemm_us(np.array([0, 1, 4, 5]), shape, prof).tolist() == [0.0, 513.0, 513.0, 1025.0]
+
+
+def _independent_vanilla(counts, ranks):
+    """Straight from DESIGN §2/§4: contiguous homes, T_r, max - mean."""
+    S, L, _, E = counts.shape
+    out = np.zeros((S, L))
+    for s in range(S):
+        for l in range(L):
+            per_expert = counts[s, l].sum(axis=0)
+            T = [sum(per_expert[e] for e in range(E) if e // (E // ranks) == r) for r in range(ranks)]
+            out[s, l] = max(T) - sum(T) / ranks
+    return out
+
+
+def test_simulator_reproduces_vanilla_and_balances():
+    trace = no_aux_trace(6, 2, ranks=8, experts=32, tokens_per_rank=512, seed=2)
+    setup = SimSetup(4, 2, 32, dynamic_experts=2, chunk_align=1)
+    res = simulate(trace, setup, ["fastermoe", "eplb", "feplb-paper", "feplb"], keep_moves=True)
+    van = res.runs["vanilla"]
+    assert np.allclose(van.token_straggler, _independent_vanilla(trace.counts, 8))
+    m = res.metrics()
+    assert m["vanilla"]["token_straggler"] == pytest.approx(_independent_vanilla(trace.counts, 8).mean())
+    for name, run in res.runs.items():  # every policy conserves tokens
+        assert np.array_equal(run.rank_tokens.sum(axis=-1), trace.counts.sum(axis=(2, 3))), name
+    assert m["feplb"]["token_straggler"] < m["feplb-paper"]["token_straggler"] < m["vanilla"]["token_straggler"]
+    # feplb's dumped moves replay into its rank tokens, node by node through plan_node
+    feplb = res.runs["feplb"]
+    moves = feplb.moves
+    for s in range(trace.steps):
+        for l in range(trace.layers):
+            loads = trace.counts[s, l].sum(axis=0)
+            T = np.bincount(np.arange(32) // 4, weights=loads, minlength=8)
+            mv = moves[(moves[:, 0] == s) & (moves[:, 1] == l)]
+            np.subtract.at(T, mv[:, 3], mv[:, 5])
+            np.add.at(T, mv[:, 4], mv[:, 5])
+            assert np.array_equal(T, feplb.rank_tokens[s, l])
+            assert ((mv[:, 3] // 4) == (mv[:, 4] // 4)).all()  # moves stay inside a node
+            assert ((mv[:, 2] // 4) == mv[:, 3]).all()  # contiguous placement at the start
+
+
+def test_fastermoe_shadow_rule():
+    setup = SimSetup(2, 1, 4, shape=ExpertShape(hidden=2, ffn_hidden=2, mats=2, dtype_bytes=1),
+                     profile=GemmProfile("t", 1e-12, 1, 0.0, 1e-9, 1e-9))
+    f = FasterMoE(setup, 1)
+    # comp = 16 s per row, feature = 2 s, model broadcast = 8 s: per-token cost 3*16 + 4*2 = 56 s.
+    # FasterMoE shadows the k-th hottest while 56 * B_{k+1} + 8 * (k + 1) keeps decreasing.
+    assert f.shadow_mask(np.array([200, 100, 100, 99])).tolist() == [True, False, False, False]
+    assert f.shadow_mask(np.array([200, 100, 90, 0])).tolist() == [True, True, True, False]
+    res = f.step(0, 0, np.array([[150, 50, 50, 49], [50, 50, 50, 50]]))
+    T = np.bincount(res.piece_rank, weights=res.piece_tokens, minlength=2)
+    assert T.tolist() == [150 + 100, 50 + 100 + 99]  # expert 0 computed at its sources
+    assert res.extra["shadowed_experts"] == 1 and res.extra["broadcast_us"] == pytest.approx(8e6)
+
+
+def test_cross_node_placement_balances_nodes():
+    rng = np.random.default_rng(0)
+    hist = rng.zipf(1.5, 64).astype(float)
+    e2r = place_experts(hist, 4, 2)
+    assert np.bincount(e2r, minlength=8).tolist() == [8] * 8
+    nodes = node_loads(hist, e2r, 4, 2)
+    contiguous = node_loads(hist, np.arange(64) // 8, 4, 2)
+    assert nodes.max() <= contiguous.max() and nodes.max() - nodes.mean() <= hist.max()
+    again = place_experts(hist, 4, 2, previous=e2r)  # stable: nothing moves without a reason
+    assert np.array_equal(again, e2r)
+    p = CrossNodePlacer(64, 4, 2, interval=2, expert_state_bytes=1.0, us_per_token=1.0)
+    p.observe(hist)
+    p.observe(hist)
+    assert p.refreshes == 1 and node_loads(hist, p.expert_to_rank, 4, 2).max() == pytest.approx(nodes.max())
+    costly = CrossNodePlacer(64, 4, 2, interval=1, expert_state_bytes=1e18, us_per_token=1.0)
+    costly.observe(hist)
+    assert costly.refreshes == 0  # the move would not pay for itself
+
+
+def test_greedy_close_to_milp_oracle():
+    pytest.importorskip("highspy")
+    from deepspeed_feplb.sim.oracle import optimal_max_load
+
+    rng = np.random.default_rng(7)
+    gaps = {True: [], False: []}
+    for i in range(12):
+        G, E = (4, 4) if i % 2 else (6, 4)
+        counts = rng.multinomial(G * E * 100, rng.dirichlet(np.full(G * E, 0.4))).reshape(G, E)
+        free = i % 3 != 0
+        cons = PlanConstraints(dynamic_experts=2, max_helpers=2,
+                               ce_budget_bytes=math.inf if free else 2.5, expert_bytes=1)
+        opt = optimal_max_load(counts, cons, time_limit=5)
+        assert opt.optimal
+        plan = plan_node(counts, cons)
+        assert plan.rank_tokens.max() >= opt.max_load - 1e-6  # the oracle is a true optimum
+        assert opt.max_load >= lower_bound(counts, 2) - 1e-6
+        gaps[free].append((plan.rank_tokens.max() - opt.max_load) / counts.sum(axis=1).mean())
+    # measured: without a CE budget the greedy is optimal on most instances; with a budget of two
+    # weight copies per rank it is within a few percent of the mean load on average
+    assert np.mean(gaps[True]) <= 0.01 and max(gaps[True]) <= 0.1
+    assert np.mean(gaps[False]) <= 0.06
+
+
+def test_cli_simulate_contract(tmp_path):
+    from deepspeed_feplb.__main__ import main
+
+    trace = no_aux_trace(4, 1, ranks=8, experts=16, tokens_per_rank=256, seed=1)
+    save_trace(tmp_path / "t.npz", trace)
+    out, plans, png = tmp_path / "o.json", tmp_path / "p.npz", tmp_path / "o.png"
+    rc = main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--nodes", "2",
+               "--dynamic-experts", "1", "--policies", "vanilla,fastermoe,eplb,feplb", "--json", str(out),
+               "--dump-plans", str(plans), "--plot", str(png), "--no-progress", "--sweep-d", "0,1"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    for name in ("vanilla", "fastermoe", "eplb", "feplb"):
+        for key in ("token_straggler", "token_max_over_mean", "gemm_straggler_us", "reduction_vs_vanilla"):
+            assert isinstance(doc["policies"][name][key], float)
+    assert doc["policies"]["vanilla"]["token_straggler"] == pytest.approx(
+        _independent_vanilla(trace.counts, 8).mean())
+    with np.load(plans) as z:
+        assert z["moves"].dtype == np.int64 and z["moves"].shape[1] == 6
+        assert z["rank_tokens"].shape == (4, 1, 8)
+        assert np.array_equal(z["rank_tokens"].sum(-1), trace.counts.sum(axis=(2, 3)))
+    assert png.stat().st_size > 10_000
+    rc = main(["trace", "--kind", "zipf", "--steps", "2", "--layers", "1", "--ranks", "2", "--experts", "8",
+               "--tokens-per-rank", "16", "--top-k", "2", "--out", str(tmp_path / "z.npz")])
+    assert rc == 0 and load_trace(tmp_path / "z.npz").counts.shape == (2, 1, 2, 8)
