@@ -98,13 +98,13 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
-def _fill(level, slack, loads, tops, rows, D, G, H, align, copies):
+def _fill(level, slack, loads, tops, rows, D, G, H, align, copies, chain):
     """One water-filling pass toward ``level``: ranks above ``level`` ("donors", largest excess
     first) push their excess, hottest candidate first, to ranks at or below it ("receivers"),
     which may end at most ``slack`` tokens above ``level``. Each chunk goes to the receiver with
-    the least spare room that takes it whole (best fit), else to the roomiest one. When an
-    expert's last allowed chunk fits no receiver, one receiver first makes room by pushing its own
-    dynamic experts to the others (a chain of two moves beats a helper limit).
+    the least spare room that takes it whole (best fit), else to the roomiest one. With ``chain``,
+    when an expert's last allowed chunk fits no receiver, one receiver first makes room by pushing
+    its own dynamic experts to the others (a chain of two moves beats a helper limit).
 
     loads:  list [G] of per-rank tokens; rows: list [G] of lists [E_local] (the counts).
     tops:   {rank: [(local_expert, tokens), ...] hottest first} for every rank above ``level``
@@ -207,7 +207,7 @@ def _fill(level, slack, loads, tops, rows, D, G, H, align, copies):
             need = final[r] - level
             if need <= 0 or send[r] <= 0 or left <= 0 or not room:
                 break  # candidates are sorted hottest first
-            push(r, e, left, need, (), True)
+            push(r, e, left, need, (), chain)
     return groups, final
 
 
@@ -258,19 +258,20 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
     copies = G * D * H if math.isinf(copies) else int(copies)
     slack = align - 1
 
-    groups, final = _fill(level, slack, loads, dict(tops), rows, D, G, H, align, copies)
+    groups, final = _fill(level, slack, loads, dict(tops), rows, D, G, H, align, copies, False)
     best_max = max(final)
-    if best_max > level + align - 1:
-        # The helper or Copy-Engine limits bind: bisect the level between the lower bound and the
-        # best result so far, keeping the plan with the smallest maximum (fewest moves on ties).
-        lo, hi = level + 1, best_max - 1
+    if best_max > level + slack:
+        # The helper or Copy-Engine limits bind: let receivers make room by chaining moves, and
+        # bisect the level between the lower bound and the best result so far, keeping the plan
+        # with the smallest maximum.
+        lo, hi = level, best_max - 1
         while lo <= hi:
-            mid = (lo + hi) // 2
-            g, f = _fill(mid, slack, loads, dict(tops), rows, D, G, H, align, copies)
+            mid = (lo + hi) // 2 if lo > level else level
+            g, f = _fill(mid, slack, loads, dict(tops), rows, D, G, H, align, copies, True)
             fmax = max(f)
             if fmax < best_max:
                 groups, final, best_max = g, f, fmax
-            if fmax <= mid + align - 1:
+            if fmax <= mid + slack:
                 hi = mid - 1
             else:
                 lo = mid + 1
