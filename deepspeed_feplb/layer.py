@@ -124,7 +124,7 @@ class FEPLBMOELayer(MOELayer):
         for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
             outs[e] = y
         if config.stats.enabled:
-            self.feplb_stats = layer_stats(node_counts, moves, plan_seconds, fallback, domain.ranks)
+            self.feplb_stats = {**layer_stats(node_counts, moves, plan_seconds, fallback, domain.ranks), "node_counts": node_counts}
             self.feplb_stats["seq"] = seq
         return torch.cat(outs)
 
