@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import inspect
+import json
+import threading
 
 import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -29,14 +31,104 @@ def initialize(*args, **kwargs):
     """`deepspeed.initialize` with FEPLB: same arguments, same return.
 
     Reads and validates the ``"feplb"`` section of the ds_config (`FEPLBConfigError` names a bad
-    key), converts the model's MoE layers and hands everything to DeepSpeed.
+    key), converts the model's MoE layers and hands everything to DeepSpeed. For a
+    `PipelineModule` it first creates the expert-parallel groups on every rank (DESIGN §6: lazy
+    creation on MoE stages only makes a later ``new_group`` hang), refuses bf16 when some stage
+    has no MoE layer (that configuration hangs in DeepSpeed's optimizer, upstream #6714) and
+    builds a `deepspeed_feplb.pipeline.FEPLBPipelineEngine`. With ``feplb.stats.enabled`` every
+    engine gets ``engine.feplb_stats`` (a `deepspeed_feplb.monitor.StatsCollector`): per-layer
+    statistics of each step, written to DeepSpeed's monitor when one is configured.
     """
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     given = bound.arguments
     ds_config = given.get("config") or given.get("config_params")
     if ds_config is None and getattr(given.get("args"), "deepspeed_config", None):
         ds_config = given["args"].deepspeed_config
-    if given.get("model") is None:
+    model = given.get("model")
+    if model is None:
         raise TypeError("deepspeed_feplb.initialize: a model is required (as for deepspeed.initialize)")
-    convert(given["model"], load_config(ds_config) if ds_config is not None else FEPLBConfig())
-    return deepspeed.initialize(*bound.args, **bound.kwargs)
+    config = load_config(ds_config) if ds_config is not None else FEPLBConfig()
+    convert(model, config)
+
+    from deepspeed.runtime.pipe.module import PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
+        from deepspeed_feplb.pipeline import FEPLBPipelineEngine
+        _prepare_pipeline(model, _as_dict(ds_config))
+        with _ENGINE_LOCK:
+            saved = deepspeed.PipelineEngine
+            deepspeed.PipelineEngine = FEPLBPipelineEngine  # `deepspeed.initialize` looks it up at call time
+            try:
+                result = deepspeed.initialize(*bound.args, **bound.kwargs)
+            finally:
+                deepspeed.PipelineEngine = saved
+        if not config.stats.enabled:
+            result[0].feplb_stats.remove()
+        return result
+    result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    if config.stats.enabled:
+        _attach_stats(result[0], config)
+    return result
+
+
+_ENGINE_LOCK = threading.Lock()
+
+
+def _as_dict(ds_config) -> dict:
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, dict):
+        return ds_config
+    with open(ds_config) as f:
+        return json.load(f)
+
+
+def _prepare_pipeline(model, ds_config: dict) -> None:
+    """Collective over the world: eager EP/EDP groups for every MoE size of any stage; the bf16 check."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, DeepSpeedMoE)})
+    existing = set(groups._get_expert_parallel_group_dict())  # noqa: SLF001
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sizes, sorted(existing)))
+    all_sizes = sorted({s for stage_sizes, _ in everyone for s in stage_sizes})
+    for size in all_sizes:
+        name = f"ep_size_{size}"
+        have = [name in names for _, names in everyone]
+        if all(have):
+            continue
+        if any(have):
+            raise RuntimeError(f"deepspeed_feplb.initialize: expert-parallel group {name} exists on ranks "
+                               f"{[r for r, h in enumerate(have) if h]} only; create MoE process groups on all ranks "
+                               "or on none before initialize")
+        groups._create_expert_and_data_parallel(size, pp_size=model.num_stages)  # noqa: SLF001
+    if all_sizes and _bf16(ds_config) and not all(stage_sizes for stage_sizes, _ in everyone):
+        without = [r for r, (stage_sizes, _) in enumerate(everyone) if not stage_sizes]
+        raise ValueError("deepspeed_feplb.initialize: bf16 with pipeline parallelism and MoE layers on only some "
+                         f"stages hangs in DeepSpeed's BF16 optimizer (deepspeedai/DeepSpeed#6714; ranks {without} "
+                         "hold no MoE layer). Put an MoE layer on every stage, or train in fp32.")
+
+
+def _bf16(ds_config: dict) -> bool:
+    section = ds_config.get("bf16", ds_config.get("bfloat16", {}))
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def _attach_stats(engine, config: FEPLBConfig) -> None:
+    """Collect per-step FEPLB stats on a `DeepSpeedEngine`; flush them at each accumulation boundary."""
+    from deepspeed_feplb.monitor import StatsCollector
+
+    collector = engine.feplb_stats = StatsCollector(engine.module)
+    if not collector.layers:
+        return
+    step = engine.step
+
+    def feplb_step(*args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        result = step(*args, **kwargs)
+        if boundary:
+            collector.flush(engine.global_steps, engine.monitor if config.stats.monitor else None)
+        return result
+
+    engine.step = feplb_step

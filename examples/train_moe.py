@@ -45,7 +45,7 @@ class ByteMoELM(torch.nn.Module):
         expert = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
                                      torch.nn.Linear(4 * hidden, hidden))
         self.moe = deepspeed_feplb.MoE(hidden, expert, num_experts=experts, ep_size=ep_size, k=k, min_capacity=0,
-                                       drop_tokens=False, use_rts=False)
+                                       drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
         self.head = torch.nn.Linear(hidden, 256)
 
     def forward(self, context_bytes: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def batches(data: np.ndarray, batch: int, context: int, seed: int):
         yield torch.from_numpy(window[:, :-1]), torch.from_numpy(window[:, -1])
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=64)
@@ -72,18 +72,37 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8)
     parser.add_argument("--batch", type=int, default=512, help="tokens per rank and step")
     parser.add_argument("--local_rank", type=int, default=-1)
-    parser = deepspeed.add_config_arguments(parser)
-    args = parser.parse_args()
+    return deepspeed.add_config_arguments(parser)
 
+
+def skip_shm_op() -> None:
+    """DeepSpeed's CPU shm comm op leaves 66 MiB files in /dev/shm per rank; gloo alone is enough here."""
     if not torch.cuda.is_available():
-        # DeepSpeed's CPU shm comm op leaves 66 MiB files in /dev/shm per rank; gloo alone is enough here
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed()
+
+
+def step_record(step: int, loss: float, stats: dict, summary: dict | None) -> dict:
+    """One JSON line: loss, the layer's own stats (domain of rank 0) and the monitor summary of the step."""
+    record = {"step": step, "loss": round(loss, 6), **{key: stats.get(key) for key in (
+        "tokens_before", "tokens_after", "token_straggler_before", "token_straggler_after",
+        "migrated_tokens", "plan_latency_us", "fallback")}}
+    if summary is not None:
+        record.update({key: summary[key] for key in ("gemm_straggler_ms", "migrated_bytes") if key in summary})
+        record["layers"] = summary["layers"]
+    return record
+
+
+def train(args, ds_config=None, log=print) -> list[dict]:
+    """Train ``args.steps`` steps on this rank; returns (and logs, on rank 0) one record per step.
+
+    ``ds_config``: a dict or path; default ``args.deepspeed_config``. Needs an initialised
+    process group (the EP size is the world size).
+    """
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(0)
     model = ByteMoELM(args.hidden, args.experts, ep_size=world, k=args.top_k, context=args.context)
-    engine, _, _, _ = deepspeed_feplb.initialize(args=args, model=model, model_parameters=model.parameters())
-
+    engine, _, _, _ = deepspeed_feplb.initialize(args=args if ds_config is None else None, model=model,
+                                                 model_parameters=model.parameters(), config=ds_config)
     data = stdlib_bytes()
     loss_fn = torch.nn.CrossEntropyLoss()
     history = []
@@ -91,14 +110,22 @@ def main() -> None:
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()
-        stats = engine.module.moe.feplb_stats
-        if rank == 0:
-            record = {"step": step, "loss": round(loss.item(), 4), **{key: stats.get(key) for key in (
-                "tokens_before", "tokens_after", "token_straggler_before", "token_straggler_after",
-                "migrated_tokens", "plan_latency_us", "fallback")}}
-            print(json.dumps(record), flush=True)
-            history.append(record)
-    if rank == 0 and history:
+        collector = getattr(engine, "feplb_stats", None)
+        record = step_record(step, loss.item(), engine.module.moe.feplb_stats,
+                             collector.last if collector is not None else None)
+        history.append(record)
+        if rank == 0 and log is not None:
+            log(json.dumps(record))
+    return history
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    skip_shm_op()
+    deepspeed.init_distributed()
+    rank = torch.distributed.get_rank()
+    history = train(args, log=lambda line: print(line, flush=True))
+    if rank == 0 and history and history[0]["tokens_before"] is not None:
         summarize(history)
     torch.distributed.barrier()
     deepspeed_feplb.shutdown()
@@ -116,6 +143,10 @@ def summarize(history: list[dict]) -> None:
     print(f"  tokens per rank before: {before.mean(0).round(1).tolist()}   after: {after.mean(0).round(1).tolist()}")
     print(f"  token straggler (max-mean): {s_before:.1f} -> {s_after:.1f}   max/mean: {ratio_before:.3f} -> "
           f"{ratio_after:.3f}   reduction: {100 * (1 - s_after / max(s_before, 1e-9)):.1f}%")
+    gemm = [h["gemm_straggler_ms"] for h in history if h.get("gemm_straggler_ms") is not None]
+    if gemm:
+        print(f"  measured GEMM straggler (expert-compute wall time, max-mean over the domain): "
+              f"median {np.median(gemm):.2f} ms per step")
     print(f"  final loss: {history[-1]['loss']}   OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
 
