@@ -2,20 +2,51 @@
 
 Spawned processes (never fork: torch and gloo hold threads), a file store and a free port,
 ``OMP_NUM_THREADS=1``, DeepSpeed's shm comm op build skipped, and a deadline: a hang becomes a
-`TimeoutError`, a failing rank becomes an `AssertionError` carrying that rank's traceback.
+`TimeoutError` (carrying the Python stacks of the ranks that hung), a failing rank becomes a
+`RankFailed` (an `AssertionError`) carrying that rank's traceback.
+
+Teardown is clean on every path: ranks that finished call ``deepspeed_feplb.shutdown()``,
+``barrier`` and ``destroy_process_group``; ranks that hang or are left blocked by a failing peer
+are killed, and the FEPLB shared-memory segments they had mapped (``/dev/shm/feplb-*``, found in
+their ``/proc/<pid>/maps`` before the kill) are removed. Only this run's segments are touched, so
+concurrent jobs on the same machine are safe.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
+import signal
 import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
+
+__all__ = ["free_port", "run_distributed", "RankFailed", "RankSkipped"]
+
+_SHM_PREFIX = "/dev/shm/feplb-"
+
+
+class RankFailed(AssertionError):
+    """A rank raised. ``rank``, ``summary`` (last line of its traceback: type and message) and
+    ``details`` (the full formatted traceback) describe the first rank that reported a failure."""
+
+    def __init__(self, rank: int, world_size: int, summary: str, details: str):
+        super().__init__(f"rank {rank} failed:\n{details}")
+        self.rank, self.world_size, self.summary, self.details = rank, world_size, summary, details
+
+
+class RankSkipped(Exception):
+    """A rank called ``pytest.skip`` (or raised unittest's SkipTest); ``reason`` is its message."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(f"rank {rank} skipped: {reason}")
+        self.rank, self.reason = rank, reason
 
 
 def free_port() -> int:
@@ -24,10 +55,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, store, results, args, kwargs):
+def _is_skip(exc: BaseException) -> bool:
+    names = {f"{t.__module__}.{t.__qualname__}" for t in type(exc).__mro__}
+    return bool(names & {"_pytest.outcomes.Skipped", "unittest.case.SkipTest"})
+
+
+def _worker(fn, rank, world_size, port, store, results, args, kwargs, stack_file):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    # the parent sends SIGUSR1 to a rank that hangs: every thread's Python stack goes to stack_file
+    stacks = open(stack_file, "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch
     torch.set_num_threads(1)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -36,10 +75,15 @@ def _worker(fn, rank, world_size, port, store, results, args, kwargs):
     try:
         deepspeed.init_distributed("gloo", auto_mpi_discovery=False, init_method=f"file://{store}", rank=rank,
                                    world_size=world_size)
+        results.put((rank, "started", None))
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "ok", pickle.dumps(value)))  # plain pickle: tensors are copied, no fd sharing
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises is reported to the parent
+        if _is_skip(exc):
+            results.put((rank, "skip", str(getattr(exc, "msg", None) or exc)))
+        else:
+            lines = traceback.format_exception_only(type(exc), exc)
+            results.put((rank, "error", ("".join(lines).strip(), traceback.format_exc())))
         return
     from deepspeed_feplb.runtime import shutdown
     shutdown()
@@ -47,23 +91,32 @@ def _worker(fn, rank, world_size, port, store, results, args, kwargs):
     dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, **kwargs) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, start_timeout: float = 300.0,
+                    **kwargs) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
 
-    ``fn`` must be importable (a module-level function). Raises `AssertionError` with the first
-    failing rank's traceback, or `TimeoutError` naming the ranks that did not finish in time.
+    ``timeout`` limits ``fn`` itself, counted from the moment every rank has started (spawned,
+    imported torch and DeepSpeed, joined the gloo group); ``start_timeout`` limits that start-up,
+    which on a loaded machine can take tens of seconds.
+
+    ``fn`` must be picklable (a module-level function, or an object whose class is importable);
+    its return value travels back with plain pickle. Raises `RankFailed` (an `AssertionError`)
+    with the first failing rank's traceback, `RankSkipped` if a rank skipped, or `TimeoutError`
+    naming the ranks that did not finish in time, followed by their Python stacks.
     """
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="feplb-test-")
     store = os.path.join(workdir, "filestore")
+    stack_files = [os.path.join(workdir, f"stacks-rank{r}.txt") for r in range(world_size)]
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, store, results, args, kwargs), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, store, results, args, kwargs, stack_files[r]),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    done: dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
+    done: dict[int, Any] = {}
+    started: set[int] = set()
+    deadline = time.monotonic() + start_timeout
     try:
         while len(done) < world_size:
             try:
@@ -71,20 +124,78 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
                 if dead:
-                    raise AssertionError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                    raise RankFailed(dead[0], world_size, f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})",
+                                     f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(done))
-                    raise TimeoutError(f"rank(s) {missing} did not finish within {timeout:g} s (hang?)")
+                    if len(started) < world_size:
+                        raise TimeoutError(f"rank(s) {sorted(set(range(world_size)) - started)} did not start within "
+                                           f"{start_timeout:g} s")
+                    stacks = _dump_stacks([procs[r] for r in missing], [stack_files[r] for r in missing], missing)
+                    raise TimeoutError(f"rank(s) {missing} did not finish within {timeout:g} s (hang?)" + stacks)
                 continue
-            done[rank] = (status, value)
+            if status == "started":
+                started.add(rank)
+                if len(started) == world_size:
+                    deadline = time.monotonic() + timeout
+                continue
             if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                raise RankFailed(rank, world_size, value[0], value[1])
+            if status == "skip":
+                raise RankSkipped(rank, value)
+            done[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=30)
-        return [done[r][1] for r in range(world_size)]
+        return [done[r] for r in range(world_size)]
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _teardown(procs)
+        results.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _dump_stacks(procs, files, ranks) -> str:
+    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) and return them as text."""
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+    out = []
+    for rank, path in zip(ranks, files):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text:
+            out.append(f"\n--- Python stacks of rank {rank} ---\n{text}")
+    return "".join(out)
+
+
+def _mapped_feplb_segments(pid: int) -> set[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            paths = {line.rstrip("\n").split(maxsplit=5)[-1] for line in f if _SHM_PREFIX in line}
+    except OSError:
+        return set()
+    return {p.removesuffix(" (deleted)") for p in paths}
+
+
+def _teardown(procs) -> None:
+    """Kill ranks still running (after a failure or a hang) and remove the segments they mapped."""
+    alive = [p for p in procs if p.is_alive()]
+    segments = set()
+    for p in alive:
+        segments |= _mapped_feplb_segments(p.pid)
+    for p in alive:
+        p.kill()
+    for p in alive:
+        p.join()
+    for path in segments:
+        if path.startswith(_SHM_PREFIX):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
