@@ -312,10 +312,10 @@ class RoutedGate(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module, source: Callable, layer_index: int, step: int = 0):
         super().__init__()
         from deepspeed_feplb.gating import SigmoidTopKGate
-        self.__dict__["inner"] = inner  # not a submodule: its parameters are ours already
         self.wg = inner.wg
         if "expert_bias" in getattr(inner, "_buffers", {}):
             self.register_buffer("expert_bias", inner.expert_bias)
+        self.__dict__["inner"] = inner  # not a submodule: its parameters are ours already
         self.k = int(inner.k)
         self.ep_group = getattr(inner, "ep_group", None)
         self.sigmoid = isinstance(inner, SigmoidTopKGate)
