@@ -1,0 +1,140 @@
+"""Peer-memory arenas: one plain ``cudaMalloc`` per rank, shared with the domain by CUDA IPC handles.
+
+Why not torch tensors: a caching-allocator tensor is an offset inside a bigger block (IPC exports
+whole blocks) and expandable segments break legacy IPC (reference/cuda.md §2). An arena owns its
+allocation; peers open its handle once, and the owner frees it only after every peer closed it.
+
+Layout of a message in an arena or transport slot (`message_layout`): tensors back to back, each
+starting on a 256-byte boundary (the allocation itself is 256-byte aligned, so 16-byte vector
+loads in the kernels always apply).
+
+Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose channels have
+capacity ``C`` bytes: the `CudaCETransport` owns one inbound slot per peer, ``(G - 1) * C`` bytes
+of device memory, plus host control memory of ``G * G * (16 + 2 * 64 + 8 * (2 + 7 * T))`` bytes
+per domain (T = most tensors per message). A channel grows by doubling to its largest message; a
+safe initial ``C`` for D dynamic experts of ``P`` parameter bytes and at most ``N`` tokens of
+hidden size ``H`` and element size ``b`` per chunk is ``D * (P + N * H * b) + D * n_tensors * 256``
+(`channel_capacity_hint`; backward's result message carries the same bytes: input-gradients and
+weight-gradients).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+ALIGN = 256
+
+
+def align_up(n: int, alignment: int = ALIGN) -> int:
+    return (int(n) + alignment - 1) // alignment * alignment
+
+
+def nbytes_of(dtype: torch.dtype, shape) -> int:
+    return int(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+def message_layout(specs) -> tuple[list[int], int]:
+    """specs: ``[(dtype, shape), ...]`` -> (byte offset of each tensor, total bytes), 256-byte aligned."""
+    offsets, offset = [], 0
+    for dtype, shape in specs:
+        offsets.append(offset)
+        offset = align_up(offset + nbytes_of(dtype, shape))
+    return offsets, offset
+
+
+def channel_capacity_hint(dynamic_experts: int, expert_bytes: int, max_tokens: int, hidden: int, element_size: int,
+                          tensors_per_expert: int) -> int:
+    """Bytes one channel needs so that no message of a step has to grow it (module docstring)."""
+    per_expert = expert_bytes + max_tokens * hidden * element_size + tensors_per_expert * ALIGN
+    return align_up(dynamic_experts * per_expert)
+
+
+def control_bytes(domain_size: int, max_tensors: int) -> int:
+    """Host control memory of one domain's transport (see `cuda_ce` channel fields)."""
+    from deepspeed_feplb.gpu.cuda_ce import channel_words
+    return domain_size * domain_size * channel_words(max_tensors) * 8
+
+
+def transport_bytes_per_rank(domain_size: int, capacity_bytes: int) -> int:
+    """Device bytes one rank's `CudaCETransport` holds: an inbound slot per peer."""
+    return (domain_size - 1) * align_up(capacity_bytes)
+
+
+class PeerArena:
+    """One rank's arena plus mapped views of its peers' arenas.
+
+    Args:
+        backend: `CudaBackend` or `HostBackend`.
+        nbytes: size of this rank's arena (peers may differ).
+
+    `exchange(group)` is collective: it all-gathers ``(handle, nbytes)`` with
+    ``torch.distributed.all_gather_object`` and opens every peer's handle once. `close(group)`
+    closes the peers' mappings, waits on ``group`` until every rank did, then frees (freeing while a
+    peer still maps the memory is undefined behaviour in CUDA). Without a group (a peer died),
+    `close` frees after closing its own mappings.
+    """
+
+    def __init__(self, backend, nbytes: int):
+        self.backend, self.nbytes = backend, align_up(nbytes)
+        self.ptr = backend.malloc(self.nbytes)
+        self.peers: dict[int, tuple[int, int]] = {}  # rank in group -> (ptr, nbytes)
+        self.rank: int | None = None
+        self.closed = False
+
+    def exchange(self, group=None) -> None:
+        import torch.distributed as dist
+        self.rank = dist.get_rank(group)
+        info = [None] * dist.get_world_size(group)
+        dist.all_gather_object(info, (self.backend.ipc_handle(self.ptr), self.nbytes), group=group)
+        for rank, (handle, nbytes) in enumerate(info):
+            if rank != self.rank and rank not in self.peers:
+                self.peers[rank] = (self.backend.ipc_open(handle), nbytes)
+
+    def ptr_of(self, rank: int) -> int:
+        if rank == self.rank or rank is None:
+            return self.ptr
+        return self.peers[rank][0]
+
+    def size_of(self, rank: int) -> int:
+        return self.nbytes if rank == self.rank else self.peers[rank][1]
+
+    def tensor(self, rank: int, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A torch view of ``rank``'s arena at ``offset`` (no copy). Writes through it are peer writes."""
+        size = nbytes_of(dtype, shape)
+        if offset < 0 or offset + size > self.size_of(rank):
+            raise ValueError(f"view [{offset}, {offset + size}) outside arena of rank {rank} ({self.size_of(rank)} bytes)")
+        return wrap_pointer(self.backend, self.ptr_of(rank) + offset, shape, dtype, owner=self)
+
+    def close(self, group=None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for ptr, _ in self.peers.values():
+            self.backend.ipc_close(ptr)
+        self.peers.clear()
+        if group is not None:
+            import torch.distributed as dist
+            dist.barrier(group=group)
+        self.backend.free(self.ptr)
+
+
+def wrap_pointer(backend, ptr: int, shape, dtype: torch.dtype, owner=None) -> torch.Tensor:
+    """Torch tensor over raw memory: CuPy ``UnownedMemory`` -> DLPack on CUDA, ctypes on the host."""
+    size = nbytes_of(dtype, shape)
+    if backend.name == "cuda":
+        import cupy
+        memory = cupy.cuda.UnownedMemory(ptr, size, owner, device_id=backend.index)
+        raw = cupy.ndarray((size, ), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        return torch.from_dlpack(raw).view(dtype).view(tuple(shape))
+    import ctypes
+    raw = (ctypes.c_uint8 * max(size, 1)).from_address(ptr)
+    return torch.frombuffer(raw, dtype=torch.uint8, count=size).view(dtype).view(tuple(shape))
+
+
+def plan_arena_offsets(sizes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Aligned offsets of consecutive regions of ``sizes`` bytes -> (int64 offsets, total bytes)."""
+    aligned = np.array([align_up(int(s)) for s in sizes], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64) if len(aligned) else aligned
+    return offsets, int(aligned.sum())

@@ -1,0 +1,315 @@
+"""Phase-2 transport on the Copy Engine: CUDA IPC peer slots, ``cudaMemcpyAsync`` on copy streams.
+
+Same interface and message semantics as `deepspeed_feplb.migrate.shm.ShmTransport`
+(``send(dst, tag, tensors) -> Future``, ``recv(src, tag) -> list[Tensor]``, ``close()``), so
+`migrate.phase2` runs on it unchanged.
+
+Design (DESIGN §1, §6; reference/cuda.md "Suggested shape"):
+
+* **Push into peer memory.** Every rank owns one inbound *slot* per peer, a plain ``cudaMalloc``.
+  The sender opens the receiver's slot by its IPC handle once and writes a message into it with
+  one ``cudaMemcpyAsync(kind=Default)`` per tensor (an expert's weights and its token chunk are
+  each one contiguous copy: batched per (expert, destination), never per token). Between two
+  GPUs that copy runs on the Copy Engine, using no SM.
+* **One copy stream and one thread per destination.** A send records an event on the caller's
+  current (compute) stream; the destination's copy stream waits for it, so copies start exactly
+  when the data is ready and overlap whatever the compute stream does next. Per-destination
+  threads mean a channel that waits for its receiver never delays messages to other ranks.
+* **Ordering across processes with IPC events**, and host-side sequence numbers in a per-domain
+  shared-memory control block (as in `ShmTransport`): the sender records its *ready* event after
+  the copies, then publishes ``seq``; the receiver, having seen ``seq``, makes its current stream
+  wait on the ready event, copies the message out of the slot into private tensors, records its
+  *consumed* event and publishes ``ack``; the sender's copy stream waits on the consumed event
+  before it overwrites the slot with the next message.
+* **Growing a slot** needs the receiver (it owns the memory): the sender closes its mapping and
+  asks for ``want`` bytes; the receiver, inside the `recv` that waits for that very message,
+  frees the slot (after its last read finished), allocates ``max(want, 2 * capacity)`` and
+  publishes the new handle under a new generation. Nothing else waits for it, so no deadlock.
+* **Teardown**: close every peer mapping and opened event, announce it, wait (bounded) until the
+  peers did the same, then free (CUDA leaves freeing a still-mapped allocation undefined).
+
+The device work goes through a backend (`backend.CudaBackend`); `backend.HostBackend` runs the
+identical protocol on host shared memory, which is how CPU machines test this module.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from deepspeed_feplb.gpu.arena import align_up, message_layout
+from deepspeed_feplb.migrate.shm import PeerTimeoutError, open_segment, unlink_quietly, wait_until
+
+MAX_DIMS = 4
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool)
+DEFAULT_CAPACITY = 64 << 20
+DEFAULT_MAX_TENSORS = 256
+
+# words of a channel (src -> dst) in the control block; handles take 8 words (64 bytes)
+SEQ, ACK, NBYTES, GEN, CAP, WANT, TAG, COUNT = range(8)
+SLOT_H, READY_H, DONE_H = 8, 16, 24
+META = 32
+_META_FIELDS = 3 + MAX_DIMS  # dtype code, offset, ndim, shape
+# the diagonal channel (r, r) carries rank r's state
+ALIVE, IMPORTS_CLOSED = 0, 1
+
+
+def channel_words(max_tensors: int) -> int:
+    return META + max_tensors * _META_FIELDS
+
+
+def _put_handle(words: np.ndarray, at: int, handle: bytes) -> None:
+    words[at:at + 8] = np.frombuffer(bytes(handle).ljust(64, b"\0")[:64], dtype=np.int64)
+
+
+def _get_handle(words: np.ndarray, at: int) -> bytes:
+    return words[at:at + 8].copy().tobytes()
+
+
+class CudaCETransport:
+    """Moves lists of tensors between the ranks of one NVLink domain by Copy-Engine peer copies.
+
+    Args (the first five as `ShmTransport`'s):
+        name: unique prefix of this domain's host control segment (starts with ``feplb-``).
+        local_rank: this rank's index in the domain.
+        size: ranks in the domain.
+        timeout_s: how long to wait for a peer before raising `PeerTimeoutError`.
+        create: True on the domain's rank 0, which creates the control block; it must be
+            constructed before the others (the caller's barrier), as with `ShmTransport`.
+        backend: a `CudaBackend` (default: on torch's current CUDA device) or `HostBackend`.
+        capacity_bytes: initial size of each inbound slot (`arena.channel_capacity_hint`).
+        max_tensors: most tensors in one message.
+    """
+
+    def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, *, backend=None,
+                 capacity_bytes: int = DEFAULT_CAPACITY, max_tensors: int = DEFAULT_MAX_TENSORS):
+        if backend is None:
+            from deepspeed_feplb.gpu.backend import CudaBackend
+            backend = CudaBackend()
+        self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
+        self.backend, self.max_tensors = backend, max_tensors
+        words = channel_words(max_tensors)
+        self._control_shm = open_segment(f"{name}-cectl", size * size * words * 8, create=create)
+        self._owns_control = create
+        self._control = np.ndarray((size, size, words), dtype=np.int64, buffer=self._control_shm.buf)
+        if create:
+            self._control[:] = 0
+        self.closed = False
+        self._peers = [r for r in range(size) if r != local_rank]
+
+        # receiver side: one inbound slot and one consumed event per peer
+        self._slots: dict[int, tuple[int, int]] = {}  # src -> (ptr, capacity)
+        self._done: dict[int, int] = {}  # src -> consumed event (ours, interprocess)
+        self._expected = np.zeros(size, dtype=np.int64)
+        self._ready_peer: dict[int, int] = {}  # src -> the sender's ready event, opened
+        for src in self._peers:
+            channel = self._control[src, local_rank]
+            self._slots[src] = self._allocate_slot(channel, align_up(capacity_bytes))
+            self._done[src] = backend.event_create(interprocess=True)
+            _put_handle(channel, DONE_H, backend.event_handle(self._done[src]))
+            channel[GEN] = 1  # publish last: the sender waits for a generation
+        # sender side: one copy stream, ready event, thread and job queue per destination
+        self._streams = {dst: backend.stream_create() for dst in self._peers}
+        self._ready = {dst: backend.event_create(interprocess=True) for dst in self._peers}
+        for dst in self._peers:
+            _put_handle(self._control[local_rank, dst], READY_H, backend.event_handle(self._ready[dst]))
+        self._mapped: dict[int, tuple[int, int]] = {}  # dst -> (peer slot ptr, generation); copy thread only
+        self._done_peer: dict[int, int] = {}  # dst -> the receiver's consumed event, opened; copy thread only
+        self._jobs = {dst: queue.Queue() for dst in self._peers}
+        self._threads = {dst: threading.Thread(target=self._copy_loop, args=(dst, ), name=f"feplb-ce-{dst}", daemon=True)
+                         for dst in self._peers}
+        for thread in self._threads.values():
+            thread.start()
+        self._control[local_rank, local_rank, ALIVE] = 1
+
+    # ---------------------------------------------------------------- slots (receiver-owned)
+    def _allocate_slot(self, channel: np.ndarray, capacity: int) -> tuple[int, int]:
+        ptr = self.backend.malloc(capacity)
+        _put_handle(channel, SLOT_H, self.backend.ipc_handle(ptr))
+        channel[CAP] = capacity
+        return ptr, capacity
+
+    def _serve_growth(self, src: int) -> None:
+        channel = self._control[src, self.local_rank]
+        want = int(channel[WANT])
+        if want <= int(channel[CAP]):
+            return
+        ptr, capacity = self._slots[src]
+        self.backend.event_synchronize(self._done[src])  # our last read of the old slot finished
+        self.backend.free(ptr)  # the sender closed its mapping before asking
+        self._slots[src] = self._allocate_slot(channel, align_up(max(want, 2 * capacity)))
+        channel[WANT] = 0
+        channel[GEN] += 1  # publish last
+
+    # ---------------------------------------------------------------- producer side
+    def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
+        """Queue ``tensors`` for ``dst``; returns a future done once the copies have completed.
+
+        The copies start when the caller's current stream reaches this call (an event), so the
+        tensors may come straight from the compute stream. They must not be modified until the
+        future is done.
+        """
+        if dst == self.local_rank:
+            raise ValueError("a rank does not send to itself")
+        if dst not in self._jobs:
+            raise ValueError(f"no local rank {dst} in a domain of {self.size}")
+        if len(tensors) > self.max_tensors:
+            raise ValueError(f"a message holds at most {self.max_tensors} tensors, got {len(tensors)}")
+        for t in tensors:
+            if t.dim() > MAX_DIMS:
+                raise ValueError(f"transport tensors have at most {MAX_DIMS} dims, got shape {tuple(t.shape)}")
+            if t.dtype not in DTYPES:
+                raise TypeError(f"transport cannot move {t.dtype}")
+        tensors = [t.detach().contiguous() for t in tensors]
+        ready = self.backend.event_create()
+        self.backend.event_record(ready, self.backend.current_stream())
+        future: Future = Future()
+        self._jobs[dst].put((tag, tensors, ready, future))
+        return future
+
+    def _copy_loop(self, dst: int) -> None:
+        bound = False
+        while True:
+            job = self._jobs[dst].get()
+            if job is None:
+                return
+            tag, tensors, ready, future = job
+            try:
+                if not bound:
+                    self.backend.bind_thread()
+                    bound = True
+                self._write(dst, tag, tensors, ready)
+                self.backend.event_synchronize(self._ready[dst])
+                future.set_result(None)
+            except BaseException as exc:  # the waiting caller re-raises it
+                future.set_exception(exc)
+            finally:
+                self.backend.event_destroy(ready)
+
+    def _write(self, dst: int, tag: int, tensors: list[torch.Tensor], ready: int) -> None:
+        backend, stream = self.backend, self._streams[dst]
+        channel = self._control[self.local_rank, dst]
+        wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
+                   f"rank {dst} of domain {self.name} to read the previous message")
+        if channel[SEQ] > 0:  # the receiver's copy-out of the previous message must finish first
+            if dst not in self._done_peer:
+                self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
+            backend.stream_wait_event(stream, self._done_peer[dst])
+        offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
+        wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"rank {dst} of domain {self.name} to start")
+        if nbytes > channel[CAP]:
+            self._unmap(dst)
+            generation = int(channel[GEN])
+            channel[WANT] = nbytes
+            wait_until(lambda: channel[GEN] > generation, self.timeout_s,
+                       f"rank {dst} of domain {self.name} to grow its slot to {nbytes} bytes")
+        peer = self._map(dst, channel)
+        backend.stream_wait_event(stream, ready)
+        for t, offset in zip(tensors, offsets):
+            backend.memcpy_async(peer + offset, t.data_ptr(), t.numel() * t.element_size(), stream)
+        backend.event_record(self._ready[dst], stream)
+        meta = channel[META:META + len(tensors) * _META_FIELDS].reshape(len(tensors), _META_FIELDS)
+        for row, t, offset in zip(meta, tensors, offsets):
+            row[:] = 0
+            row[0], row[1], row[2] = DTYPES.index(t.dtype), offset, t.dim()
+            row[3:3 + t.dim()] = t.shape
+        channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
+        channel[SEQ] += 1  # publish last: the receiver polls seq
+
+    def _map(self, dst: int, channel: np.ndarray) -> int:
+        generation = int(channel[GEN])
+        mapped = self._mapped.get(dst)
+        if mapped is None or mapped[1] != generation:
+            self._unmap(dst)
+            mapped = self._mapped[dst] = (self.backend.ipc_open(_get_handle(channel, SLOT_H)), generation)
+        return mapped[0]
+
+    def _unmap(self, dst: int) -> None:
+        mapped = self._mapped.pop(dst, None)
+        if mapped is not None:
+            self.backend.ipc_close(mapped[0])
+
+    # ---------------------------------------------------------------- consumer side
+    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+        """Block until the next message from ``src`` arrives; return private copies of its tensors.
+
+        The copies are ordered on the caller's current stream (it waits for the sender's copies),
+        so the returned tensors can be used on that stream at once.
+        """
+        channel = self._control[src, self.local_rank]
+        expected = self._expected[src] + 1
+
+        def arrived() -> bool:
+            if channel[WANT]:
+                self._serve_growth(src)
+            return channel[SEQ] >= expected
+
+        wait_until(arrived, self.timeout_s, f"local rank {src} of domain {self.name} (message tag {tag:#x})")
+        if channel[TAG] != tag:
+            raise RuntimeError(f"FEPLB transport out of step: expected message {tag:#x} from local rank {src}, "
+                               f"got {int(channel[TAG]):#x}")
+        backend, stream = self.backend, self.backend.current_stream()
+        if src not in self._ready_peer:
+            self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
+        backend.stream_wait_event(stream, self._ready_peer[src])
+        slot = self._slots[src][0]
+        tensors = []
+        count = int(channel[COUNT])
+        for code, offset, ndim, *shape in channel[META:META + count * _META_FIELDS].reshape(count, _META_FIELDS).tolist():
+            out = backend.empty([int(s) for s in shape[:ndim]], DTYPES[code])
+            backend.memcpy_async(out.data_ptr(), slot + offset, out.numel() * out.element_size(), stream)
+            tensors.append(out)
+        backend.event_record(self._done[src], stream)
+        self._expected[src] = expected
+        channel[ACK] = expected
+        return tensors
+
+    # ---------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Stop the copy threads, close every peer mapping, wait for the peers to do so, free."""
+        if self.closed:
+            return
+        self.closed = True
+        for dst in self._peers:
+            self._jobs[dst].put(None)
+        for thread in self._threads.values():
+            thread.join(timeout=self.timeout_s)
+        backend = self.backend
+        for dst in list(self._mapped):
+            self._unmap(dst)
+        for event in [*self._done_peer.values(), *self._ready_peer.values()]:
+            backend.event_close(event)
+        self._done_peer.clear()
+        self._ready_peer.clear()
+        me = self._control[self.local_rank, self.local_rank]
+        me[IMPORTS_CLOSED] = 1
+        deadline = time.monotonic() + self.timeout_s
+        for peer in self._peers:  # a peer that never started or died holds no mapping of ours
+            state = self._control[peer, peer]
+            try:
+                wait_until(lambda: state[IMPORTS_CLOSED] or not state[ALIVE], max(0.0, deadline - time.monotonic()),
+                           f"local rank {peer} of domain {self.name} to unmap our slots")
+            except PeerTimeoutError:
+                pass  # a dead peer's mappings went with its process
+        for stream in self._streams.values():
+            backend.stream_destroy(stream)
+        for src, (ptr, _) in self._slots.items():
+            backend.event_synchronize(self._done[src])
+            backend.free(ptr)
+        for event in [*self._done.values(), *self._ready.values()]:
+            backend.event_destroy(event)
+        self._slots.clear()
+        self._streams.clear()
+        del me, self._control
+        self._control_shm.close()
+        if self._owns_control:
+            unlink_quietly(self._control_shm)
+
+    def capacities(self) -> dict[int, int]:
+        """Current inbound slot size per source rank (device bytes held: their sum)."""
+        return {src: capacity for src, (_, capacity) in self._slots.items()}

@@ -1,0 +1,157 @@
+"""Loader and launchers of the CUDA kernels in ``ops/feplb_kernels.cu`` (CuPy `RawModule`).
+
+Each launcher takes torch tensors. CUDA tensors run the kernel on torch's current stream; CPU
+tensors run the reference of the same contract (`deepspeed_feplb.gpu.reference`), so callers need
+no device branch. CuPy is imported lazily: importing this module never needs it.
+
+The module is compiled on first use per device with NVRTC (CuPy's default, needs libnvrtc:
+``pip install "cupy-cuda12x[ctk]"`` or a CUDA toolkit); set ``FEPLB_KERNEL_BACKEND=nvcc`` to use
+nvcc instead. `compile_cubin` compiles ahead of time (no GPU needed) and is what the CPU tests
+run for sm_90.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepspeed_feplb.gpu import reference
+
+SOURCE_NAME = "feplb_kernels.cu"
+KERNELS = ("feplb_gather_rows", "feplb_scatter_rows", "feplb_expert_counts", "feplb_expert_positions",
+           "feplb_weighted_combine_f32", "feplb_weighted_combine_bf16", "feplb_weighted_combine_f16")
+OPTIONS = ("-std=c++17", )
+_COMBINE = {torch.float32: "feplb_weighted_combine_f32", torch.bfloat16: "feplb_weighted_combine_bf16",
+            torch.float16: "feplb_weighted_combine_f16"}
+_THREADS = 256
+_MAX_BLOCKS = 65535
+
+
+def source_path() -> Path:
+    """The kernel source: the installed ``deepspeed_feplb.ops`` package data, else the repo's ``ops/``."""
+    try:
+        from importlib import resources
+        candidate = Path(str(resources.files("deepspeed_feplb.ops") / SOURCE_NAME))
+        if candidate.is_file():
+            return candidate
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    candidate = Path(__file__).resolve().parents[2] / "ops" / SOURCE_NAME
+    if candidate.is_file():
+        return candidate
+    raise FileNotFoundError(f"{SOURCE_NAME} not found: neither package data deepspeed_feplb.ops nor {candidate}")
+
+
+def source() -> str:
+    return source_path().read_text()
+
+
+def compile_cubin(arch: str = "90") -> bytes:
+    """Compile every kernel for ``sm_<arch>`` with nvcc through CuPy; works without a GPU."""
+    from cupy.cuda import compiler
+    return compiler.compile_using_nvcc(source(), options=OPTIONS, arch=arch)
+
+
+_modules: dict = {}
+_lock = threading.Lock()
+
+
+def _module(device_index: int):
+    import cupy
+    with _lock:
+        module = _modules.get(device_index)
+        if module is None:
+            backend = os.environ.get("FEPLB_KERNEL_BACKEND", "nvrtc")
+            with cupy.cuda.Device(device_index):
+                module = cupy.RawModule(code=source(), options=OPTIONS, backend=backend)
+                for name in KERNELS:  # compile now, on this device, not in the middle of a step
+                    module.get_function(name)
+            _modules[device_index] = module
+        return module
+
+
+def _launch(name: str, device: torch.device, blocks: int, args: tuple) -> None:
+    import cupy
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel = _module(index).get_function(name)
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(index):
+        external = cupy.cuda.ExternalStream(stream.cuda_stream, index)
+        with external:
+            kernel((max(1, min(blocks, _MAX_BLOCKS)), ), (_THREADS, ), args)
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return (t.numel() // max(t.shape[0], 1)) * t.element_size() if t.dim() else t.element_size()
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = src[index[i]]`` (zero row for -1): `reference.gather_rows`, on the GPU for CUDA tensors."""
+    if not src.is_cuda:
+        result = reference.gather_rows(src, index)
+        return out.copy_(result) if out is not None else result
+    src, index = src.contiguous(), index.to(device=src.device, dtype=torch.long).contiguous()
+    if out is None:
+        out = src.new_empty((index.numel(), *src.shape[1:]))
+    if index.numel():
+        _launch("feplb_gather_rows", src.device, index.numel(),
+                (_ptr(src), _ptr(out), _ptr(index), np.int64(index.numel()), np.int64(_row_bytes(src))))
+    return out
+
+
+def scatter_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``dst[index[i]] = src[i]`` for ``index[i] >= 0``, in place: `reference.scatter_rows`."""
+    if not src.is_cuda:
+        return reference.scatter_rows(src, index, dst)
+    if not dst.is_contiguous():
+        raise ValueError("scatter_rows writes into a contiguous dst")
+    src, index = src.contiguous(), index.to(device=src.device, dtype=torch.long).contiguous()
+    if index.numel():
+        _launch("feplb_scatter_rows", src.device, index.numel(),
+                (_ptr(src), _ptr(dst), _ptr(index), np.int64(index.numel()), np.int64(_row_bytes(src))))
+    return dst
+
+
+def expert_positions(expert_of_route: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable grouping of routes by expert -> (counts int64 ``[E]``, position int64 ``[R]``, -1 if none).
+
+    Positions use the exclusive prefix of the counts as expert offsets (`reference.expert_positions`).
+    """
+    if not expert_of_route.is_cuda:
+        counts = reference.expert_counts(expert_of_route, num_experts)
+        return counts, reference.expert_positions(expert_of_route, num_experts, torch.cumsum(counts, 0) - counts)
+    routes = expert_of_route.to(torch.long).contiguous()
+    counts = torch.empty(num_experts, dtype=torch.long, device=routes.device)
+    position = torch.empty_like(routes)
+    if num_experts == 0:
+        return counts, position.fill_(-1)
+    n = np.int64(routes.numel())
+    _launch("feplb_expert_counts", routes.device, num_experts, (_ptr(routes), n, np.int64(num_experts), _ptr(counts)))
+    offsets = torch.cumsum(counts, 0) - counts
+    _launch("feplb_expert_positions", routes.device, num_experts,
+            (_ptr(routes), n, np.int64(num_experts), _ptr(offsets), _ptr(position)))
+    return counts, position
+
+
+def weighted_combine(rows: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weight[t, j] * rows[slot[t, j]]`` (fp32 accumulation): `reference.weighted_combine`."""
+    if not rows.is_cuda:
+        return reference.weighted_combine(rows, slot, weight)
+    if rows.dtype not in _COMBINE:
+        raise TypeError(f"weighted_combine supports {list(_COMBINE)}, got {rows.dtype}")
+    rows = rows.contiguous()
+    slot = slot.to(device=rows.device, dtype=torch.long).contiguous()
+    weight = weight.to(device=rows.device, dtype=torch.float32).contiguous()
+    t, k = slot.shape
+    out = rows.new_empty((t, rows.shape[1]))
+    if t:
+        _launch(_COMBINE[rows.dtype], rows.device, t,
+                (_ptr(rows), _ptr(slot), _ptr(weight), _ptr(out), np.int64(t), np.int64(k), np.int64(rows.shape[1])))
+    return out

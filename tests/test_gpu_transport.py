@@ -1,0 +1,183 @@
+"""The Copy-Engine transport's protocol, run on CPU ranks through `HostBackend`.
+
+`CudaCETransport` drives every device operation through a backend; `HostBackend` executes the
+same operations on host shared memory (an IPC handle names a segment, a memcpy is a memmove).
+These tests therefore exercise the real slot / handle / generation / ordering / teardown code on
+gloo ranks. What they cannot show is the CUDA side: that is tests/gpu/.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deepspeed_feplb.gpu.backend import HostBackend
+from deepspeed_feplb.gpu.cuda_ce import CudaCETransport
+from deepspeed_feplb.migrate.shm import PeerTimeoutError, leftover_segments
+from deepspeed_feplb.testing import run_distributed
+
+
+_CASES = iter(range(1 << 30))
+
+
+def _domain_name() -> str:
+    names = [None]
+    case = next(_CASES)
+    if dist.get_rank() == 0:
+        names[0] = f"feplb-cetest-{os.getpid()}-{case}"
+    dist.broadcast_object_list(names, 0)
+    return names[0]
+
+
+def _make(capacity: int, timeout_s: float = 20.0):
+    name = _domain_name()
+    backend = HostBackend(prefix=f"{name}-mem")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        transport = CudaCETransport(name, 0, size, timeout_s, True, backend=backend, capacity_bytes=capacity)
+    dist.barrier()
+    if rank:
+        transport = CudaCETransport(name, rank, size, timeout_s, False, backend=backend, capacity_bytes=capacity)
+    return name, backend, transport
+
+
+def _message(src: int, dst: int, round_: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(src * 1000 + dst * 10 + round_)
+    rows = 3 + 5 * round_ + src
+    return [torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g).to(torch.bfloat16),
+            torch.randint(-5, 5, (2, 3, 4, 1), generator=g), torch.zeros(0, 8), torch.tensor(float(src)),
+            torch.randn(4, 6, generator=g)[:, ::2]]  # non-contiguous
+
+
+def all_to_all_rounds(capacity: int, rounds: int) -> dict:
+    """Every rank sends a message to every other rank per round; returns capacities and a check."""
+    name, backend, transport = _make(capacity)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for r in range(rounds):
+        futures = [transport.send(dst, (r << 4) | 1, _message(rank, dst, r)) for dst in range(size) if dst != rank]
+        for src in range(size):
+            if src == rank:
+                continue
+            got = transport.recv(src, (r << 4) | 1)
+            want = _message(src, rank, r)
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+                assert torch.equal(a, b.contiguous())
+        for f in futures:
+            f.result(timeout=20)
+    capacities = transport.capacities()
+    dist.barrier()
+    transport.close()
+    live = backend.live()
+    dist.barrier()
+    return {"capacities": capacities, "live": live, "leftover": [n for n in leftover_segments() if n.startswith(name)]}
+
+
+def protocol_suite() -> dict:
+    """All protocol cases in one launch (spawning ranks dominates the cost on CPU)."""
+    return {"rounds": all_to_all_rounds(1 << 20, 4), "growth": all_to_all_rounds(512, 5), "wrong_tag": wrong_tag(),
+            "silent_peer": silent_peer()}
+
+
+@pytest.fixture(scope="module")
+def protocol_results():
+    return run_distributed(protocol_suite, 3, timeout=240)
+
+
+def test_messages_arrive_intact_in_order_on_three_ranks(protocol_results):
+    for rank, suite in enumerate(protocol_results):
+        result = suite["rounds"]
+        assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
+        assert result["leftover"] == []
+        assert sorted(result["capacities"]) == [r for r in range(3) if r != rank]
+        assert all(c == 1 << 20 for c in result["capacities"].values())  # 1 MiB never needed growth
+
+
+def test_slots_grow_when_a_message_does_not_fit(protocol_results):
+    # 512-byte slots: the first message already needs more; later rounds grow again (doubling)
+    for rank, suite in enumerate(protocol_results):
+        result = suite["growth"]
+        for capacity in result["capacities"].values():
+            assert capacity >= 2048 and capacity % 256 == 0, result
+        assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
+        assert result["leftover"] == []
+
+
+def wrong_tag() -> str:
+    name, backend, transport = _make(1 << 16, timeout_s=5.0)
+    try:
+        if dist.get_rank() == 0:
+            transport.send(1, 0x21, [torch.ones(3)]).result(timeout=10)
+            return "sent"
+        if dist.get_rank() == 1:
+            try:
+                transport.recv(0, 0x31)
+            except RuntimeError as exc:
+                return str(exc)
+            return "no error"
+        return "idle"
+    finally:
+        dist.barrier()
+        transport.close()
+
+
+def test_a_message_with_the_wrong_tag_is_refused(protocol_results):
+    sender, receiver = protocol_results[0]["wrong_tag"], protocol_results[1]["wrong_tag"]
+    assert sender == "sent"
+    assert "expected message 0x31" in receiver and "got 0x21" in receiver
+
+
+def silent_peer() -> str:
+    name, backend, transport = _make(1 << 16, timeout_s=1.0)
+    outcome = "no error"
+    if dist.get_rank() == 1:
+        try:
+            transport.recv(0, 0x11)
+        except PeerTimeoutError as exc:
+            outcome = str(exc)
+    dist.barrier()
+    transport.close()
+    return outcome
+
+
+def test_a_silent_peer_times_out_instead_of_hanging(protocol_results):
+    receiver = protocol_results[1]["silent_peer"]
+    assert "timed out" in receiver and "tag 0x11" in receiver
+
+
+def layer_through_ce_protocol() -> dict:
+    """The full FEPLB layer vs DeepSpeed's MoE, with phase 2 on `CudaCETransport` (host backend)."""
+    import moe_cases
+
+    from deepspeed_feplb import runtime
+
+    def transport_factory(name, local_rank, size, timeout_s, create):
+        return CudaCETransport(name, local_rank, size, timeout_s, create, backend=HostBackend(prefix=f"{name}-mem"),
+                               capacity_bytes=4096)  # small: the layer's messages grow the slots
+
+    runtime.ShmTransport = transport_factory
+    results = {}
+    for k in (1, 2):
+        results[k] = moe_cases.equivalence_case(2, 2, k)
+        domain = next(iter(runtime._RUNTIMES.values()))  # noqa: SLF001
+        assert isinstance(domain.transport, CudaCETransport)
+        results[k]["capacities"] = domain.transport.capacities()
+    return results
+
+
+@pytest.fixture(scope="module")
+def layer_results():
+    return run_distributed(layer_through_ce_protocol, 2, timeout=300)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_layer_with_ce_transport_equals_deepspeed_moe(layer_results, k):
+    migrated = 0
+    for rank, results in enumerate(layer_results):
+        result = results[k]
+        worst = max(result["errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-5, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        migrated += result["stats"]["migrated_tokens"]
+    assert migrated > 0, "no migration: phase 2 did not use the transport"
+    assert any(c > 4096 for r in layer_results for c in r[k]["capacities"].values()), "no slot growth exercised"
