@@ -106,27 +106,60 @@ class FEPLBMOELayer(MOELayer):
         domain.scheduler.publish(seq, counts, constraints)
 
         dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
+        params = self._expert_params()
         outs: list = [None] * len(experts)
         start = time.perf_counter()
         for e in range(len(experts)):
             if e not in dynamic:
-                outs[e] = _call(experts[e], rows[starts[e]:starts[e + 1]])
+                outs[e] = self.expert_spec.call(experts[e], params[e], _buffers(experts[e]), rows[starts[e]:starts[e + 1]])
         self._static_seconds = time.perf_counter() - start
 
         moves, node_counts, plan_seconds, fallback = domain.scheduler.plan(seq)
-        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(
-            p.requires_grad for p in experts[0].parameters()))
+        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
         step = Phase2Step(domain.transport, seq, domain.local_rank, moves, dynamic,
                           [int(counts[e]) for e in dynamic], list(experts), self.expert_spec, needs_grad)
-        params = [p for e in dynamic for p in experts[e].parameters()]
         dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
-        dyn_y = DynamicExperts.apply(step, len(self.expert_spec.param_names), dyn_x, *params)
+        dyn_y = DynamicExperts.apply(step, len(self.expert_spec.param_names), dyn_x,
+                                     *[p for e in dynamic for p in params[e]])
         for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
             outs[e] = y
         if config.stats.enabled:
             self.feplb_stats = {**layer_stats(node_counts, moves, plan_seconds, fallback, domain.ranks), "node_counts": node_counts}
             self.feplb_stats["seq"] = seq
         return torch.cat(outs)
+
+
+    def _expert_params(self) -> list[list[torch.Tensor]]:
+        """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow."""
+        params = [list(expert.parameters()) for expert in self.experts.deepspeed_experts]
+        flat = [p for group in params for p in group]
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
+            return params
+        aliases = iter(ExpertGradOrder.apply(*flat))
+        return [[next(aliases) for _ in group] for group in params]
+
+
+class ExpertGradOrder(torch.autograd.Function):
+    """Identity on all local expert parameters whose backward releases their gradients together.
+
+    Which experts are dynamic, and so when each expert's gradient is ready, differs between
+    ranks and micro-batches. ZeRO-2 reduces gradients in buckets as they become ready and
+    needs the same order on every data-parallel rank; this node makes that order the fixed
+    parameter order again (and gives every expert a gradient, zeros if it got no tokens,
+    as DeepSpeed's capacity buffer does).
+    """
+
+    @staticmethod
+    def forward(ctx, *params):
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _buffers(expert: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for _, b in expert.named_buffers()]
 
 
 def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

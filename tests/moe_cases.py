@@ -22,14 +22,27 @@ def make_expert(hidden: int = HIDDEN) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(), torch.nn.Linear(2 * hidden, hidden))
 
 
-def skew_gate(gate_weight: torch.Tensor, strength: float = 3.0) -> None:
-    """Zipf-like skew for inputs with a positive mean; the hot experts are spread over the ranks."""
+def skew_gate(gate_weight: torch.Tensor, strength: float = 3.0, spread: bool = True) -> None:
+    """Zipf-like skew for inputs with a positive mean; hot experts spread over the ranks, or the
+    first rank's experts hottest (``spread=False``)."""
     with torch.no_grad():
         experts, hidden = gate_weight.shape
         popularity = (1.0 / torch.arange(1, experts + 1)).sqrt()
-        order = torch.randperm(experts, generator=torch.Generator().manual_seed(7))
+        order = torch.randperm(experts, generator=torch.Generator().manual_seed(7)) if spread else torch.arange(experts)
         gate_weight.mul_(0.3)
         gate_weight += strength / hidden * popularity[order][:, None]
+
+
+def diversify_experts(moe: torch.nn.Module) -> None:
+    """Give every global expert its own weights (DeepSpeed deep-copies one expert into all slots,
+    which would hide a token computed by the wrong expert)."""
+    layer = moe.deepspeed_moe
+    ep_rank = dist.get_rank() % layer.ep_size  # EP groups are consecutive ranks
+    with torch.no_grad():
+        for i, expert in enumerate(layer.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(10_000 + ep_rank * layer.num_local_experts + i)
+            for p in expert.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
 def build_pair(num_experts: int, ep_size: int, k: int, feplb: dict, seed: int = 0):
@@ -39,6 +52,7 @@ def build_pair(num_experts: int, ep_size: int, k: int, feplb: dict, seed: int = 
                   min_capacity=0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
     reference = DeepSpeedMoE(**kwargs)
     skew_gate(reference.deepspeed_moe.gate.wg.weight)
+    diversify_experts(reference)
     ours = deepspeed_feplb.MoE(**kwargs, feplb_config=feplb)
     ours.load_state_dict(reference.state_dict())
     for layer in (reference, ours):
@@ -104,18 +118,20 @@ def param_groups(model):
     return split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
 
 
-def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2, steps: int = 3) -> dict:
+def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2, steps: int = 3,
+                  dynamic: int = 2) -> dict:
     """Train DeepSpeed's MoE and FEPLB (through deepspeed_feplb.initialize) side by side."""
     import deepspeed
 
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1}
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1}
 
     def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
         torch.manual_seed(11)
         model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=8, ep_size=ep_size,
                                           k=k, min_capacity=0, drop_tokens=False, use_rts=False,
                                           top2_2nd_expert_sampling=False))
-        skew_gate(model.moe.deepspeed_moe.gate.wg.weight)
+        skew_gate(model.moe.deepspeed_moe.gate.wg.weight, spread=False)
+        diversify_experts(model.moe)
         return model
 
     reference_model, feplb_model = make_model(), make_model()
@@ -137,3 +153,73 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
     return {"losses": losses, "param_errors": params, "migrated": migrated}
+
+
+def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, residual: bool = False,
+                        training: bool = True, feplb: dict | None = None, reference_drop_tokens: bool = False) -> dict:
+    """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors."""
+    feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, **(feplb or {})}
+    torch.manual_seed(5)
+    kwargs = dict(hidden_size=HIDDEN, num_experts=8, ep_size=ep_size, k=k, min_capacity=0, use_residual=residual,
+                  use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=reference_drop_tokens)
+    # separate expert modules: with use_residual the layer keeps the passed module as its `mlp`
+    reference = DeepSpeedMoE(expert=make_expert(), **kwargs)
+    skew_gate(reference.deepspeed_moe.gate.wg.weight, spread=False)
+    diversify_experts(reference)
+    ours = deepspeed_feplb.MoE(expert=make_expert(), **kwargs, feplb_config=feplb)
+    ours.load_state_dict(reference.state_dict())
+    for layer in (reference, ours):
+        layer.set_deepspeed_parallelism()
+        layer.to(dtype).train(training)
+    x, w = rank_inputs(3)
+    x, w = x.to(dtype), w.to(dtype)
+    if training:
+        ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
+        out, dx, grads = run_layer(ours, x, w)
+        errors = {"output": relative_error(out.float(), ref_out.float()),
+                  "input_grad": relative_error(dx.float(), ref_dx.float())}
+        errors.update({n: relative_error(grads[n].float(), ref_grads[n].float()) for n in ref_grads})
+    else:
+        with torch.no_grad():
+            errors = {"output": relative_error(ours(x)[0].float(), reference(x)[0].float())}
+    return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats), "keys_equal":
+            list(ours.state_dict()) == list(reference.state_dict())}
+
+
+def plain_initialize_case() -> dict:
+    """A plain deepspeed.initialize (no deepspeed_feplb.initialize): the layer finds the "feplb" section."""
+    import deepspeed
+
+    torch.manual_seed(1)
+    moe = deepspeed_feplb.MoE(HIDDEN, make_expert(), num_experts=4, ep_size=2, k=1, min_capacity=0, drop_tokens=False)
+    model = TinyMoEModel(moe)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                      config=ds_config(0, {"dynamic_experts_per_rank": 1, "max_helpers_per_expert": 1}))
+    x, target = rank_inputs(0)
+    prediction, _ = engine(x)
+    engine.backward(((prediction - target)**2).mean())
+    engine.step()
+    config = moe.deepspeed_moe.feplb_config
+    return {"D": config.dynamic_experts_per_rank, "helpers": config.max_helpers_per_expert,
+            "stats": copy.deepcopy(moe.feplb_stats)}
+
+
+def sigmoid_gating_case() -> dict:
+    """Sigmoid top-k with aux-free bias: migration (D=2) equals no migration (D=0); the bias moves."""
+    results = {}
+    for dynamic in (2, 0):
+        torch.manual_seed(9)
+        layer = deepspeed_feplb.MoE(HIDDEN, make_expert(), num_experts=8, ep_size=2, k=2, min_capacity=0,
+                                    feplb_config={"dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
+                                                  "gating": {"score": "sigmoid", "bias_update_rate": 0.01}})
+        skew_gate(layer.deepspeed_moe.gate.wg.weight, spread=False)
+        diversify_experts(layer)
+        layer.set_deepspeed_parallelism()
+        x, w = rank_inputs(4)
+        results[dynamic] = run_layer(layer, x, w) + (layer.deepspeed_moe.gate.expert_bias.clone(),
+                                                     copy.deepcopy(layer.feplb_stats))
+    (out, dx, grads, bias, stats), (ref_out, ref_dx, ref_grads, ref_bias, _) = results[2], results[0]
+    errors = {"output": relative_error(out, ref_out), "input_grad": relative_error(dx, ref_dx)}
+    errors.update({n: relative_error(grads[n], ref_grads[n]) for n in ref_grads})
+    return {"errors": errors, "stats": stats, "bias_moved": bool(bias.abs().sum() > 0),
+            "bias_equal": bool(torch.equal(bias, ref_bias))}

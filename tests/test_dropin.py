@@ -1,0 +1,68 @@
+"""The drop-in contract (DESIGN §4): FEPLB behaves as DeepSpeed's MoE wherever that one works."""
+import pytest
+import torch
+
+from deepspeed_feplb.testing import run_distributed
+
+import moe_cases
+
+VARIANTS = {
+    "fp32": dict(),
+    "bf16": dict(dtype=torch.bfloat16),
+    "residual": dict(residual=True),
+    "eval": dict(training=False),
+    "ep1": dict(ep_size=1),
+    "top1": dict(k=1),
+    "disabled_drops_like_deepspeed": dict(feplb={"enabled": False}, reference_drop_tokens=True),
+    "inline_scheduler": dict(feplb={"scheduler": {"mode": "inline"}}),
+}
+TOLERANCE = {"bf16": 2e-2}
+
+
+def two_rank_cases():
+    results = {name: moe_cases.equivalence_variant(**kwargs) for name, kwargs in VARIANTS.items()}
+    results["plain_initialize"] = moe_cases.plain_initialize_case()
+    results["sigmoid"] = moe_cases.sigmoid_gating_case()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(two_rank_cases, 2, timeout=600)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_matches_deepspeed(results, variant):
+    for rank, per_rank in enumerate(results):
+        case = per_rank[variant]
+        worst = max(case["errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= TOLERANCE.get(variant, 1e-5), f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        assert case["keys_equal"], "state_dict keys differ from DeepSpeed's MoE"
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "residual", "eval", "inline_scheduler"])
+def test_variant_really_migrates(results, variant):
+    assert results[0][variant]["stats"]["migrated_tokens"] > 0
+
+
+def test_single_rank_ep_does_not_migrate(results):
+    assert results[0]["ep1"]["stats"]["migrated_tokens"] == 0
+
+
+def test_inline_scheduler_is_not_reported_as_fallback(results):
+    assert not results[0]["inline_scheduler"]["stats"]["fallback"]
+
+
+def test_plain_deepspeed_initialize_reads_the_feplb_section(results):
+    case = results[0]["plain_initialize"]
+    assert (case["D"], case["helpers"]) == (1, 1)
+    assert case["stats"]["tokens_after"], "the layer did not run its FEPLB path"
+
+
+def test_sigmoid_gating_is_exact_under_migration_and_updates_its_bias(results):
+    for rank, per_rank in enumerate(results):
+        case = per_rank["sigmoid"]
+        worst = max(case["errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-5, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        assert case["bias_moved"] and case["bias_equal"]
+    assert results[0]["sigmoid"]["stats"]["migrated_tokens"] > 0
