@@ -4,7 +4,9 @@
   ``deepspeed_feplb.testing.plugin``: ``@pytest.mark.feplb_ranks(N)``, fixture ``feplb_run``);
 * routing overrides: `override_routing` with `TraceRouting`, `zipf_routing`, `dirichlet_routing`,
   `one_hot_expert_routing`, `uniform_routing` or your own function;
-* assertions: `assert_same_on_all_ranks`, `assert_equal_to_unbalanced`.
+* assertions: `assert_same_on_all_ranks`, `assert_equal_to_unbalanced`; `distinct_experts` (DeepSpeed
+  starts every expert as a copy of one module: give each its own weights so that tests can see
+  a token computed by the wrong expert).
 
 The launcher needs only the standard library; the rest (torch, DeepSpeed) loads on first use.
 """
@@ -16,7 +18,7 @@ _LAZY = {
         "one_hot_expert_routing", "uniform_routing", "RoutedGate", "RoutingOverride", "override_routing",
         "assign_counts", "scale_counts", "example_trace_path", "EXAMPLE_TRACE")},
     **{name: "deepspeed_feplb.testing.asserts" for name in (
-        "assert_same_on_all_ranks", "assert_equal_to_unbalanced", "relative_error")},
+        "assert_same_on_all_ranks", "assert_equal_to_unbalanced", "relative_error", "distinct_experts")},
 }
 
 __all__ = ["free_port", "run_distributed", "RankFailed", "RankSkipped", *_LAZY]

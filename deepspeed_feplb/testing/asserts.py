@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["assert_same_on_all_ranks", "assert_equal_to_unbalanced", "relative_error"]
+__all__ = ["assert_same_on_all_ranks", "assert_equal_to_unbalanced", "relative_error", "distinct_experts"]
 
 
 def _plain(value: Any) -> Any:
@@ -88,6 +88,31 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     denominator = b.norm().item()
     return float((a - b).norm().item() / denominator) if denominator > 0 else float((a - b).norm().item())
+
+
+@torch.no_grad()
+def distinct_experts(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every expert of every MoE layer in ``model`` its own weights.
+
+    DeepSpeed builds all experts as copies of one module, so right after construction every
+    expert computes the same function and a test cannot notice tokens computed by the wrong
+    expert (or with the wrong weights after a migration). Each parameter is redrawn from a normal
+    distribution with its current mean absolute value as scale, seeded by ``(seed, layer,
+    global expert id, parameter)``: the same expert gets the same weights on every replica.
+    Call on every rank, before the optimizer is built.
+    """
+    from deepspeed.moe.sharded_moe import MOELayer
+    layers = [m for m in model.modules() if isinstance(m, MOELayer)]
+    for index, layer in enumerate(layers):
+        group = getattr(layer, "ep_group", None)
+        ep_rank = dist.get_rank(group) if dist.is_initialized() and group is not None else 0
+        experts = list(layer.experts.deepspeed_experts)
+        for local, expert in enumerate(experts):
+            global_id = ep_rank * len(experts) + local
+            for number, p in enumerate(expert.parameters()):
+                g = torch.Generator().manual_seed(((seed * 1009 + index) * 65_537 + global_id) * 257 + number)
+                scale = p.detach().float().abs().mean().clamp_min(1e-2).item()
+                p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
 
 
 # ------------------------------------------------------------------------------ equal to unbalanced
