@@ -1,0 +1,310 @@
+"""Phase 1 on DeepEP (`deep_ep.Buffer`), with the interface of `dispatch.torch_a2a.TorchDispatcher`.
+
+`DeepEPDispatcher.dispatch(x, expert_ids)` returns the rows grouped by local expert (then by
+source rank), the counts ``int64 [ep_size, E_local]`` (numpy) and a handle; `combine(rows, gates,
+handle)` returns ``[S, H]``: exactly what `TorchDispatcher` returns, so the layer and phase 2 are
+unchanged.
+
+How. DeepEP's ``combine`` sums what comes back for a token *without weights*, and the gates are
+not known at dispatch in our interface, so the adapter dispatches one *route* per DeepEP token:
+route ``(j, t)`` (flat index ``j * S + t``, as `TorchDispatcher` numbers routes) is token
+``x[t]`` with the single expert ``expert_ids[j, t]``. Every route then lands on exactly one rank,
+combine returns each route's expert output unchanged, and the gate-weighted sum happens at home in
+fp32, exactly as `TorchDispatcher.combine` computes it. The traffic equals the torch backend's
+(one row per route). Received rows (ordered by source rank, then route) are grouped by local
+expert with a stable counting sort (`kernels.expert_positions`) and a row permutation
+(`kernels.gather_rows`). Autograd: dispatch's backward is a combine, combine's backward a cached
+dispatch (DeepEP's own pairing), permutations invert.
+
+`ReferenceBuffer` implements the intranode contract of ``deep_ep.Buffer`` (v1.2.1:
+``get_dispatch_layout``, ``dispatch``, ``combine``) with ``torch.distributed.all_to_all_single``,
+so the adapter is tested on CPU: receive order by source rank then token, **local** expert ids in
+``recv_topk_idx`` with -1 for experts elsewhere and zeroed weights there, per-local-expert
+receive counts, unweighted combine summed over ranks in fp32, cached re-dispatch from a handle.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepspeed_feplb.gpu import kernels
+
+
+class _Done:
+    """Stands in for DeepEP's ``EventOverlap`` of a synchronous call."""
+
+    def current_stream_wait(self) -> None:
+        pass
+
+
+class ReferenceBuffer:
+    """CPU (any device) implementation of DeepEP's intranode ``Buffer`` contract over ``group``.
+
+    Handle (as DeepEP's intranode handle, 6 entries): ``(rank_prefix_matrix int32 [R, R],
+    channel_prefix_matrix int32 [R, 1], recv_channel_prefix_matrix int32 [R, 1], recv_src_idx
+    int32 [N_recv], is_token_in_rank bool [T, R], send_head int32 [T, R])`` where
+    ``rank_prefix_matrix[i, j]`` = tokens that ranks ``0..i`` send to rank ``j`` and
+    ``send_head[t, r]`` = the row of token ``t`` in rank ``r``'s receive buffer, or -1.
+    """
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 **_):
+        if low_latency_mode:
+            raise NotImplementedError("the reference implements the normal (intranode) mode only")
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.group_size = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    # -------------------------------------------------------------------- helpers
+    def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        out = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        if self.group_size == 1:
+            return out.copy_(send)
+        dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        return out
+
+    def _exchange_counts(self, per_rank: torch.Tensor) -> torch.Tensor:
+        """[R] counts this rank sends -> [R, R] matrix m[i, j] = tokens rank i sends to rank j."""
+        if self.group_size == 1:
+            return per_rank.view(1, 1).clone()
+        gathered = [torch.empty_like(per_rank) for _ in range(self.group_size)]
+        dist.all_gather(gathered, per_rank.contiguous(), group=self.group)
+        return torch.stack(gathered)
+
+    # -------------------------------------------------------------------- DeepEP API
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """topk_idx int64 ``[T, K]`` (-1: none) -> (tokens per rank int32 [R], None, tokens per expert
+        int32 [E], is_token_in_rank bool [T, R], event)."""
+        experts_per_rank = num_experts // self.group_size
+        valid = topk_idx >= 0
+        per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
+        dest = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, -1))
+        in_rank = torch.zeros((topk_idx.shape[0], self.group_size), dtype=torch.bool, device=topk_idx.device)
+        rows, cols = torch.nonzero(valid, as_tuple=True)
+        in_rank[rows, dest[rows, cols]] = True
+        return in_rank.sum(0).to(torch.int32), None, per_expert, in_rank, _Done()
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config=None, previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send token ``t`` once to every rank ``r`` with ``is_token_in_rank[t, r]`` (see DeepEP).
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``; with ``handle`` (cached layout) only ``recv_x`` is computed and the
+        next four entries are None.
+        """
+        if isinstance(x, tuple):
+            raise NotImplementedError("the reference does not implement fp8 dispatch")
+        if handle is not None:
+            in_rank = handle[4]
+        else:
+            in_rank = is_token_in_rank
+        send_tokens = [torch.nonzero(in_rank[:, r]).squeeze(1) for r in range(self.group_size)]
+        order = torch.cat(send_tokens) if send_tokens else torch.zeros(0, dtype=torch.long)
+        send_splits = [int(s.numel()) for s in send_tokens]
+        if handle is not None:
+            matrix = handle[0].long()
+            recv_splits = torch.diff(matrix[:, self.rank], prepend=matrix.new_zeros(1)).tolist()
+            return self._all_to_all(x.index_select(0, order), send_splits, recv_splits), None, None, None, None, _Done()
+
+        counts = self._exchange_counts(torch.tensor(send_splits, dtype=torch.long, device=x.device))
+        recv_splits = counts[:, self.rank].tolist()
+        recv_x = self._all_to_all(x.index_select(0, order), send_splits, recv_splits)
+        recv_src_idx = self._all_to_all(order.to(torch.int32), send_splits, recv_splits)
+        experts_per_rank = num_tokens_per_expert.numel() // self.group_size if num_tokens_per_expert is not None \
+            else None
+        recv_idx = recv_weights = None
+        expert_list: list[int] = []
+        if topk_idx is not None:
+            if experts_per_rank is None:
+                raise ValueError("dispatch with topk_idx needs num_tokens_per_expert")
+            # per destination, topk ids made local to it (-1 where the expert lives elsewhere)
+            send_idx = topk_idx.index_select(0, order).long()
+            dest_of_row = torch.repeat_interleave(torch.arange(self.group_size, device=x.device),
+                                                  torch.tensor(send_splits, device=x.device))
+            local = send_idx - dest_of_row[:, None] * experts_per_rank
+            mine = (send_idx >= 0) & (local >= 0) & (local < experts_per_rank)
+            local = torch.where(mine, local, torch.full_like(local, -1))
+            recv_idx = self._all_to_all(local, send_splits, recv_splits)
+            if topk_weights is not None:
+                weights = torch.where(mine, topk_weights.index_select(0, order), torch.zeros_like(local, dtype=topk_weights.dtype))
+                recv_weights = self._all_to_all(weights, send_splits, recv_splits)
+            per_local = torch.bincount(recv_idx[recv_idx >= 0], minlength=experts_per_rank)[:experts_per_rank]
+            expert_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_local]
+        send_head = torch.full(in_rank.shape, -1, dtype=torch.int32, device=x.device)
+        for r, tokens in enumerate(send_tokens):  # where each of our tokens lands in rank r's buffer
+            before = int(counts[:self.rank, r].sum())
+            send_head[tokens, r] = torch.arange(before, before + tokens.numel(), dtype=torch.int32, device=x.device)
+        prefix = torch.cumsum(counts, 0).to(torch.int32)
+        zeros = torch.zeros((self.group_size, 1), dtype=torch.int32, device=x.device)
+        new_handle = (prefix, zeros, zeros.clone(), recv_src_idx, in_rank, send_head)
+        return recv_x, recv_idx, recv_weights, expert_list, new_handle, _Done()
+
+    def combine(self, x: torch.Tensor, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Return every received row to its source and sum per token over ranks, without weights.
+
+        x ``[N_recv, H]`` in the receive order of ``handle`` -> ``([T, H], combined weights or None, event)``.
+        """
+        matrix, in_rank = handle[0].long(), handle[4]
+        recv_splits_of_dispatch = torch.diff(matrix[:, self.rank], prepend=matrix.new_zeros(1)).tolist()
+        send_splits_of_dispatch = in_rank.sum(0).tolist()
+        back = self._all_to_all(x, recv_splits_of_dispatch, send_splits_of_dispatch)
+        back_w = self._all_to_all(topk_weights, recv_splits_of_dispatch, send_splits_of_dispatch) \
+            if topk_weights is not None else None
+        tokens = torch.cat([torch.nonzero(in_rank[:, r]).squeeze(1) for r in range(self.group_size)])
+        out = torch.zeros((in_rank.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+        start = 0
+        for r in range(self.group_size):  # rank order, fp32 accumulation, one rounding
+            n = int(send_splits_of_dispatch[r])
+            out.index_add_(0, tokens[start:start + n], back[start:start + n].float())
+            start += n
+        if bias is not None:
+            for b in (bias if isinstance(bias, tuple) else (bias, )):
+                if b is not None:
+                    out += b.float()
+        combined_w = None
+        if back_w is not None:
+            combined_w = torch.zeros((in_rank.shape[0], back_w.shape[1]), dtype=back_w.dtype, device=x.device)
+            combined_w.index_add_(0, tokens, back_w)
+        return out.to(x.dtype), combined_w, _Done()
+
+
+# ------------------------------------------------------------------------------ autograd pieces
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, buffer, layout, topk_idx, weights, box):
+        per_rank, per_rdma, per_expert, in_rank = layout
+        recv_x, recv_idx, _, _, handle, event = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
+        event.current_stream_wait()
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.mark_non_differentiable(recv_idx)
+        box["handle"] = handle
+        return recv_x, recv_idx
+
+    @staticmethod
+    def backward(ctx, grad_x, _):
+        grad, _, event = ctx.buffer.combine(grad_x.contiguous(), ctx.handle)
+        event.current_stream_wait()
+        return grad, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, buffer, handle):
+        out, _, event = buffer.combine(x.contiguous(), handle)
+        event.current_stream_wait()
+        ctx.buffer, ctx.handle = buffer, handle
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv, *_, event = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)
+        event.current_stream_wait()
+        return recv, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``out = x[index]`` for a permutation ``index``; backward applies the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return kernels.gather_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse, ) = ctx.saved_tensors
+        return kernels.gather_rows(grad.contiguous(), inverse), None, None
+
+
+class DeepEPHandle:
+    """What `DeepEPDispatcher.combine` needs: DeepEP's handle and the grouping permutation."""
+
+    def __init__(self, deepep_handle, position: torch.Tensor, grouped_from: torch.Tensor, k: int, num_tokens: int):
+        self.deepep_handle, self.position, self.grouped_from = deepep_handle, position, grouped_from
+        self.k, self.num_tokens = k, num_tokens
+
+
+def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
+    """NVLink buffer bytes DeepEP asks for (its own config hints), or ``FEPLB_DEEPEP_NVL_BYTES``."""
+    if os.environ.get("FEPLB_DEEPEP_NVL_BYTES"):
+        return int(os.environ["FEPLB_DEEPEP_NVL_BYTES"])
+    buffer_cls = deep_ep_module.Buffer
+    hints = [buffer_cls.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+             buffer_cls.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks)]
+    return int(max(hints))
+
+
+class DeepEPDispatcher:
+    """Expert-parallel dispatch through DeepEP over ``group`` (``ep_size`` ranks, ``num_local_experts`` each).
+
+    Args:
+        buffer: a ``deep_ep.Buffer`` (or `ReferenceBuffer`); default: created on the first
+            dispatch with DeepEP's NVLink buffer-size hint for the hidden size seen.
+    """
+
+    def __init__(self, group, ep_size: int, num_local_experts: int, buffer=None):
+        self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
+        self.buffer = buffer
+
+    def _buffer(self, x: torch.Tensor):
+        if self.buffer is None:
+            import deep_ep
+            hidden_bytes = x.shape[1] * max(x.element_size(), 2)
+            self.buffer = deep_ep.Buffer(self.group, nvl_bytes_hint(deep_ep, hidden_bytes, self.ep_size))
+        if not isinstance(self.buffer, ReferenceBuffer) and x.dtype != torch.bfloat16:
+            raise TypeError(f"DeepEP dispatches bf16 tokens; got {x.dtype} (use ep_backend \"torch\" for other dtypes)")
+        return self.buffer
+
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
+        """As `TorchDispatcher.dispatch`: x ``[S, H]``, expert_ids ``[k, S]`` (-1: not taken) ->
+        (rows ``[N, H]`` grouped by local expert then source rank, counts int64 ``[ep_size, E_local]``
+        numpy, handle)."""
+        buffer = self._buffer(x)
+        k, num_tokens = expert_ids.shape
+        routes = expert_ids.reshape(-1, 1).long().contiguous()  # route j * S + t
+        x_routes = x.repeat(k, 1) if k > 1 else x
+        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
+            routes, self.ep_size * self.num_local_experts)
+        event.current_stream_wait()
+        weights = torch.ones(routes.shape, dtype=torch.float32, device=x.device)
+        box: dict = {}
+        recv_x, recv_idx = _Dispatch.apply(x_routes, buffer, (per_rank, per_rdma, per_expert, in_rank), routes,
+                                           weights, box)
+        local = recv_idx.reshape(-1)
+        counts_local, position = kernels.expert_positions(local, self.num_local_experts)
+        grouped_from = torch.empty_like(position)
+        grouped_from[position] = torch.arange(position.numel(), device=position.device)
+        rows = _Permute.apply(recv_x, grouped_from, position)
+        deepep_handle = box["handle"]
+        prefix = deepep_handle[0].long()[:, buffer_rank(buffer, self.group)]
+        starts = torch.cat([prefix.new_zeros(1), prefix])
+        source = torch.repeat_interleave(torch.arange(self.ep_size, device=local.device), torch.diff(starts))
+        counts = torch.zeros((self.ep_size, self.num_local_experts), dtype=torch.long, device=local.device)
+        counts.index_put_((source, local), torch.ones_like(local), accumulate=True)
+        if int(counts_local.sum()) != local.numel():
+            raise RuntimeError("DeepEP delivered a route for an expert that is not local (recv_topk_idx -1)")
+        handle = DeepEPHandle(deepep_handle, position, grouped_from, k, num_tokens)
+        return rows, counts.cpu().numpy(), handle
+
+    def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
+        """As `TorchDispatcher.combine`: rows ``[N, H]`` (grouped), gates ``[k, S]`` -> ``[S, H]``."""
+        back = _Permute.apply(rows, handle.position, handle.grouped_from)  # receive order
+        routed = _Combine.apply(back, self.buffer, handle.deepep_handle)  # [k * S, H], one row per route
+        k, num_tokens = gates.shape
+        routed = routed.view(k, num_tokens, -1)
+        return (routed * gates.unsqueeze(-1)).sum(0).to(rows.dtype)
+
+
+def buffer_rank(buffer, group) -> int:
+    if isinstance(buffer, ReferenceBuffer):
+        return buffer.rank
+    return getattr(buffer, "rank", dist.get_rank(group) if dist.is_initialized() else 0)

@@ -1,0 +1,129 @@
+"""DeepEP phase-1 adapter: its CPU reference of DeepEP's contract, and the adapter vs the torch backend.
+
+`deep_ep` itself cannot be built or imported here (no GPU, no NVSHMEM; DESIGN §6), so the
+adapter runs on `ReferenceBuffer`, which implements the intranode contract of ``deep_ep.Buffer``
+over gloo. On 3 ranks: the contract's properties, then `DeepEPDispatcher` against
+`TorchDispatcher` (rows, counts, combined output, and gradients of x and gates).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from deepspeed_feplb.testing import run_distributed
+
+E_LOCAL, HIDDEN, TOKENS, K = 3, 8, 11, 2
+
+
+def _inputs(rank: int, world: int):
+    g = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g)
+    experts = world * E_LOCAL
+    ids = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(TOKENS)])  # [T, K], distinct
+    ids[0] = -1  # a token routed nowhere
+    ids[1, 1] = -1  # a route not taken
+    ids[2] = torch.tensor([0, 1])  # two experts on rank 0: DeepEP sends the token there once
+    gates = torch.rand(TOKENS, K, generator=g)
+    return x, ids, gates
+
+
+def contract() -> dict:
+    from deepspeed_feplb.gpu.deepep import ReferenceBuffer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = ReferenceBuffer(None)
+    x, ids, gates = _inputs(rank, world)
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, world * E_LOCAL)
+    recv_x, recv_idx, recv_w, per_local, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
+        topk_weights=gates, expert_alignment=4)
+    cached, *rest = buffer.dispatch(x, handle=handle)
+    combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+    return dict(x=x, ids=ids, gates=gates, per_rank=per_rank, per_rdma=per_rdma, per_expert=per_expert,
+                in_rank=in_rank, recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_local=per_local, cached=cached,
+                rest=rest, combined=combined, combined_w=combined_w, recv_src_idx=handle[3])
+
+
+def adapter_vs_torch() -> dict:
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+    from deepspeed_feplb.gpu.deepep import DeepEPDispatcher, ReferenceBuffer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x0, ids, gates0 = _inputs(rank, world)
+    expert_ids, gates0 = ids.t().contiguous(), gates0.t().contiguous()  # the layer's [k, S] layout
+    results = {}
+    for name, dispatcher in (("torch", TorchDispatcher(None, world, E_LOCAL)),
+                             ("deepep", DeepEPDispatcher(None, world, E_LOCAL, buffer=ReferenceBuffer(None)))):
+        x = x0.clone().requires_grad_(True)
+        gates = gates0.clone().requires_grad_(True)
+        rows, counts, handle = dispatcher.dispatch(x, expert_ids)
+        g = torch.Generator().manual_seed(7 + rank)
+        weight = torch.randn(rows.shape[0], HIDDEN, generator=g)
+        out_rows = torch.tanh(rows * weight)  # a row-wise "expert"
+        out = dispatcher.combine(out_rows, gates, handle)
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        results[name] = dict(rows=rows.detach(), counts=counts, out=out.detach(), dx=x.grad, dgates=gates.grad)
+    return results
+
+
+def suite():
+    return {"contract": contract(), "adapter": adapter_vs_torch()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(suite, 3, timeout=240)
+
+
+def test_reference_layout_counts_tokens_once_per_rank(results):
+    for rank, r in enumerate(results):
+        c = r["contract"]
+        ids = c["ids"]
+        expect = torch.zeros(TOKENS, 3, dtype=torch.bool)
+        for t in range(TOKENS):
+            for e in ids[t].tolist():
+                if e >= 0:
+                    expect[t, e // E_LOCAL] = True
+        assert torch.equal(c["in_rank"], expect)
+        assert c["per_rank"].tolist() == expect.sum(0).tolist()
+        assert c["per_rdma"] is None  # intranode
+        assert c["per_expert"].tolist() == torch.bincount(ids[ids >= 0], minlength=9).tolist()
+
+
+def test_reference_receives_by_source_rank_with_local_expert_ids(results):
+    for me, r in enumerate(results):
+        c = r["contract"]
+        want_x, want_idx, want_w, want_src = [], [], [], []
+        for src, s in enumerate(results):  # receive order: source rank, then token
+            sc = s["contract"]
+            for t in range(TOKENS):
+                if sc["in_rank"][t, me]:
+                    local = sc["ids"][t] - me * E_LOCAL
+                    mine = (sc["ids"][t] >= 0) & (local >= 0) & (local < E_LOCAL)
+                    want_x.append(sc["x"][t])
+                    want_idx.append(torch.where(mine, local, torch.full_like(local, -1)))
+                    want_w.append(torch.where(mine, sc["gates"][t], torch.zeros_like(sc["gates"][t])))
+                    want_src.append(t)
+        assert torch.equal(c["recv_x"], torch.stack(want_x))
+        assert torch.equal(c["recv_idx"], torch.stack(want_idx))
+        assert torch.equal(c["recv_w"], torch.stack(want_w))
+        assert c["recv_src_idx"].tolist() == want_src
+        per_local = torch.bincount(c["recv_idx"][c["recv_idx"] >= 0], minlength=E_LOCAL)
+        assert c["per_local"] == [-(-int(n) // 4) * 4 for n in per_local]  # expert_alignment=4
+        assert torch.equal(c["cached"], c["recv_x"]) and c["rest"][:4] == [None] * 4
+
+
+def test_reference_combine_sums_over_ranks_without_weights(results):
+    for r in results:
+        c = r["contract"]
+        copies = c["in_rank"].sum(1, keepdim=True).float()  # ranks each token went to
+        assert torch.allclose(c["combined"], c["x"] * copies, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(c["combined_w"], torch.where(c["ids"] >= 0, c["gates"], torch.zeros_like(c["gates"])))
+
+
+def test_adapter_matches_torch_dispatcher_exactly(results):
+    for rank, r in enumerate(results):
+        a, b = r["adapter"]["torch"], r["adapter"]["deepep"]
+        assert (a["counts"] == b["counts"]).all(), (a["counts"], b["counts"])
+        assert torch.equal(a["rows"], b["rows"]), f"rank {rank}: rows differ (order within an expert?)"
+        assert torch.equal(a["out"], b["out"])
+        assert torch.allclose(a["dx"], b["dx"], rtol=1e-6, atol=1e-7)
+        assert torch.allclose(a["dgates"], b["dgates"], rtol=1e-6, atol=1e-7)
+        assert a["counts"].sum() > 0

@@ -1,0 +1,143 @@
+"""CUDA kernels: compiled for sm_90 on this CPU machine, and their references checked against plain torch.
+
+The kernels themselves run only on a GPU (tests/gpu/test_kernels_gpu.py compares them with these
+references there). Compilation tests skip, with the reason, when CuPy or nvcc / libnvrtc is missing.
+"""
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepspeed_feplb.gpu import kernels, reference
+from deepspeed_feplb.gpu.arena import (ALIGN, align_up, channel_capacity_hint, message_layout, plan_arena_offsets,
+                                       transport_bytes_per_rank)
+
+
+# ------------------------------------------------------------------------------------ compilation
+def _defined_kernels(text: str) -> set:
+    return set(re.findall(r'extern "C" __global__ void (\w+)\(', text))
+
+
+def test_every_kernel_in_the_source_is_listed_for_loading():
+    assert _defined_kernels(kernels.source()) == set(kernels.KERNELS)
+    assert not re.search(r"^\s*#\s*include", kernels.source(), re.M), "NVRTC on the GPU host has no host headers"
+
+
+def test_kernels_compile_for_sm90_with_nvcc():
+    pytest.importorskip("cupy", reason="CuPy not installed (pip install cupy-cuda12x)")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cubin = kernels.compile_cubin("90")
+    assert cubin[:4] == b"\x7fELF", "nvcc did not return a cubin"
+    for name in kernels.KERNELS:
+        assert f".text.{name}\0".encode() in cubin, f"{name} missing from the sm_90 cubin"
+
+
+def test_kernels_compile_for_sm90_with_nvrtc():
+    """The GPU host compiles with NVRTC (CuPy's default): the source must build without nvcc's headers."""
+    pytest.importorskip("cupy", reason="CuPy not installed")
+    from cupy_backends.cuda.libs import nvrtc
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"libnvrtc not available ({exc}); pip install nvidia-cuda-nvrtc-cu12")
+    program = nvrtc.createProgram(kernels.source(), kernels.SOURCE_NAME, [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90", *kernels.OPTIONS])
+    except Exception:
+        pytest.fail(f"NVRTC compile failed:\n{nvrtc.getProgramLog(program)}")
+    cubin = nvrtc.getCUBIN(program)
+    for name in kernels.KERNELS:
+        assert f".text.{name}\0".encode() in cubin
+
+
+def test_cuda_backend_calls_exist_in_cupy_runtime():
+    """Catch a misspelt CUDA runtime call without a GPU: every ``self._rt.X`` must exist in CuPy."""
+    runtime = pytest.importorskip("cupy.cuda.runtime", reason="CuPy not installed")
+    source = Path(__file__).resolve().parents[1].joinpath("deepspeed_feplb/gpu/backend.py").read_text()
+    used = set(re.findall(r"self\._rt\.(\w+)", source))
+    assert {"malloc", "ipcOpenMemHandle", "memcpyAsync", "streamWaitEvent", "ipcGetEventHandle"} <= used
+    missing = sorted(name for name in used if not hasattr(runtime, name))
+    assert not missing, f"not in cupy.cuda.runtime: {missing}"
+
+
+# ------------------------------------------------------------------------------------ references
+def _rows(n, h=5, dtype=torch.float32, seed=0):
+    return torch.randn(n, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_gather_rows_is_index_select_with_zero_rows(dtype):
+    src = _rows(7, dtype=torch.float32).mul(10).to(dtype)
+    index = torch.tensor([3, -1, 0, 6, 3, -1])
+    out = reference.gather_rows(src, index)
+    for i, j in enumerate(index.tolist()):
+        assert torch.equal(out[i], src[j] if j >= 0 else torch.zeros_like(src[0]))
+    assert out.dtype == dtype and out.shape == (6, 5)
+    assert kernels.gather_rows(src, index).equal(out)  # CPU tensors take the reference
+
+
+def test_scatter_rows_inverts_gather_of_a_permutation():
+    src = _rows(6)
+    perm = torch.randperm(6, generator=torch.Generator().manual_seed(3))
+    gathered = reference.gather_rows(src, perm)
+    back = reference.scatter_rows(gathered, perm, torch.zeros_like(src))
+    assert torch.equal(back, src)
+    dst = torch.full((4, 5), 9.0)
+    reference.scatter_rows(src[:3], torch.tensor([2, -1, 0]), dst)
+    assert torch.equal(dst[2], src[0]) and torch.equal(dst[0], src[2]) and (dst[[1, 3]] == 9).all()
+
+
+def test_expert_positions_is_a_stable_sort_by_expert():
+    g = torch.Generator().manual_seed(5)
+    routes = torch.randint(-1, 5, (200, ), generator=g)
+    routes[::17] = 7  # outside [0, 5): not local
+    counts, position = kernels.expert_positions(routes, 5)
+    valid = (routes >= 0) & (routes < 5)
+    assert counts.tolist() == [int((routes == e).sum()) for e in range(5)]
+    assert (position[~valid] == -1).all()
+    order = torch.argsort(torch.where(valid, routes, torch.full_like(routes, 99)), stable=True)[:int(valid.sum())]
+    assert torch.equal(position[order], torch.arange(int(valid.sum())))  # stable: receive order kept
+    offsets = torch.tensor([100, 0, 50, 7, 3])
+    shifted = reference.expert_positions(routes, 5, offsets)
+    assert torch.equal(shifted[valid], position[valid] - (torch.cumsum(counts, 0) - counts)[routes[valid]]
+                       + offsets[routes[valid]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weighted_combine_matches_the_torch_dispatcher_formula(dtype):
+    rows = _rows(9, 6, dtype=dtype, seed=1)
+    slot = torch.tensor([[0, 4], [-1, 8], [-1, -1], [3, 3]])
+    weight = torch.rand(4, 2, generator=torch.Generator().manual_seed(2))
+    out = reference.weighted_combine(rows, slot, weight)
+    padded = torch.cat([rows, rows.new_zeros(1, 6)])
+    routed = padded[torch.where(slot < 0, 9, slot).t()]  # [k, T, H] as TorchDispatcher.combine builds it
+    want = (routed * weight.t().unsqueeze(-1)).sum(0).to(dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, want)
+    assert (out[2] == 0).all()
+
+
+# ------------------------------------------------------------------------------------ arena sizes
+def test_message_layout_is_aligned_and_disjoint():
+    specs = [(torch.bfloat16, (3, 7)), (torch.float32, ()), (torch.int64, (0, 4)), (torch.float32, (100, ))]
+    offsets, total = message_layout(specs)
+    sizes = [42, 4, 0, 400]
+    assert offsets == [0, 256, 512, 512] and total == 1024
+    assert all(o % ALIGN == 0 for o in offsets)
+    for (o, s), nxt in zip(zip(offsets, sizes), offsets[1:] + [total]):
+        assert o + s <= nxt
+    arena_offsets, arena_total = plan_arena_offsets(np.array([1, 256, 257, 0]))
+    assert arena_offsets.tolist() == [0, 256, 512, 1024] and arena_total == 1024
+
+
+def test_memory_formula_matches_the_transport_slots():
+    # GLM-5-like: 72 MiB bf16 experts, hidden 6144, D=4, chunks of up to 4096 tokens, 3 tensors each
+    hint = channel_capacity_hint(4, 72 << 20, 4096, 6144, 2, 3)
+    assert hint == align_up(4 * ((72 << 20) + 4096 * 6144 * 2 + 3 * 256))
+    assert transport_bytes_per_rank(8, hint) == 7 * hint
+    assert transport_bytes_per_rank(1, hint) == 0
+    assert align_up(1) == 256 and align_up(256) == 256 and align_up(0) == 0
