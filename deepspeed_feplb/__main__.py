@@ -11,6 +11,7 @@ COMMAND_MODULES = (
     "deepspeed_feplb.config",
     "deepspeed_feplb.sim.cli",
     "deepspeed_feplb.migrate.shm",
+    "deepspeed_feplb.report",
 )
 
 
