@@ -17,7 +17,7 @@ import threading
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
-from deepspeed_feplb.migrate.shm import ShmTransport
+from deepspeed_feplb.migrate.shm import PeerWatch, ShmTransport
 from deepspeed_feplb.planner.service import SchedulerClient
 
 _RUNTIMES: dict[tuple, "DomainRuntime"] = {}
@@ -53,7 +53,7 @@ class DomainRuntime:
 
         # Agree on segment names and check that a domain never spans hosts.
         info = [None] * len(ep_ranks)
-        dist.all_gather_object(info, (secrets.token_hex(4), socket.gethostname()), group=ep_group)
+        dist.all_gather_object(info, (secrets.token_hex(4), socket.gethostname(), os.getpid()), group=ep_group)
         hosts = {info[first + i][1] for i in range(self.size)}
         if len(hosts) > 1:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts {sorted(hosts)}; "
@@ -61,14 +61,16 @@ class DomainRuntime:
         self.name = f"feplb-{info[first][0]}"
         sched = config.scheduler
         leader = self.local_rank == 0
+        watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         kwargs = dict(mode=sched.mode, plan_timeout_s=sched.plan_timeout_ms / 1e3, peer_timeout_s=sched.peer_timeout_s,
-                      restart=sched.restart)
+                      restart=sched.restart, watch=watch)
         if leader:
-            self.transport = ShmTransport(self.name, 0, self.size, sched.peer_timeout_s, create=True)
+            self.transport = ShmTransport(self.name, 0, self.size, sched.peer_timeout_s, create=True, watch=watch)
             self.scheduler = SchedulerClient(f"{self.name}-mbox", 0, self.size, create=True, **kwargs)
         dist.barrier(group=ep_group)
         if not leader:
-            self.transport = ShmTransport(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=False)
+            self.transport = ShmTransport(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=False,
+                                          watch=watch)
             self.scheduler = SchedulerClient(f"{self.name}-mbox", self.local_rank, self.size, create=False, **kwargs)
         self.closed = False
 

@@ -63,18 +63,27 @@ class TorchDispatcher:
             and a `DispatchHandle`.
         """
         k, num_tokens = expert_ids.shape
+        num_experts = self.ep_size * self.num_local_experts
         flat = expert_ids.reshape(-1).long()
-        valid = flat >= 0
+        out_of_range = int(((flat < -1) | (flat >= num_experts)).sum())
+        valid = (flat >= 0) & (flat < num_experts)
         experts = flat[valid]
         route_order = torch.nonzero(valid).squeeze(1)[torch.argsort(experts, stable=True)]
         send_rows = x.index_select(0, route_order % num_tokens)
-        send_counts = torch.bincount(experts, minlength=self.ep_size * self.num_local_experts)
-        send_counts = send_counts.view(self.ep_size, self.num_local_experts)
+        send_counts = torch.bincount(experts, minlength=num_experts).view(self.ep_size, self.num_local_experts)
+        # one extra column tells every peer how many bad routes this rank has: all ranks then fail together
+        send_meta = torch.cat([send_counts, send_counts.new_full((self.ep_size, 1), out_of_range)], dim=1)
         if self.ep_size > 1:
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            recv_meta = torch.empty_like(send_meta)
+            dist.all_to_all_single(recv_meta, send_meta, group=self.group)
         else:
-            recv_counts = send_counts
+            recv_meta = send_meta
+        bad = recv_meta[:, -1].tolist()
+        if any(bad):
+            ranks = {self._global_rank(i): n for i, n in enumerate(bad) if n}
+            raise ValueError(f"FEPLB: routes to experts outside [-1, {num_experts - 1}] (rank: count {ranks}); "
+                             "a custom router must return expert ids in range, or -1 for a route not taken")
+        recv_counts = recv_meta[:, :-1]
         recv_np = recv_counts.cpu().numpy()
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_np.sum(1).tolist()
@@ -82,6 +91,11 @@ class TorchDispatcher:
         regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
         handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
         return rows.index_select(0, regroup), recv_np, handle
+
+    def _global_rank(self, ep_rank: int) -> int:
+        if self.ep_size > 1:
+            return dist.get_global_rank(self.group, ep_rank)
+        return dist.get_rank() if dist.is_initialized() else 0
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return expert outputs to their tokens and sum them weighted by ``gates [k, S]`` -> ``[S, H]``."""

@@ -63,16 +63,50 @@ def unlink_quietly(shm: shared_memory.SharedMemory | None) -> None:
         pass
 
 
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    """Spin briefly, then back off with sleeps: 2 cores serve several ranks in tests."""
+class PeerDiedError(PeerTimeoutError):
+    """A peer process of the domain is gone (killed or crashed)."""
+
+
+class PeerWatch:
+    """Liveness of a domain's rank processes, which share this host: fail fast, naming the rank.
+
+    pids: process id of each local rank; ranks: their global ranks (for messages).
+    """
+
+    def __init__(self, pids: list[int], ranks: list[int]):
+        self.pids, self.ranks = list(pids), list(ranks)
+
+    def alive(self, local_rank: int) -> bool:
+        try:
+            with open(f"/proc/{self.pids[local_rank]}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # zombies are dead ranks
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+
+    def check(self, local_ranks=None) -> None:
+        for r in range(len(self.pids)) if local_ranks is None else local_ranks:
+            if not self.alive(r):
+                raise PeerDiedError(f"FEPLB: rank {self.ranks[r]} (pid {self.pids[r]}) of this NVLink domain died")
+
+
+def wait_until(predicate, timeout_s: float, what: str, watch=None) -> None:
+    """Spin briefly, then back off with sleeps (2 cores serve several ranks in tests).
+
+    ``watch``, if given, is called every ~50 ms and raises when a peer is known to be dead.
+    """
     deadline = time.monotonic() + timeout_s
+    next_watch = time.monotonic() + 0.05
     spins = 0
     while not predicate():
         spins += 1
         if spins < 200:
             continue
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise PeerTimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
+        if watch is not None and now > next_watch:
+            watch()
+            next_watch = now + 0.05
         time.sleep(0 if spins < 2000 else 0.0002)
 
 
@@ -111,8 +145,10 @@ class ShmTransport:
     before the others construct theirs; `create_control` / attach order is the caller's barrier.
     """
 
-    def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool):
+    def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool,
+                 watch: PeerWatch | None = None):
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
+        self.watch = watch
         control_bytes = size * size * _HEADER_FIELDS * 8
         self._control_shm = open_segment(f"{name}-ctl", control_bytes, create=create)
         self._owns_control = create
@@ -154,7 +190,7 @@ class ShmTransport:
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> None:
         channel = self._control[self.local_rank, dst]
         wait_until(lambda: channel[_ACK] == channel[_SEQ], self.timeout_s,
-                   f"rank {dst} of domain {self.name} to read the previous message")
+                   f"{self._who(dst)} of domain {self.name} to read the previous message", self._watcher(dst))
         header, offsets, nbytes = _pack_layout(tag, tensors)
         segment = self._outgoing.get(dst)
         if segment is None or segment.size < nbytes:
@@ -181,7 +217,7 @@ class ShmTransport:
         channel = self._control[src, self.local_rank]
         expected = self._expected[src] + 1
         wait_until(lambda: channel[_SEQ] >= expected, self.timeout_s,
-                   f"local rank {src} of domain {self.name} (message tag {tag:#x})")
+                   f"{self._who(src)} of domain {self.name} (message tag {tag:#x})", self._watcher(src))
         generation = int(channel[_GEN])
         cached = self._incoming.get(src)
         if cached is None or cached[0] != generation:
@@ -205,6 +241,12 @@ class ShmTransport:
         channel[_ACK] = expected
         return tensors
 
+    def _who(self, local_rank: int) -> str:
+        return f"rank {self.watch.ranks[local_rank]}" if self.watch else f"local rank {local_rank}"
+
+    def _watcher(self, local_rank: int):
+        return None if self.watch is None else (lambda: self.watch.check([local_rank]))
+
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Stop the copy thread, unmap everything and unlink the segments this rank owns."""
@@ -224,6 +266,7 @@ class ShmTransport:
         self._control_shm.close()
         if self._owns_control:
             unlink_quietly(self._control_shm)
+            cleanup(f"{self.name}-")  # segments of ranks that died without cleaning up
 
 
 def leftover_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:

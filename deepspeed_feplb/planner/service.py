@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_feplb.migrate.shm import PeerTimeoutError, open_segment, unlink_quietly, wait_until
+from deepspeed_feplb.migrate.shm import PeerTimeoutError, PeerWatch, cleanup, open_segment, unlink_quietly, wait_until
 from deepspeed_feplb.planner.policy import Plan, PlanConstraints, plan_node
 
 RING = 4
@@ -163,6 +163,8 @@ def serve(mailbox: Mailbox, parent_pid: int) -> None:
             idle = time.monotonic() - idle_since
             if idle > 0.5:
                 if os.getppid() != parent_pid:
+                    # our rank was killed and cannot clean up: the domain is broken, remove its segments
+                    cleanup(mailbox.name[:-len("mbox")])
                     return
                 mailbox.header[_HEARTBEAT] = int(time.time())
             time.sleep(0 if idle < 0.002 else 0.0002 if idle < 0.1 else 0.002)
@@ -194,18 +196,23 @@ def main(argv=None) -> None:
 class SchedulerClient:
     """What a rank uses: publish counts, then get the domain's plan for the same step.
 
-    Rank 0 of the domain owns the mailbox and, in ``mode="process"``, the scheduler process
-    (restarted when it died). ``plan_timeout_s`` bounds the wait for the process before the rank
-    plans in-process; ``peer_timeout_s`` bounds the wait for the other ranks' counts.
+    Rank 0 of the domain owns the mailbox and, in ``mode="process"``, the scheduler process.
+    ``plan_timeout_s`` bounds the wait for the process before the rank plans in-process (the
+    same plan every rank computes); a scheduler that is gone is not waited for at all; the owner
+    restarts a dead one, and kills and restarts one that missed `STALLED_AFTER` plans in a row.
+    ``peer_timeout_s`` bounds the wait for the other ranks' counts; ``watch`` fails fast when
+    one of them died.
     """
 
+    STALLED_AFTER = 3
+
     def __init__(self, name: str, local_rank: int, ranks: int, *, mode: str, plan_timeout_s: float,
-                 peer_timeout_s: float, restart: bool, create: bool):
-        self.local_rank, self.ranks, self.mode = local_rank, ranks, mode
+                 peer_timeout_s: float, restart: bool, create: bool, watch: PeerWatch | None = None):
+        self.local_rank, self.ranks, self.mode, self.watch = local_rank, ranks, mode, watch
         self.plan_timeout_s, self.peer_timeout_s, self.restart = plan_timeout_s, peer_timeout_s, restart
         self.mailbox = Mailbox(name, ranks, create=create)
         self.process: subprocess.Popen | None = None
-        self.fallbacks = 0
+        self.fallbacks = self.late_in_a_row = 0
         if create and mode == "process":
             self._start_process()
             # once, at start-up: a cold Python takes a while to import numpy
@@ -219,6 +226,14 @@ class SchedulerClient:
              str(self.ranks), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
+    def scheduler_pid(self) -> int:
+        """Pid of the running scheduler process (0 while none has announced itself)."""
+        return int(self.mailbox.header[_PID])
+
+    def _scheduler_alive(self) -> bool:
+        pid = self.scheduler_pid()
+        return pid != 0 and PeerWatch([pid], [-1]).alive(0)
+
     def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
         self.mailbox.publish(self.local_rank, seq, counts, constraints)
 
@@ -226,40 +241,57 @@ class SchedulerClient:
         """Moves ``[M, 4]``, node counts ``[G, E_local]``, planning time (s) and whether this rank planned itself."""
         counts, constraints = self._wait_counts(seq)
         if self.mode == "process":
-            try:
-                wait_until(lambda: self.mailbox.read_plan(seq, self.ranks) is not None, self.plan_timeout_s,
-                           "the scheduler process")
-                got = self.mailbox.read_plan(seq, self.ranks)
-                if got is not None:
-                    return got[0], counts, got[1] * 1e-9, False
-            except PeerTimeoutError:
-                pass
+            got = None
+            if self._scheduler_alive():
+                try:
+                    wait_until(lambda: self.mailbox.read_plan(seq, self.ranks) is not None, self.plan_timeout_s,
+                               "the scheduler process")
+                    got = self.mailbox.read_plan(seq, self.ranks)
+                except PeerTimeoutError:
+                    pass
+            if got is not None:
+                self.late_in_a_row = 0
+                return got[0], counts, got[1] * 1e-9, False
             self._on_late_scheduler()
         start = time.perf_counter()
         plan = plan_node(counts, constraints)
         return plan.moves, counts, time.perf_counter() - start, self.mode == "process"
 
     def _wait_counts(self, seq: int):
+        ready = []
+
+        def complete() -> bool:
+            got = self.mailbox.read_counts(seq)
+            if got is not None:
+                ready.append(got)
+            return got is not None
+
         try:
-            wait_until(lambda: self.mailbox.read_counts(seq) is not None, self.peer_timeout_s, "counts")
-        except PeerTimeoutError:
+            wait_until(complete, self.peer_timeout_s, "counts", self.watch.check if self.watch else None)
+        except PeerTimeoutError as error:
             missing = self.mailbox.missing_ranks(seq)
-            raise PeerTimeoutError(
-                f"FEPLB: local rank(s) {missing} of mailbox {self.mailbox.name} did not publish step {seq} within "
-                f"feplb.scheduler.peer_timeout_s={self.peer_timeout_s:g} s (dead or hung rank)") from None
-        ready = self.mailbox.read_counts(seq)
-        if ready is None:  # a fast peer moved on between our two reads: impossible within RING steps
-            raise RuntimeError(f"FEPLB mailbox {self.mailbox.name}: step {seq} was overwritten before it was read")
-        return ready
+            if self.watch is not None:
+                missing = [self.watch.ranks[r] for r in missing]
+            raise type(error)(
+                f"FEPLB: rank(s) {missing} did not publish step {seq} within feplb.scheduler.peer_timeout_s="
+                f"{self.peer_timeout_s:g} s ({error})") from None
+        return ready[0]
 
     def _on_late_scheduler(self) -> None:
         self.fallbacks += 1
+        self.late_in_a_row += 1
         if self.fallbacks == 1:
             import warnings
             warnings.warn("FEPLB: the scheduler process did not answer in time; ranks plan in-process "
                           "(same plan on every rank)", RuntimeWarning, stacklevel=3)
-        if self.process is not None and self.restart and self.process.poll() is not None:
+        if self.process is None or not self.restart:
+            return
+        if self.process.poll() is None and self.late_in_a_row >= self.STALLED_AFTER:
+            self.process.kill()  # stalled: a fresh one is cheaper than waiting on it every step
+            self.process.wait()
+        if self.process.poll() is not None:
             self._start_process()
+            self.late_in_a_row = 0
 
     def close(self) -> None:
         if self.process is not None:
