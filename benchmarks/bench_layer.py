@@ -1,0 +1,161 @@
+"""FEPLB's MoE layer vs DeepSpeed's MoE on 2 CPU ranks under no-aux routing skew, side by side.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_layer.py [--json OUT.json]
+
+Four layers with the same weights and the same skewed gate (no auxiliary loss; the first rank's
+experts are the hottest), stepped round-robin so machine noise hits all alike:
+
+* ``deepspeed dropless``: `deepspeed.moe.layer.MoE(drop_tokens=False)` (capacity = the largest
+  expert load over the EP group: every expert is padded to it);
+* ``deepspeed cap1.0``:   `deepspeed.moe.layer.MoE(drop_tokens=True, capacity_factor=1.0)`;
+* ``feplb off (D=0)``:    `deepspeed_feplb.MoE` with balancing off (dropless, no padding);
+* ``feplb``:              `deepspeed_feplb.MoE` with ``dynamic_experts_per_rank`` = D, the
+  scheduler process and the shared-memory transport.
+
+Per layer: median step time (forward + backward, the slower rank of each step), measured GEMM
+straggler (max - mean over the 2 ranks of the wall time spent inside expert modules in forward,
+`deepspeed_feplb.monitor`), mean of the slowest rank's expert time, and token-expert routes
+dropped. Ranks are started by `deepspeed_feplb.testing.run_distributed` (gloo, spawned).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = ("deepspeed dropless", "deepspeed cap1.0", "feplb off (D=0)", "feplb")
+
+
+def _worker(opts: dict) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    import deepspeed_feplb
+    from deepspeed_feplb.monitor import StatsCollector, summarize
+
+    torch.manual_seed(0)
+    hidden, ffn, experts, k = opts["hidden"], opts["ffn"], opts["experts"], opts["k"]
+    expert = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
+    common = dict(hidden_size=hidden, expert=expert, num_experts=experts, ep_size=2, k=k, min_capacity=0, use_rts=False,
+                  top2_2nd_expert_sampling=False)
+    feplb = {"dynamic_experts_per_rank": opts["dynamic"], "max_helpers_per_expert": 1, "chunk_align_tokens": 8,
+             "scheduler": {"mode": "process", "plan_timeout_ms": 20}}
+    layers = {
+        "deepspeed dropless": DeepSpeedMoE(**common, drop_tokens=False),
+        "deepspeed cap1.0": DeepSpeedMoE(**common, drop_tokens=True, capacity_factor=1.0),
+        "feplb off (D=0)": deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config={**feplb, "dynamic_experts_per_rank": 0}),
+        "feplb": deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config=feplb),
+    }
+    reference = layers["deepspeed dropless"]
+    with torch.no_grad():  # no-aux skew: popularity falls with the expert id, so rank 0 holds the hot experts
+        wg = reference.deepspeed_moe.gate.wg.weight
+        wg.mul_(0.3).add_(opts["skew"] / hidden * (1.0 / torch.arange(1, experts + 1)).sqrt()[:, None])
+        for i, e in enumerate(reference.deepspeed_moe.experts.deepspeed_experts):  # distinct experts
+            g = torch.Generator().manual_seed(100 + dist.get_rank() * experts + i)
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    for name, layer in layers.items():
+        if layer is not reference:
+            layer.load_state_dict(reference.state_dict())
+        layer.set_deepspeed_parallelism()
+    collectors = {name: StatsCollector(layer) for name, layer in layers.items()}
+    dropped = {name: 0 for name in layers}
+    routes = {name: 0 for name in layers}
+
+    def count_drops(name):
+        def hook(module, inputs, output):
+            indices = output[3]  # sparse routes: [k, S] expert per route, -1 = dropped
+            dropped[name] += int((indices < 0).sum())
+            routes[name] += int(indices.numel())
+        return hook
+
+    for name, layer in layers.items():
+        layer.deepspeed_moe.gate.register_forward_hook(count_drops(name))
+
+    times = {name: [] for name in layers}
+    gemm, gemm_max, straggle_after = ({name: [] for name in layers} for _ in range(3))
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    for step in range(opts["warmup"] + opts["steps"]):
+        x = torch.randn(opts["tokens"], hidden, generator=g) + 1.0
+        w = torch.randn(opts["tokens"], hidden, generator=g)
+        for name, layer in layers.items():
+            if step == opts["warmup"]:
+                dropped[name] = routes[name] = 0
+            layer.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            out = layer(x)[0]
+            (out * w).sum().backward()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            records = collectors[name].take()
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, records)
+            if step >= opts["warmup"]:
+                summary = summarize(everyone, step)["layers"]["moe"]
+                times[name].append(float(elapsed))
+                gemm[name].append(summary["gemm_straggler_ms"])
+                gemm_max[name].append(summary["gemm_max_ms"])
+                if name == "feplb":  # the only layer with an NVLink domain (D=0 has none)
+                    straggle_after[name].append((summary["token_straggler_before"], summary["token_straggler_after"]))
+    totals = torch.tensor([[dropped[n], routes[n]] for n in layers], dtype=torch.float64)
+    dist.all_reduce(totals)
+    result = {}
+    for i, name in enumerate(layers):
+        result[name] = {"median_step_ms": 1e3 * float(np.median(times[name])),
+                        "gemm_straggler_ms": float(np.median(gemm[name])),
+                        "gemm_max_ms": float(np.median(gemm_max[name])),
+                        "routes_dropped": int(totals[i, 0]), "routes": int(totals[i, 1])}
+        if straggle_after[name]:
+            result[name]["token_straggler_before"] = float(np.mean([b for b, _ in straggle_after[name]]))
+            result[name]["token_straggler_after"] = float(np.mean([a for _, a in straggle_after[name]]))
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank and step")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--dynamic", type=int, default=2, help="FEPLB dynamic experts per rank (D)")
+    parser.add_argument("--skew", type=float, default=3.0, help="gate skew strength (no auxiliary loss)")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from deepspeed_feplb.testing import run_distributed
+
+    opts = {k: v for k, v in vars(args).items() if k != "json"}
+    result = run_distributed(_worker, 2, opts, timeout=900)[0]
+    print(f"2 CPU ranks (gloo), EP=2, {args.experts} experts, top-{args.k}, hidden {args.hidden}, ffn {args.ffn}, "
+          f"{args.tokens} tokens/rank, skew {args.skew}, no aux loss; {args.steps} steps after {args.warmup} warm-up")
+    header = f"{'layer':<20}{'step ms (median)':>18}{'GEMM straggler ms':>19}{'slowest expert ms':>19}{'routes dropped':>16}"
+    print(header)
+    for name in VARIANTS:
+        r = result[name]
+        print(f"{name:<20}{r['median_step_ms']:>18.1f}{r['gemm_straggler_ms']:>19.2f}{r['gemm_max_ms']:>19.2f}"
+              f"{r['routes_dropped']:>9} / {r['routes']}")
+    ours, dropless, off = result["feplb"], result["deepspeed dropless"], result["feplb off (D=0)"]
+    print(f"\nFEPLB vs DeepSpeed dropless: {dropless['median_step_ms'] / ours['median_step_ms']:.2f}x faster per step")
+    print(f"GEMM straggler vs the same layer with balancing off: "
+          f"{100 * (1 - ours['gemm_straggler_ms'] / max(off['gemm_straggler_ms'], 1e-9)):.0f}% lower")
+    if "token_straggler_before" in ours:
+        print(f"token straggler (FEPLB domain): {ours['token_straggler_before']:.1f} -> {ours['token_straggler_after']:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": opts, "results": result}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
