@@ -74,10 +74,43 @@ def all_to_all_rounds(capacity: int, rounds: int) -> dict:
     return {"capacities": capacities, "live": live, "leftover": [n for n in leftover_segments() if n.startswith(name)]}
 
 
+def arena_case() -> dict:
+    """PeerArena: handles exchanged with all_gather_object, peer views written, closed before free."""
+    from deepspeed_feplb.gpu.arena import PeerArena
+    name = _domain_name()
+    backend = HostBackend(prefix=f"{name}-mem")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    arena = PeerArena(backend, 1000 + 300 * rank)  # sizes differ per rank; rounded to 256
+    arena.exchange()
+    sizes = {r: arena.size_of(r) for r in range(size)}
+    for peer in range(size):  # write our rank into our column of every peer's arena
+        if peer != rank:
+            arena.tensor(peer, 256 * rank, (4, ), torch.int64).fill_(rank + 1)
+    dist.barrier()
+    mine = [arena.tensor(rank, 256 * r, (4, ), torch.int64).tolist() for r in range(size)]
+    out_of_bounds = ""
+    try:
+        arena.tensor((rank + 1) % size, sizes[(rank + 1) % size] - 8, (2, ), torch.int64)
+    except ValueError as exc:
+        out_of_bounds = str(exc)
+    dist.barrier()
+    early_free = ""
+    if rank == 0:  # peers still map our arena: freeing now must be refused
+        try:
+            backend.free(arena.ptr)
+        except RuntimeError as exc:
+            early_free = str(exc)
+    dist.barrier()
+    arena.close(group=dist.group.WORLD)
+    dist.barrier()  # every rank has freed
+    return {"sizes": sizes, "mine": mine, "oob": out_of_bounds, "early_free": early_free, "live": backend.live(),
+            "leftover": [n for n in leftover_segments() if n.startswith(name)]}
+
+
 def protocol_suite() -> dict:
     """All protocol cases in one launch (spawning ranks dominates the cost on CPU)."""
     return {"rounds": all_to_all_rounds(1 << 20, 4), "growth": all_to_all_rounds(512, 5), "wrong_tag": wrong_tag(),
-            "silent_peer": silent_peer()}
+            "silent_peer": silent_peer(), "arena": arena_case()}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +135,17 @@ def test_slots_grow_when_a_message_does_not_fit(protocol_results):
             assert capacity >= 2048 and capacity % 256 == 0, result
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
         assert result["leftover"] == []
+
+
+def test_peer_arena_exchange_views_and_lifecycle(protocol_results):
+    for rank, suite in enumerate(protocol_results):
+        a = suite["arena"]
+        assert a["sizes"] == {0: 1024, 1: 1536, 2: 1792}
+        assert a["mine"] == [[r + 1] * 4 if r != rank else [0] * 4 for r in range(3)], a["mine"]
+        assert "outside arena" in a["oob"]
+        assert a["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}
+        assert a["leftover"] == []
+    assert "importer(s) still have it open" in protocol_results[0]["arena"]["early_free"]
 
 
 def wrong_tag() -> str:
@@ -152,8 +196,8 @@ def layer_through_ce_protocol() -> dict:
 
     from deepspeed_feplb import runtime
 
-    def transport_factory(name, local_rank, size, timeout_s, create):
-        return CudaCETransport(name, local_rank, size, timeout_s, create, backend=HostBackend(prefix=f"{name}-mem"),
+    def transport_factory(name, local_rank, size, timeout_s, create, watch=None):
+        return CudaCETransport(name, local_rank, size, timeout_s, create, watch, backend=HostBackend(prefix=f"{name}-mem"),
                                capacity_bytes=4096)  # small: the layer's messages grow the slots
 
     runtime.ShmTransport = transport_factory

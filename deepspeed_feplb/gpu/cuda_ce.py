@@ -84,15 +84,16 @@ class CudaCETransport:
         backend: a `CudaBackend` (default: on torch's current CUDA device) or `HostBackend`.
         capacity_bytes: initial size of each inbound slot (`arena.channel_capacity_hint`).
         max_tensors: most tensors in one message.
+        watch: a `migrate.shm.PeerWatch`: waits fail fast, naming the rank, when a peer died.
     """
 
-    def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, *, backend=None,
-                 capacity_bytes: int = DEFAULT_CAPACITY, max_tensors: int = DEFAULT_MAX_TENSORS):
+    def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
+                 backend=None, capacity_bytes: int = DEFAULT_CAPACITY, max_tensors: int = DEFAULT_MAX_TENSORS):
         if backend is None:
             from deepspeed_feplb.gpu.backend import CudaBackend
             backend = CudaBackend()
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
-        self.backend, self.max_tensors = backend, max_tensors
+        self.backend, self.max_tensors, self.watch = backend, max_tensors, watch
         words = channel_words(max_tensors)
         self._control_shm = open_segment(f"{name}-cectl", size * size * words * 8, create=create)
         self._owns_control = create
@@ -195,19 +196,20 @@ class CudaCETransport:
         backend, stream = self.backend, self._streams[dst]
         channel = self._control[self.local_rank, dst]
         wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
-                   f"rank {dst} of domain {self.name} to read the previous message")
+                   f"{self._who(dst)} of domain {self.name} to read the previous message", self._watcher(dst))
         if channel[SEQ] > 0:  # the receiver's copy-out of the previous message must finish first
             if dst not in self._done_peer:
                 self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
             backend.stream_wait_event(stream, self._done_peer[dst])
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
-        wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"rank {dst} of domain {self.name} to start")
+        wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"{self._who(dst)} of domain {self.name} to start",
+                   self._watcher(dst))
         if nbytes > channel[CAP]:
             self._unmap(dst)
             generation = int(channel[GEN])
             channel[WANT] = nbytes
             wait_until(lambda: channel[GEN] > generation, self.timeout_s,
-                       f"rank {dst} of domain {self.name} to grow its slot to {nbytes} bytes")
+                       f"{self._who(dst)} of domain {self.name} to grow its slot to {nbytes} bytes", self._watcher(dst))
         peer = self._map(dst, channel)
         backend.stream_wait_event(stream, ready)
         for t, offset in zip(tensors, offsets):
@@ -249,7 +251,8 @@ class CudaCETransport:
                 self._serve_growth(src)
             return channel[SEQ] >= expected
 
-        wait_until(arrived, self.timeout_s, f"local rank {src} of domain {self.name} (message tag {tag:#x})")
+        wait_until(arrived, self.timeout_s, f"{self._who(src)} of domain {self.name} (message tag {tag:#x})",
+                   self._watcher(src))
         if channel[TAG] != tag:
             raise RuntimeError(f"FEPLB transport out of step: expected message {tag:#x} from local rank {src}, "
                                f"got {int(channel[TAG]):#x}")
@@ -268,6 +271,12 @@ class CudaCETransport:
         self._expected[src] = expected
         channel[ACK] = expected
         return tensors
+
+    def _who(self, local_rank: int) -> str:
+        return f"rank {self.watch.ranks[local_rank]}" if self.watch else f"local rank {local_rank}"
+
+    def _watcher(self, local_rank: int):
+        return None if self.watch is None else (lambda: self.watch.check([local_rank]))
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -291,9 +300,11 @@ class CudaCETransport:
         deadline = time.monotonic() + self.timeout_s
         for peer in self._peers:  # a peer that never started or died holds no mapping of ours
             state = self._control[peer, peer]
+            dead = (lambda p=peer: self.watch is not None and not self.watch.alive(p))
             try:
-                wait_until(lambda: state[IMPORTS_CLOSED] or not state[ALIVE], max(0.0, deadline - time.monotonic()),
-                           f"local rank {peer} of domain {self.name} to unmap our slots")
+                wait_until(lambda: state[IMPORTS_CLOSED] or not state[ALIVE] or dead(),
+                           max(0.0, deadline - time.monotonic()),
+                           f"{self._who(peer)} of domain {self.name} to unmap our slots")
             except PeerTimeoutError:
                 pass  # a dead peer's mappings went with its process
         for stream in self._streams.values():
