@@ -10,7 +10,7 @@ loads in the kernels always apply).
 
 Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose channels have
 capacity ``C`` bytes: the `CudaCETransport` owns one inbound slot per peer, ``(G - 1) * C`` bytes
-of device memory, plus host control memory of ``G * G * (16 + 2 * 64 + 8 * (2 + 7 * T))`` bytes
+of device memory, plus host control memory of ``G * G * 8 * (32 + 7 * T)`` bytes
 per domain (T = most tensors per message). A channel grows by doubling to its largest message; a
 safe initial ``C`` for D dynamic experts of ``P`` parameter bytes and at most ``N`` tokens of
 hidden size ``H`` and element size ``b`` per chunk is ``D * (P + N * H * b) + D * n_tensors * 256``
