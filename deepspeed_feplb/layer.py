@@ -67,12 +67,13 @@ class FEPLBMOELayer(MOELayer):
             raise NotImplementedError("feplb: the cuda_ce transport and the deepep backend need the GPU path "
                                       "(not in this build); use transport/ep_backend \"auto\"")
         group = self.ep_group if self.ep_size > 1 else None
-        self.dispatcher = TorchDispatcher(group, self.ep_size, self.num_local_experts)
         experts = list(self.experts.deepspeed_experts)
         self.expert_spec = ExpertSpec.of(experts[0])
         self.expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters())
         balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
         self.domain = get_runtime(self.ep_group, config) if balance else None
+        self.dispatcher = TorchDispatcher(group, self.ep_size, self.num_local_experts,
+                                          on_error=self.domain.watch.check if self.domain else None)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -80,6 +81,14 @@ class FEPLBMOELayer(MOELayer):
             self._attach()
         if not self.feplb_config.enabled:
             return MOELayer.forward(self, *input, **kwargs)
+        try:
+            return self._forward(*input)
+        except RuntimeError:
+            if self.domain is not None:
+                self.domain.watch.check()  # a collective failed: a dead peer is the likely cause, name it
+            raise
+
+    def _forward(self, *input: torch.Tensor) -> torch.Tensor:
         d_model = input[0].shape[-1]
         x = input[0].reshape(-1, d_model)
         used_token = input[1] if len(input) > 1 else None

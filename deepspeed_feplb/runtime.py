@@ -61,7 +61,7 @@ class DomainRuntime:
         self.name = f"feplb-{info[first][0]}"
         sched = config.scheduler
         leader = self.local_rank == 0
-        watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
+        self.watch = watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         kwargs = dict(mode=sched.mode, plan_timeout_s=sched.plan_timeout_ms / 1e3, peer_timeout_s=sched.peer_timeout_s,
                       restart=sched.restart, watch=watch)
         if leader:

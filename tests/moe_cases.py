@@ -7,6 +7,7 @@ all gradients.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -223,3 +224,64 @@ def sigmoid_gating_case() -> dict:
     errors.update({n: relative_error(grads[n], ref_grads[n]) for n in ref_grads})
     return {"errors": errors, "stats": stats, "bias_moved": bool(bias.abs().sum() > 0),
             "bias_equal": bool(torch.equal(bias, ref_bias))}
+
+
+def scheduler_fault_case() -> dict:
+    """Kill, then stall (SIGSTOP), the scheduler process between steps; every step stays exact."""
+    import signal
+    import time
+    import warnings
+
+    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1}, seed=2)
+    client = None
+    result = {"errors": {}, "migrated": 0, "fallback_after_kill": False, "fallback_when_stalled": False,
+              "restarted_after_kill": False, "restarted_after_stall": False, "recovered": False}
+
+    def step(name):
+        x, w = rank_inputs(len(result["errors"]))
+        ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
+        out, dx, grads = run_layer(ours, x, w)
+        result["errors"][name] = max([relative_error(out, ref_out), relative_error(dx, ref_dx)] +
+                                     [relative_error(grads[n], ref_grads[n]) for n in ref_grads])
+        result["migrated"] += ours.feplb_stats["migrated_tokens"]
+        for p in list(reference.parameters()) + list(ours.parameters()):
+            p.grad = None
+        return ours.feplb_stats
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step("warm-up")
+        client = ours.deepspeed_moe.domain.scheduler
+        leader = client.process is not None
+        first = client.scheduler_pid()
+        if leader:
+            os.kill(first, signal.SIGKILL)
+            client.process.wait()
+        dist.barrier()
+        result["fallback_after_kill"] = step("after kill")["fallback"]
+        if leader:
+            result["restarted_after_kill"] = client.process.pid != first
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not result["recovered"]:
+            time.sleep(0.2)
+            result["recovered"] = not step(f"recovering {len(result['errors'])}")["fallback"]
+        dist.barrier()
+        stalled = client.scheduler_pid()
+        if leader:
+            os.kill(stalled, signal.SIGSTOP)
+        dist.barrier()
+        result["fallback_when_stalled"] = step("stalled")["fallback"]
+        for i in range(client.STALLED_AFTER):
+            step(f"stalled {i}")
+        if leader:
+            result["restarted_after_stall"] = client.process.pid != stalled and not _running(stalled)
+        result["warnings"] = sum("scheduler process did not answer" in str(w.message) for w in caught)
+    return result
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

@@ -17,16 +17,26 @@ class AllToAllV(torch.autograd.Function):
     """Uneven all-to-all of rows ``[N_send, ...] -> [N_recv, ...]``; backward swaps the splits."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
+    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, on_error=None):
+        ctx.splits, ctx.group, ctx.on_error = (send_splits, recv_splits), group, on_error
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        _checked(on_error, dist.all_to_all_single, out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         send_splits, recv_splits = ctx.splits
-        return AllToAllV.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+        return AllToAllV.apply(grad.contiguous(), recv_splits, send_splits, ctx.group, ctx.on_error), None, None, None, None
+
+
+def _checked(on_error, collective, *args, **kwargs):
+    """Run a collective; when it fails, let ``on_error`` name a dead peer (it raises) before re-raising."""
+    try:
+        return collective(*args, **kwargs)
+    except RuntimeError:
+        if on_error is not None:
+            on_error()
+        raise
 
 
 @dataclass
@@ -47,8 +57,9 @@ class DispatchHandle:
 class TorchDispatcher:
     """Expert-parallel dispatch over ``group`` (``ep_size`` ranks, ``num_local_experts`` each)."""
 
-    def __init__(self, group, ep_size: int, num_local_experts: int):
+    def __init__(self, group, ep_size: int, num_local_experts: int, on_error=None):
         self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
+        self.on_error = on_error  # called when a collective fails; raises if it knows why (a dead peer)
 
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
         """Send rows to their experts' home ranks.
@@ -75,7 +86,7 @@ class TorchDispatcher:
         send_meta = torch.cat([send_counts, send_counts.new_full((self.ep_size, 1), out_of_range)], dim=1)
         if self.ep_size > 1:
             recv_meta = torch.empty_like(send_meta)
-            dist.all_to_all_single(recv_meta, send_meta, group=self.group)
+            _checked(self.on_error, dist.all_to_all_single, recv_meta, send_meta, group=self.group)
         else:
             recv_meta = send_meta
         bad = recv_meta[:, -1].tolist()
@@ -87,7 +98,8 @@ class TorchDispatcher:
         recv_np = recv_counts.cpu().numpy()
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_np.sum(1).tolist()
-        rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group) if self.ep_size > 1 else send_rows
+        rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error) \
+            if self.ep_size > 1 else send_rows
         regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
         handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
         return rows.index_select(0, regroup), recv_np, handle
@@ -103,7 +115,7 @@ class TorchDispatcher:
         source_order[handle.regroup] = torch.arange(handle.regroup.numel(), device=rows.device)
         back = rows.index_select(0, source_order)
         if self.ep_size > 1:
-            back = AllToAllV.apply(back, handle.recv_splits, handle.send_splits, self.group)
+            back = AllToAllV.apply(back, handle.recv_splits, handle.send_splits, self.group, self.on_error)
         k, num_tokens = gates.shape
         # one extra zero row for routes not taken, as DeepSpeed's decode does for dropped routes
         slot_of_route = torch.full((handle.num_routes, ), back.shape[0], dtype=torch.long, device=rows.device)

@@ -32,6 +32,8 @@ from deepspeed_feplb.migrate.shm import PeerTimeoutError, PeerWatch, cleanup, op
 from deepspeed_feplb.planner.policy import Plan, PlanConstraints, plan_node
 
 RING = 4
+STARTUP_WAIT_S = 10.0
+_STARTING = -1
 E_MAX = 1024
 _SLOT_META = 8
 _PLAN_META = 4
@@ -215,24 +217,26 @@ class SchedulerClient:
         self.fallbacks = self.late_in_a_row = 0
         if create and mode == "process":
             self._start_process()
-            # once, at start-up: a cold Python takes a while to import numpy
-            wait_until(lambda: self.mailbox.header[_PID] == self.process.pid or self.process.poll() is not None,
-                       peer_timeout_s, "the feplb-sched process to start")
+            try:  # a cold Python needs a moment to import numpy; until it is up, ranks plan in-process
+                wait_until(lambda: self.mailbox.header[_PID] > 0 or self.process.poll() is not None,
+                           min(peer_timeout_s, STARTUP_WAIT_S), "the feplb-sched process to start")
+            except PeerTimeoutError:
+                pass
 
     def _start_process(self) -> None:
-        self.mailbox.header[_PID] = 0
+        self.mailbox.header[_PID] = _STARTING
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepspeed_feplb.planner.service", "--mailbox", self.mailbox.name, "--ranks",
              str(self.ranks), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def scheduler_pid(self) -> int:
-        """Pid of the running scheduler process (0 while none has announced itself)."""
+        """Pid of the running scheduler process; 0 in inline mode, -1 while one is starting."""
         return int(self.mailbox.header[_PID])
 
     def _scheduler_alive(self) -> bool:
         pid = self.scheduler_pid()
-        return pid != 0 and PeerWatch([pid], [-1]).alive(0)
+        return pid > 0 and PeerWatch([pid], [-1]).alive(0)
 
     def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
         self.mailbox.publish(self.local_rank, seq, counts, constraints)
@@ -252,7 +256,8 @@ class SchedulerClient:
             if got is not None:
                 self.late_in_a_row = 0
                 return got[0], counts, got[1] * 1e-9, False
-            self._on_late_scheduler()
+            if self.scheduler_pid() != _STARTING:
+                self._on_late_scheduler()
         start = time.perf_counter()
         plan = plan_node(counts, constraints)
         return plan.moves, counts, time.perf_counter() - start, self.mode == "process"

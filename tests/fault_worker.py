@@ -1,0 +1,62 @@
+"""One rank of a 2-rank FEPLB job that the fault tests start as plain processes and then hurt.
+
+usage: python fault_worker.py SCENARIO   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the test)
+
+Scenarios:
+  loop         train steps until signalled (the test sends SIGTERM or SIGINT)
+  die-early    rank 1 SIGKILLs itself at the start of step 2 (rank 0 is then in phase 1)
+  die-late     rank 1 SIGKILLs itself right after publishing its counts of step 2 (rank 0 is
+               then waiting for it in phase 2)
+rank 0 must stop with an error naming rank 1, well within feplb.scheduler.peer_timeout_s.
+Each rank prints ``READY <segment prefix> <scheduler pid>`` once FEPLB runs, and ``ERROR <message>``
+if a step raised.
+"""
+import importlib
+import os
+import signal
+import sys
+
+import torch
+
+
+def main(scenario: str) -> int:
+    torch.set_num_threads(1)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+    import torch.distributed as dist
+
+    import deepspeed_feplb
+
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    layer = deepspeed_feplb.MoE(8, expert, num_experts=4, ep_size=2, k=1, min_capacity=0, drop_tokens=False,
+                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+                                                             "scheduler": {"peer_timeout_s": 20}})
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight[0] += 2.0  # expert 0 (on rank 0) hot: moves every step
+    layer.set_deepspeed_parallelism()
+    x = torch.randn(32, 8) + 1.0
+    step = 0
+    try:
+        while True:
+            if scenario == "die-early" and rank == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if scenario == "die-late" and rank == 1 and step == 2:
+                scheduler = layer.deepspeed_moe.domain.scheduler
+                publish = scheduler.publish
+                scheduler.publish = lambda *args: (publish(*args), os.kill(os.getpid(), signal.SIGKILL))
+            out, _, _ = layer(x)
+            out.sum().backward()
+            if step == 0:
+                domain = layer.deepspeed_moe.domain
+                print(f"READY {domain.name}- {domain.scheduler.scheduler_pid()}", flush=True)
+            step += 1
+    except Exception as error:  # what the user sees instead of a hang
+        print(f"ERROR {type(error).__name__}: {error}", flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,107 @@
+"""Faults a long training job meets: signals, a dead rank, a dead or stalled scheduler process."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deepspeed_feplb.migrate.shm import leftover_segments
+from deepspeed_feplb.testing import free_port, run_distributed
+
+import moe_cases
+
+WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
+
+
+def start_job(scenario: str):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONUNBUFFERED": "1"}
+    return [subprocess.Popen([sys.executable, WORKER, scenario], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+
+
+def read_until(proc, prefix: str, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"no {prefix!r} line; output:\n{''.join(lines)}")
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_exists(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_removes_segments_and_stops_the_scheduler(signum):
+    procs = start_job("loop")
+    try:
+        _, prefix, scheduler_pid = read_until(procs[0], "READY").split()
+        read_until(procs[1], "READY")
+        assert leftover_segments(prefix), "the job runs but owns no segment: nothing would be tested"
+        assert process_exists(int(scheduler_pid))
+        for p in procs:
+            p.send_signal(signum)
+        for p in procs:
+            p.wait(timeout=60)
+        assert leftover_segments(prefix) == []
+        assert wait_gone(int(scheduler_pid)), "feplb-sched outlived its job"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("scenario", ["die-early", "die-late"])
+def test_dead_rank_stops_the_others_with_an_error_naming_it(scenario):
+    procs = start_job(scenario)
+    try:
+        _, prefix, scheduler_pid = read_until(procs[0], "READY").split()
+        started = time.monotonic()
+        error = read_until(procs[0], "ERROR", timeout=60)
+        assert time.monotonic() - started < 15, "not faster than peer_timeout_s: the watch did not fire"
+        assert "rank 1 " in error or "rank(s) [1]" in error, error
+        assert procs[0].wait(timeout=30) == 1
+        assert procs[1].wait(timeout=30) == -signal.SIGKILL
+        # rank 0 owned the domain: its exit removed everything, the dead rank's segments included
+        assert leftover_segments(prefix) == []
+        assert wait_gone(int(scheduler_pid))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_scheduler_killed_or_stalled_falls_back_and_recovers():
+    results = run_distributed(moe_cases.scheduler_fault_case, 2, timeout=300)
+    for rank, case in enumerate(results):
+        worst = max(case["errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-5, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e} during the faults"
+        assert case["fallback_after_kill"], "the step after the kill did not plan in-process"
+        assert case["fallback_when_stalled"]
+        assert case["migrated"] > 0
+        assert case["warnings"] == 1, f"rank {rank}: {case['warnings']} warnings (want exactly one)"
+    leader = results[0]
+    assert leader["restarted_after_kill"] and leader["restarted_after_stall"]
+    assert leader["recovered"], "the restarted scheduler never served a plan again"
