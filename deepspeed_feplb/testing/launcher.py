@@ -1,6 +1,7 @@
 """Run a function on N CPU ranks with gloo, the way a unit test needs it.
 
-Spawned processes (never fork: torch and gloo hold threads), a file store and a free port,
+Fresh processes (forkserver with torch and DeepSpeed preloaded, or spawn; never a fork of the
+caller: torch and gloo hold threads), a file store and a free port,
 ``OMP_NUM_THREADS=1``, DeepSpeed's shm comm op build skipped, and a deadline: a hang becomes a
 `TimeoutError` (carrying the Python stacks of the ranks that hung), a failing rank becomes a
 `RankFailed` (an `AssertionError`) carrying that rank's traceback.
@@ -22,6 +23,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -49,6 +51,40 @@ class RankSkipped(Exception):
         self.rank, self.reason = rank, reason
 
 
+# what a rank would otherwise import on the way (symbolic_shapes: the first autograd.grad through
+# torch.func.functional_call imports sympy, ~2 s)
+_PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "deepspeed.moe.layer",
+            "deepspeed_feplb.layer"]
+
+
+def _context():
+    """Ranks start from a forkserver that has imported torch and DeepSpeed once (a fresh rank is then
+    ready in well under a second instead of re-importing for seconds); spawn where there is none.
+
+    ``FEPLB_TEST_START_METHOD=spawn`` forces spawn. The server is a clean single-threaded process,
+    started with ``OMP_NUM_THREADS=1`` and DeepSpeed's CPU accelerator; the caller's environment is
+    left as it was.
+    """
+    method = os.environ.get("FEPLB_TEST_START_METHOD", "forkserver")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        saved = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "DS_ACCELERATOR")}
+        os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+        try:
+            ctx.set_forkserver_preload(_PRELOAD)
+            forkserver.ensure_running()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,11 +92,16 @@ def free_port() -> int:
 
 
 def _is_skip(exc: BaseException) -> bool:
-    names = {f"{t.__module__}.{t.__qualname__}" for t in type(exc).__mro__}
-    return bool(names & {"_pytest.outcomes.Skipped", "unittest.case.SkipTest"})
+    # pytest's Skipped says its __module__ is "builtins"; match by name (unittest's SkipTest too)
+    return any(t.__name__ in ("Skipped", "SkipTest") for t in type(exc).__mro__)
 
 
-def _worker(fn, rank, world_size, port, store, results, args, kwargs, stack_file):
+def _worker(payload, rank, world_size, port, store, results, stack_file, environ, cwd, path):
+    # a forkserver child starts with the server's environment, directory and sys.path: take the caller's
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
@@ -73,6 +114,7 @@ def _worker(fn, rank, world_size, port, store, results, args, kwargs, stack_file
     import deepspeed
     import torch.distributed as dist
     try:
+        fn, args, kwargs = pickle.loads(payload)
         deepspeed.init_distributed("gloo", auto_mpi_discovery=False, init_method=f"file://{store}", rank=rank,
                                    world_size=world_size)
         results.put((rank, "started", None))
@@ -104,14 +146,16 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     with the first failing rank's traceback, `RankSkipped` if a rank skipped, or `TimeoutError`
     naming the ranks that did not finish in time, followed by their Python stacks.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     workdir = tempfile.mkdtemp(prefix="feplb-test-")
     store = os.path.join(workdir, "filestore")
     stack_files = [os.path.join(workdir, f"stacks-rank{r}.txt") for r in range(world_size)]
+    payload = pickle.dumps((fn, args, kwargs))  # fails here, in the caller, if fn or an argument cannot travel
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, store, results, args, kwargs, stack_files[r]),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(payload, r, world_size, port, store, results, stack_files[r],
+                                               dict(os.environ), os.getcwd(), list(sys.path)), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     done: dict[int, Any] = {}

@@ -73,11 +73,16 @@ def _report(run, *args, **kwargs):
     try:
         return run(*args, **kwargs)
     except RankFailed as exc:
-        pytest.fail(f"rank {exc.rank} of {exc.world_size} failed: {exc.summary}\n\n{exc.details}", pytrace=False)
+        failure = f"rank {exc.rank} of {exc.world_size} failed: {exc.summary}\n\n{exc.details}"
     except RankSkipped as exc:
-        pytest.skip(f"rank {exc.rank}: {exc.reason}")
+        skip = f"rank {exc.rank}: {exc.reason}"
+        failure = None
     except TimeoutError as exc:
-        pytest.fail(f"TimeoutError: {exc}", pytrace=False)
+        failure = f"TimeoutError: {exc}"
+    # outside the except blocks: the report shows the rank's traceback, not a chained one of ours
+    if failure is None:
+        pytest.skip(skip)
+    pytest.fail(failure, pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)
