@@ -6,8 +6,9 @@ setup(
     description="FEPLB for DeepSpeed: per-micro-batch MoE load balancing through the GPU Copy Engine",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["deepspeed_feplb", "deepspeed_feplb.*"]),
-    package_data={"deepspeed_feplb": ["sim/data/*.npz"]},
+    packages=find_packages(include=["deepspeed_feplb", "deepspeed_feplb.*"]) + ["deepspeed_feplb.ops"],
+    package_dir={"deepspeed_feplb.ops": "ops"},  # the CUDA sources ship inside the package
+    package_data={"deepspeed_feplb": ["sim/data/*.npz"], "deepspeed_feplb.ops": ["*.cu"]},
     python_requires=">=3.9",
     # torch is not pinned here: install torch (CPU or CUDA build) first, see README.
     install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.0", "numpy>=1.24"],

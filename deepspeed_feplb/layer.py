@@ -25,7 +25,7 @@ from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer
 
 from deepspeed_feplb.config import FEPLBConfig, load_config
-from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+from deepspeed_feplb.gpu.select import make_dispatcher, transport_class
 from deepspeed_feplb.gating import SigmoidTopKGate
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Step
 from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates
@@ -63,16 +63,15 @@ class FEPLBMOELayer(MOELayer):
         self.gate.drop_tokens = False  # FEPLB is dropless
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating)
-        if config.transport == "cuda_ce" or config.ep_backend == "deepep":
-            raise NotImplementedError("feplb: the cuda_ce transport and the deepep backend need the GPU path "
-                                      "(not in this build); use transport/ep_backend \"auto\"")
         group = self.ep_group if self.ep_size > 1 else None
         experts = list(self.experts.deepspeed_experts)
+        expert_params = list(experts[0].parameters())
         self.expert_spec = ExpertSpec.of(experts[0])
-        self.expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters())
+        self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
+        transport = transport_class(config, expert_params)  # checks the configured backends exist here
         balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
-        self.domain = get_runtime(self.ep_group, config) if balance else None
-        self.dispatcher = TorchDispatcher(group, self.ep_size, self.num_local_experts,
+        self.domain = get_runtime(self.ep_group, config, transport) if balance else None
+        self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
                                           on_error=self.domain.watch.check if self.domain else None)
 
     # ------------------------------------------------------------------ forward

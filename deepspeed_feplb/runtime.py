@@ -41,7 +41,7 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
 class DomainRuntime:
     """This rank's view of its domain: ``local_rank`` in ``[0, size)``, transport, scheduler."""
 
-    def __init__(self, ep_group, config: FEPLBConfig):
+    def __init__(self, ep_group, config: FEPLBConfig, transport_cls=ShmTransport):
         ep_ranks = dist.get_process_group_ranks(ep_group)
         ep_rank = ep_ranks.index(dist.get_rank())
         self.size = domain_size(config, len(ep_ranks))
@@ -65,12 +65,12 @@ class DomainRuntime:
         kwargs = dict(mode=sched.mode, plan_timeout_s=sched.plan_timeout_ms / 1e3, peer_timeout_s=sched.peer_timeout_s,
                       restart=sched.restart, watch=watch)
         if leader:
-            self.transport = ShmTransport(self.name, 0, self.size, sched.peer_timeout_s, create=True, watch=watch)
+            self.transport = transport_cls(self.name, 0, self.size, sched.peer_timeout_s, create=True, watch=watch)
             self.scheduler = SchedulerClient(f"{self.name}-mbox", 0, self.size, create=True, **kwargs)
         dist.barrier(group=ep_group)
         if not leader:
-            self.transport = ShmTransport(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=False,
-                                          watch=watch)
+            self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=False,
+                                           watch=watch)
             self.scheduler = SchedulerClient(f"{self.name}-mbox", self.local_rank, self.size, create=False, **kwargs)
         self.closed = False
 
@@ -85,13 +85,15 @@ class DomainRuntime:
             self.scheduler.close()
 
 
-def get_runtime(ep_group, config: FEPLBConfig) -> DomainRuntime:
-    key = (tuple(dist.get_process_group_ranks(ep_group)), domain_size(config, dist.get_world_size(ep_group)))
+def get_runtime(ep_group, config: FEPLBConfig, transport_cls=ShmTransport) -> DomainRuntime:
+    """This rank's runtime for ``ep_group`` (created collectively over the group on first use)."""
+    key = (tuple(dist.get_process_group_ranks(ep_group)), domain_size(config, dist.get_world_size(ep_group)),
+           transport_cls)
     with _LOCK:
         runtime = _RUNTIMES.get(key)
         if runtime is None or runtime.closed:
             _install_exit_handlers()
-            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config)
+            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls)
         return runtime
 
 

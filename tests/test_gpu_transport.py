@@ -194,13 +194,13 @@ def layer_through_ce_protocol() -> dict:
     """The full FEPLB layer vs DeepSpeed's MoE, with phase 2 on `CudaCETransport` (host backend)."""
     import moe_cases
 
-    from deepspeed_feplb import runtime
+    from deepspeed_feplb import layer, runtime
 
     def transport_factory(name, local_rank, size, timeout_s, create, watch=None):
         return CudaCETransport(name, local_rank, size, timeout_s, create, watch, backend=HostBackend(prefix=f"{name}-mem"),
                                capacity_bytes=4096)  # small: the layer's messages grow the slots
 
-    runtime.ShmTransport = transport_factory
+    layer.transport_class = lambda config, expert_params: transport_factory  # what select picks on a GPU
     results = {}
     for k in (1, 2):
         results[k] = moe_cases.equivalence_case(2, 2, k)
