@@ -131,12 +131,14 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
     from deepspeed_feplb.testing.routing import RoutedGate, _arm
 
     memo: dict = {}
-    for layer in _feplb_layers(model):  # shared, not copied: process groups and the runtime of the domain
-        gates = [layer.gate] + ([layer.gate.inner] if isinstance(layer.gate, RoutedGate) else [])
-        for obj in [layer, *gates]:
-            for value in vars(obj).values():
-                if isinstance(value, dist.ProcessGroup) or type(value).__name__ in ("DomainRuntime", "TorchDispatcher"):
-                    memo[id(value)] = value
+    objects = list(model.modules())
+    objects += [m.inner for m in objects if isinstance(m, RoutedGate)]
+    for obj in objects:
+        for value in vars(obj).values():
+            if isinstance(value, dist.ProcessGroup) or type(value).__name__ in ("DomainRuntime", "TorchDispatcher"):
+                memo[id(value)] = value  # shared, not copied: process groups and the runtime of the domain
+            elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                memo[id(value)] = value.detach()  # results of the last forward (l_aux) cannot be deep-copied
     twin = copy.deepcopy(model, memo)
     for module in twin.modules():
         if against == "deepspeed" and isinstance(module, FEPLBMoE):
