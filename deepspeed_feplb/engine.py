@@ -8,7 +8,7 @@ import threading
 import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-from deepspeed_feplb.config import FEPLBConfig, load_config
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.layer import MoE
 
 
@@ -49,6 +49,7 @@ def initialize(*args, **kwargs):
         raise TypeError("deepspeed_feplb.initialize: a model is required (as for deepspeed.initialize)")
     config = load_config(ds_config) if ds_config is not None else FEPLBConfig()
     convert(model, config)
+    check_consistency(model, config)
 
     from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
@@ -69,6 +70,38 @@ def initialize(*args, **kwargs):
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result
+
+
+def check_consistency(model, config: FEPLBConfig) -> None:
+    """Check the ``"feplb"`` section against the model and this machine; `FEPLBConfigError` says what to change."""
+    if not config.enabled:
+        return
+    import os
+
+    import torch.distributed as dist
+
+    from deepspeed_feplb.gpu.select import make_dispatcher, transport_class
+    from deepspeed_feplb.runtime import domain_size
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        where = f"MoE layer {name or '<model>'}"
+        if module.ep_size > world or world % module.ep_size:
+            raise FEPLBConfigError(f"{where}: ep_size={module.ep_size} does not divide the world size {world}; "
+                                   f"use an ep_size that divides {world}")
+        if module.num_experts % module.ep_size:
+            raise FEPLBConfigError(f"{where}: {module.num_experts} experts cannot be split over ep_size="
+                                   f"{module.ep_size}; use a multiple of {module.ep_size} experts")
+        domain_size(config, module.ep_size)  # raises naming feplb.nvlink_domain_size
+        if config.dynamic_experts_per_rank > module.num_local_experts:
+            raise FEPLBConfigError(
+                f"feplb.dynamic_experts_per_rank: {config.dynamic_experts_per_rank} exceeds the "
+                f"{module.num_local_experts} local experts per rank of {where}; use at most {module.num_local_experts}")
+        params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
+        transport_class(config, params)
+        make_dispatcher(config, None, 1, module.num_local_experts, params)
 
 
 _ENGINE_LOCK = threading.Lock()

@@ -285,3 +285,67 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+class FixedRouteGate(torch.nn.Module):
+    """A custom router that sends every token to fixed experts (possibly out of range), for bad-input tests."""
+
+    def __init__(self, gate, experts: list[int]):
+        super().__init__()
+        self.wg, self.experts = gate.wg, experts
+        self.ep_group = gate.ep_group
+
+    def forward(self, x, used_token=None, sparse_routes=True, use_tutel=False):
+        k, tokens = len(self.experts), x.shape[0]
+        logits = torch.nn.functional.linear(x.float(), self.wg.weight.float())
+        indices = torch.tensor(self.experts, dtype=torch.int32)[:, None].expand(k, tokens).contiguous()
+        safe = indices.long().clamp(0, logits.shape[1] - 1)
+        gates = torch.softmax(logits, dim=1).gather(1, safe.t()).t()
+        counts = torch.bincount(safe.reshape(-1), minlength=logits.shape[1])
+        # slot of each route in its expert's capacity buffer, routes counted k-major as DeepSpeed does
+        onehot = torch.nn.functional.one_hot(safe.reshape(-1), logits.shape[1])
+        locations = (onehot.cumsum(0) - 1).gather(1, safe.reshape(-1, 1)).view(k, tokens).to(torch.int32)
+        return logits.new_zeros(()), counts.max(), logits.shape[1], indices, locations, gates, counts
+
+
+def bad_input_case(kind: str):
+    """Run one bad-input scenario on this rank; returns errors vs DeepSpeed, or the exception text."""
+    hidden = 5 if kind == "odd_shapes" else HIDDEN
+    tokens = {"odd_shapes": 1, "zero_tokens": 0 if dist.get_rank() == 1 else TOKENS}.get(kind, TOKENS)
+    torch.manual_seed(3)
+    kwargs = dict(hidden_size=hidden, num_experts=4, ep_size=2, k=2 if kind != "one_expert" else 1, min_capacity=0,
+                  use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=False)
+    reference = DeepSpeedMoE(expert=make_expert(hidden), **kwargs)
+    ours = deepspeed_feplb.MoE(expert=make_expert(hidden), **kwargs,
+                               feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1})
+    skew_gate(reference.deepspeed_moe.gate.wg.weight, strength=6.0, spread=False)
+    diversify_experts(reference)
+    ours.load_state_dict(reference.state_dict())
+    for layer in (reference, ours):
+        layer.set_deepspeed_parallelism()
+    if kind == "out_of_range":
+        ours.deepspeed_moe.gate = FixedRouteGate(ours.deepspeed_moe.gate, [0, 7 if dist.get_rank() == 1 else 1])
+    if kind == "one_expert":
+        for layer in (reference, ours):
+            layer.deepspeed_moe.gate = FixedRouteGate(layer.deepspeed_moe.gate, [1])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(tokens, hidden, generator=g) + 1.0
+    if kind == "nan_hidden":
+        x[3, 2] = float("nan")
+        x[5, 0] = float("inf")
+    w = torch.randn(tokens, hidden, generator=g)
+    if kind == "out_of_range":
+        try:
+            run_layer(ours, x, w)
+        except ValueError as error:
+            return {"raised": str(error)}
+        return {"raised": None}
+    ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
+    out, dx, grads = run_layer(ours, x, w)
+    if kind == "nan_hidden":
+        same = torch.equal(out.isnan(), ref_out.isnan())
+        return {"nan_pattern_equal": same, "errors": {"output": relative_error(out.nan_to_num(), ref_out.nan_to_num())},
+                "stats": copy.deepcopy(ours.feplb_stats)}
+    errors = {"output": relative_error(out, ref_out) if out.numel() else 0.0}
+    errors.update({n: relative_error(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0})
+    return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats), "shape": tuple(out.shape)}

@@ -121,7 +121,7 @@ class TorchDispatcher:
         slot_of_route = torch.full((handle.num_routes, ), back.shape[0], dtype=torch.long, device=rows.device)
         slot_of_route[handle.route_order] = torch.arange(back.shape[0], device=rows.device)
         padded = torch.cat([back, back.new_zeros(1, back.shape[1])])
-        routed = padded.index_select(0, slot_of_route).view(k, num_tokens, -1)
+        routed = padded.index_select(0, slot_of_route).view(k, num_tokens, back.shape[1])
         return (routed * gates.unsqueeze(-1)).sum(0).to(rows.dtype)
 
 
