@@ -1,0 +1,107 @@
+"""Mailbox and transport integrity: a stale or torn plan is never used, messages arrive intact and in order."""
+import secrets
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepspeed_feplb.migrate.shm import ShmTransport, leftover_segments
+from deepspeed_feplb.planner.policy import Plan, PlanConstraints
+from deepspeed_feplb.planner.service import RING, Mailbox
+
+RANKS, EXPERTS = 3, 5
+CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=4)
+
+
+@pytest.fixture
+def mailbox():
+    box = Mailbox(f"feplb-test-{secrets.token_hex(4)}-mbox", RANKS, create=True)
+    yield box
+    box.close()
+
+
+def counts_for(rank: int, seq: int) -> np.ndarray:
+    return np.arange(EXPERTS, dtype=np.int64) * 100 + rank * 10 + seq % 10 + seq * 1000
+
+
+# Each step: a rank that may publish its next step (ranks stay within RING - 1 steps of each other,
+# as phase 1's collective guarantees), then a step to read.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, RANKS - 1), st.integers(0, 12)), min_size=1, max_size=60))
+def test_counts_are_complete_and_of_the_asked_step_or_absent(mailbox, operations):
+    mailbox.slots[:] = -1
+    published = [-1] * RANKS  # newest step each rank published
+    for rank, wanted in operations:
+        if published[rank] + 1 - min(published) < RING - 1:
+            published[rank] += 1
+            mailbox.publish(rank, published[rank], counts_for(rank, published[rank]), CONSTRAINTS)
+        got = mailbox.read_counts(wanted)
+        every_rank_has_it = all(p >= wanted for p in published)
+        not_overwritten = all(p - wanted < RING for p in published)
+        if got is None:
+            assert not (every_rank_has_it and not_overwritten)
+            continue
+        counts, constraints = got
+        assert every_rank_has_it and not_overwritten
+        assert np.array_equal(counts, np.stack([counts_for(r, wanted) for r in range(RANKS)]))
+        assert constraints == CONSTRAINTS
+        assert set(mailbox.missing_ranks(wanted)) == set()
+
+
+def test_a_torn_counts_write_is_never_read(mailbox):
+    for rank in range(RANKS):
+        mailbox.publish(rank, 0, counts_for(rank, 0), CONSTRAINTS)
+    assert mailbox.read_counts(0) is not None
+    slot = mailbox.slots[1, 0]
+    slot[0] = -1  # the writer of rank 1 was interrupted after it started rewriting this slot
+    slot[8:8 + EXPERTS] = 7
+    assert mailbox.read_counts(0) is None
+    assert mailbox.missing_ranks(0) == [1]
+
+
+def test_a_plan_is_read_only_for_its_own_step_and_never_torn(mailbox):
+    moves = np.array([[0, 1, 2, 16], [0, 1, 1, 8]], dtype=np.int64)
+    mailbox.write_plan(5, Plan(moves, np.zeros(RANKS, np.int64)), plan_ns=1234)
+    got, plan_ns = mailbox.read_plan(5, RANKS)
+    assert np.array_equal(got, moves) and plan_ns == 1234
+    assert mailbox.read_plan(5 + RING, RANKS) is None  # same ring entry, other step: stale
+    assert mailbox.read_plan(4, RANKS) is None
+    mailbox.plans[5 % RING, 1] = 4  # torn: end marker of another step
+    assert mailbox.read_plan(5, RANKS) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 40)), min_size=1, max_size=25))
+def test_transport_messages_arrive_intact_in_order(sends):
+    """Random senders, receivers and sizes through real shared memory and copy threads (3 local ranks)."""
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    ranks = [ShmTransport(name, 0, 3, timeout_s=10, create=True)]
+    ranks += [ShmTransport(name, r, 3, timeout_s=10, create=False) for r in (1, 2)]
+    try:
+        for i, (src, dst, rows) in enumerate(sends):
+            if src == dst:
+                continue
+            message = [torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + i,
+                       torch.full((2, ), i, dtype=torch.bfloat16), torch.tensor([i], dtype=torch.int64)]
+            ranks[src].send(dst, i, message).result(timeout=10)
+            got = ranks[dst].recv(src, i)
+            assert len(got) == 3 and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, message))
+    finally:
+        for t in reversed(ranks):
+            t.close()
+    assert leftover_segments(name) == []
+
+
+def test_a_message_of_another_step_is_refused():
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    a = ShmTransport(name, 0, 2, timeout_s=5, create=True)
+    b = ShmTransport(name, 1, 2, timeout_s=5, create=False)
+    try:
+        a.send(1, tag=0x51, tensors=[torch.ones(2)]).result(timeout=5)
+        with pytest.raises(RuntimeError, match="out of step: expected message 0x61 from local rank 0, got 0x51"):
+            b.recv(0, tag=0x61)
+    finally:
+        b.close()
+        a.close()
