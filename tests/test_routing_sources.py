@@ -87,6 +87,15 @@ def test_trace_sources_fold_onto_the_ep_size_and_check_the_layer():
     assert counts.argmax() == trace.counts[0, 0, 0].argmax()
 
 
+def test_a_simulator_trace_replays_scaled_to_a_small_batch():
+    from deepspeed_feplb.sim.generators import no_aux_trace
+    trace = no_aux_trace(2, 2, ranks=4, experts=8, tokens_per_rank=4096, top_k=2)
+    routes = check_routes(TraceRouting(trace, fit="scale")(request(step=1, layer=1, rank=2, tokens=16)), 16, 2, 8)
+    assert (routes >= 0).all()
+    recorded = trace.counts[1, 1, 2]
+    assert np.bincount(routes.ravel(), minlength=8).argmax() == recorded.argmax()
+
+
 def test_generators_are_seeded_skewed_and_distinct_per_token():
     E, S, k = 8, 400, 2
     zipf = zipf_routing(skew=1.5, seed=3)
