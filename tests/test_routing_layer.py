@@ -6,7 +6,8 @@
 * `assert_equal_to_unbalanced` passes for skewed routing with real migrations, against FEPLB
   without balancing and against DeepSpeed's MoE, and catches a non-reproducible routing;
 * `assert_same_on_all_ranks` passes on a domain's stats and names the ranks that differ;
-* the sigmoid scoring option (which swaps the gate at attach time) keeps the override.
+* an override installed on DeepSpeed's MoE survives conversion to FEPLB and the sigmoid scoring
+  option (which swaps the gate at attach time).
 """
 import copy
 
@@ -143,9 +144,14 @@ def equal_to_unbalanced():
 
 
 def sigmoid_keeps_the_override():
+    """Override a plain DeepSpeed MoE, convert it to FEPLB with sigmoid scoring (which swaps the gate)."""
     feplb = {**FEPLB, "gating": {"score": "sigmoid", "bias_update_rate": 0.01}}
-    moe = feplb_moe(k=1, feplb=feplb, seed=4)
-    override_routing(moe, one_hot_expert_routing(expert=6, fraction=1.0))
+    torch.manual_seed(4)
+    ds_moe = DeepSpeedMoE(HIDDEN, expert(), num_experts=8, ep_size=WORLD, k=1, min_capacity=0, drop_tokens=False,
+                          use_rts=False)
+    ds_moe.set_deepspeed_parallelism()
+    override_routing(ds_moe, one_hot_expert_routing(expert=6, fraction=1.0))
+    moe = deepspeed_feplb.MoE.from_deepspeed(ds_moe, feplb_config=feplb)
     out, _, counts = moe(inputs(9))
     out.sum().backward()
     gate = moe.deepspeed_moe.gate

@@ -133,10 +133,11 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
     memo: dict = {}
     objects = list(model.modules())
     objects += [m.inner for m in objects if isinstance(m, RoutedGate)]
+    feplb = {id(layer) for layer in _feplb_layers(model)}
     for obj in objects:
-        for value in vars(obj).values():
-            if isinstance(value, dist.ProcessGroup) or type(value).__name__ in ("DomainRuntime", "TorchDispatcher"):
-                memo[id(value)] = value  # shared, not copied: process groups and the runtime of the domain
+        for key, value in vars(obj).items():
+            if isinstance(value, dist.ProcessGroup) or (id(obj) in feplb and key in ("domain", "dispatcher")):
+                memo[id(value)] = value  # shared, not copied: process groups, the domain's runtime, phase 1
             elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
                 memo[id(value)] = value.detach()  # results of the last forward (l_aux) cannot be deep-copied
     twin = copy.deepcopy(model, memo)

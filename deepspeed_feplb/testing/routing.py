@@ -406,7 +406,8 @@ def _attach_then_route(layer) -> None:
 
 
 def _arm(layer) -> None:
-    if hasattr(type(layer), "_attach") and not getattr(layer, "_feplb_ready", True):
+    """Also on a DeepSpeed layer (harmless there): `deepspeed_feplb.convert` may turn it into a FEPLB one later."""
+    if not getattr(layer, "_feplb_ready", False):
         layer.__dict__["_attach"] = types.MethodType(_attach_then_route, layer)
 
 
