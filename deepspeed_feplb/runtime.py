@@ -81,8 +81,8 @@ class DomainRuntime:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.scheduler.close()  # first: the leader's transport close removes every segment of the domain
             self.transport.close()
-            self.scheduler.close()
 
 
 def get_runtime(ep_group, config: FEPLBConfig, transport_cls=ShmTransport) -> DomainRuntime:

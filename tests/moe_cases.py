@@ -253,7 +253,7 @@ def scheduler_fault_case() -> dict:
         step("warm-up")
         client = ours.deepspeed_moe.domain.scheduler
         leader = client.process is not None
-        first = client.scheduler_pid()
+        first = _serving_pid(client) if leader else 0
         if leader:
             os.kill(first, signal.SIGKILL)
             client.process.wait()
@@ -266,7 +266,7 @@ def scheduler_fault_case() -> dict:
             time.sleep(0.2)
             result["recovered"] = not step(f"recovering {len(result['errors'])}")["fallback"]
         dist.barrier()
-        stalled = client.scheduler_pid()
+        stalled = _serving_pid(client) if leader else 0
         if leader:
             os.kill(stalled, signal.SIGSTOP)
         dist.barrier()
@@ -277,6 +277,18 @@ def scheduler_fault_case() -> dict:
             result["restarted_after_stall"] = client.process.pid != stalled and not _running(stalled)
         result["warnings"] = sum("scheduler process did not answer" in str(w.message) for w in caught)
     return result
+
+
+def _serving_pid(client, timeout: float = 60.0) -> int:
+    """The scheduler's pid once it runs; never 0 or -1 (os.kill(-1, ...) signals every process we own)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while client.scheduler_pid() <= 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = client.scheduler_pid()
+    assert pid > 0, f"the scheduler process did not start within {timeout:g} s"
+    return pid
 
 
 def _running(pid: int) -> bool:

@@ -58,6 +58,7 @@ def test_signal_removes_segments_and_stops_the_scheduler(signum):
     procs = start_job("loop")
     try:
         _, prefix, scheduler_pid = read_until(procs[0], "READY").split()
+        assert int(scheduler_pid) > 0
         read_until(procs[1], "READY")
         assert leftover_segments(prefix), "the job runs but owns no segment: nothing would be tested"
         assert process_exists(int(scheduler_pid))

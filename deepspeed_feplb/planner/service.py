@@ -186,7 +186,10 @@ def main(argv=None) -> None:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
     _set_process_name("feplb-sched")
-    mailbox = Mailbox(args.mailbox, args.ranks, create=False)
+    try:
+        mailbox = Mailbox(args.mailbox, args.ranks, create=False)
+    except FileNotFoundError:
+        return  # started just as the job shut down: nothing to serve
     mailbox.header[_PID] = os.getpid()
     try:
         serve(mailbox, args.parent)
