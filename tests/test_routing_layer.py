@@ -167,7 +167,7 @@ def all_cases():
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(all_cases, WORLD, timeout=300)
+    return run_distributed(all_cases, WORLD, timeout=300, start_method="forkserver")
 
 
 def test_replayed_trace_reproduces_its_per_expert_counts_exactly(results):

@@ -1,6 +1,6 @@
 """Run a function on N CPU ranks with gloo, the way a unit test needs it.
 
-Fresh processes (forkserver with torch and DeepSpeed preloaded, or spawn; never a fork of the
+Fresh processes (spawn, or a forkserver with torch and DeepSpeed preloaded; never a fork of the
 caller: torch and gloo hold threads), a file store and a free port,
 ``OMP_NUM_THREADS=1``, DeepSpeed's shm comm op build skipped, and a deadline: a hang becomes a
 `TimeoutError` (carrying the Python stacks of the ranks that hung), a failing rank becomes a
@@ -57,15 +57,14 @@ _PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "deep
             "deepspeed_feplb.layer"]
 
 
-def _context():
-    """Ranks start from a forkserver that has imported torch and DeepSpeed once (a fresh rank is then
-    ready in well under a second instead of re-importing for seconds); spawn where there is none.
-
-    ``FEPLB_TEST_START_METHOD=spawn`` forces spawn. The server is a clean single-threaded process,
-    started with ``OMP_NUM_THREADS=1`` and DeepSpeed's CPU accelerator; the caller's environment is
-    left as it was.
+def _context(start_method: str | None = None):
+    """``"spawn"`` (default of `run_distributed`) or ``"forkserver"`` (the pytest plugin's default):
+    ranks start from a server that has imported torch and DeepSpeed once, so a rank is ready in well
+    under a second instead of re-importing for seconds. ``FEPLB_TEST_START_METHOD`` overrides both.
+    The server is a clean single-threaded process started with ``OMP_NUM_THREADS=1`` and DeepSpeed's
+    CPU accelerator; the caller's environment is left as it was.
     """
-    method = os.environ.get("FEPLB_TEST_START_METHOD", "forkserver")
+    method = os.environ.get("FEPLB_TEST_START_METHOD") or start_method or "spawn"
     if method not in mp.get_all_start_methods():
         method = "spawn"
     ctx = mp.get_context(method)
@@ -134,19 +133,20 @@ def _worker(payload, rank, world_size, port, store, results, stack_file, environ
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, start_timeout: float = 300.0,
-                    **kwargs) -> list[Any]:
+                    start_method: str | None = None, **kwargs) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
 
     ``timeout`` limits ``fn`` itself, counted from the moment every rank has started (spawned,
     imported torch and DeepSpeed, joined the gloo group); ``start_timeout`` limits that start-up,
-    which on a loaded machine can take tens of seconds.
+    which on a loaded machine can take tens of seconds. ``start_method``: ``"spawn"`` (default) or
+    ``"forkserver"`` (preloaded torch/DeepSpeed: much faster start-up when a process launches often).
 
     ``fn`` must be picklable (a module-level function, or an object whose class is importable);
     its return value travels back with plain pickle. Raises `RankFailed` (an `AssertionError`)
     with the first failing rank's traceback, `RankSkipped` if a rank skipped, or `TimeoutError`
     naming the ranks that did not finish in time, followed by their Python stacks.
     """
-    ctx = _context()
+    ctx = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="feplb-test-")
     store = os.path.join(workdir, "filestore")
     stack_files = [os.path.join(workdir, f"stacks-rank{r}.txt") for r in range(world_size)]

@@ -103,7 +103,7 @@ def pytest_pyfunc_call(pyfuncitem):
                         pytrace=False)
     module = pyfuncitem.module
     call = RankCall(str(module.__file__), module.__name__, pyfuncitem.function.__qualname__, pickle.dumps(kwargs))
-    _report(run_distributed, call, world_size, timeout=timeout)
+    _report(run_distributed, call, world_size, timeout=timeout, start_method="forkserver")
     return True
 
 
@@ -115,7 +115,7 @@ def feplb_run(request):
 
     def run(fn, world_size: int, *args, timeout: float | None = None, **kwargs):
         limit = default_timeout(request.config) if timeout is None else timeout
-        return _report(run_distributed, fn, world_size, *args, timeout=limit, **kwargs)
+        return _report(run_distributed, fn, world_size, *args, timeout=limit, start_method="forkserver", **kwargs)
 
     return run
 
