@@ -5,7 +5,8 @@
 
 Sections (all on the calibrated no-aux-loss trace, GLM-5-like shapes, seeded):
 * latency  — plan_node in-process for 128 experts x 8 ranks (D=4) and for 256 experts x 64 ranks
-             (8 nodes of 8, D=4; per node and all 8 nodes in sequence);
+             (8 nodes of 8, D=4; per node and all 8 nodes in sequence); wall clock and thread CPU;
+* roundtrip — 128 x 8 through the scheduler process's shared-memory mailbox;
 * ep8      — EP=8, 128 experts, top-8: max/mean, gap to the DESIGN §2 bound, reduction vs vanilla,
              FasterMoE / feplb straggler ratio, Copy-Engine time vs static time;
 * ep16     — EP=16 (2 nodes x 8) with the cross-node placement layer;
@@ -42,20 +43,29 @@ def node_counts(trace, ranks, ranks_per_node):
 
 
 def timed(fn, xs, repeat):
-    ts = []
+    """Wall-clock and thread-CPU time of ``fn(x)`` for every x, ``repeat`` times (µs). On a shared
+    machine the wall-clock tail holds preemptions; the CPU time shows what the code itself costs."""
+    wall, cpu = [], []
     for _ in range(repeat):
         for x in xs:
-            t = time.perf_counter()
+            c = time.thread_time_ns()
+            t = time.perf_counter_ns()
             fn(x)
-            ts.append(time.perf_counter() - t)
-    ts = np.array(ts) * 1e6
-    return {"p50_us": float(np.percentile(ts, 50)), "p99_us": float(np.percentile(ts, 99)),
-            "mean_us": float(ts.mean()), "samples": len(ts)}
+            wall.append(time.perf_counter_ns() - t)
+            cpu.append(time.thread_time_ns() - c)
+    wall, cpu = np.array(wall) / 1e3, np.array(cpu) / 1e3
+    return {"p50_us": float(np.percentile(wall, 50)), "p99_us": float(np.percentile(wall, 99)),
+            "mean_us": float(wall.mean()), "cpu_p50_us": float(np.percentile(cpu, 50)),
+            "cpu_p99_us": float(np.percentile(cpu, 99)), "samples": len(wall)}
+
+
+def latency_constraints():
+    return PlanConstraints(dynamic_experts=4, max_helpers=2, chunk_align=8,
+                           ce_budget_bytes=370e3 * 3000, expert_bytes=3 * 6144 * 2048 * 2)
 
 
 def bench_latency(args):
-    cons = PlanConstraints(dynamic_experts=4, max_helpers=2, chunk_align=8,
-                           ce_budget_bytes=370e3 * 3000, expert_bytes=3 * 6144 * 2048 * 2)
+    cons = latency_constraints()
     t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
     xs = list(node_counts(t8, 8, 8))
     for x in xs[:50]:
@@ -67,6 +77,50 @@ def bench_latency(args):
     groups = list(nodes.reshape(-1, 8, 8, 4))
     out["256x64_all_nodes"] = timed(lambda g: [plan_node(x, cons) for x in g], groups, args.repeat)
     return out
+
+
+def bench_roundtrip(args):
+    """128 experts x 8 ranks through the scheduler process: the benchmark plays all 8 ranks of one
+    node from one process (rank 0's `SchedulerClient` owns the mailbox and starts
+    ``python -m deepspeed_feplb.planner.service``; ranks 1-7 write their slots directly). Timed:
+    from the last rank's publish to rank 0 holding the plan (`SchedulerClient.plan`), i.e. mailbox
+    write, the scheduler noticing the complete step, planning, writing the plan ring, and the
+    rank reading it back. Plans that fell back to in-process planning are counted, not timed."""
+    from deepspeed_feplb.planner.service import SchedulerClient
+
+    cons = latency_constraints()
+    t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
+    xs = list(node_counts(t8, 8, 8))
+    client = SchedulerClient(f"feplb-bench-{os.getpid()}", 0, 8, mode="process", plan_timeout_s=1.0,
+                             peer_timeout_s=60.0, restart=False, create=True)
+    wall, sched, fallbacks = [], [], 0
+    try:
+        seq = 0
+        for rep in range(args.repeat + 1):  # the first pass warms the scheduler up and is not timed
+            for x in xs:
+                for r in range(1, 8):
+                    client.mailbox.publish(r, seq, x[r], cons)
+                t = time.perf_counter_ns()
+                client.publish(seq, x[0], cons)
+                moves, _, plan_s, fallback = client.plan(seq)
+                dt = time.perf_counter_ns() - t
+                seq += 1
+                if rep == 0:
+                    continue
+                if fallback:
+                    fallbacks += 1
+                    continue
+                wall.append(dt)
+                sched.append(plan_s * 1e9)
+                if args.roundtrip_gap_us:
+                    time.sleep(args.roundtrip_gap_us * 1e-6)
+    finally:
+        client.close()
+    wall, sched = np.array(wall) / 1e3, np.array(sched) / 1e3
+    return {"p50_us": float(np.percentile(wall, 50)), "p99_us": float(np.percentile(wall, 99)),
+            "mean_us": float(wall.mean()), "scheduler_plan_p50_us": float(np.percentile(sched, 50)),
+            "scheduler_plan_p99_us": float(np.percentile(sched, 99)), "samples": len(wall),
+            "fallbacks": fallbacks, "gap_us": args.roundtrip_gap_us}
 
 
 def bench_quality(args, ranks_per_node, nodes, seed):
@@ -119,7 +173,9 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="latency repetitions over all instances")
     ap.add_argument("--oracle", type=int, default=20, help="micro-batches solved by the MILP oracle")
     ap.add_argument("--oracle-time", type=float, default=20.0)
-    ap.add_argument("--sections", default="latency,ep8,ep16,oracle,cpu")
+    ap.add_argument("--roundtrip-gap-us", type=float, default=0.0,
+                    help="sleep between round trips (0: back to back, the scheduler never idles)")
+    ap.add_argument("--sections", default="latency,roundtrip,ep8,ep16,oracle,cpu")
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -128,7 +184,13 @@ def main(argv=None):
     if "latency" in sections:
         out["latency"] = bench_latency(args)
         for k, v in out["latency"].items():
-            print(f"latency {k:18s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  ({v['samples']} plans)")
+            print(f"latency {k:18s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
+                  f"(CPU p50 {v['cpu_p50_us']:.1f} p99 {v['cpu_p99_us']:.1f} µs; {v['samples']} plans)")
+    if "roundtrip" in sections:
+        v = out["roundtrip"] = bench_roundtrip(args)
+        print(f"roundtrip 128x8 via feplb-sched  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
+              f"(planning inside: p50 {v['scheduler_plan_p50_us']:.1f} µs; {v['samples']} plans, "
+              f"{v['fallbacks']} fallbacks)")
     for name, (G, N, seed) in {"ep8": (8, 1, 21), "ep16": (8, 2, 22)}.items():
         if name in sections:
             m = out[name] = bench_quality(args, G, N, seed)

@@ -12,13 +12,20 @@ one copy of the expert's weights each. Goal: minimise the largest per-rank token
 can beat the lower bound ``max(ceil(node mean), max_r(static_r))`` where ``static_r`` is what
 rank ``r`` holds outside its ``D`` hottest experts (:func:`lower_bound`).
 
-Algorithm: water-filling toward a level ``W`` that starts at the lower bound. Ranks above ``W``
-("donors", largest excess first) push their excess from their hottest candidates to ranks below
-``W`` ("receivers"); each chunk goes to the receiver whose spare capacity fits the chunk most
-tightly, or to the one with the most spare capacity when none fits it whole, which keeps the
-number of chunks (and weight copies) small. Chunks are multiples of ``chunk_align`` tokens except
-one that takes all the rows the home still holds. If the helper or Copy-Engine limits leave a
-donor above ``W``, the level is raised by bisection until every donor fits.
+Algorithm: water-filling toward a level ``W`` that starts at the lower bound. Ranks more than
+``chunk_align - 1`` above ``W`` ("donors", largest excess first) push their excess from their
+hottest candidates to ranks below ``W`` ("receivers", which may end up to ``chunk_align - 1``
+above it); each chunk goes to the receiver whose spare capacity fits the chunk most tightly, or
+to the one with the most spare capacity when none fits it whole, which keeps the number of
+chunks (and weight copies) small. Chunks are multiples of ``chunk_align`` tokens except one that
+takes all the rows the home still holds; a donor's last chunk is rounded down, so the donor
+keeps its remainder (under ``chunk_align`` tokens) and the receivers keep their room for the
+donors that follow. If the helper or Copy-Engine limits leave a donor above ``W``, receivers may
+make room by chaining their own dynamic experts on, and the level is raised by bisection until
+every donor fits.
+
+Speed: the common case is one pass (:func:`_fill_simple`, receivers kept in one sorted list of
+int keys); the chaining passes of the bisection (:func:`_fill`) run only when limits bind.
 """
 from __future__ import annotations
 
@@ -98,13 +105,99 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
+def _chunk(amt, left, c, gap, align, final_chunk):
+    """Round a chunk of ``amt`` rows (``amt % align != 0``, ``amt < left``) to the alignment.
+
+    left:         rows of the expert the home still holds; c: the receiver's room;
+    gap:          donor load minus receiver load (a chunk must leave the receiver below the donor);
+    final_chunk:  the chunk would bring the donor exactly to the level: round it down, so the
+                  donor keeps fewer than ``align`` rows above the level (within the slack) and
+                  the receivers keep their room for the donors that follow.
+    Returns the rounded amount, 0 when no aligned chunk fits."""
+    down = amt - amt % align
+    if final_chunk:
+        return down
+    up = down + align
+    if up < left and up <= c and up < gap:
+        return up
+    if up >= left and left <= c and left < gap:
+        return left  # the chunk that ends the expert's rows may be unaligned
+    return down
+
+
+def _fill_simple(level, slack, loads, tops, G, H, align, copies):
+    """The water-filling pass of :func:`_fill` without chaining (the common case), inlined, with
+    the receivers in one sorted list of ``room * G + rank`` keys: the best fit is a bisection,
+    the roomiest receiver the last key. Same arguments and result as :func:`_fill` with
+    ``chain=False``."""
+    cap = level + slack
+    final = list(loads)
+    rl = sorted([(cap - x) * G + j for j, x in enumerate(loads) if x <= level and x < cap])
+    recv = [copies] * G
+    groups = []
+    for _, r in sorted([(level - x, r) for r, x in enumerate(loads) if x > cap]):
+        if not rl:
+            break
+        send = copies
+        fr = final[r]
+        need = fr - level
+        for e, left in tops[r]:
+            if left <= 0:
+                break  # candidates are sorted hottest first
+            chunks = []
+            used = 0
+            while True:
+                want = need if need < left else left
+                # best fit: the least room that takes the chunk whole (ties: lower rank), else
+                # the most room (ties: higher rank); never a rank this expert already went to
+                k = bisect_left(rl, want * G)
+                n = len(rl)
+                if used:
+                    while k < n and used >> rl[k] % G & 1:
+                        k += 1
+                if k == n:
+                    k -= 1
+                    while k >= 0 and used >> rl[k] % G & 1:
+                        k -= 1
+                    if k < 0:
+                        break
+                key = rl[k]
+                c, j = divmod(key, G)
+                amt = want if want < c else c
+                if align > 1 and amt < left and amt % align:
+                    amt = _chunk(amt, left, c, fr - final[j], align, amt == need)
+                    if amt <= 0:
+                        break
+                del rl[k]
+                recv[j] -= 1
+                if c > amt and recv[j] > 0:
+                    insort(rl, key - amt * G)
+                chunks.append((j, amt))
+                used |= 1 << j
+                left -= amt
+                need -= amt
+                fr -= amt
+                final[j] += amt
+                send -= 1
+                if need <= slack or left <= 0 or len(chunks) >= H or send <= 0 or not rl:
+                    break
+            if chunks:
+                final[r] = fr
+                groups.append((r, e, chunks))
+            if need <= slack or send <= 0 or not rl:
+                break
+    return groups, final
+
+
 def _fill(level, slack, loads, tops, rows, D, G, H, align, copies, chain):
-    """One water-filling pass toward ``level``: ranks above ``level`` ("donors", largest excess
-    first) push their excess, hottest candidate first, to ranks at or below it ("receivers"),
-    which may end at most ``slack`` tokens above ``level``. Each chunk goes to the receiver with
-    the least spare room that takes it whole (best fit), else to the roomiest one. With ``chain``,
-    when an expert's last allowed chunk fits no receiver, one receiver first makes room by pushing
-    its own dynamic experts to the others (a chain of two moves beats a helper limit).
+    """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
+    ("donors", largest excess first) push their excess, hottest candidate first, to ranks at or
+    below it ("receivers"), which may end at most ``slack`` tokens above ``level``; a donor stops
+    once it is within ``slack`` of ``level``. Each chunk goes to the receiver with the least spare
+    room that takes it whole (best fit; ties to the lower rank), else to the roomiest one (ties to
+    the higher rank). With ``chain``, when an expert's last allowed chunk fits no receiver, one
+    receiver first makes room by pushing its own dynamic experts to the others (a chain of two
+    moves beats a helper limit).
 
     loads:  list [G] of per-rank tokens; rows: list [G] of lists [E_local] (the counts).
     tops:   {rank: [(local_expert, tokens), ...] hottest first} for every rank above ``level``
@@ -112,55 +205,69 @@ def _fill(level, slack, loads, tops, rows, D, G, H, align, copies, chain):
     copies: weight copies one rank may send, and one may receive.
     Returns (groups, final): groups = [(home, expert, [(helper, tokens), ...])] in the order
     the rows are taken, and final = list [G] of per-rank tokens after the moves. Pure Python
-    over small lists: at this size it beats numpy's per-call overhead."""
-    room = sorted((level + slack - x, j) for j, x in enumerate(loads) if x <= level and level + slack > x)
+    over small lists (G is one node's ranks): at this size a linear scan beats numpy's per-call
+    overhead and any ordered structure."""
+    if not chain:
+        return _fill_simple(level, slack, loads, tops, G, H, align, copies)
+    cap = level + slack
     final = list(loads)
+    # room[j] > 0: rank j takes more rows (at most room[j]); 0: it takes none (any more)
+    room = [cap - x if x <= level and cap > x else 0 for x in loads]
+    recvs = [j for j in range(G) if room[j]]
+    if not recvs:
+        return [], final
+    n_open = len(recvs)
     recv = [copies] * G
     send = [copies] * G
     groups = []
-    made_room = set()
+    made_room = 0  # bit mask of ranks that gave rows away (donors, receivers that made room)
 
-    def push(r, e, left, need, banned, may_chain):
-        """Move up to ``need`` of the ``left`` rows of (r, e) in at most H chunks; returns the
-        tokens moved."""
+    def push(r, e, left, need, used, may_chain, stop):
+        """Move up to ``need`` of the ``left`` rows of (r, e) in at most H chunks to receivers not
+        in the bit mask ``used``, stopping once at most ``stop`` rows are still needed; returns
+        the tokens moved."""
+        nonlocal n_open
         chunks = []
-        used = banned
         moved = 0
-        while need > 0 and left > 0 and len(chunks) < H and send[r] > 0 and room:
+        while need > stop and left > 0 and len(chunks) < H and send[r] > 0 and n_open:
             want = need if need < left else left
-            k = bisect_left(room, (want, -1))
-            n_room = len(room)
-            while k < n_room and room[k][1] in used:
-                k += 1
-            if k == n_room:  # nobody takes it whole
-                k = -1
+            j = big = -1
+            bc = bg = 0
+            for i in recvs:
+                c = room[i]
+                if c and not used >> i & 1:
+                    if c >= want:
+                        if j < 0 or c < bc:
+                            j, bc = i, c
+                    elif c >= bg:
+                        big, bg = i, c
+            if j < 0:  # nobody takes it whole
                 if may_chain and (len(chunks) == H - 1 or send[r] == 1):
-                    k = make_room(want, used + (r,))
-                if k < 0:  # the roomiest receiver
-                    k = len(room) - 1
-                    while k >= 0 and room[k][1] in used:
-                        k -= 1
-                    if k < 0:
+                    j = make_room(want, used | 1 << r)
+                    if j < 0:  # making room may have changed the rooms: look again
+                        big, bg = -1, 0
+                        for i in recvs:
+                            c = room[i]
+                            if c >= bg and c and not used >> i & 1:
+                                big, bg = i, c
+                if j < 0:  # the roomiest receiver
+                    j = big
+                    if j < 0:
                         break
-            c, j = room[k]
+            c = room[j]
             amt = want if want < c else c
-            if amt < left and align > 1 and amt % align:
-                up = amt - amt % align + align
-                gap = final[r] - final[j]  # a chunk must leave the receiver below the donor
-                if up < left and up <= c and up < gap:
-                    amt = up
-                elif up >= left and left <= c and left < gap:
-                    amt = left  # the chunk that ends the expert's rows may be unaligned
-                else:
-                    amt = up - align
-                    if amt <= 0:
-                        break
-            del room[k]
-            if c > amt and recv[j] > 1:
-                insort(room, (c - amt, j))
+            if align > 1 and amt < left and amt % align:
+                amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
+                if amt <= 0:
+                    break
             recv[j] -= 1
+            if c > amt and recv[j] > 0:
+                room[j] = c - amt
+            else:
+                room[j] = 0
+                n_open -= 1
             chunks.append((j, amt))
-            used += (j,)
+            used |= 1 << j
             left -= amt
             need -= amt
             moved += amt
@@ -173,55 +280,73 @@ def _fill(level, slack, loads, tops, rows, D, G, H, align, copies, chain):
 
     def make_room(want, banned):
         """Let the receiver with the most room plus movable dynamic load push its own dynamic
-        experts elsewhere until it can take ``want``; returns its index in ``room`` or -1."""
-        best = None
-        for k, (c, j) in enumerate(room):
-            if j in banned or j in made_room or send[j] <= 0:
+        experts elsewhere until it can take ``want``; returns that receiver or -1."""
+        nonlocal n_open, made_room
+        best = -1
+        bfree = bc = 0
+        for j in recvs:
+            c = room[j]
+            if not c or banned >> j & 1 or made_room >> j & 1 or send[j] <= 0:
                 continue
-            if j not in tops:
-                row = rows[j]
-                tops[j] = [(e, row[e]) for e in sorted(range(len(row)), key=row.__getitem__, reverse=True)[:D]]
-            free = c + sum(n for _, n in tops[j])
-            if best is None or free > best[0]:
-                best = (free, k, c, j)
-        if best is None or best[0] < want:
+            top = tops.get(j)
+            if top is None:
+                top = tops[j] = _top(rows[j], D)
+            free = c
+            for _, n in top:
+                free += n
+            if best < 0 or free > bfree or (free == bfree and c < bc):  # ties: less room, lower rank
+                best, bfree, bc = j, free, c
+        if best < 0 or bfree < want:
             return -1
-        _, k, c, j = best
-        made_room.add(j)
-        del room[k]
-        extra = want - c
+        j = best
+        made_room |= 1 << j
+        room[j] = 0
+        n_open -= 1
+        extra = want - bc
         for e, n in tops[j]:
             if extra <= 0 or n <= 0:
                 break
-            extra -= push(j, e, n, extra, banned, False)
-        c = level + slack - final[j]
+            extra -= push(j, e, n, extra, banned, False, 0)
+        c = cap - final[j]
         if c <= 0 or recv[j] <= 0:
             return -1
-        insort(room, (c, j))
-        return bisect_left(room, (c, j))
+        room[j] = c
+        n_open += 1
+        return j
 
-    donors = sorted((r for r in range(G) if loads[r] > level), key=lambda r: (level - loads[r], r))
-    for r in donors:
-        made_room.add(r)
+    for _, r in sorted((level - x, r) for r, x in enumerate(loads) if x > cap):
+        made_room |= 1 << r
         for e, left in tops[r]:
             need = final[r] - level
-            if need <= 0 or send[r] <= 0 or left <= 0 or not room:
+            if need <= slack or send[r] <= 0 or left <= 0 or not n_open:
                 break  # candidates are sorted hottest first
-            push(r, e, left, need, (), chain)
+            push(r, e, left, need, 0, True, slack)
     return groups, final
+
+
+def _top(row, D):
+    """row: list [E_local] -> [(local_expert, tokens), ...] of the D hottest, hottest first, ties
+    to the lower id."""
+    return [(e, row[e]) for e in sorted(range(len(row)), key=row.__getitem__, reverse=True)[:D]]
 
 
 def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
     """Plan one node (one NVLink domain).
 
     counts:       int64 [G, E_local]: tokens (token-expert pairs) that each of the node's G ranks
-                  received for each of its local experts.
+                  received for each of its local experts; negative counts raise ValueError.
     constraints:  :class:`PlanConstraints`.
     Returns a :class:`Plan`; moves touch only ``dynamic_candidates(counts, D)[home]``, never move
     more than an expert has, respect ``max_helpers``, ``chunk_align`` and the Copy-Engine budget,
-    and are deterministic. Degenerate inputs (G <= 1, D == 0, all-zero counts) give no moves.
+    and are deterministic. Degenerate inputs (G <= 1, D == 0, all-zero counts) give no moves, and
+    so does a node whose largest load is within ``chunk_align - 1`` of the mean.
     The largest per-rank load is the lower bound plus at most ``chunk_align - 1`` whenever the
     helper and Copy-Engine limits allow it.
+
+    Cost: one conversion of ``counts`` to Python ints, a sort of the D hottest experts of each rank
+    above the mean, one water-filling pass over the donors' chunks, and a bisection over further
+    passes only when the helper or Copy-Engine limits bind. At this size (a node: G ranks,
+    E_local experts each) plain Python over small lists beats numpy's per-call overhead.
     """
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 2:
@@ -232,33 +357,31 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
     align = max(1, int(constraints.chunk_align))
     copies = constraints.copies_per_rank()
     rows = counts.tolist()
-    loads = [sum(row) for row in rows]
-    if G <= 1 or D <= 0 or H <= 0 or copies <= 0 or max(loads) == 0:
-        return Plan(np.zeros((0, 4), dtype=np.int64), np.array(loads, dtype=np.int64).reshape(G))
-    mean_ceil = -(-sum(loads) // G)
-    over = [r for r in range(G) if loads[r] > mean_ceil]
-    if not over:
-        return Plan(np.zeros((0, 4), dtype=np.int64), np.array(loads, dtype=np.int64))
-    # Only ranks above the mean can set the static part of the lower bound or give tokens away.
-    tops = {}
-    level = mean_ceil
-    for r in over:
-        row = rows[r]
-        if min(row) < 0:
-            raise ValueError("counts must be non-negative")
-        ids = sorted(range(E), key=row.__getitem__, reverse=True)[:D]  # stable: ties to lower id
-        top = tops[r] = [(e, row[e]) for e in ids]
-        static = loads[r]
-        for _, n in top:
-            static -= n
-        if static > level:
-            level = static
-    if max(loads) <= level:
-        return Plan(np.zeros((0, 4), dtype=np.int64), np.array(loads, dtype=np.int64))
-    copies = G * D * H if math.isinf(copies) else int(copies)
+    loads = list(map(sum, rows))
+    if G <= 1 or D <= 0 or H <= 0 or copies <= 0:
+        return Plan(_NO_MOVES.copy(), np.array(loads, dtype=np.int64).reshape(G))
+    top_load = max(loads)
+    level = -(-sum(loads) // G)
     slack = align - 1
+    if top_load <= level + slack:  # also all-zero counts
+        return _no_plan(counts, loads)
+    tops = {}
+    for r in range(G):
+        if loads[r] > level:
+            row = rows[r]
+            if min(row) < 0:
+                raise ValueError("counts must be non-negative")
+            top = tops[r] = _top(row, D)
+            static = loads[r]
+            for _, n in top:
+                static -= n
+            if static > level:
+                level = static
+    if top_load <= level + slack:
+        return _no_plan(counts, loads)
+    copies = G * D * H if copies == math.inf else int(copies)
 
-    groups, final = _fill(level, slack, loads, dict(tops), rows, D, G, H, align, copies, False)
+    groups, final = _fill_simple(level, slack, loads, tops, G, H, align, copies)
     best_max = max(final)
     if best_max > level + slack:
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves, and
@@ -275,15 +398,21 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
                 hi = mid - 1
             else:
                 lo = mid + 1
-    if not groups or best_max >= max(loads):
-        return Plan(np.zeros((0, 4), dtype=np.int64), np.array(loads, dtype=np.int64))
-    groups.sort(key=_group_key)
+    if not groups or best_max >= top_load:
+        return _no_plan(counts, loads)
+    groups.sort()  # by (home, local_expert): each pair appears once
     flat = []
     for r, e, chunks in groups:
         for j, amt in chunks:
             flat += (r, e, j, amt)
-    return Plan(np.array(flat, dtype=np.int64).reshape(-1, 4), np.array(final, dtype=np.int64))
+    m = len(flat)
+    flat += final
+    out = np.array(flat, dtype=np.int64)  # one conversion: moves and rank_tokens are views of it
+    return Plan(out[:m].reshape(-1, 4), out[m:])
 
 
-def _group_key(group):
-    return group[0], group[1]
+_NO_MOVES = np.zeros((0, 4), dtype=np.int64)
+
+
+def _no_plan(counts, loads):
+    return Plan(_NO_MOVES.copy(), np.array(loads, dtype=np.int64))
