@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_feplb", "deepspeed_feplb.*"]) + ["deepspeed_feplb.ops"],
     package_dir={"deepspeed_feplb.ops": "ops"},  # the CUDA sources ship inside the package
-    package_data={"deepspeed_feplb": ["sim/data/*.npz"], "deepspeed_feplb.ops": ["*.cu"]},
+    package_data={"deepspeed_feplb": ["sim/data/*.npz", "testing/data/*.npz"], "deepspeed_feplb.ops": ["*.cu"]},
     python_requires=">=3.9",
     # torch is not pinned here: install torch (CPU or CUDA build) first, see README.
     install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.0", "numpy>=1.24"],
@@ -17,5 +17,9 @@ setup(
         "gpu": ["cupy-cuda12x>=13"],
         "plot": ["matplotlib>=3.7", "tqdm>=4.60"],
     },
-    entry_points={"console_scripts": ["feplb=deepspeed_feplb.__main__:main"]},
+    entry_points={
+        "console_scripts": ["feplb=deepspeed_feplb.__main__:main"],
+        # the name must be the module path: `-p deepspeed_feplb.testing.plugin` then stays a no-op
+        "pytest11": ["deepspeed_feplb.testing.plugin = deepspeed_feplb.testing.plugin"],
+    },
 )

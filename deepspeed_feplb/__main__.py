@@ -10,7 +10,7 @@ import sys
 COMMAND_MODULES = (
     "deepspeed_feplb.config",
     "deepspeed_feplb.sim.cli",
-    "deepspeed_feplb.migrate.shm",
+    "deepspeed_feplb.migrate.segments",
     "deepspeed_feplb.report",
 )
 

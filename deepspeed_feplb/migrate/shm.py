@@ -17,97 +17,23 @@ got the message it expects (the tag names micro-batch, layer and phase).
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
-import time
 from concurrent.futures import Future
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
-SEGMENT_PREFIX = "feplb-"
+from deepspeed_feplb.migrate.segments import (  # noqa: F401  (re-exported: the GPU transport uses them)
+    SEGMENT_PREFIX, PeerDiedError, PeerTimeoutError, PeerWatch, add_parser, cleanup, leftover_segments,
+    open_segment, unlink_quietly, wait_until)
+
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
 _ALIGN = 64
 _MAX_DIMS = 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
-
-
-class PeerTimeoutError(RuntimeError):
-    """A peer rank did not answer within the configured timeout (it died or hangs)."""
-
-
-def open_segment(name: str, size: int = 0, create: bool = False) -> shared_memory.SharedMemory:
-    """Create or attach a POSIX shared-memory segment whose lifetime FEPLB manages itself.
-
-    Python's resource tracker would unlink a segment when *any* attaching process exits (and
-    ranks spawned by one parent share a tracker), so segments are untracked; the creator
-    unlinks with `unlink_quietly`, and `cleanup` removes what a SIGKILL left behind.
-    """
-    shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except Exception:
-        pass
-    return shm
-
-
-def unlink_quietly(shm: shared_memory.SharedMemory | None) -> None:
-    if shm is None:
-        return
-    try:
-        os.unlink(os.path.join("/dev/shm", shm.name))
-    except FileNotFoundError:
-        pass
-
-
-class PeerDiedError(PeerTimeoutError):
-    """A peer process of the domain is gone (killed or crashed)."""
-
-
-class PeerWatch:
-    """Liveness of a domain's rank processes, which share this host: fail fast, naming the rank.
-
-    pids: process id of each local rank; ranks: their global ranks (for messages).
-    """
-
-    def __init__(self, pids: list[int], ranks: list[int]):
-        self.pids, self.ranks = list(pids), list(ranks)
-
-    def alive(self, local_rank: int) -> bool:
-        try:
-            with open(f"/proc/{self.pids[local_rank]}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # zombies are dead ranks
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return False
-
-    def check(self, local_ranks=None) -> None:
-        for r in range(len(self.pids)) if local_ranks is None else local_ranks:
-            if not self.alive(r):
-                raise PeerDiedError(f"FEPLB: rank {self.ranks[r]} (pid {self.pids[r]}) of this NVLink domain died")
-
-
-def wait_until(predicate, timeout_s: float, what: str, watch=None) -> None:
-    """Spin briefly, then back off with sleeps (2 cores serve several ranks in tests).
-
-    ``watch``, if given, is called every ~50 ms and raises when a peer is known to be dead.
-    """
-    deadline = time.monotonic() + timeout_s
-    next_watch = time.monotonic() + 0.05
-    spins = 0
-    while not predicate():
-        spins += 1
-        if spins < 200:
-            continue
-        now = time.monotonic()
-        if now > deadline:
-            raise PeerTimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-        if watch is not None and now > next_watch:
-            watch()
-            next_watch = now + 0.05
-        time.sleep(0 if spins < 2000 else 0.0002)
 
 
 def _pack_layout(tag: int, tensors: list[torch.Tensor]) -> tuple[np.ndarray, list[int], int]:
@@ -267,36 +193,3 @@ class ShmTransport:
         if self._owns_control:
             unlink_quietly(self._control_shm)
             cleanup(f"{self.name}-")  # segments of ranks that died without cleaning up
-
-
-def leftover_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
-    """Names of shared-memory segments in /dev/shm that start with ``prefix``."""
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
-    except FileNotFoundError:
-        return []
-
-
-def cleanup(prefix: str = SEGMENT_PREFIX) -> list[str]:
-    """Remove FEPLB segments left behind by killed jobs; returns the removed names."""
-    removed = []
-    for name in leftover_segments(prefix):
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("cleanup", help="remove /dev/shm segments left by killed FEPLB jobs")
-    parser.add_argument("--prefix", default=SEGMENT_PREFIX, help="segment name prefix (default: %(default)s)")
-    parser.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-
-    def run(args):
-        names = leftover_segments(args.prefix) if args.dry_run else cleanup(args.prefix)
-        verb = "would remove" if args.dry_run else "removed"
-        print(f"{verb} {len(names)} segment(s)" + "".join(f"\n  /dev/shm/{n}" for n in names))
-
-    parser.set_defaults(func=run)

@@ -28,17 +28,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_feplb.migrate.shm import PeerTimeoutError, PeerWatch, cleanup, open_segment, unlink_quietly, wait_until
+from deepspeed_feplb.migrate.segments import PeerTimeoutError, PeerWatch, cleanup, open_segment, unlink_quietly, wait_until
 from deepspeed_feplb.planner.policy import Plan, PlanConstraints, plan_node
 
 RING = 4
 STARTUP_WAIT_S = 10.0
-_STARTING = -1
 E_MAX = 1024
 _SLOT_META = 8
 _PLAN_META = 4
 _HEADER = 8
-_SHUTDOWN, _PID, _HEARTBEAT = range(3)
+_SHUTDOWN, _PID, _HEARTBEAT, _STARTING = range(4)
 
 
 def max_moves(ranks: int) -> int:
@@ -191,6 +190,7 @@ def main(argv=None) -> None:
     except FileNotFoundError:
         return  # started just as the job shut down: nothing to serve
     mailbox.header[_PID] = os.getpid()
+    mailbox.header[_STARTING] = 0
     try:
         serve(mailbox, args.parent)
     finally:
@@ -227,14 +227,15 @@ class SchedulerClient:
                 pass
 
     def _start_process(self) -> None:
-        self.mailbox.header[_PID] = _STARTING
+        self.mailbox.header[_PID] = 0  # never a sentinel pid: os.kill(-1, ...) would signal every process
+        self.mailbox.header[_STARTING] = 1
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepspeed_feplb.planner.service", "--mailbox", self.mailbox.name, "--ranks",
              str(self.ranks), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def scheduler_pid(self) -> int:
-        """Pid of the running scheduler process; 0 in inline mode, -1 while one is starting."""
+        """Pid of the running scheduler process; 0 while none runs (inline mode, starting, or dead)."""
         return int(self.mailbox.header[_PID])
 
     def _scheduler_alive(self) -> bool:
@@ -259,7 +260,7 @@ class SchedulerClient:
             if got is not None:
                 self.late_in_a_row = 0
                 return got[0], counts, got[1] * 1e-9, False
-            if self.scheduler_pid() != _STARTING:
+            if not self.mailbox.header[_STARTING]:
                 self._on_late_scheduler()
         start = time.perf_counter()
         plan = plan_node(counts, constraints)
