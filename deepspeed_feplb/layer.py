@@ -31,6 +31,7 @@ from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Ste
 from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates
 from deepspeed_feplb.planner.service import ce_budget_bytes
 from deepspeed_feplb.runtime import domain_size, get_runtime
+from deepspeed_feplb.sim.record import get_recorder
 from deepspeed_feplb.stats import layer_stats
 
 
@@ -57,6 +58,7 @@ class FEPLBMOELayer(MOELayer):
         if self.feplb_config is None:
             self.feplb_config = FEPLBConfig()
         config = self.feplb_config
+        self.recorder = get_recorder(config.stats.record_trace)
         self._feplb_ready = True
         if not config.enabled:
             return
@@ -93,6 +95,8 @@ class FEPLBMOELayer(MOELayer):
         used_token = input[1] if len(input) > 1 else None
         self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
         rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
+        if self.recorder is not None:
+            self.recorder.record(self, expert_ids)
         out = self._experts(rows, counts_by_source.sum(0))
         return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
 

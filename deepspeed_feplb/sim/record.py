@@ -1,0 +1,148 @@
+"""Record a DESIGN §4 routing trace from a real run (``feplb.stats.record_trace``).
+
+Every FEPLB MoE layer calls :meth:`TraceRecorder.record` once per training forward with its
+router's choices. The recorder counts this rank's routes per global expert (int64 ``[E]``),
+gathers the vectors of the layer's EP group with one ``all_gather`` (so every rank of the group
+takes part in the same collectives, in the same order as the forward itself) and keeps them as
+``[src_ranks, experts]`` for that layer call. Layers are numbered in the order they are first
+called; a layer's n-th recorded call is step n. Only the EP group that holds global rank 0
+gathers; rank 0 writes ``counts`` int64 ``[steps, layers, src_ranks, experts]`` (steps that every
+layer completed) with :func:`deepspeed_feplb.sim.trace.save_trace`, at :meth:`flush`, at
+`deepspeed_feplb.shutdown` (through :func:`flush_all`) and at interpreter exit.
+
+Eval-mode forwards are not recorded (they are not training micro-batches); a forward recomputed
+by activation checkpointing would be recorded twice.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepspeed_feplb.sim.trace import Trace, save_trace
+
+__all__ = ["TraceRecorder", "get_recorder", "flush_all"]
+
+_RECORDERS: dict[str, "TraceRecorder"] = {}
+_LOCK = threading.Lock()
+
+
+class TraceRecorder:
+    """Collects one process's share of a routing trace; one per output path (:func:`get_recorder`).
+
+    path:    where rank 0 writes the ``.npz``.
+    source:  free text stored in the trace's ``source`` key.
+    """
+
+    def __init__(self, path: str | os.PathLike, source: str = ""):
+        self.path = os.fspath(path)
+        self.source = source
+        self.layers: dict[int, int] = {}  # id(layer) -> layer number (first-call order)
+        self.calls: list[list[np.ndarray]] = []  # per layer: [src_ranks, experts] per step
+        self.meta: dict = {}
+        self.active: Optional[bool] = None  # this rank's EP group holds global rank 0
+        self.writer = False
+
+    def record(self, layer, expert_ids: torch.Tensor) -> None:
+        """Count one forward's routes of ``layer`` (a `FEPLBMOELayer`).
+
+        expert_ids: ``[k, S]`` global expert of each route, -1 (or out of range) for a route not
+        taken. A collective over ``layer.ep_group`` when the EP size is above 1.
+        """
+        if not layer.training:
+            return
+        group = layer.ep_group if layer.ep_size > 1 else None
+        if self.active is None:
+            self._setup(group)
+        if not self.active:
+            return
+        num_experts = layer.ep_size * layer.num_local_experts
+        flat = expert_ids.reshape(-1).long()
+        flat = flat[(flat >= 0) & (flat < num_experts)]
+        mine = torch.bincount(flat, minlength=num_experts).to(torch.int64).cpu()
+        if group is not None:
+            parts = [torch.empty_like(mine) for _ in range(layer.ep_size)]
+            dist.all_gather(parts, mine, group=group)
+            counts = torch.stack(parts)
+        else:
+            counts = mine[None]
+        if not self.writer:
+            return
+        key = id(layer)
+        number = self.layers.get(key)
+        if number is None:
+            number = self.layers[key] = len(self.layers)
+            self.calls.append([])
+            if not self.meta:
+                self.meta = {"top_k": int(expert_ids.shape[0]), **_shapes(layer)}
+        self.calls[number].append(counts.numpy())
+
+    def _setup(self, group) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            self.active = self.writer = True
+            return
+        members = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+        self.active = 0 in members
+        self.writer = dist.get_rank() == 0
+
+    def trace(self) -> Optional[Trace]:
+        """What was recorded so far (steps every layer completed), or None before any call."""
+        if not self.calls:
+            return None
+        steps = min(len(c) for c in self.calls)
+        counts = np.zeros((steps, len(self.calls)) + self.calls[0][0].shape, dtype=np.int64)
+        for number, calls in enumerate(self.calls):
+            if steps:
+                counts[:, number] = np.stack(calls[:steps])
+        source = self.source or f"deepspeed_feplb record_trace of {os.path.basename(sys.argv[0]) or 'python'}"
+        return Trace(counts, source=source, **self.meta)
+
+    def flush(self) -> Optional[str]:
+        """Write the trace (rank 0 only; atomically: a temporary file, then a rename). Returns the
+        path written, or None."""
+        trace = self.trace() if self.writer else None
+        if trace is None:
+            return None
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        save_trace(tmp, trace)
+        os.replace(tmp, self.path)
+        return self.path
+
+
+def _shapes(layer) -> dict:
+    """``hidden`` and ``ffn_hidden`` of an expert, if its first weight is a 2-D [ffn, hidden]."""
+    try:
+        weight = next(p for p in layer.experts.deepspeed_experts[0].parameters() if p.dim() == 2)
+        return {"hidden": int(weight.shape[1]), "ffn_hidden": int(weight.shape[0])}
+    except (StopIteration, AttributeError, IndexError):
+        return {}
+
+
+def get_recorder(path: Optional[str], source: str = "") -> Optional[TraceRecorder]:
+    """The process's recorder for ``path`` (shared by all layers), or None when ``path`` is None."""
+    if not path:
+        return None
+    key = os.path.abspath(os.fspath(path))
+    with _LOCK:
+        recorder = _RECORDERS.get(key)
+        if recorder is None:
+            recorder = _RECORDERS[key] = TraceRecorder(path, source)
+        return recorder
+
+
+def flush_all() -> list[str]:
+    """Write every recorder's trace (rank 0); returns the paths written."""
+    with _LOCK:
+        recorders = list(_RECORDERS.values())
+    return [p for p in (r.flush() for r in recorders) if p]
+
+
+atexit.register(flush_all)
