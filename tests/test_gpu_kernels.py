@@ -145,7 +145,7 @@ def test_memory_formula_matches_the_transport_slots():
 
 # ------------------------------------------------------------------------------------ selection
 def test_selection_on_a_cpu_machine():
-    from deepspeed_feplb.config import load_config
+    from deepspeed_feplb.config import FEPLBConfigError, load_config
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     from deepspeed_feplb.gpu import select
     from deepspeed_feplb.migrate.shm import ShmTransport
@@ -153,9 +153,9 @@ def test_selection_on_a_cpu_machine():
     auto = load_config({"feplb": {}})
     assert isinstance(select.make_dispatcher(auto, None, 2, 4, params), TorchDispatcher)
     assert select.transport_class(auto, params) is ShmTransport
-    with pytest.raises(RuntimeError, match="feplb.ep_backend"):
+    with pytest.raises(FEPLBConfigError, match="feplb.ep_backend"):
         select.make_dispatcher(load_config({"feplb": {"ep_backend": "deepep"}}), None, 2, 4, params)
     from deepspeed_feplb.gpu import cuda_available
     if not cuda_available():
-        with pytest.raises(RuntimeError, match="feplb.transport"):
+        with pytest.raises(FEPLBConfigError, match="feplb.transport"):
             select.transport_class(load_config({"feplb": {"transport": "cuda_ce"}}), params)
