@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import moe_cases  # noqa: E402
-from deepspeed_feplb.migrate.shm import leftover_segments  # noqa: E402
+from deepspeed_feplb.migrate.segments import leftover_segments, process_alive  # noqa: E402
 from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 
@@ -87,14 +87,6 @@ def soak(steps: int, seed: int) -> dict:
     return summary
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
@@ -105,11 +97,11 @@ def main() -> None:
     results = run_distributed(soak, 2, args.steps, args.seed, timeout=3600)
     ours = {pid for r in results for pid in r["scheduler_pids"]}
     deadline = time.monotonic() + 10  # killed ones are reaped by their rank; the rest see the shutdown flag
-    while time.monotonic() < deadline and any(alive(pid) for pid in ours):
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in ours):
         time.sleep(0.1)
     report = {"steps": args.steps, "seconds": round(time.monotonic() - start, 1), "ranks": results,
               "leaked_segments": leftover_segments(results[0]["segment_prefix"]) if results[0]["segment_prefix"] else [],
-              "leaked_schedulers": sorted(pid for pid in ours if alive(pid))}
+              "leaked_schedulers": sorted(pid for pid in ours if process_alive(pid))}
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 import deepspeed_feplb
+from deepspeed_feplb.migrate.segments import process_alive
 
 HIDDEN = 16
 TOKENS = 48
@@ -274,7 +275,7 @@ def scheduler_fault_case() -> dict:
         for i in range(client.STALLED_AFTER):
             step(f"stalled {i}")
         if leader:
-            result["restarted_after_stall"] = client.process.pid != stalled and not _running(stalled)
+            result["restarted_after_stall"] = client.process.pid != stalled and not process_alive(stalled)
         result["warnings"] = sum("scheduler process did not answer" in str(w.message) for w in caught)
     return result
 
@@ -291,12 +292,6 @@ def _serving_pid(client, timeout: float = 60.0) -> int:
     return pid
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 class FixedRouteGate(torch.nn.Module):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from deepspeed_feplb.migrate.shm import leftover_segments
+from deepspeed_feplb.migrate.segments import leftover_segments, process_alive
 from deepspeed_feplb.testing import free_port, run_distributed
 
 import moe_cases
@@ -36,18 +36,10 @@ def read_until(proc, prefix: str, timeout: float = 120.0) -> str:
     raise AssertionError(f"no {prefix!r} line; output:\n{''.join(lines)}")
 
 
-def process_exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not process_exists(pid):
+        if not process_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -61,7 +53,7 @@ def test_signal_removes_segments_and_stops_the_scheduler(signum):
         assert int(scheduler_pid) > 0
         read_until(procs[1], "READY")
         assert leftover_segments(prefix), "the job runs but owns no segment: nothing would be tested"
-        assert process_exists(int(scheduler_pid))
+        assert process_alive(int(scheduler_pid))
         for p in procs:
             p.send_signal(signum)
         for p in procs:

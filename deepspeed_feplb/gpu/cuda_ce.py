@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.gpu.arena import align_up, message_layout
-from deepspeed_feplb.migrate.shm import PeerTimeoutError, open_segment, unlink_quietly, wait_until
+from deepspeed_feplb.migrate.segments import (PeerTimeoutError, describe_rank, open_segment, peer_check, unlink_quietly,
+                                               wait_until)
 
 MAX_DIMS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -196,20 +197,22 @@ class CudaCETransport:
         backend, stream = self.backend, self._streams[dst]
         channel = self._control[self.local_rank, dst]
         wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
-                   f"{self._who(dst)} of domain {self.name} to read the previous message", self._watcher(dst))
+                   f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message",
+                   peer_check(self.watch, dst))
         if channel[SEQ] > 0:  # the receiver's copy-out of the previous message must finish first
             if dst not in self._done_peer:
                 self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
             backend.stream_wait_event(stream, self._done_peer[dst])
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
-        wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"{self._who(dst)} of domain {self.name} to start",
-                   self._watcher(dst))
+        wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"{describe_rank(self.watch, dst)} of domain {self.name} to start",
+                   peer_check(self.watch, dst))
         if nbytes > channel[CAP]:
             self._unmap(dst)
             generation = int(channel[GEN])
             channel[WANT] = nbytes
             wait_until(lambda: channel[GEN] > generation, self.timeout_s,
-                       f"{self._who(dst)} of domain {self.name} to grow its slot to {nbytes} bytes", self._watcher(dst))
+                       f"{describe_rank(self.watch, dst)} of domain {self.name} to grow its slot to {nbytes} bytes",
+                       peer_check(self.watch, dst))
         peer = self._map(dst, channel)
         backend.stream_wait_event(stream, ready)
         for t, offset in zip(tensors, offsets):
@@ -251,8 +254,8 @@ class CudaCETransport:
                 self._serve_growth(src)
             return channel[SEQ] >= expected
 
-        wait_until(arrived, self.timeout_s, f"{self._who(src)} of domain {self.name} (message tag {tag:#x})",
-                   self._watcher(src))
+        wait_until(arrived, self.timeout_s, f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
+                   peer_check(self.watch, src))
         if channel[TAG] != tag:
             raise RuntimeError(f"FEPLB transport out of step: expected message {tag:#x} from local rank {src}, "
                                f"got {int(channel[TAG]):#x}")
@@ -271,12 +274,6 @@ class CudaCETransport:
         self._expected[src] = expected
         channel[ACK] = expected
         return tensors
-
-    def _who(self, local_rank: int) -> str:
-        return f"rank {self.watch.ranks[local_rank]}" if self.watch else f"local rank {local_rank}"
-
-    def _watcher(self, local_rank: int):
-        return None if self.watch is None else (lambda: self.watch.check([local_rank]))
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -304,7 +301,7 @@ class CudaCETransport:
             try:
                 wait_until(lambda: state[IMPORTS_CLOSED] or not state[ALIVE] or dead(),
                            max(0.0, deadline - time.monotonic()),
-                           f"{self._who(peer)} of domain {self.name} to unmap our slots")
+                           f"{describe_rank(self.watch, peer)} of domain {self.name} to unmap our slots")
             except PeerTimeoutError:
                 pass  # a dead peer's mappings went with its process
         for stream in self._streams.values():

@@ -41,6 +41,27 @@ class PeerDiedError(PeerTimeoutError):
     """A peer process of the domain is gone (killed or crashed)."""
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, killed but not yet reaped, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def describe_rank(watch: "PeerWatch | None", local_rank: int) -> str:
+    """How error messages name a domain peer: its global rank when known."""
+    return f"rank {watch.ranks[local_rank]}" if watch else f"local rank {local_rank}"
+
+
+def peer_check(watch: "PeerWatch | None", local_rank: int):
+    """A `wait_until` watch that raises once ``local_rank`` died (None without a `PeerWatch`)."""
+    return None if watch is None else (lambda: watch.check([local_rank]))
+
+
 class PeerWatch:
     """Liveness of a domain's rank processes, which share this host: fail fast, naming the rank.
 
@@ -51,11 +72,7 @@ class PeerWatch:
         self.pids, self.ranks = list(pids), list(ranks)
 
     def alive(self, local_rank: int) -> bool:
-        try:
-            with open(f"/proc/{self.pids[local_rank]}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # zombies are dead ranks
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return False
+        return process_alive(self.pids[local_rank])
 
     def check(self, local_ranks=None) -> None:
         for r in range(len(self.pids)) if local_ranks is None else local_ranks:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate.segments import (  # noqa: F401  (re-exported: the GPU transport uses them)
-    SEGMENT_PREFIX, PeerDiedError, PeerTimeoutError, PeerWatch, add_parser, cleanup, leftover_segments,
-    open_segment, unlink_quietly, wait_until)
+    SEGMENT_PREFIX, PeerDiedError, PeerTimeoutError, PeerWatch, add_parser, cleanup, describe_rank, leftover_segments,
+    open_segment, peer_check, unlink_quietly, wait_until)
 
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
@@ -116,7 +116,8 @@ class ShmTransport:
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> None:
         channel = self._control[self.local_rank, dst]
         wait_until(lambda: channel[_ACK] == channel[_SEQ], self.timeout_s,
-                   f"{self._who(dst)} of domain {self.name} to read the previous message", self._watcher(dst))
+                   f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message",
+                   peer_check(self.watch, dst))
         header, offsets, nbytes = _pack_layout(tag, tensors)
         segment = self._outgoing.get(dst)
         if segment is None or segment.size < nbytes:
@@ -143,7 +144,8 @@ class ShmTransport:
         channel = self._control[src, self.local_rank]
         expected = self._expected[src] + 1
         wait_until(lambda: channel[_SEQ] >= expected, self.timeout_s,
-                   f"{self._who(src)} of domain {self.name} (message tag {tag:#x})", self._watcher(src))
+                   f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
+                   peer_check(self.watch, src))
         generation = int(channel[_GEN])
         cached = self._incoming.get(src)
         if cached is None or cached[0] != generation:
@@ -166,12 +168,6 @@ class ShmTransport:
         self._expected[src] = expected
         channel[_ACK] = expected
         return tensors
-
-    def _who(self, local_rank: int) -> str:
-        return f"rank {self.watch.ranks[local_rank]}" if self.watch else f"local rank {local_rank}"
-
-    def _watcher(self, local_rank: int):
-        return None if self.watch is None else (lambda: self.watch.check([local_rank]))
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:

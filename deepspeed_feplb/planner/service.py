@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_feplb.migrate.segments import PeerTimeoutError, PeerWatch, cleanup, open_segment, unlink_quietly, wait_until
+from deepspeed_feplb.migrate.segments import (PeerTimeoutError, PeerWatch, cleanup, open_segment, process_alive,
+                                               unlink_quietly, wait_until)
 from deepspeed_feplb.planner.policy import Plan, PlanConstraints, plan_node
 
 RING = 4
@@ -239,8 +240,7 @@ class SchedulerClient:
         return int(self.mailbox.header[_PID])
 
     def _scheduler_alive(self) -> bool:
-        pid = self.scheduler_pid()
-        return pid > 0 and PeerWatch([pid], [-1]).alive(0)
+        return process_alive(self.scheduler_pid())
 
     def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
         self.mailbox.publish(self.local_rank, seq, counts, constraints)
