@@ -32,6 +32,15 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def signal_pid(pid: int, signum: int) -> None:
+    """Signal one scheduler process; it may be gone already (its rank killed and reaped a stalled one)."""
+    assert pid > 0, pid  # os.kill(-1 or 0, ...) would signal every process we own
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def soak(steps: int, seed: int) -> dict:
     reference, ours = moe_cases.build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 4,
                                                      "scheduler": {"plan_timeout_ms": 5}}, seed=seed)
@@ -51,14 +60,14 @@ def soak(steps: int, seed: int) -> dict:
         if client is not None and client.process is not None:
             pid = client.scheduler_pid()
             if stopped is not None and action < 0.5:
-                os.kill(stopped, signal.SIGCONT)
+                signal_pid(stopped, signal.SIGCONT)
                 stopped = None
             elif stopped is None and pid > 0 and action < 0.04:
-                os.kill(pid, signal.SIGSTOP)
+                signal_pid(pid, signal.SIGSTOP)
                 stopped = pid
                 summary["stalls"] += 1
             elif pid > 0 and 0.04 <= action < 0.07:
-                os.kill(pid, signal.SIGKILL)
+                signal_pid(pid, signal.SIGKILL)
                 summary["kills"] += 1
                 stopped = None if stopped == pid else stopped
             summary["scheduler_pids"].add(client.scheduler_pid())
@@ -78,7 +87,7 @@ def soak(steps: int, seed: int) -> dict:
         if step % 50 == 0 or step == steps - 1:
             summary["rss_mib"].append(round(rss_mib(), 1))
     if stopped is not None:
-        os.kill(stopped, signal.SIGCONT)
+        signal_pid(stopped, signal.SIGCONT)
     pids = summary.pop("scheduler_pids") - {0, -1}
     summary["restarts"] = max(len(pids) - 1, 0)
     summary["scheduler_pids"] = sorted(pids)
