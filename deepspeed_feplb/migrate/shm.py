@@ -85,9 +85,9 @@ class ShmTransport:
         self._incoming: dict[int, tuple[int, shared_memory.SharedMemory]] = {}  # src -> (generation, segment)
         self._expected = np.zeros(size, dtype=np.int64)  # messages received so far, per src
         self._jobs: queue.Queue = queue.Queue()
+        self.closed = False
         self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
         self._copy_thread.start()
-        self.closed = False
 
     # ---------------------------------------------------------------- producer side
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
@@ -115,9 +115,12 @@ class ShmTransport:
 
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> None:
         channel = self._control[self.local_rank, dst]
-        wait_until(lambda: channel[_ACK] == channel[_SEQ], self.timeout_s,
+        # closing: a peer that is exiting too will never read again, so do not wait out the timeout
+        wait_until(lambda: channel[_ACK] == channel[_SEQ] or self.closed, self.timeout_s,
                    f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message",
                    peer_check(self.watch, dst))
+        if self.closed:
+            raise RuntimeError(f"FEPLB transport {self.name} closed before a message to local rank {dst} was sent")
         header, offsets, nbytes = _pack_layout(tag, tensors)
         segment = self._outgoing.get(dst)
         if segment is None or segment.size < nbytes:
