@@ -37,7 +37,8 @@ def initialize(*args, **kwargs):
     has no MoE layer (that configuration hangs in DeepSpeed's optimizer, upstream #6714) and
     builds a `deepspeed_feplb.pipeline.FEPLBPipelineEngine`. With ``feplb.stats.enabled`` every
     engine gets ``engine.feplb_stats`` (a `deepspeed_feplb.monitor.StatsCollector`): per-layer
-    statistics of each step, written to DeepSpeed's monitor when one is configured.
+    statistics of each step, written to DeepSpeed's monitor when one is configured. Layers that
+    DeepSpeed AutoEP (``"expert_parallel"``) built get FEPLB phase 2 too (`deepspeed_feplb.autoep`).
     """
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     given = bound.arguments
@@ -67,6 +68,8 @@ def initialize(*args, **kwargs):
             result[0].feplb_stats.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    from deepspeed_feplb.autoep import install as install_autoep
+    install_autoep(result[0].module, config)  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result

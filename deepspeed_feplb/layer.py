@@ -15,7 +15,6 @@ Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move b
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Optional
 
 import numpy as np
@@ -27,9 +26,8 @@ from deepspeed.moe.sharded_moe import MOELayer
 from deepspeed_feplb.config import FEPLBConfig, load_config
 from deepspeed_feplb.gpu.select import make_dispatcher, transport_class
 from deepspeed_feplb.gating import SigmoidTopKGate
-from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Step
-from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates
-from deepspeed_feplb.planner.service import ce_budget_bytes
+from deepspeed_feplb.experts import run_experts
+from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.runtime import domain_size, get_runtime
 from deepspeed_feplb.sim.record import get_recorder
 from deepspeed_feplb.stats import layer_stats
@@ -109,37 +107,12 @@ class FEPLBMOELayer(MOELayer):
             self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
                 if self.feplb_config.stats.enabled else {}
             return torch.cat(outs) if outs else rows
-        config, domain = self.feplb_config, self.domain
-        seq = domain.next_seq()
-        constraints = PlanConstraints(
-            dynamic_experts=config.dynamic_experts_per_rank, max_helpers=config.max_helpers_per_expert,
-            chunk_align=config.chunk_align_tokens, expert_bytes=self.expert_bytes,
-            ce_budget_bytes=ce_budget_bytes(config.ce_budget, config.copy_engine_gbps, self._static_seconds))
-        domain.scheduler.publish(seq, counts, constraints)
-
-        dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
-        params = self._expert_params()
-        outs: list = [None] * len(experts)
-        start = time.perf_counter()
-        for e in range(len(experts)):
-            if e not in dynamic:
-                outs[e] = self.expert_spec.call(experts[e], params[e], _buffers(experts[e]), rows[starts[e]:starts[e + 1]])
-        self._static_seconds = time.perf_counter() - start
-
-        moves, node_counts, plan_seconds, fallback = domain.scheduler.plan(seq)
-        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
-        step = Phase2Step(domain.transport, seq, domain.local_rank, moves, dynamic,
-                          [int(counts[e]) for e in dynamic], list(experts), self.expert_spec, needs_grad)
-        dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
-        dyn_y = DynamicExperts.apply(step, len(self.expert_spec.param_names), dyn_x,
-                                     *[p for e in dynamic for p in params[e]])
-        for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
-            outs[e] = y
-        if config.stats.enabled:
-            self.feplb_stats = {**layer_stats(node_counts, moves, plan_seconds, fallback, domain.ranks), "node_counts": node_counts}
-            self.feplb_stats["seq"] = seq
-        return torch.cat(outs)
-
+        out, stats, self._static_seconds = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec,
+                                                       self.domain, self.feplb_config, self.expert_bytes,
+                                                       self._static_seconds)
+        if stats is not None:
+            self.feplb_stats = stats
+        return out
 
     def _expert_params(self) -> list[list[torch.Tensor]]:
         """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow."""

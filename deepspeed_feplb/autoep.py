@@ -1,0 +1,171 @@
+"""FEPLB for DeepSpeed AutoEP layers (Hugging Face MoE models sharded by ``"expert_parallel"``).
+
+AutoEP replaces every MoE block of a Hugging Face model (Mixtral, Qwen3-MoE, DeepSeek, ...) by
+an ``AutoEPMoELayer``. In all its paths (ep=1, the all-to-all comm backend, DeepEP) that layer
+calls its ``experts`` module, a ``GroupedExperts`` holding stacked weights
+``w1/w3 [E_local, F, H]``, ``w2 [E_local, H, F]``, as ``experts(rows_grouped_by_local_expert,
+counts)``. That call is FEPLB's phase-2 seam: `install` swaps the class of each ``experts``
+instance for `FEPLBGroupedExperts` after ``deepspeed.initialize``, which keeps the parameter
+objects, their names (``...experts.w1`` etc., which DeepSpeed's checkpoints match), the optimizer
+state and ZeRO's hooks. Its ``forward`` runs `deepspeed_feplb.experts.run_experts`, the same
+code as the DeepSpeed-MoE layer: counts to the domain's scheduler, static experts through
+AutoEP's own grouped GEMM while the scheduler plans, dynamic experts (per-expert slices of the
+stacked weights, run by a SwiGLU template module) through the phase-2 transport to helpers and
+back, gradients home.
+
+Counts are the ones AutoEP hands its experts: in the comm path each expert's group is padded to
+a multiple of 8 rows (zero rows, zero output, zero gradient), so the planner balances padded
+rows, which is the work each rank's GEMM really does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.experts import run_experts
+from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.runtime import domain_size, get_runtime
+from deepspeed_feplb.stats import layer_stats
+
+try:  # DeepSpeed without AutoEP: nothing to install
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.moe.ep_experts import GroupedExperts, apply_expert_activation
+except ImportError:  # pragma: no cover - depends on the DeepSpeed version
+    AutoEPMoELayer = GroupedExperts = None
+
+
+class SwiGLUExpert(torch.nn.Module):
+    """One expert of a `GroupedExperts`, run functionally on slices ``w1[e], w2[e], w3[e]``.
+
+    Same math as DeepSpeed's reference loop (``_run_experts_for_loop``): the template's own
+    parameters live on the meta device and are always replaced by `ExpertSpec.call`.
+    """
+
+    def __init__(self, experts: "GroupedExperts"):
+        super().__init__()
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(experts, name)
+            setattr(self, name, torch.nn.Parameter(torch.empty(weight.shape[1:], dtype=weight.dtype, device="meta")))
+        self.activation = (experts.activation, experts.activation_alpha, experts.activation_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        gate = x @ self.w1.to(dtype).t()
+        up = x @ self.w3.to(dtype).t()
+        return apply_expert_activation(gate, up, *self.activation, fused=False) @ self.w2.to(dtype).t()
+
+
+class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torch.nn.Module):
+    """AutoEP's ``GroupedExperts`` with FEPLB phase 2 (module docstring); set up by `install`."""
+
+    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int) -> None:
+        self.feplb_config = config
+        self.feplb_ep_group = ep_group
+        self.feplb_ep_size = ep_size
+        self.feplb_stats: dict = {}
+        self._feplb_domain = None
+        self._feplb_ready = False
+        self._static_seconds = 0.0
+
+    def _feplb_attach(self) -> None:
+        from deepspeed_feplb.gpu.select import transport_class
+
+        config = self.feplb_config
+        slices = [self.w1[0], self.w2[0], self.w3[0]]
+        # not a submodule: its meta parameters must not join the model's parameters or state_dict
+        object.__setattr__(self, "_template", SwiGLUExpert(self))
+        self._spec = ExpertSpec.of(self._template)
+        self._expert_bytes = sum(p.numel() * p.element_size() for p in slices)
+        balance = (self.feplb_ep_size > 1 and config.dynamic_experts_per_rank > 0
+                   and domain_size(config, self.feplb_ep_size) > 1)
+        if balance:
+            transport = transport_class(config, slices)
+            self._feplb_domain = get_runtime(self.feplb_ep_group, config, transport)
+        self._feplb_ready = True
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if not self._feplb_ready:
+            self._feplb_attach()
+        domain, config = self._feplb_domain, self.feplb_config
+        if domain is None:
+            if config.stats.enabled:
+                counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [rank])
+            return super().forward(x, num_tokens_per_expert)
+        counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()  # the host copy (free on CPU)
+        try:
+            return self._forward(x, counts)
+        except RuntimeError:
+            domain.watch.check()  # a collective failed: a dead peer is the likely cause, name it
+            raise
+
+    def _forward(self, x: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+        rows = int(counts.sum())
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        params = [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
+        out, stats, self._static_seconds = run_experts(
+            x[:rows], counts, [self._template] * self.num_experts, params, self._spec, self._feplb_domain,
+            self.feplb_config, self._expert_bytes, self._static_seconds, static_fn=self._static)
+        if stats is not None:
+            self.feplb_stats = stats
+        if x.shape[0] > rows:  # trailing padding rows of AutoEP's permute: zero output
+            out = torch.cat([out, out.new_zeros((x.shape[0] - rows, out.shape[1]))])
+        return out
+
+    def _static(self, rows: torch.Tensor, counts: np.ndarray, static: list) -> torch.Tensor:
+        """The static experts through AutoEP's own expert compute (grouped GEMM or its loop)."""
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        static_counts = np.zeros_like(counts)
+        static_counts[static] = counts[static]
+        if not static_counts.sum():
+            return rows.new_zeros((0, rows.shape[1]))
+        x = torch.cat([rows[starts[e]:starts[e + 1]] for e in static])
+        return GroupedExperts.forward(self, x, torch.as_tensor(static_counts, device=rows.device))
+
+
+def autoep_layers(model: torch.nn.Module) -> dict:
+    """``{name: AutoEPMoELayer}`` of ``model`` (empty when DeepSpeed has no AutoEP)."""
+    if AutoEPMoELayer is None:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, AutoEPMoELayer)}
+
+
+def install(model: torch.nn.Module, config: FEPLBConfig) -> dict:
+    """Insert FEPLB phase 2 into every AutoEP layer of ``model`` (after ``deepspeed.initialize``).
+
+    Returns ``{name: FEPLBGroupedExperts}``; nothing is changed when ``config.enabled`` is false.
+    `FEPLBConfigError` names a setting that does not fit a layer.
+    """
+    layers = autoep_layers(model)
+    if not config.enabled:
+        return {}
+    installed = {}
+    for name, layer in layers.items():
+        experts = layer.experts
+        if not isinstance(experts, GroupedExperts):
+            raise FEPLBConfigError(f"AutoEP layer {name}: its experts module is a {type(experts).__name__}, "
+                                   "not DeepSpeed's GroupedExperts; FEPLB cannot balance it")
+        if config.dynamic_experts_per_rank > layer.num_local_experts:
+            raise FEPLBConfigError(
+                f"feplb.dynamic_experts_per_rank: {config.dynamic_experts_per_rank} exceeds the "
+                f"{layer.num_local_experts} local experts per rank of AutoEP layer {name}; "
+                f"use at most {layer.num_local_experts}")
+        if layer.ep_size > 1 and layer.ep_group is None:
+            raise RuntimeError(f"AutoEP layer {name}: no expert-parallel group yet; call install after "
+                               "deepspeed.initialize")
+        domain_size(config, layer.ep_size)  # raises naming feplb.nvlink_domain_size
+        if type(experts) is not FEPLBGroupedExperts:
+            experts.__class__ = FEPLBGroupedExperts
+        experts.feplb_setup(config, layer.ep_group, layer.ep_size)
+        installed[name] = experts
+    return installed
+
+
+def autoep_stats(model: torch.nn.Module) -> dict:
+    """``{layer name: feplb_stats of its last forward}`` for the AutoEP layers FEPLB balances."""
+    return {name: layer.experts.feplb_stats for name, layer in autoep_layers(model).items()
+            if isinstance(layer.experts, FEPLBGroupedExperts)}
+

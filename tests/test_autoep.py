@@ -1,0 +1,187 @@
+"""FEPLB on DeepSpeed AutoEP layers (Hugging Face Mixtral / Qwen3-MoE): exact against AutoEP alone.
+
+Two ranks, gloo, ``autoep_size=2``, tiny random-weight models with a router skewed towards
+rank 0's experts so that phase 2 migrates. The same model is built twice from one seed: once
+with ``"feplb"`` enabled, once disabled (plain AutoEP); logits, every gradient and several
+optimizer steps must agree (fp32, 1e-5 relative).
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("deepspeed.module_inject.auto_ep_layer")
+
+from deepspeed_feplb.testing import run_distributed  # noqa: E402
+
+TOL = 1e-5
+STEPS = 3
+HIDDEN, VOCAB, EXPERTS = 32, 64, 8
+
+
+def tiny_model(preset: str, seed: int = 0):
+    """Two-layer random-weight model whose routers send most tokens to rank 0's experts."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if preset == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, intermediate_size=48, num_local_experts=EXPERTS))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=EXPERTS,
+                                                   decoder_sparse_step=1, norm_topk_prob=True))
+    with torch.no_grad():  # a shared direction in every embedding, which the routers favour for experts 0-1
+        u = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
+        u /= u.norm()
+        model.model.embed_tokens.weight += 2.0 * u
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[:2] += 4.0 * u
+    return model
+
+
+def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False) -> dict:
+    return {
+        "bf16": {"enabled": bf16},
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": zero},
+        "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": preset},
+        "feplb": {"enabled": feplb, "dynamic_experts_per_rank": 2},
+    }
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def equivalence_case(preset: str, zero: int = 0, bf16: bool = False):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed_feplb
+    from deepspeed_feplb.autoep import FEPLBGroupedExperts, autoep_stats
+
+    model = tiny_model(preset)
+    reference = copy.deepcopy(model)
+    ours, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config(preset, True, zero, bf16))
+    ref, _, _, _ = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
+                                              config=ds_config(preset, False, zero, bf16))
+    swapped = [type(m.experts) for m in ours.module.modules() if hasattr(m, "experts") and hasattr(m, "router")]
+    assert swapped and all(t is FEPLBGroupedExperts for t in swapped), swapped
+    assert not any(isinstance(m, FEPLBGroupedExperts) for m in ref.module.modules())
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    errors, migrated, stats_seen = {}, 0, []
+
+    # forward + gradients outside the engine (ZeRO 0: local gradients, before any reduction)
+    if zero == 0 and not bf16:
+        out, out_ref = ours.module(ids, labels=ids), ref.module(ids, labels=ids)
+        errors["logits"] = _rel(out.logits, out_ref.logits)
+        out.loss.backward()
+        out_ref.loss.backward()
+        ref_params = dict(ref.module.named_parameters())
+        assert ref_params.keys() == dict(ours.module.named_parameters()).keys()
+        assert ours.module.state_dict().keys() == ref.module.state_dict().keys()
+        for name, p in ours.module.named_parameters():
+            errors[f"grad {name}"] = _rel(p.grad, ref_params[name].grad)
+        stats = autoep_stats(ours.module)
+        migrated += sum(s["migrated_tokens"] for s in stats.values())
+        stats_seen.append(stats)
+        ours.module.zero_grad(set_to_none=True)
+        ref.module.zero_grad(set_to_none=True)
+
+    # several optimizer steps through the engines
+    losses = []
+    for step in range(STEPS):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+        loss, loss_ref = ours(ids, labels=ids).loss, ref(ids, labels=ids).loss
+        stats = autoep_stats(ours.module)
+        migrated += sum(s["migrated_tokens"] for s in stats.values())
+        stats_seen.append(stats)
+        ours.backward(loss)
+        ref.backward(loss_ref)
+        ours.step()
+        ref.step()
+        losses.append((loss.item(), loss_ref.item()))
+        errors[f"loss step {step}"] = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
+    with torch.no_grad():
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+        errors["logits after steps"] = _rel(ours.module(ids).logits, ref.module(ids).logits)
+    last = stats_seen[-1]
+    return {"errors": errors, "migrated": migrated, "losses": losses,
+            "stats": {name: {k: s[k] for k in ("ranks", "tokens_before", "tokens_after", "migrated_tokens", "moves")}
+                      for name, s in last.items()}}
+
+
+def autoep_cases():
+    return {"mixtral": equivalence_case("mixtral"), "qwen3_moe": equivalence_case("qwen3_moe"),
+            "mixtral_zero2": equivalence_case("mixtral", zero=2),
+            "qwen3_moe_bf16_zero1": equivalence_case("qwen3_moe", zero=1, bf16=True)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(autoep_cases, 2, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "mixtral_zero2", "qwen3_moe_bf16_zero1"])
+def test_feplb_matches_autoep(results, case):
+    tol = 2e-2 if "bf16" in case else TOL  # bf16: dynamic experts run a per-expert loop, static ones grouped GEMM
+    for rank, per_rank in enumerate(results):
+        errors = per_rank[case]["errors"]
+        worst = max(errors.items(), key=lambda item: item[1])
+        assert worst[1] <= tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        if case in ("mixtral", "qwen3_moe"):
+            assert any(k.startswith("grad ") and "experts.w1" in k for k in errors), sorted(errors)[:5]
+    assert sum(per_rank[case]["migrated"] for per_rank in results) > 0, "no migration happened: the test is vacuous"
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_tokens_per_rank_in_stats(results, case):
+    for per_rank in results:
+        stats = per_rank[case]["stats"]
+        assert len(stats) == 2, stats  # both MoE layers report
+        for s in stats.values():
+            assert s["ranks"] == [0, 1]
+            assert sum(s["tokens_after"]) == sum(s["tokens_before"])
+            assert max(s["tokens_after"]) <= max(s["tokens_before"])
+    # the skewed router makes rank 0 hot: balancing must lower the hottest rank in some layer
+    s = results[0][case]["stats"]
+    assert any(max(v["tokens_after"]) < max(v["tokens_before"]) for v in s.values()), s
+
+
+@pytest.mark.skipif(os.environ.get("FEPLB_CLI_TESTS") != "1" or
+                    not os.path.exists(os.path.join(os.path.dirname(sys.executable), "deepspeed")),
+                    reason="about 30 s on 2 cores: set FEPLB_CLI_TESTS=1 (needs the deepspeed launcher)")
+def test_example_runs_under_the_deepspeed_cli():
+    from deepspeed_feplb.testing import free_port
+
+    before = set(os.listdir("/dev/shm"))
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_hf_moe.py"
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(example),
+                           "--model", "qwen3_moe", "--steps", "3", "--zero", "2"],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    for line in lines:
+        assert set(line["feplb"]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+        for layer in line["feplb"].values():
+            assert layer["token_straggler_after"] <= layer["token_straggler_before"], layer
+    assert any(layer["token_straggler_after"] < layer["token_straggler_before"]
+               for line in lines for layer in line["feplb"].values()), lines
+    leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("feplb-", "deepspeed"))}
+    assert not leaked, f"left in /dev/shm: {leaked}"
