@@ -13,7 +13,9 @@ setup(
     # torch is not pinned here: install torch (CPU or CUDA build) first, see README.
     install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.0", "numpy>=1.24"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7"],
+        # transformers: AutoEP needs 5.x's fused expert weights; >= 5.23 breaks DeepSpeed's presets (docs/AUTOEP.md)
+        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23"],
+        "hf": ["transformers>=5.0,<5.23"],
         "gpu": ["cupy-cuda12x>=13"],
         "plot": ["matplotlib>=3.7", "tqdm>=4.60"],
     },

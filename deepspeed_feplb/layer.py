@@ -143,10 +143,6 @@ class ExpertGradOrder(torch.autograd.Function):
         return grads
 
 
-def _buffers(expert: torch.nn.Module) -> list[torch.Tensor]:
-    return [b for _, b in expert.named_buffers()]
-
-
 def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = expert(x)
     return out[0] if isinstance(out, tuple) else out
