@@ -54,7 +54,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
             outs[e] = y
     else:
         for e in static:
-            outs[e] = spec.call(modules[e], params[e], _buffers(modules[e]), rows[starts[e]:starts[e + 1]])
+            outs[e] = spec.call(modules[e], params[e], spec.buffers(modules[e]), rows[starts[e]:starts[e + 1]])
     static_seconds = time.perf_counter() - start
 
     moves, node_counts, plan_seconds, fallback = domain.scheduler.plan(seq)
@@ -70,7 +70,3 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         stats = {**layer_stats(node_counts, moves, plan_seconds, fallback, domain.ranks), "node_counts": node_counts,
                  "seq": seq}
     return torch.cat(outs), stats, static_seconds
-
-
-def _buffers(expert: torch.nn.Module) -> list[torch.Tensor]:
-    return [b for _, b in expert.named_buffers()]

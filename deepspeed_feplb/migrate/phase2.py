@@ -40,6 +40,10 @@ class ExpertSpec:
     def of(cls, expert: torch.nn.Module) -> "ExpertSpec":
         return cls([n for n, _ in expert.named_parameters()], [n for n, _ in expert.named_buffers()])
 
+    @staticmethod
+    def buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+        return [b for _, b in module.named_buffers()]
+
     def call(self, module, params, buffers, x):
         out = functional_call(module, {**dict(zip(self.param_names, params)), **dict(zip(self.buffer_names, buffers))},
                               (x, ))
@@ -79,13 +83,11 @@ class Phase2Step:
         """{helper: [(index of dynamic expert, row offset, tokens), ...]} in plan order, and kept rows per expert."""
         mine = self.moves[self.moves[:, 0] == self.local_rank]
         kept = list(self.rows)
-        offsets = list(self.rows)
         per_helper: dict[int, list] = {}
         position = {e: i for i, e in enumerate(self.dynamic)}
         for _, expert, helper, tokens in mine.tolist():
             kept[position[expert]] -= tokens
-        for i in range(len(offsets)):
-            offsets[i] = kept[i]
+        offsets = list(kept)  # the moved chunks follow the rows the home keeps
         for _, expert, helper, tokens in mine.tolist():
             i = position[expert]
             per_helper.setdefault(helper, []).append((i, offsets[i], tokens))
@@ -99,9 +101,6 @@ class Phase2Step:
             served.setdefault(home, []).append(expert)
         return dict(sorted(served.items()))
 
-    def _buffers(self, expert: torch.nn.Module):
-        return [b for _, b in expert.named_buffers()]
-
     # ------------------------------------------------------------------ forward
     def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
@@ -112,12 +111,12 @@ class Phase2Step:
             payload = []
             for i, offset, tokens in chunks:
                 expert = self.experts[self.dynamic[i]]
-                payload += [*params[i], *self._buffers(expert), dyn_x[starts[i] + offset:starts[i] + offset + tokens]]
+                payload += [*params[i], *self.spec.buffers(expert), dyn_x[starts[i] + offset:starts[i] + offset + tokens]]
             sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload))
 
         with torch.enable_grad():
             for i, expert_id in enumerate(self.dynamic):
-                self.kept.append(self._compute(self.experts[expert_id], params[i], self._buffers(self.experts[expert_id]),
+                self.kept.append(self._compute(self.experts[expert_id], params[i], self.spec.buffers(self.experts[expert_id]),
                                                dyn_x[starts[i]:starts[i] + kept_rows[i]]))
             sends += self._serve_forward()
 
