@@ -196,3 +196,15 @@ def test_row_order_and_tail_chunk():
     plan = plan_node(counts, cons)
     check_plan(counts, cons, plan)
     assert plan.rank_tokens.max() <= lower_bound(counts, 1) + 127
+
+
+def test_rack_scale_domain():
+    """A 72-rank NVLink domain (GB200 NVL72): the compiled pass keeps no per-rank bit masks, so
+    any domain size plans, and without limits it reaches the bound."""
+    rng = np.random.default_rng(72)
+    counts = rng.integers(0, 500, size=(72, 4)) * rng.integers(1, 6, size=(72, 1))
+    for cons in (PlanConstraints(2, 3, 8, 20_000, 1000), PlanConstraints(2, 71, 1)):
+        plan = plan_node(counts, cons)
+        check_plan(counts, cons, plan)
+        assert len(plan.moves) > 0
+    assert plan.rank_tokens.max() == lower_bound(counts, 2)

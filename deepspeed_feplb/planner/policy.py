@@ -1,8 +1,9 @@
 """The FEPLB planner: one node's per-expert token counts -> a plan of Copy-Engine moves.
 
-A pure, deterministic function (numpy plus a few small Python loops; no torch, no I/O). The
-runtime layer, the per-node scheduler process, the in-process fallback and the simulator all
-call :func:`plan_node`, so every rank of a node that reads the same counts gets the same plan.
+A pure, deterministic function (numpy, with the planning pass compiled by numba; no torch, no
+I/O). The runtime layer, the per-node scheduler process, the in-process fallback and the
+simulator all call :func:`plan_node`, so every rank of a node that reads the same counts gets
+the same plan.
 
 Problem (DESIGN §2). A node has ``G`` ranks; rank ``r`` received ``counts[r, e]`` token-expert
 pairs for its local expert ``e``. Each rank may offload up to ``D`` of its hottest local experts
@@ -24,16 +25,19 @@ donors that follow. If the helper or Copy-Engine limits leave a donor above ``W`
 make room by chaining their own dynamic experts on, and the level is raised by bisection until
 every donor fits.
 
-Speed: the common case is one pass (:func:`_fill_simple`, receivers kept in one sorted list of
-int keys); the chaining passes of the bisection (:func:`_fill`) run only when limits bind.
+Speed: the common case is one pass; the chaining passes of the bisection run only when limits
+bind. The passes are plain loops over a node's ranks, compiled by numba (``cache=True``: a
+process loads the machine code from the cache next to this file; the first process on a machine
+compiles it, a few seconds). Interpreted, one plan of 128 experts x 8 ranks costs ~2,800 Python
+bytecodes and numpy calls cost ~1 µs each, which put the planner far from its latency budget.
 """
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_node", "empty_plan"]
 
@@ -105,6 +109,19 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
+# ------------------------------------------------------------------ the compiled planning pass
+# Per-rank state of one water-filling pass, rows of an int64 [6, G] array (numba compiles no
+# closures, so the pass's functions share their state through it).
+_FINAL, _ROOM, _RECV, _SEND, _GAVE, _TOPPED = range(6)
+# Scalar state, an int64 [2] array: receivers with room left, moves written so far.
+_OPEN, _MOVES = range(2)
+# What _push returns while its loop is not finished: the rows it needs a receiver to make room for.
+_DONE = -1
+# _push's `forced` receiver: none (pick one), or "making room failed: take the roomiest".
+_PICK, _ROOMIEST = -1, -2
+
+
+@njit("int64(int64, int64, int64, int64, int64, boolean)", cache=True)
 def _chunk(amt, left, c, gap, align, final_chunk):
     """Round a chunk of ``amt`` rows (``amt % align != 0``, ``amt < left``) to the alignment.
 
@@ -125,209 +142,234 @@ def _chunk(amt, left, c, gap, align, final_chunk):
     return down
 
 
-def _fill_simple(level, slack, loads, tops, G, H, align, copies):
-    """The water-filling pass of :func:`_fill` without chaining (the common case), inlined, with
-    the receivers in one sorted list of ``room * G + rank`` keys: the best fit is a bisection,
-    the roomiest receiver the last key. Same arguments and result as :func:`_fill` with
-    ``chain=False``."""
-    cap = level + slack
-    final = list(loads)
-    rl = sorted([(cap - x) * G + j for j, x in enumerate(loads) if x <= level and x < cap])
-    recv = [copies] * G
-    groups = []
-    for _, r in sorted([(level - x, r) for r, x in enumerate(loads) if x > cap]):
-        if not rl:
-            break
-        send = copies
-        fr = final[r]
-        need = fr - level
-        for e, left in tops[r]:
-            if left <= 0:
-                break  # candidates are sorted hottest first
-            chunks = []
-            used = 0
-            while True:
-                want = need if need < left else left
-                # best fit: the least room that takes the chunk whole (ties: lower rank), else
-                # the most room (ties: higher rank); never a rank this expert already went to
-                k = bisect_left(rl, want * G)
-                n = len(rl)
-                if used:
-                    while k < n and used >> rl[k] % G & 1:
-                        k += 1
-                if k == n:
-                    k -= 1
-                    while k >= 0 and used >> rl[k] % G & 1:
-                        k -= 1
-                    if k < 0:
-                        break
-                key = rl[k]
-                c, j = divmod(key, G)
-                amt = want if want < c else c
-                if align > 1 and amt < left and amt % align:
-                    amt = _chunk(amt, left, c, fr - final[j], align, amt == need)
-                    if amt <= 0:
-                        break
-                del rl[k]
-                recv[j] -= 1
-                if c > amt and recv[j] > 0:
-                    insort(rl, key - amt * G)
-                chunks.append((j, amt))
-                used |= 1 << j
-                left -= amt
-                need -= amt
-                fr -= amt
-                final[j] += amt
-                send -= 1
-                if need <= slack or left <= 0 or len(chunks) >= H or send <= 0 or not rl:
-                    break
-            if chunks:
-                final[r] = fr
-                groups.append((r, e, chunks))
-            if need <= slack or send <= 0 or not rl:
-                break
-    return groups, final
+@njit("void(int64[:, ::1], int64, int64[:, ::1], int64[:, ::1], int64[:, ::1])", cache=True)
+def _ensure_top(counts, r, top_e, top_n, s):
+    """Fill row ``r`` of top_e / top_n int64 [G, D] with rank r's D hottest experts and their
+    tokens, hottest first, ties to the lower id (once per rank and plan)."""
+    if s[_TOPPED, r]:
+        return
+    order = np.argsort(-counts[r], kind="mergesort")
+    for i in range(top_e.shape[1]):
+        top_e[r, i] = order[i]
+        top_n[r, i] = counts[r, order[i]]
+    s[_TOPPED, r] = 1
 
 
-def _fill(level, slack, loads, tops, rows, D, G, H, align, copies, chain):
-    """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
-    ("donors", largest excess first) push their excess, hottest candidate first, to ranks at or
-    below it ("receivers"), which may end at most ``slack`` tokens above ``level``; a donor stops
-    once it is within ``slack`` of ``level``. Each chunk goes to the receiver with the least spare
-    room that takes it whole (best fit; ties to the lower rank), else to the roomiest one (ties to
-    the higher rank). With ``chain``, when an expert's last allowed chunk fits no receiver, one
-    receiver first makes room by pushing its own dynamic experts to the others (a chain of two
-    moves beats a helper limit).
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, boolean, int64, int64, int64, int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _push(r, e, ps, used, forced, may_chain, stop, H, align, s, sc, out):
+    """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
 
-    loads:  list [G] of per-rank tokens; rows: list [G] of lists [E_local] (the counts).
-    tops:   {rank: [(local_expert, tokens), ...] hottest first} for every rank above ``level``
-            (filled in lazily for receivers that make room).
-    copies: weight copies one rank may send, and one may receive.
-    Returns (groups, final): groups = [(home, expert, [(helper, tokens), ...])] in the order
-    the rows are taken, and final = list [G] of per-rank tokens after the moves. Pure Python
-    over small lists (G is one node's ranks): at this size a linear scan beats numpy's per-call
-    overhead and any ordered structure."""
-    if not chain:
-        return _fill_simple(level, slack, loads, tops, G, H, align, copies)
-    cap = level + slack
-    final = list(loads)
-    # room[j] > 0: rank j takes more rows (at most room[j]); 0: it takes none (any more)
-    room = [cap - x if x <= level and cap > x else 0 for x in loads]
-    recvs = [j for j in range(G) if room[j]]
-    if not recvs:
-        return [], final
-    n_open = len(recvs)
-    recv = [copies] * G
-    send = [copies] * G
-    groups = []
-    made_room = 0  # bit mask of ranks that gave rows away (donors, receivers that made room)
-
-    def push(r, e, left, need, used, may_chain, stop):
-        """Move up to ``need`` of the ``left`` rows of (r, e) in at most H chunks to receivers not
-        in the bit mask ``used``, stopping once at most ``stop`` rows are still needed; returns
-        the tokens moved."""
-        nonlocal n_open
-        chunks = []
-        moved = 0
-        while need > stop and left > 0 and len(chunks) < H and send[r] > 0 and n_open:
-            want = need if need < left else left
-            j = big = -1
+    ps:      int64 [4] = (rows the home still holds, rows still needed, moved, chunks): the loop's
+             state, so that a caller can resume the loop after a receiver made room;
+    used:    bool [G]: ranks this expert may not go to (updated);
+    forced:  the receiver of the next chunk, or _PICK / _ROOMIEST;
+    stop:    stop once at most ``stop`` rows are still needed.
+    Each chunk goes to the receiver with the least room that takes it whole (ties: lower rank),
+    else the roomiest one (ties: higher rank). Writes (r, e, helper, tokens) rows to ``out``.
+    Returns _DONE, or (only with ``may_chain``) the rows of a last allowed chunk that no receiver
+    takes whole: the caller lets a receiver make room and resumes with it ``forced``."""
+    G = s.shape[1]
+    final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
+    left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
+    while need > stop and left > 0 and chunks < H and send[r] > 0 and sc[_OPEN] > 0:
+        want = need if need < left else left
+        j = forced if forced >= 0 else -1
+        big = -1
+        if j < 0:
             bc = bg = 0
-            for i in recvs:
+            for i in range(G):
                 c = room[i]
-                if c and not used >> i & 1:
+                if c > 0 and not used[i]:
                     if c >= want:
                         if j < 0 or c < bc:
                             j, bc = i, c
                     elif c >= bg:
                         big, bg = i, c
-            if j < 0:  # nobody takes it whole
-                if may_chain and (len(chunks) == H - 1 or send[r] == 1):
-                    j = make_room(want, used | 1 << r)
-                    if j < 0:  # making room may have changed the rooms: look again
-                        big, bg = -1, 0
-                        for i in recvs:
-                            c = room[i]
-                            if c >= bg and c and not used >> i & 1:
-                                big, bg = i, c
-                if j < 0:  # the roomiest receiver
-                    j = big
-                    if j < 0:
-                        break
-            c = room[j]
-            amt = want if want < c else c
-            if align > 1 and amt < left and amt % align:
-                amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
-                if amt <= 0:
+            if j < 0 and may_chain and forced == _PICK and (chunks == H - 1 or send[r] == 1):
+                ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
+                return want
+            if j < 0:
+                j = big
+                if j < 0:
                     break
-            recv[j] -= 1
-            if c > amt and recv[j] > 0:
-                room[j] = c - amt
-            else:
-                room[j] = 0
-                n_open -= 1
-            chunks.append((j, amt))
-            used |= 1 << j
-            left -= amt
-            need -= amt
-            moved += amt
-            final[j] += amt
-            send[r] -= 1
-        if chunks:
-            final[r] -= moved
-            groups.append((r, e, chunks))
-        return moved
-
-    def make_room(want, banned):
-        """Let the receiver with the most room plus movable dynamic load push its own dynamic
-        experts elsewhere until it can take ``want``; returns that receiver or -1."""
-        nonlocal n_open, made_room
-        best = -1
-        bfree = bc = 0
-        for j in recvs:
-            c = room[j]
-            if not c or banned >> j & 1 or made_room >> j & 1 or send[j] <= 0:
-                continue
-            top = tops.get(j)
-            if top is None:
-                top = tops[j] = _top(rows[j], D)
-            free = c
-            for _, n in top:
-                free += n
-            if best < 0 or free > bfree or (free == bfree and c < bc):  # ties: less room, lower rank
-                best, bfree, bc = j, free, c
-        if best < 0 or bfree < want:
-            return -1
-        j = best
-        made_room |= 1 << j
-        room[j] = 0
-        n_open -= 1
-        extra = want - bc
-        for e, n in tops[j]:
-            if extra <= 0 or n <= 0:
+        forced = _PICK
+        c = room[j]
+        amt = want if want < c else c
+        if align > 1 and amt < left and amt % align:
+            amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
+            if amt <= 0:
                 break
-            extra -= push(j, e, n, extra, banned, False, 0)
-        c = cap - final[j]
-        if c <= 0 or recv[j] <= 0:
-            return -1
-        room[j] = c
-        n_open += 1
-        return j
+        recv[j] -= 1
+        if c > amt and recv[j] > 0:
+            room[j] = c - amt
+        else:
+            room[j] = 0
+            sc[_OPEN] -= 1
+        m = sc[_MOVES]
+        out[m, 0], out[m, 1], out[m, 2], out[m, 3] = r, e, j, amt
+        sc[_MOVES] = m + 1
+        chunks += 1
+        used[j] = True
+        left -= amt
+        need -= amt
+        moved += amt
+        final[j] += amt
+        send[r] -= 1
+    final[r] -= moved
+    ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
+    return _DONE
 
-    for _, r in sorted((level - x, r) for r, x in enumerate(loads) if x > cap):
-        made_room |= 1 << r
-        for e, left in tops[r]:
+
+@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
+    """Let the receiver with the most room plus movable dynamic load push its own dynamic experts
+    to the other receivers (not in ``banned``) until it can take ``want`` rows; returns that
+    receiver, or -1."""
+    G = s.shape[1]
+    final, room, recv, send, gave = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND], s[_GAVE]
+    best = -1
+    bfree = bc = 0
+    for j in range(G):
+        c = room[j]
+        if c == 0 or banned[j] or gave[j] or send[j] <= 0:
+            continue
+        _ensure_top(counts, j, top_e, top_n, s)
+        free = c + top_n[j].sum()
+        if best < 0 or free > bfree or (free == bfree and c < bc):  # ties: less room, lower rank
+            best, bfree, bc = j, free, c
+    if best < 0 or bfree < want:
+        return -1
+    j = best
+    gave[j] = 1
+    room[j] = 0
+    sc[_OPEN] -= 1
+    extra = want - bc
+    ps = np.zeros(4, np.int64)
+    for i in range(top_e.shape[1]):
+        n = top_n[j, i]
+        if extra <= 0 or n <= 0:
+            break
+        ps[0], ps[1], ps[2], ps[3] = n, extra, 0, 0
+        _push(j, top_e[j, i], ps, banned.copy(), _PICK, False, 0, H, align, s, sc, out)
+        extra -= ps[2]
+    c = cap - final[j]
+    if c <= 0 or recv[j] <= 0:
+        return -1
+    room[j] = c
+    sc[_OPEN] += 1
+    return j
+
+
+@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, boolean)", cache=True)
+def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain):
+    """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
+    ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
+    first, to ranks at or below it ("receivers"), which may end at most ``slack`` tokens above
+    ``level``; a donor stops once it is within ``slack`` of ``level``. With ``chain``, when an
+    expert's last allowed chunk fits no receiver whole, one receiver first makes room by pushing
+    its own dynamic experts to the others (a chain of two moves beats a helper limit).
+
+    loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (filled lazily, see
+    :func:`_ensure_top`); s int64 [6, G]: the state rows (only _TOPPED is kept between passes);
+    copies: weight copies one rank may send, and one may receive.
+    Returns (moves int64 [M, 4] in the order the rows are taken, final int64 [G])."""
+    G = loads.shape[0]
+    D = top_e.shape[1]
+    cap = level + slack
+    final, room = s[_FINAL], s[_ROOM]
+    final[:] = loads
+    s[_RECV, :] = copies
+    s[_SEND, :] = copies
+    s[_GAVE, :] = 0
+    sc = np.zeros(2, np.int64)
+    for j in range(G):
+        x = loads[j]
+        room[j] = cap - x if x <= level and cap > x else 0
+        if room[j] > 0:
+            sc[_OPEN] += 1
+    out = np.empty((G * D * H, 4), np.int64)  # each (rank, expert) moves at most once, in <= H chunks
+    ps = np.zeros(4, np.int64)
+    for r in np.argsort(-loads, kind="mergesort"):
+        if loads[r] <= cap:
+            break
+        s[_GAVE, r] = 1
+        _ensure_top(counts, r, top_e, top_n, s)
+        for i in range(D):
+            left = top_n[r, i]
             need = final[r] - level
-            if need <= slack or send[r] <= 0 or left <= 0 or not n_open:
+            if need <= slack or s[_SEND, r] <= 0 or left <= 0 or sc[_OPEN] == 0:
                 break  # candidates are sorted hottest first
-            push(r, e, left, need, 0, True, slack)
-    return groups, final
+            ps[0], ps[1], ps[2], ps[3] = left, need, 0, 0
+            used = np.zeros(G, np.bool_)
+            forced = _PICK
+            while True:
+                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, H, align, s, sc, out)
+                if want == _DONE:
+                    break
+                banned = used.copy()
+                banned[r] = True
+                forced = _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out)
+                if forced < 0:
+                    forced = _ROOMIEST
+    return out[:sc[_MOVES]], final.copy()
 
 
-def _top(row, D):
-    """row: list [E_local] -> [(local_expert, tokens), ...] of the D hottest, hottest first, ties
-    to the lower id."""
-    return [(e, row[e]) for e in sorted(range(len(row)), key=row.__getitem__, reverse=True)[:D]]
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64)", cache=True)
+def _plan(counts, D, H, align, copies):
+    """The compiled body of :func:`plan_node`. counts int64 [G, E] (C order); D <= E; copies:
+    weight copies per rank (an int; the caller maps "unlimited" to G * D * H).
+    Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
+    local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
+    negative counts (the caller raises)."""
+    G, E = counts.shape
+    loads = np.zeros(G, np.int64)
+    for r in range(G):
+        for e in range(E):
+            if counts[r, e] < 0:
+                return np.zeros(0, np.int64)
+            loads[r] += counts[r, e]
+    if G <= 1 or D <= 0 or H <= 0 or copies <= 0:
+        return loads
+    top_load = loads.max()
+    level = -(-loads.sum() // G)
+    slack = align - 1
+    if top_load <= level + slack:  # also all-zero counts
+        return loads
+    top_e = np.zeros((G, D), np.int64)
+    top_n = np.zeros((G, D), np.int64)
+    s = np.zeros((6, G), np.int64)
+    for r in range(G):
+        if loads[r] > level:
+            _ensure_top(counts, r, top_e, top_n, s)
+            level = max(level, loads[r] - top_n[r].sum())
+    if top_load <= level + slack:
+        return loads
+
+    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, False)
+    best_max = final.max()
+    if best_max > level + slack:
+        # The helper or Copy-Engine limits bind: let receivers make room by chaining moves, and
+        # bisect the level between the lower bound and the best result so far, keeping the plan
+        # with the smallest maximum.
+        lo, hi = level, best_max - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2 if lo > level else level
+            m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, True)
+            fmax = f.max()
+            if fmax < best_max:
+                moves, final, best_max = m, f, fmax
+            if fmax <= mid + slack:
+                hi = mid - 1
+            else:
+                lo = mid + 1
+    if moves.shape[0] == 0 or best_max >= top_load:
+        return loads
+    out = np.empty(G + moves.size, np.int64)
+    out[:G] = final
+    order = np.argsort(moves[:, 0] * E + moves[:, 1], kind="mergesort")  # rows of one expert keep their order
+    for k in range(order.shape[0]):
+        out[G + 4 * k:G + 4 * k + 4] = moves[order[k]]
+    return out
 
 
 def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
@@ -343,76 +385,21 @@ def plan_node(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
     The largest per-rank load is the lower bound plus at most ``chunk_align - 1`` whenever the
     helper and Copy-Engine limits allow it.
 
-    Cost: one conversion of ``counts`` to Python ints, a sort of the D hottest experts of each rank
-    above the mean, one water-filling pass over the donors' chunks, and a bisection over further
-    passes only when the helper or Copy-Engine limits bind. At this size (a node: G ranks,
-    E_local experts each) plain Python over small lists beats numpy's per-call overhead.
+    Cost: one compiled call: the row sums, the D hottest experts of each rank above the mean, one
+    water-filling pass, and a bisection over chaining passes only when the helper or Copy-Engine
+    limits bind. The first call in a process loads the compiled code from numba's cache (or
+    compiles it once, a few seconds, into that cache).
     """
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 2:
         raise ValueError(f"counts must be [G, E_local], got shape {counts.shape}")
+    counts = np.ascontiguousarray(counts)
     G, E = counts.shape
     D = min(int(constraints.dynamic_experts), E)
     H = int(constraints.max_helpers)
-    align = max(1, int(constraints.chunk_align))
     copies = constraints.copies_per_rank()
-    rows = counts.tolist()
-    loads = list(map(sum, rows))
-    if G <= 1 or D <= 0 or H <= 0 or copies <= 0:
-        return Plan(_NO_MOVES.copy(), np.array(loads, dtype=np.int64).reshape(G))
-    top_load = max(loads)
-    level = -(-sum(loads) // G)
-    slack = align - 1
-    if top_load <= level + slack:  # also all-zero counts
-        return _no_plan(counts, loads)
-    tops = {}
-    for r in range(G):
-        if loads[r] > level:
-            row = rows[r]
-            if min(row) < 0:
-                raise ValueError("counts must be non-negative")
-            top = tops[r] = _top(row, D)
-            static = loads[r]
-            for _, n in top:
-                static -= n
-            if static > level:
-                level = static
-    if top_load <= level + slack:
-        return _no_plan(counts, loads)
-    copies = G * D * H if copies == math.inf else int(copies)
-
-    groups, final = _fill_simple(level, slack, loads, tops, G, H, align, copies)
-    best_max = max(final)
-    if best_max > level + slack:
-        # The helper or Copy-Engine limits bind: let receivers make room by chaining moves, and
-        # bisect the level between the lower bound and the best result so far, keeping the plan
-        # with the smallest maximum.
-        lo, hi = level, best_max - 1
-        while lo <= hi:
-            mid = (lo + hi) // 2 if lo > level else level
-            g, f = _fill(mid, slack, loads, dict(tops), rows, D, G, H, align, copies, True)
-            fmax = max(f)
-            if fmax < best_max:
-                groups, final, best_max = g, f, fmax
-            if fmax <= mid + slack:
-                hi = mid - 1
-            else:
-                lo = mid + 1
-    if not groups or best_max >= top_load:
-        return _no_plan(counts, loads)
-    groups.sort()  # by (home, local_expert): each pair appears once
-    flat = []
-    for r, e, chunks in groups:
-        for j, amt in chunks:
-            flat += (r, e, j, amt)
-    m = len(flat)
-    flat += final
-    out = np.array(flat, dtype=np.int64)  # one conversion: moves and rank_tokens are views of it
-    return Plan(out[:m].reshape(-1, 4), out[m:])
-
-
-_NO_MOVES = np.zeros((0, 4), dtype=np.int64)
-
-
-def _no_plan(counts, loads):
-    return Plan(_NO_MOVES.copy(), np.array(loads, dtype=np.int64))
+    copies = G * max(D, 0) * max(H, 0) if copies == math.inf else int(copies)
+    out = _plan(counts, D, H, max(1, int(constraints.chunk_align)), copies)
+    if out.shape[0] < G:
+        raise ValueError("counts must be non-negative")
+    return Plan(out[G:].reshape(-1, 4), out[:G])
