@@ -92,7 +92,7 @@ def bench_roundtrip(args):
     t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
     xs = list(node_counts(t8, 8, 8))
     client = SchedulerClient(f"feplb-bench-{os.getpid()}", 0, 8, mode="process", plan_timeout_s=1.0,
-                             peer_timeout_s=60.0, restart=False, create=True)
+                             peer_timeout_s=60.0, restart=False, create=True, poll_s=args.poll_ms / 1e3)
     wall, sched, fallbacks = [], [], 0
     try:
         seq = 0
@@ -120,7 +120,7 @@ def bench_roundtrip(args):
     return {"p50_us": float(np.percentile(wall, 50)), "p99_us": float(np.percentile(wall, 99)),
             "mean_us": float(wall.mean()), "scheduler_plan_p50_us": float(np.percentile(sched, 50)),
             "scheduler_plan_p99_us": float(np.percentile(sched, 99)), "samples": len(wall),
-            "fallbacks": fallbacks, "gap_us": args.roundtrip_gap_us}
+            "fallbacks": fallbacks, "gap_us": args.roundtrip_gap_us, "poll_ms": args.poll_ms}
 
 
 def bench_quality(args, ranks_per_node, nodes, seed):
@@ -175,6 +175,8 @@ def main(argv=None):
     ap.add_argument("--oracle-time", type=float, default=20.0)
     ap.add_argument("--roundtrip-gap-us", type=float, default=0.0,
                     help="sleep between round trips (0: back to back, the scheduler never idles)")
+    ap.add_argument("--poll-ms", type=float, default=2.0,
+                    help="roundtrip: the scheduler's feplb.scheduler.poll_ms")
     ap.add_argument("--sections", default="latency,roundtrip,ep8,ep16,oracle,cpu")
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--no-progress", action="store_true")
@@ -188,7 +190,7 @@ def main(argv=None):
                   f"(CPU p50 {v['cpu_p50_us']:.1f} p99 {v['cpu_p99_us']:.1f} µs; {v['samples']} plans)")
     if "roundtrip" in sections:
         v = out["roundtrip"] = bench_roundtrip(args)
-        print(f"roundtrip 128x8 via feplb-sched  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
+        print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, poll {v['poll_ms']:g} ms)  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
               f"(planning inside: p50 {v['scheduler_plan_p50_us']:.1f} µs; {v['samples']} plans, "
               f"{v['fallbacks']} fallbacks)")
     for name, (G, N, seed) in {"ep8": (8, 1, 21), "ep16": (8, 2, 22)}.items():

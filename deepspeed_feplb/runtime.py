@@ -63,7 +63,7 @@ class DomainRuntime:
         leader = self.local_rank == 0
         self.watch = watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         kwargs = dict(mode=sched.mode, plan_timeout_s=sched.plan_timeout_ms / 1e3, peer_timeout_s=sched.peer_timeout_s,
-                      restart=sched.restart, watch=watch)
+                      restart=sched.restart, poll_s=sched.poll_ms / 1e3, watch=watch)
         if leader:
             self.transport = transport_cls(self.name, 0, self.size, sched.peer_timeout_s, create=True, watch=watch)
             self.scheduler = SchedulerClient(f"{self.name}-mbox", 0, self.size, create=True, **kwargs)

@@ -78,6 +78,7 @@ class Mailbox:
         end_slots = _HEADER + ranks * RING * self.layout.slot_words
         self.slots = words[_HEADER:end_slots].reshape(ranks, RING, self.layout.slot_words)
         self.plans = words[end_slots:].reshape(RING, self.layout.plan_words)
+        self._meta, self._constraints = None, None
 
     # ---------------------------------------------------------------- counts
     def publish(self, rank: int, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
@@ -96,17 +97,22 @@ class Mailbox:
     def read_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints] | None:
         """All ranks' counts ``int64 [G, E_local]`` for ``seq`` and rank 0's constraints, or None if incomplete."""
         entries = self.slots[:, seq % RING]
-        if any(begin != seq or end != seq for begin, end in entries[:, :2].tolist()):  # cheaper than numpy here
+        if not self._complete(entries, seq):
             return None
-        meta = entries[0, :_SLOT_META].copy()
-        local_experts = int(meta[2])
-        counts = entries[:, _SLOT_META:_SLOT_META + local_experts].copy()
-        if any(begin != seq or end != seq for begin, end in entries[:, :2].tolist()):
+        meta = entries[0, 2:_SLOT_META].tolist()
+        counts = entries[:, _SLOT_META:_SLOT_META + meta[0]].copy()
+        if not self._complete(entries, seq):
             return None  # overwritten while we copied
-        constraints = PlanConstraints(dynamic_experts=int(meta[3]), max_helpers=int(meta[4]),
-                                      chunk_align=int(meta[5]), expert_bytes=int(meta[6]),
-                                      ce_budget_bytes=float(meta[7:8].view(np.float64)[0]))
-        return counts, constraints
+        if meta != self._meta:  # the constraints rarely change: build them once per change
+            local_experts, D, helpers, align, expert_bytes, _ = meta
+            budget = float(entries[0, 7:8].view(np.float64)[0])
+            self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes)
+            self._meta = meta
+        return counts, self._constraints
+
+    @staticmethod
+    def _complete(entries, seq: int) -> bool:
+        return all(begin == seq and end == seq for begin, end in entries[:, :2].tolist())  # cheaper than numpy here
 
     def missing_ranks(self, seq: int) -> list[int]:
         entries = self.slots[:, seq % RING]
@@ -143,40 +149,45 @@ class Mailbox:
 
 
 # -------------------------------------------------------------------- the scheduler process
-def _set_process_name(name: str) -> None:
+def _prctl(option: int, arg) -> None:
     try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: what `ps -o comm` and pkill see
+        ctypes.CDLL(None).prctl(option, arg, 0, 0, 0)
     except Exception:
         pass
 
 
-def serve(mailbox: Mailbox, parent_pid: int) -> None:
-    """Plan every complete step until shutdown is requested or the parent process is gone."""
-    seq, idle_since = 0, time.monotonic()
+def serve(mailbox: Mailbox, parent_pid: int, poll_s: float = 0.002) -> None:
+    """Plan every complete step until shutdown is requested or the parent process is gone.
+
+    For ``poll_s`` after each plan the loop polls without sleeping (yielding the core to anything
+    else runnable), then it sleeps 0.2 ms between polls, and 2 ms once idle for 0.1 s."""
+    seq, last_plan = 0, time.monotonic()
     while mailbox.header[_SHUTDOWN] == 0:
         ready = mailbox.read_counts(seq)
-        if ready is None:
-            # ranks may have skipped ahead (e.g. we were stopped); follow the newest complete step
-            newest = int(mailbox.slots[:, :, 1].min(axis=0).max())
-            if newest > seq:
-                seq = newest
-                continue
-            idle = time.monotonic() - idle_since
-            if idle > 0.5:
-                if os.getppid() != parent_pid:
-                    # our rank was killed and cannot clean up: the domain is broken, remove its segments
-                    cleanup(mailbox.name[:-len("mbox")])
-                    return
-                mailbox.header[_HEARTBEAT] = int(time.time())
-            time.sleep(0 if idle < 0.002 else 0.0002 if idle < 0.1 else 0.002)
+        if ready is not None:
+            counts, constraints = ready
+            start = time.perf_counter_ns()
+            plan = plan_node(counts, constraints)
+            mailbox.write_plan(seq, plan, time.perf_counter_ns() - start)
+            seq += 1
+            last_plan = time.monotonic()
             continue
-        counts, constraints = ready
-        start = time.perf_counter_ns()
-        plan = plan_node(counts, constraints)
-        mailbox.write_plan(seq, plan, time.perf_counter_ns() - start)
-        seq += 1
-        idle_since = time.monotonic()
+        idle = time.monotonic() - last_plan
+        if idle < poll_s:
+            os.sched_yield()
+            continue
+        # ranks may have skipped ahead (e.g. we were stopped); follow the newest complete step
+        newest = int(mailbox.slots[:, :, 1].min(axis=0).max())
+        if newest > seq:
+            seq = newest
+            continue
+        if idle > 0.5:
+            if os.getppid() != parent_pid:
+                # our rank was killed and cannot clean up: the domain is broken, remove its segments
+                cleanup(mailbox.name[:-len("mbox")])
+                return
+            mailbox.header[_HEARTBEAT] = int(time.time())
+        time.sleep(0.0002 if idle < 0.1 else 0.002)
 
 
 def main(argv=None) -> None:
@@ -184,8 +195,10 @@ def main(argv=None) -> None:
     parser.add_argument("--mailbox", required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--poll-ms", type=float, default=2.0)
     args = parser.parse_args(argv)
-    _set_process_name("feplb-sched")
+    _prctl(15, b"feplb-sched")  # PR_SET_NAME: what `ps -o comm` and pkill see
+    _prctl(29, 1000)  # PR_SET_TIMERSLACK 1 µs (default 50 µs): its 0.2 ms sleeps end on time
     try:
         mailbox = Mailbox(args.mailbox, args.ranks, create=False)
     except FileNotFoundError:
@@ -193,7 +206,7 @@ def main(argv=None) -> None:
     mailbox.header[_PID] = os.getpid()
     mailbox.header[_STARTING] = 0
     try:
-        serve(mailbox, args.parent)
+        serve(mailbox, args.parent, args.poll_ms / 1e3)
     finally:
         mailbox.close()
 
@@ -211,10 +224,12 @@ class SchedulerClient:
     """
 
     STALLED_AFTER = 3
+    LIVENESS_AFTER_S = 0.001
 
     def __init__(self, name: str, local_rank: int, ranks: int, *, mode: str, plan_timeout_s: float,
-                 peer_timeout_s: float, restart: bool, create: bool, watch: PeerWatch | None = None):
-        self.local_rank, self.ranks, self.mode, self.watch = local_rank, ranks, mode, watch
+                 peer_timeout_s: float, restart: bool, create: bool, poll_s: float = 0.002,
+                 watch: PeerWatch | None = None):
+        self.local_rank, self.ranks, self.mode, self.watch, self.poll_s = local_rank, ranks, mode, watch, poll_s
         self.plan_timeout_s, self.peer_timeout_s, self.restart = plan_timeout_s, peer_timeout_s, restart
         self.mailbox = Mailbox(name, ranks, create=create)
         self.process: subprocess.Popen | None = None
@@ -232,7 +247,7 @@ class SchedulerClient:
         self.mailbox.header[_STARTING] = 1
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepspeed_feplb.planner.service", "--mailbox", self.mailbox.name, "--ranks",
-             str(self.ranks), "--parent", str(os.getpid())],
+             str(self.ranks), "--parent", str(os.getpid()), "--poll-ms", repr(self.poll_s * 1e3)],
             stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def scheduler_pid(self) -> int:
@@ -249,14 +264,7 @@ class SchedulerClient:
         """Moves ``[M, 4]``, node counts ``[G, E_local]``, planning time (s) and whether this rank planned itself."""
         counts, constraints = self._wait_counts(seq)
         if self.mode == "process":
-            got = None
-            if self._scheduler_alive():
-                try:
-                    wait_until(lambda: self.mailbox.read_plan(seq, self.ranks) is not None, self.plan_timeout_s,
-                               "the scheduler process")
-                    got = self.mailbox.read_plan(seq, self.ranks)
-                except PeerTimeoutError:
-                    pass
+            got = self._scheduler_plan(seq)
             if got is not None:
                 self.late_in_a_row = 0
                 return got[0], counts, got[1] * 1e-9, False
@@ -266,17 +274,29 @@ class SchedulerClient:
         plan = plan_node(counts, constraints)
         return plan.moves, counts, time.perf_counter() - start, self.mode == "process"
 
-    def _wait_counts(self, seq: int):
-        ready = []
-
-        def complete() -> bool:
-            got = self.mailbox.read_counts(seq)
-            if got is not None:
-                ready.append(got)
-            return got is not None
-
+    def _scheduler_plan(self, seq: int) -> tuple[np.ndarray, int] | None:
+        """The scheduler's plan for ``seq``; None if none runs, or it is dead, or later than
+        ``plan_timeout_s``. Whether it is alive (a /proc read: tens of µs on a VM) is checked only
+        once the plan is `LIVENESS_AFTER_S` late, not on every step."""
+        if self.scheduler_pid() <= 0:
+            return None  # inline mode, or starting
+        read = lambda: self.mailbox.read_plan(seq, self.ranks)  # noqa: E731
+        first = min(self.plan_timeout_s, self.LIVENESS_AFTER_S)
         try:
-            wait_until(complete, self.peer_timeout_s, "counts", self.watch.check if self.watch else None)
+            return _poll(read, first, "the scheduler process")
+        except PeerTimeoutError:
+            pass
+        if first >= self.plan_timeout_s or not self._scheduler_alive():
+            return None
+        try:
+            return _poll(read, self.plan_timeout_s - first, "the scheduler process")
+        except PeerTimeoutError:
+            return None
+
+    def _wait_counts(self, seq: int):
+        try:
+            return _poll(lambda: self.mailbox.read_counts(seq), self.peer_timeout_s, "counts",
+                         self.watch.check if self.watch else None)
         except PeerTimeoutError as error:
             missing = self.mailbox.missing_ranks(seq)
             if self.watch is not None:
@@ -284,7 +304,6 @@ class SchedulerClient:
             raise type(error)(
                 f"FEPLB: rank(s) {missing} did not publish step {seq} within feplb.scheduler.peer_timeout_s="
                 f"{self.peer_timeout_s:g} s ({error})") from None
-        return ready[0]
 
     def _on_late_scheduler(self) -> None:
         self.fallbacks += 1
@@ -312,6 +331,19 @@ class SchedulerClient:
                 self.process.wait()
             self.process = None
         self.mailbox.close()
+
+
+def _poll(read, timeout_s: float, what: str, watch=None):
+    """Call ``read()`` until it returns something other than None (see `wait_until`); return that."""
+    got = None
+
+    def ready() -> bool:
+        nonlocal got
+        got = read()
+        return got is not None
+
+    wait_until(ready, timeout_s, what, watch)
+    return got
 
 
 def ce_budget_bytes(configured: float | str, gbps: float, static_seconds: float) -> float:
