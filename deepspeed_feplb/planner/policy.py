@@ -22,8 +22,9 @@ chunks (and weight copies) small. Chunks are multiples of ``chunk_align`` tokens
 takes all the rows the home still holds; a donor's last chunk is rounded down, so the donor
 keeps its remainder (under ``chunk_align`` tokens) and the receivers keep their room for the
 donors that follow. If the helper or Copy-Engine limits leave a donor above ``W``, receivers may
-make room by chaining their own dynamic experts on, and the level is raised by bisection until
-every donor fits.
+make room by chaining their own dynamic experts on (for a donor's last allowed chunk, or for any
+chunk that fits no receiver whole, so that a whole expert moves as one weight copy; both are
+tried and the better plan kept), and the level is raised by bisection until every donor fits.
 
 Speed: the common case is one pass; the chaining passes of the bisection run only when limits
 bind. The passes are plain loops over a node's ranks, compiled by numba (``cache=True``: a
@@ -119,6 +120,10 @@ _OPEN, _MOVES = range(2)
 _DONE = -1
 # _push's `forced` receiver: none (pick one), or "making room failed: take the roomiest".
 _PICK, _ROOMIEST = -1, -2
+# When a chunk that no receiver takes whole makes a receiver make room: never; only the last
+# chunk the helper or send limit allows; any such chunk (a whole expert then moves as one chunk,
+# which saves weight copies when the Copy-Engine budget binds).
+_NO_CHAIN, _CHAIN_LAST, _CHAIN_ANY = 0, 1, 2
 
 
 @njit("int64(int64, int64, int64, int64, int64, boolean)", cache=True)
@@ -155,8 +160,8 @@ def _ensure_top(counts, r, top_e, top_n, s):
     s[_TOPPED, r] = 1
 
 
-@njit("int64(int64, int64, int64[::1], boolean[::1], int64, boolean, int64, int64, int64, int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
-def _push(r, e, ps, used, forced, may_chain, stop, H, align, s, sc, out):
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _push(r, e, ps, used, forced, chain, stop, H, align, s, sc, out):
     """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
 
     ps:      int64 [4] = (rows the home still holds, rows still needed, moved, chunks): the loop's
@@ -166,8 +171,8 @@ def _push(r, e, ps, used, forced, may_chain, stop, H, align, s, sc, out):
     stop:    stop once at most ``stop`` rows are still needed.
     Each chunk goes to the receiver with the least room that takes it whole (ties: lower rank),
     else the roomiest one (ties: higher rank). Writes (r, e, helper, tokens) rows to ``out``.
-    Returns _DONE, or (only with ``may_chain``) the rows of a last allowed chunk that no receiver
-    takes whole: the caller lets a receiver make room and resumes with it ``forced``."""
+    Returns _DONE, or (per ``chain``) the rows of a chunk that no receiver takes whole: the
+    caller lets a receiver make room and resumes with it ``forced``."""
     G = s.shape[1]
     final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
     left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
@@ -185,7 +190,8 @@ def _push(r, e, ps, used, forced, may_chain, stop, H, align, s, sc, out):
                             j, bc = i, c
                     elif c >= bg:
                         big, bg = i, c
-            if j < 0 and may_chain and forced == _PICK and (chunks == H - 1 or send[r] == 1):
+            if j < 0 and forced == _PICK and (chain == _CHAIN_ANY or chain == _CHAIN_LAST and (
+                    chunks == H - 1 or send[r] == 1)):
                 ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
                 return want
             if j < 0:
@@ -250,7 +256,7 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
         if extra <= 0 or n <= 0:
             break
         ps[0], ps[1], ps[2], ps[3] = n, extra, 0, 0
-        _push(j, top_e[j, i], ps, banned.copy(), _PICK, False, 0, H, align, s, sc, out)
+        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, H, align, s, sc, out)
         extra -= ps[2]
     c = cap - final[j]
     if c <= 0 or recv[j] <= 0:
@@ -260,14 +266,15 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
     return j
 
 
-@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, boolean)", cache=True)
+@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64)", cache=True)
 def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
     first, to ranks at or below it ("receivers"), which may end at most ``slack`` tokens above
-    ``level``; a donor stops once it is within ``slack`` of ``level``. With ``chain``, when an
-    expert's last allowed chunk fits no receiver whole, one receiver first makes room by pushing
-    its own dynamic experts to the others (a chain of two moves beats a helper limit).
+    ``level``; a donor stops once it is within ``slack`` of ``level``. ``chain`` (_NO_CHAIN,
+    _CHAIN_LAST, _CHAIN_ANY): when an expert's last allowed chunk (or any chunk) fits no receiver
+    whole, one receiver first makes room by pushing its own dynamic experts to the others (a
+    chain of two moves beats a helper or copy limit).
 
     loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (filled lazily, see
     :func:`_ensure_top`); s int64 [6, G]: the state rows (only _TOPPED is kept between passes);
@@ -345,20 +352,22 @@ def _plan(counts, D, H, align, copies):
     if top_load <= level + slack:
         return loads
 
-    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, False)
+    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, _NO_CHAIN)
     best_max = final.max()
     if best_max > level + slack:
-        # The helper or Copy-Engine limits bind: let receivers make room by chaining moves, and
-        # bisect the level between the lower bound and the best result so far, keeping the plan
-        # with the smallest maximum.
+        # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
+        # the last allowed chunk, or for any chunk that fits no receiver whole), and bisect the
+        # level between the lower bound and the best result so far, keeping the plan with the
+        # smallest maximum.
         lo, hi = level, best_max - 1
         while lo <= hi:
             mid = (lo + hi) // 2 if lo > level else level
-            m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, True)
-            fmax = f.max()
-            if fmax < best_max:
-                moves, final, best_max = m, f, fmax
-            if fmax <= mid + slack:
+            for chain in (_CHAIN_LAST, _CHAIN_ANY):
+                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
+                fmax = f.max()
+                if fmax < best_max:
+                    moves, final, best_max = m, f, fmax
+            if best_max <= mid + slack:
                 hi = mid - 1
             else:
                 lo = mid + 1
