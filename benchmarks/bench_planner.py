@@ -4,9 +4,11 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_planner.py --json bench_planner.json
 
 Sections (all on the calibrated no-aux-loss trace, GLM-5-like shapes, seeded):
-* latency  — plan_node in-process for 128 experts x 8 ranks (D=4) and for 256 experts x 64 ranks
+* latency  — plan_node in-process for 128 experts x 8 ranks (D=4; also with a binding budget of two
+             weight copies per rank) and for 256 experts x 64 ranks
              (8 nodes of 8, D=4; per node and all 8 nodes in sequence); wall clock and thread CPU;
 * roundtrip — 128 x 8 through the scheduler process's shared-memory mailbox;
+* cold     — (not by default) plan_node right after 0 / 0.2 / 1 / 5 ms of other work;
 * ep8      — EP=8, 128 experts, top-8: max/mean, gap to the DESIGN §2 bound, reduction vs vanilla,
              FasterMoE / feplb straggler ratio, Copy-Engine time vs static time;
 * ep16     — EP=16 (2 nodes x 8) with the cross-node placement layer;
@@ -71,11 +73,34 @@ def bench_latency(args):
     for x in xs[:50]:
         plan_node(x, cons)
     out = {"128x8": timed(lambda x: plan_node(x, cons), xs, args.repeat)}
+    # a Copy-Engine budget of two weight copies per rank binds: the bisection over chaining passes runs
+    tight = PlanConstraints(4, 2, 8, 2 * cons.expert_bytes + 1, cons.expert_bytes)
+    out["128x8_2_copies"] = timed(lambda x: plan_node(x, tight), xs, args.repeat)
     t64 = no_aux_trace(max(10, args.steps // 8), 2, ranks=64, experts=256, tokens_per_rank=4096, seed=12)
     nodes = node_counts(t64, 64, 8)  # [S*L*8, 8, 4]
     out["256x64_per_node"] = timed(lambda x: plan_node(x, cons), list(nodes), args.repeat)
     groups = list(nodes.reshape(-1, 8, 8, 4))
     out["256x64_all_nodes"] = timed(lambda g: [plan_node(x, cons) for x in g], groups, args.repeat)
+    return out
+
+
+def bench_cold(args):
+    """plan_node timed right after spinning on the clock for a gap, in one process: how much of a
+    plan's latency after idle time is the machine's (caches, predictors) rather than the code."""
+    cons = latency_constraints()
+    xs = list(node_counts(no_aux_trace(50, 4, ranks=8, experts=128, seed=11), 8, 8))
+    out = {}
+    for gap_ms in (0, 0.2, 1, 5):
+        times = []
+        for x in xs:
+            end = time.perf_counter() + gap_ms * 1e-3
+            while time.perf_counter() < end:
+                pass
+            t = time.perf_counter_ns()
+            plan_node(x, cons)
+            times.append(time.perf_counter_ns() - t)
+        out[f"after_{gap_ms}_ms"] = {"p50_us": float(np.percentile(times, 50)) / 1e3,
+                                     "p99_us": float(np.percentile(times, 99)) / 1e3}
     return out
 
 
@@ -186,8 +211,12 @@ def main(argv=None):
     if "latency" in sections:
         out["latency"] = bench_latency(args)
         for k, v in out["latency"].items():
-            print(f"latency {k:18s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
+            print(f"latency {k:20s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
                   f"(CPU p50 {v['cpu_p50_us']:.1f} p99 {v['cpu_p99_us']:.1f} µs; {v['samples']} plans)")
+    if "cold" in sections:
+        for k, v in bench_cold(args).items():
+            out.setdefault("cold", {})[k] = v
+            print(f"cold plan_node {k:14s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs")
     if "roundtrip" in sections:
         v = out["roundtrip"] = bench_roundtrip(args)
         print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, poll {v['poll_ms']:g} ms)  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
