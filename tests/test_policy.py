@@ -227,3 +227,15 @@ def test_whole_expert_chains_when_copies_bind():
     bound, mean = lower_bound(counts, 4), counts.sum() / 8
     assert counts.max() == 9864 and bound == 32768
     assert plan.rank_tokens.max() - bound <= 0.01 * mean
+
+
+def test_chain_through_a_rank_above_the_level():
+    """Rank 0 is the only receiver and may take two weight copies, but three ranks are above the
+    mean (400). The optimum sends rank 1's excess to rank 2, which sends that much more along its
+    own chunk to rank 0: a chain through a rank above the level (no new copy at rank 0)."""
+    counts = np.array([[0, 18, 9, 15], [9, 119, 295, 17], [15, 26, 465, 130], [3, 101, 1, 377]])
+    cons = PlanConstraints(dynamic_experts=2, max_helpers=2, ce_budget_bytes=2.5, expert_bytes=1)
+    plan = plan_node(counts, cons)
+    check_plan(counts, cons, plan)
+    assert plan.rank_tokens.tolist() == [400, 400, 400, 400]
+    assert (plan.moves[:, 2] == 0).sum() == 2  # rank 0 received two copies, no more

@@ -185,10 +185,10 @@ def test_greedy_close_to_milp_oracle():
         assert plan.rank_tokens.max() >= opt.max_load - 1e-6  # the oracle is a true optimum
         assert opt.max_load >= lower_bound(counts, 2) - 1e-6
         gaps[free].append((plan.rank_tokens.max() - opt.max_load) / counts.sum(axis=1).mean())
-    # measured: without a CE budget the greedy is optimal on most instances; with a budget of two
-    # weight copies per rank it is within a few percent of the mean load on average
+    # measured: optimal on all 12, with or without a budget of two weight copies per rank (before
+    # chains through ranks above the level: 1.25% and 10% of the mean load on two budget cases)
     assert np.mean(gaps[True]) <= 0.01 and max(gaps[True]) <= 0.1
-    assert np.mean(gaps[False]) <= 0.06
+    assert np.mean(gaps[False]) <= 0.01 and max(gaps[False]) <= 0.05
 
 
 def test_cli_simulate_contract(tmp_path):

@@ -24,7 +24,10 @@ keeps its remainder (under ``chunk_align`` tokens) and the receivers keep their 
 donors that follow. If the helper or Copy-Engine limits leave a donor above ``W``, receivers may
 make room by chaining their own dynamic experts on (for a donor's last allowed chunk, or for any
 chunk that fits no receiver whole, so that a whole expert moves as one weight copy; both are
-tried and the better plan kept), and the level is raised by bisection until every donor fits.
+tried and the better plan kept), or, when no receiver can take any more copies, through a rank
+above the level that already sends to a receiver with room (it takes the donor's rows and sends
+as many more of its own along its existing chunk); the level is raised by bisection until every
+donor fits.
 
 Speed: the common case is one pass; the chaining passes of the bisection run only when limits
 bind. The passes are plain loops over a node's ranks, compiled by numba (``cache=True``: a
@@ -160,23 +163,50 @@ def _ensure_top(counts, r, top_e, top_n, s):
     s[_TOPPED, r] = 1
 
 
-@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
-def _push(r, e, ps, used, forced, chain, stop, H, align, s, sc, out):
+@njit("UniTuple(int64, 2)(int64, int64, boolean[::1], int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _relay(r, want, used, cap, align, counts, s, sc, out):
+    """A chain through a rank above the level, for when no receiver can take a chunk of rank r
+    (all are full, used by this expert, or out of weight copies): rank d, which already sends a
+    chunk of its expert e2 to receiver j with room left, takes ``a`` rows of r's expert and sends
+    ``a`` more rows of e2 along its existing chunk to j (a new weight copy only from r to d).
+    Returns (index of d's move in ``out``, a) for the largest such ``a`` (an aligned amount up to
+    ``want``), or (-1, 0)."""
+    final, recv = s[_FINAL], s[_RECV]
+    m = sc[_MOVES]
+    best, best_a = -1, 0
+    for k in range(m):
+        d, e2, j = out[k, 0], out[k, 1], out[k, 2]
+        if d == r or used[d] or recv[d] <= 0 or cap - final[j] <= 0:
+            continue
+        left = counts[d, e2]
+        for i in range(m):
+            if out[i, 0] == d and out[i, 1] == e2:
+                left -= out[i, 3]
+        a = min(want, cap - final[j], left)
+        a -= a % align
+        if a > best_a:
+            best, best_a = k, a
+    return best, best_a
+
+
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out):
     """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
 
     ps:      int64 [4] = (rows the home still holds, rows still needed, moved, chunks): the loop's
              state, so that a caller can resume the loop after a receiver made room;
     used:    bool [G]: ranks this expert may not go to (updated);
     forced:  the receiver of the next chunk, or _PICK / _ROOMIEST;
-    stop:    stop once at most ``stop`` rows are still needed.
+    stop:    stop once at most ``stop`` rows are still needed; cap: the most a receiver may hold.
     Each chunk goes to the receiver with the least room that takes it whole (ties: lower rank),
-    else the roomiest one (ties: higher rank). Writes (r, e, helper, tokens) rows to ``out``.
+    else the roomiest one (ties: higher rank); when chaining and no receiver can take any, through
+    a rank above the level (:func:`_relay`). Writes (r, e, helper, tokens) rows to ``out``.
     Returns _DONE, or (per ``chain``) the rows of a chunk that no receiver takes whole: the
     caller lets a receiver make room and resumes with it ``forced``."""
     G = s.shape[1]
     final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
     left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
-    while need > stop and left > 0 and chunks < H and send[r] > 0 and sc[_OPEN] > 0:
+    while need > stop and left > 0 and chunks < H and send[r] > 0 and (sc[_OPEN] > 0 or chain != _NO_CHAIN):
         want = need if need < left else left
         j = forced if forced >= 0 else -1
         big = -1
@@ -197,7 +227,25 @@ def _push(r, e, ps, used, forced, chain, stop, H, align, s, sc, out):
             if j < 0:
                 j = big
                 if j < 0:
-                    break
+                    if chain == _NO_CHAIN:
+                        break
+                    k, amt = _relay(r, want, used, cap, align, counts, s, sc, out)
+                    if amt <= 0:
+                        break
+                    d = out[k, 0]
+                    out[k, 3] += amt  # d sends amt more of its expert to the receiver ...
+                    final[out[k, 2]] += amt
+                    recv[d] -= 1  # ... and computes amt rows of ours: its load is unchanged
+                    m = sc[_MOVES]
+                    out[m, 0], out[m, 1], out[m, 2], out[m, 3] = r, e, d, amt
+                    sc[_MOVES] = m + 1
+                    chunks += 1
+                    used[d] = True
+                    left -= amt
+                    need -= amt
+                    moved += amt
+                    send[r] -= 1
+                    continue
         forced = _PICK
         c = room[j]
         amt = want if want < c else c
@@ -256,7 +304,7 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
         if extra <= 0 or n <= 0:
             break
         ps[0], ps[1], ps[2], ps[3] = n, extra, 0, 0
-        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, H, align, s, sc, out)
+        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, cap, H, align, counts, s, sc, out)
         extra -= ps[2]
     c = cap - final[j]
     if c <= 0 or recv[j] <= 0:
@@ -304,13 +352,13 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
         for i in range(D):
             left = top_n[r, i]
             need = final[r] - level
-            if need <= slack or s[_SEND, r] <= 0 or left <= 0 or sc[_OPEN] == 0:
+            if need <= slack or s[_SEND, r] <= 0 or left <= 0 or sc[_OPEN] == 0 and chain == _NO_CHAIN:
                 break  # candidates are sorted hottest first
             ps[0], ps[1], ps[2], ps[3] = left, need, 0, 0
             used = np.zeros(G, np.bool_)
             forced = _PICK
             while True:
-                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, H, align, s, sc, out)
+                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, cap, H, align, counts, s, sc, out)
                 if want == _DONE:
                     break
                 banned = used.copy()
@@ -367,6 +415,8 @@ def _plan(counts, D, H, align, copies):
                 fmax = f.max()
                 if fmax < best_max:
                     moves, final, best_max = m, f, fmax
+                if best_max <= mid + slack:
+                    break  # this level is reached: the bisection goes lower
             if best_max <= mid + slack:
                 hi = mid - 1
             else:
