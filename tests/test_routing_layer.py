@@ -160,9 +160,31 @@ def sigmoid_keeps_the_override():
             "keys": sorted(moe.state_dict())}
 
 
+# Per-expert pairs (home rank x local expert) whose balanced plan needs chained moves: rank 0 is
+# the only receiver and may take two weight copies (the budget), three ranks are above the mean.
+CHAIN_COUNTS = [[1, 1, 1, 1], [20, 13, 0, 2], [25, 12, 4, 4], [25, 12, 4, 3]]
+
+
+def chained_plan():
+    """A plan with a chain through a rank above the level (rank 1 -> rank 2 -> rank 0), under a
+    Copy-Engine budget of two weight copies per rank, through the real layer: equal to DeepSpeed's MoE."""
+    ids = np.repeat(np.arange(16), np.ravel(CHAIN_COUNTS))
+    ids = ids[np.random.default_rng(0).permutation(ids.size)]  # every rank routes to every home
+
+    def routes(request):
+        return torch.from_numpy(ids[request.rank * TOKENS:(request.rank + 1) * TOKENS].copy())[:, None]
+
+    expert_bytes = sum(p.numel() * p.element_size() for p in expert().parameters())
+    moe = feplb_moe(k=1, experts=16, seed=5, feplb={**FEPLB, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 2,
+                                                    "ce_budget": 2.5 * expert_bytes})
+    override_routing(moe, routes)
+    result = assert_equal_to_unbalanced(moe, inputs(5), against="deepspeed")
+    return {"worst": max(result["errors"].values()), "stats": result["stats"][0]}
+
+
 def all_cases():
     return {"trace": replay_trace(), "top_k": own_top_k_equals_deepspeed(), "unbalanced": equal_to_unbalanced(),
-            "sigmoid": sigmoid_keeps_the_override()}
+            "sigmoid": sigmoid_keeps_the_override(), "chain": chained_plan()}
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +247,13 @@ def test_sigmoid_scoring_keeps_the_override_and_the_state_dict(results):
         assert case["bias"][6] < 0 < case["bias"][0]  # aux-free bias learns from the forced load
         assert case["wg_grad"] > 0
         assert "deepspeed_moe.gate.expert_bias" in case["keys"] and "deepspeed_moe.gate.wg.weight" in case["keys"]
+
+
+def test_chained_plan_equals_deepspeeds_moe(results):
+    """Rank 2 computes rank 1's rows while it sends its own to rank 0: exact, and balanced."""
+    for rank, res in enumerate(results):
+        case = res["chain"]
+        assert case["worst"] <= 1e-5, f"rank {rank}: {case}"
+        stats = case["stats"]
+        assert stats["tokens_before"] == [sum(row) for row in CHAIN_COUNTS] == [4, 35, 45, 44]
+        assert stats["tokens_after"] == [TOKENS] * WORLD, stats

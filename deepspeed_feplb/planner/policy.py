@@ -322,7 +322,8 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
     ``level``; a donor stops once it is within ``slack`` of ``level``. ``chain`` (_NO_CHAIN,
     _CHAIN_LAST, _CHAIN_ANY): when an expert's last allowed chunk (or any chunk) fits no receiver
     whole, one receiver first makes room by pushing its own dynamic experts to the others (a
-    chain of two moves beats a helper or copy limit).
+    chain of two moves beats a helper or copy limit); with chaining, a chunk that no receiver
+    can take at all goes through a rank above the level (:func:`_relay`).
 
     loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (filled lazily, see
     :func:`_ensure_top`); s int64 [6, G]: the state rows (only _TOPPED is kept between passes);
