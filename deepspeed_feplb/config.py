@@ -146,7 +146,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """One-way copy-engine bandwidth between two GPUs of a domain, in GB/s (1e9 bytes/s); used for the 'auto' ce_budget."""
 
     ce_budget: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
-    """Bytes (tokens and expert weights) a rank may move over the copy engine per MoE layer pass. 'auto': copy_engine_gbps times the estimated static-compute time, so migration hides behind the static experts."""
+    """Expert-weight bytes a rank may send, and a rank may receive, over the copy engine per MoE layer pass (each helper of an offloaded expert receives one copy of its weights; token rows are not counted against it). 'auto': copy_engine_gbps times the previous micro-batch's static-compute time, so the weight copies hide behind the static experts."""
 
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     gating: GatingConfig = Field(default_factory=GatingConfig)
