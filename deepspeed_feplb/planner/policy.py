@@ -226,39 +226,31 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
                 return want
             if j < 0:
                 j = big
-                if j < 0:
-                    if chain == _NO_CHAIN:
-                        break
-                    k, amt = _relay(r, want, used, cap, align, counts, s, sc, out)
-                    if amt <= 0:
-                        break
-                    d = out[k, 0]
-                    out[k, 3] += amt  # d sends amt more of its expert to the receiver ...
-                    final[out[k, 2]] += amt
-                    recv[d] -= 1  # ... and computes amt rows of ours: its load is unchanged
-                    m = sc[_MOVES]
-                    out[m, 0], out[m, 1], out[m, 2], out[m, 3] = r, e, d, amt
-                    sc[_MOVES] = m + 1
-                    chunks += 1
-                    used[d] = True
-                    left -= amt
-                    need -= amt
-                    moved += amt
-                    send[r] -= 1
-                    continue
-        forced = _PICK
-        c = room[j]
-        amt = want if want < c else c
-        if align > 1 and amt < left and amt % align:
-            amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
+        if j >= 0:  # a receiver takes the chunk
+            forced = _PICK
+            c = room[j]
+            amt = want if want < c else c
+            if align > 1 and amt < left and amt % align:
+                amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
+                if amt <= 0:
+                    break
+            recv[j] -= 1
+            if c > amt and recv[j] > 0:
+                room[j] = c - amt
+            else:
+                room[j] = 0
+                sc[_OPEN] -= 1
+            final[j] += amt
+        else:  # none can: through a rank above the level
+            if chain == _NO_CHAIN:
+                break
+            k, amt = _relay(r, want, used, cap, align, counts, s, sc, out)
             if amt <= 0:
                 break
-        recv[j] -= 1
-        if c > amt and recv[j] > 0:
-            room[j] = c - amt
-        else:
-            room[j] = 0
-            sc[_OPEN] -= 1
+            j = out[k, 0]
+            out[k, 3] += amt  # j sends amt more of its expert to its receiver ...
+            final[out[k, 2]] += amt
+            recv[j] -= 1  # ... and computes amt rows of ours: its load is unchanged
         m = sc[_MOVES]
         out[m, 0], out[m, 1], out[m, 2], out[m, 3] = r, e, j, amt
         sc[_MOVES] = m + 1
@@ -267,7 +259,6 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
         left -= amt
         need -= amt
         moved += amt
-        final[j] += amt
         send[r] -= 1
     final[r] -= moved
     ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
