@@ -104,8 +104,8 @@ class Mailbox:
         if not self._complete(entries, seq):
             return None  # overwritten while we copied
         if meta != self._meta:  # the constraints rarely change: build them once per change
-            local_experts, D, helpers, align, expert_bytes, _ = meta
-            budget = float(entries[0, 7:8].view(np.float64)[0])
+            local_experts, D, helpers, align, expert_bytes, budget_bits = meta
+            budget = float(np.int64(budget_bits).view(np.float64))  # from the checked copy, not re-read
             self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes)
             self._meta = meta
         return counts, self._constraints
