@@ -8,10 +8,10 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_feplb", "deepspeed_feplb.*"]) + ["deepspeed_feplb.ops"],
     package_dir={"deepspeed_feplb.ops": "ops"},  # the CUDA sources ship inside the package
-    package_data={"deepspeed_feplb": ["sim/data/*.npz", "testing/data/*.npz"], "deepspeed_feplb.ops": ["*.cu"]},
+    package_data={"deepspeed_feplb": ["trace/data/*.npz", "testing/data/*.npz"], "deepspeed_feplb.ops": ["*.cu"]},
     python_requires=">=3.9",
     # torch is not pinned here: install torch (CPU or CUDA build) first, see README.
-    install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.0", "numpy>=1.24", "numba>=0.60"],
+    install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.7", "numpy>=1.24", "numba>=0.60"],
     extras_require={
         # transformers: AutoEP needs 5.x's fused expert weights; >= 5.23 breaks DeepSpeed's presets (docs/AUTOEP.md)
         "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23"],

@@ -14,7 +14,7 @@ experts are the hottest), stepped round-robin so machine noise hits all alike:
 
 Per layer: median step time (forward + backward, the slower rank of each step), measured GEMM
 straggler (max - mean over the 2 ranks of the wall time spent inside expert modules in forward,
-`deepspeed_feplb.monitor`), mean of the slowest rank's expert time, and token-expert routes
+`deepspeed_feplb.integration.monitor`), mean of the slowest rank's expert time, and token-expert routes
 dropped. Ranks are started by `deepspeed_feplb.testing.run_distributed` (gloo, spawned).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _worker(opts: dict) -> dict:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     import deepspeed_feplb
-    from deepspeed_feplb.monitor import StatsCollector, summarize
+    from deepspeed_feplb.integration.monitor import StatsCollector, summarize
 
     torch.manual_seed(0)
     hidden, ffn, experts, k = opts["hidden"], opts["ffn"], opts["experts"], opts["k"]

@@ -4,12 +4,12 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_planner.py --json bench_planner.json
 
 Sections (all on the calibrated no-aux-loss trace, GLM-5-like shapes, seeded):
-* latency  — plan_node in-process for 128 experts x 8 ranks (D=4; also with a binding budget of two
+* latency  — plan_domain in-process for 128 experts x 8 ranks (D=4; also with a binding budget of two
              weight copies per rank) and for 256 experts x 64 ranks
              (8 nodes of 8, D=4; per node and all 8 nodes in sequence); wall clock and thread CPU;
 * roundtrip — 128 x 8 through the scheduler process's shared-memory mailbox;
-* cold     — (not by default) plan_node right after 0 / 0.2 / 1 / 5 ms of other work;
-* ep8      — EP=8, 128 experts, top-8: max/mean, gap to the DESIGN §2 bound, reduction vs vanilla,
+* cold     — (not by default) plan_domain right after 0 / 0.2 / 1 / 5 ms of other work;
+* ep8      — EP=8, 128 experts, top-8: max/mean, gap to the lower bound, reduction vs vanilla,
              FasterMoE / feplb straggler ratio, Copy-Engine time vs static time;
 * ep16     — EP=16 (2 nodes x 8) with the cross-node placement layer;
 * oracle   — feplb vs the MILP optimum on a sample of EP=8 micro-batches;
@@ -29,11 +29,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from deepspeed_feplb.planner.policy import PlanConstraints, lower_bound, plan_node  # noqa: E402
-from deepspeed_feplb.sim.generators import no_aux_trace  # noqa: E402
+from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain  # noqa: E402
+from deepspeed_feplb.trace.generators import no_aux_trace  # noqa: E402
 from deepspeed_feplb.sim.policies import SimSetup  # noqa: E402
 from deepspeed_feplb.sim.simulate import simulate  # noqa: E402
-from deepspeed_feplb.sim.trace import fold_sources  # noqa: E402
+from deepspeed_feplb.trace.format import fold_sources  # noqa: E402
 
 
 def node_counts(trace, ranks, ranks_per_node):
@@ -71,21 +71,21 @@ def bench_latency(args):
     t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
     xs = list(node_counts(t8, 8, 8))
     for x in xs[:50]:
-        plan_node(x, cons)
-    out = {"128x8": timed(lambda x: plan_node(x, cons), xs, args.repeat)}
+        plan_domain(x, cons)
+    out = {"128x8": timed(lambda x: plan_domain(x, cons), xs, args.repeat)}
     # a Copy-Engine budget of two weight copies per rank binds: the bisection over chaining passes runs
     tight = PlanConstraints(4, 2, 8, 2 * cons.expert_bytes + 1, cons.expert_bytes)
-    out["128x8_2_copies"] = timed(lambda x: plan_node(x, tight), xs, args.repeat)
+    out["128x8_2_copies"] = timed(lambda x: plan_domain(x, tight), xs, args.repeat)
     t64 = no_aux_trace(max(10, args.steps // 8), 2, ranks=64, experts=256, tokens_per_rank=4096, seed=12)
     nodes = node_counts(t64, 64, 8)  # [S*L*8, 8, 4]
-    out["256x64_per_node"] = timed(lambda x: plan_node(x, cons), list(nodes), args.repeat)
+    out["256x64_per_node"] = timed(lambda x: plan_domain(x, cons), list(nodes), args.repeat)
     groups = list(nodes.reshape(-1, 8, 8, 4))
-    out["256x64_all_nodes"] = timed(lambda g: [plan_node(x, cons) for x in g], groups, args.repeat)
+    out["256x64_all_nodes"] = timed(lambda g: [plan_domain(x, cons) for x in g], groups, args.repeat)
     return out
 
 
 def bench_cold(args):
-    """plan_node timed right after spinning on the clock for a gap, in one process: how much of a
+    """plan_domain timed right after spinning on the clock for a gap, in one process: how much of a
     plan's latency after idle time is the machine's (caches, predictors) rather than the code."""
     cons = latency_constraints()
     xs = list(node_counts(no_aux_trace(50, 4, ranks=8, experts=128, seed=11), 8, 8))
@@ -97,7 +97,7 @@ def bench_cold(args):
             while time.perf_counter() < end:
                 pass
             t = time.perf_counter_ns()
-            plan_node(x, cons)
+            plan_domain(x, cons)
             times.append(time.perf_counter_ns() - t)
         out[f"after_{gap_ms}_ms"] = {"p50_us": float(np.percentile(times, 50)) / 1e3,
                                      "p99_us": float(np.percentile(times, 99)) / 1e3}
@@ -107,11 +107,11 @@ def bench_cold(args):
 def bench_roundtrip(args):
     """128 experts x 8 ranks through the scheduler process: the benchmark plays all 8 ranks of one
     node from one process (rank 0's `SchedulerClient` owns the mailbox and starts
-    ``python -m deepspeed_feplb.planner.service``; ranks 1-7 write their slots directly). Timed:
+    ``python -m deepspeed_feplb.scheduler.client``; ranks 1-7 write their slots directly). Timed:
     from the last rank's publish to rank 0 holding the plan (`SchedulerClient.plan`), i.e. mailbox
     write, the scheduler noticing the complete step, planning, writing the plan ring, and the
     rank reading it back. Plans that fell back to in-process planning are counted, not timed."""
-    from deepspeed_feplb.planner.service import SchedulerClient
+    from deepspeed_feplb.scheduler.client import SchedulerClient
 
     cons = latency_constraints()
     t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
@@ -170,7 +170,7 @@ def bench_oracle(args):
         cons = PlanConstraints(4, 2, 1, math.inf if math.isinf(budget_copies) else budget_copies * eb + 1, eb)
         for x in xs:
             opt = optimal_max_load(x, cons, time_limit=args.oracle_time)
-            greedy = plan_node(x, cons).rank_tokens.max()
+            greedy = plan_domain(x, cons).rank_tokens.max()
             mean = x.sum() / x.shape[0]
             rows.append({"copies": budget_copies, "greedy_gap_pct": 100 * (greedy - opt.max_load) / mean,
                          "oracle_optimal": opt.optimal, "bound_gap_pct": 100 * (opt.max_load - lower_bound(x, 4)) / mean})
@@ -185,7 +185,7 @@ def bench_oracle(args):
 
 
 def bench_cpu_profile():
-    from deepspeed_feplb.sim.cost import calibrate_cpu
+    from deepspeed_feplb.sim.calibrate import calibrate_cpu
 
     p = calibrate_cpu()
     return {"tflops": p.tflops, "tile_m": p.tile_m, "overhead_us": p.overhead_us, "copy_gbps": p.ce_gbps}
@@ -216,7 +216,7 @@ def main(argv=None):
     if "cold" in sections:
         for k, v in bench_cold(args).items():
             out.setdefault("cold", {})[k] = v
-            print(f"cold plan_node {k:14s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs")
+            print(f"cold plan_domain {k:14s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs")
     if "roundtrip" in sections:
         v = out["roundtrip"] = bench_roundtrip(args)
         print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, poll {v['poll_ms']:g} ms)  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import moe_cases  # noqa: E402
-from deepspeed_feplb.migrate.segments import leftover_segments, process_alive  # noqa: E402
+from deepspeed_feplb.segments import leftover_segments, process_alive  # noqa: E402
 from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 

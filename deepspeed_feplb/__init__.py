@@ -8,8 +8,8 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 __all__ = ["FEPLBConfig", "FEPLBConfigError", "load_config", "MoE", "convert", "initialize", "shutdown"]
 __version__ = "0.1.0"
 
-_LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.engine", "initialize": "deepspeed_feplb.engine",
-         "shutdown": "deepspeed_feplb.runtime"}
+_LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.integration.engine", "initialize": "deepspeed_feplb.integration.engine",
+         "shutdown": "deepspeed_feplb.domain"}
 
 
 def __getattr__(name):

@@ -1,4 +1,4 @@
-"""`python -m deepspeed_feplb {schema, simulate, cleanup, ...}`.
+"""`python -m deepspeed_feplb {schema, simulate, trace, cleanup, report}`.
 
 Each sub-command lives in the module that owns it and registers itself through
 `add_parser(subparsers)`; the handler is stored as `func`.
@@ -10,7 +10,8 @@ import sys
 COMMAND_MODULES = (
     "deepspeed_feplb.config",
     "deepspeed_feplb.sim.cli",
-    "deepspeed_feplb.migrate.segments",
+    "deepspeed_feplb.trace.cli",
+    "deepspeed_feplb.segments",
     "deepspeed_feplb.report",
 )
 

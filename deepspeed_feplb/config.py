@@ -74,10 +74,10 @@ def _accepts_auto(annotation) -> bool:
 
 
 class SchedulerConfig(FEPLBConfigModel):
-    """The per-node CPU scheduler that decides where the tokens of dynamic experts are computed."""
+    """The CPU scheduler of each NVLink domain that decides where the tokens of dynamic experts are computed."""
 
     mode: Literal["process", "inline"] = "process"
-    """'process': one scheduler process per node (named feplb-sched) plans while the ranks compute their static experts; 'inline': every rank computes the (identical, deterministic) plan itself."""
+    """'process': one scheduler process per NVLink domain (named feplb-sched) plans while the ranks compute their static experts; 'inline': every rank computes the (identical, deterministic) plan itself."""
 
     plan_timeout_ms: float = Field(20.0, gt=0)
     """How long a rank waits for the scheduler process's plan before computing the same plan in-process."""

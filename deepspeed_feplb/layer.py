@@ -2,19 +2,18 @@
 
 Stages of `FEPLBMOELayer.forward` (one micro-batch, tokens ``[S, H]``):
 
-1. gate (DeepSpeed's own `TopKGate`, dropless; or sigmoid top-k with aux-loss-free bias);
+1. gate (DeepSpeed's own `TopKGate`, dropless; or sigmoid top-k with aux-loss-free bias, `gate/`);
 2. phase 1: routes to the experts' home ranks, rows grouped by local expert (`dispatch/`);
-3. publish the per-expert counts to the node's mailbox, where the scheduler process plans;
-4. static experts (all but this rank's D hottest) compute meanwhile;
-5. phase 2: dynamic experts computed where the plan says, weights and rows moved inside the
-   NVLink domain (`migrate/`), gradients brought home in backward;
-6. phase 1 in reverse and the gate-weighted combine.
+3. `balance.run_experts`: publish the per-expert counts to the domain's scheduler
+   (`scheduler/`, which runs `plan/`), compute the static experts (all but this rank's D hottest)
+   meanwhile, then phase 2: dynamic experts computed where the plan says, weights and rows moved
+   inside the NVLink domain (`migrate/`), gradients brought home in backward;
+4. phase 1 in reverse and the gate-weighted combine.
 
 Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move both ways.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import numpy as np
@@ -23,14 +22,16 @@ import torch.distributed as dist
 from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer
 
+from deepspeed_feplb.balance import ComputeTimes, run_experts
 from deepspeed_feplb.config import FEPLBConfig, load_config
-from deepspeed_feplb.gpu.select import make_dispatcher, transport_class
-from deepspeed_feplb.gating import SigmoidTopKGate
-from deepspeed_feplb.experts import run_experts
+from deepspeed_feplb.dispatch import make_dispatcher
+from deepspeed_feplb.domain import domain_size, get_runtime
+from deepspeed_feplb.gate import SigmoidTopKGate
+from deepspeed_feplb.integration import seams
+from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
-from deepspeed_feplb.runtime import domain_size, get_runtime
-from deepspeed_feplb.sim.record import get_recorder
 from deepspeed_feplb.stats import layer_stats
+from deepspeed_feplb.trace.record import get_recorder
 
 
 def _resolve(config) -> Optional[FEPLBConfig]:
@@ -49,7 +50,7 @@ class FEPLBMOELayer(MOELayer):
         self.feplb_config = _resolve(config)
         self.feplb_stats: dict = {}
         self._feplb_ready = False
-        self._static_seconds = 0.0
+        self.compute_times = ComputeTimes()
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:
@@ -107,9 +108,8 @@ class FEPLBMOELayer(MOELayer):
             self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
                 if self.feplb_config.stats.enabled else {}
             return torch.cat(outs) if outs else rows
-        out, stats, self._static_seconds = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec,
-                                                       self.domain, self.feplb_config, self.expert_bytes,
-                                                       self._static_seconds)
+        out, stats = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec, self.domain,
+                                 self.feplb_config, self.expert_bytes, self.compute_times)
         if stats is not None:
             self.feplb_stats = stats
         return out
@@ -129,7 +129,7 @@ class ExpertGradOrder(torch.autograd.Function):
 
     Which experts are dynamic, and so when each expert's gradient is ready, differs between
     ranks and micro-batches. ZeRO-2 reduces gradients in buckets as they become ready and
-    needs the same order on every data-parallel rank; this node makes that order the fixed
+    needs the same order on every data-parallel rank; this autograd node makes that order the fixed
     parameter order again (and gives every expert a gradient, zeros if it got no tokens,
     as DeepSpeed's capacity buffer does).
     """
@@ -146,27 +146,6 @@ class ExpertGradOrder(torch.autograd.Function):
 def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = expert(x)
     return out[0] if isinstance(out, tuple) else out
-
-
-def _engine_feplb_section(depth: int = 4) -> Optional[dict]:
-    """The ``"feplb"`` section of the DeepSpeed engine that is configuring us, if we are called from one.
-
-    `DeepSpeedEngine._configure_distributed_model` calls ``set_deepspeed_parallelism`` on every
-    module; a plain ``deepspeed.initialize`` therefore still reaches the user's ds_config.
-    """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(depth):
-            frame = frame.f_back
-            if frame is None:
-                return None
-            engine = frame.f_locals.get("self")
-            config = getattr(engine, "config", None)
-            if type(engine).__name__.endswith("Engine") and isinstance(config, dict):
-                return {"feplb": config.get("feplb", {})}
-        return None
-    finally:
-        del frame
 
 
 class MoE(ds_layer.MoE):
@@ -186,25 +165,25 @@ class MoE(ds_layer.MoE):
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
-        self.deepspeed_moe.__class__ = FEPLBMOELayer
+        seams.become(self.deepspeed_moe, FEPLBMOELayer)
         self.deepspeed_moe.feplb_setup(feplb_config)
 
     @property
     def feplb_stats(self) -> dict:
-        """Stats of the last forward (DESIGN §4); see `deepspeed_feplb.stats.layer_stats`."""
+        """Stats of the last forward: see `deepspeed_feplb.stats.layer_stats`."""
         return self.deepspeed_moe.feplb_stats
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         if self.deepspeed_moe.feplb_config is None:
-            section = _engine_feplb_section()
+            section = seams.engine_feplb_section()
             if section is not None:
                 self.deepspeed_moe.feplb_config = load_config(section)
 
     @classmethod
     def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":
         """Turn a `deepspeed.moe.layer.MoE` into this class in place (weights and names kept)."""
-        module.__class__ = cls
-        module.deepspeed_moe.__class__ = FEPLBMOELayer
+        seams.become(module, cls)
+        seams.become(module.deepspeed_moe, FEPLBMOELayer)
         module.deepspeed_moe.feplb_setup(feplb_config)
         return module

@@ -3,7 +3,7 @@
 Input: the per-step JSON lines that the examples print (``{"step": ..., "loss": ...,
 "layers": {layer: {metric: value}}}``; other lines of a log are skipped, so a whole
 ``deepspeed ... | tee run.log`` works), and/or a directory written by DeepSpeed's CSV monitor
-(files ``FEPLB_<layer>_<metric>.csv``, as `deepspeed_feplb.monitor` writes them).
+(files ``FEPLB_<layer>_<metric>.csv``, as `deepspeed_feplb.integration.monitor` writes them).
 
 Output, in ``--out``: ``stragglers.png`` (token straggler before/after balancing and measured
 GEMM straggler per layer over steps), ``migration.png`` (migrated tokens and bytes, plan latency,

@@ -1,4 +1,4 @@
-"""Straggler metrics (DESIGN §2) and the per-forward stats of a FEPLB layer."""
+"""Straggler metrics (docs/ARCHITECTURE.md, "Metrics") and the per-forward stats of a FEPLB layer."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,14 +13,14 @@ def straggler(tokens: np.ndarray) -> tuple[float, float]:
     return float(tokens.max() - mean), float(tokens.max() / mean)
 
 
-def layer_stats(node_counts: np.ndarray, moves: np.ndarray, plan_seconds: float, fallback: bool,
+def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: float, fallback: bool,
                 ranks: list[int]) -> dict:
     """What one FEPLB layer did in one forward, for the ranks of its NVLink domain.
 
-    node_counts ``int64 [G, E_local]`` rows each rank received per local expert; moves
+    domain_counts ``int64 [G, E_local]`` rows each rank received per local expert; moves
     ``int64 [M, 4]`` (home, local_expert, helper, tokens); ranks: the G global ranks.
     """
-    before = node_counts.sum(axis=1).astype(np.int64)
+    before = domain_counts.sum(axis=1).astype(np.int64)
     after = before.copy()
     np.subtract.at(after, moves[:, 0], moves[:, 3])
     np.add.at(after, moves[:, 2], moves[:, 3])

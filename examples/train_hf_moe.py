@@ -7,7 +7,7 @@ over the ranks (``"expert_parallel"``); ``deepspeed_feplb.initialize`` adds FEPL
 every AutoEP layer, driven by the ``"feplb"`` section. ``--skew`` biases the routers towards
 rank 0's experts (as a real model's hot experts would be), so FEPLB has something to balance.
 Every step prints one JSON line (rank 0): loss, and per MoE layer the rows each rank computed
-before and after balancing and the token stragglers (DESIGN §2). Needs ``transformers>=5.0,<5.23``
+before and after balancing and the token stragglers (docs/ARCHITECTURE.md, "Metrics"). Needs ``transformers>=5.0,<5.23``
 (docs/AUTOEP.md).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_feplb
-from deepspeed_feplb.autoep import autoep_stats
+from deepspeed_feplb.integration.autoep import autoep_stats
 
 
 def tiny_model(name: str, hidden: int, layers: int, experts: int, skew: float, seed: int):

@@ -110,7 +110,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()
-        collector = getattr(engine, "feplb_stats", None)
+        collector = getattr(engine, "feplb_monitor", None)
         record = step_record(step, loss.item(), engine.module.moe.feplb_stats,
                              collector.last if collector is not None else None)
         history.append(record)

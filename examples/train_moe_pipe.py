@@ -78,7 +78,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     history = []
     for step in range(args.steps):
         loss = engine.train_batch(data_iter=stream)
-        summary = engine.feplb_stats.last or {"layers": {}}
+        summary = engine.feplb_monitor.last or {"layers": {}}
         record = {"step": step, "loss": round(float(loss), 6)}
         record.update({key: summary[key] for key in ("token_straggler_before", "token_straggler_after",
                                                      "gemm_straggler_ms", "migrated_tokens", "migrated_bytes",

@@ -1,7 +1,7 @@
 // FEPLB row-movement kernels (CuPy RawModule; compiled by NVRTC on the GPU host, by nvcc in tests).
 //
 // The Copy Engine moves contiguous byte ranges only, so every gather or scatter of rows happens
-// here, on the SMs, right before or after a CE copy (DESIGN §6). The kernels are dtype-agnostic
+// here, on the SMs, right before or after a CE copy (a copy within one GPU would use SMs anyway). The kernels are dtype-agnostic
 // where they only move bytes (rows of `row_bytes` bytes) and typed where they do arithmetic.
 //
 // No #include: NVRTC on the GPU host has no host headers, and bf16/f16 conversions are written

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 import deepspeed_feplb
-from deepspeed_feplb.migrate.segments import process_alive
+from deepspeed_feplb.segments import process_alive
 
 HIDDEN = 16
 TOKENS = 48

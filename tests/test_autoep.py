@@ -67,7 +67,7 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False):
     import torch.distributed as dist
 
     import deepspeed_feplb
-    from deepspeed_feplb.autoep import FEPLBGroupedExperts, autoep_stats
+    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts, autoep_stats
 
     model = tiny_model(preset)
     reference = copy.deepcopy(model)

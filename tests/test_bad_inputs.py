@@ -4,7 +4,7 @@ import torch
 
 import deepspeed_feplb
 from deepspeed_feplb import FEPLBConfigError, load_config
-from deepspeed_feplb.engine import check_consistency
+from deepspeed_feplb.integration.engine import check_consistency
 from deepspeed_feplb.testing import run_distributed
 
 import moe_cases

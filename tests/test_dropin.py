@@ -1,4 +1,4 @@
-"""The drop-in contract (DESIGN §4): FEPLB behaves as DeepSpeed's MoE wherever that one works."""
+"""The drop-in contract (docs/ARCHITECTURE.md, "Contracts"): FEPLB behaves as DeepSpeed's MoE wherever that one works."""
 import pytest
 import torch
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from deepspeed_feplb.migrate.segments import leftover_segments, process_alive
+from deepspeed_feplb.segments import leftover_segments, process_alive
 from deepspeed_feplb.testing import free_port, run_distributed
 
 import moe_cases

@@ -1,6 +1,6 @@
 """DeepEP phase-1 adapter: its CPU reference of DeepEP's contract, and the adapter vs the torch backend.
 
-`deep_ep` itself cannot be built or imported here (no GPU, no NVSHMEM; DESIGN §6), so the
+`deep_ep` itself cannot be built or imported here (no GPU, no NVSHMEM), so the
 adapter runs on `ReferenceBuffer`, which implements the intranode contract of ``deep_ep.Buffer``
 over gloo. On 3 ranks: the contract's properties, then `DeepEPDispatcher` against
 `TorchDispatcher` (rows, counts, combined output, and gradients of x and gates).
@@ -27,7 +27,7 @@ def _inputs(rank: int, world: int):
 
 
 def contract() -> dict:
-    from deepspeed_feplb.gpu.deepep import ReferenceBuffer
+    from deepspeed_feplb.dispatch.deepep import ReferenceBuffer
     rank, world = dist.get_rank(), dist.get_world_size()
     buffer = ReferenceBuffer(None)
     x, ids, gates = _inputs(rank, world)
@@ -44,7 +44,7 @@ def contract() -> dict:
 
 def adapter_vs_torch() -> dict:
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
-    from deepspeed_feplb.gpu.deepep import DeepEPDispatcher, ReferenceBuffer
+    from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher, ReferenceBuffer
     rank, world = dist.get_rank(), dist.get_world_size()
     x0, ids, gates0 = _inputs(rank, world)
     expert_ids, gates0 = ids.t().contiguous(), gates0.t().contiguous()  # the layer's [k, S] layout

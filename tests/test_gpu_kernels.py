@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_feplb.gpu import kernels, reference
-from deepspeed_feplb.gpu.arena import (ALIGN, align_up, channel_capacity_hint, message_layout, plan_arena_offsets,
-                                       transport_bytes_per_rank)
+from deepspeed_feplb.kernels import cuda as kernels
+from deepspeed_feplb.kernels import reference
+from deepspeed_feplb.migrate.arena import (ALIGN, align_up, channel_capacity_hint, message_layout, plan_arena_offsets,
+                                           transport_bytes_per_rank)
 
 
 # ------------------------------------------------------------------------------------ compilation
@@ -57,7 +58,7 @@ def test_kernels_compile_for_sm90_with_nvrtc():
 def test_cuda_backend_calls_exist_in_cupy_runtime():
     """Catch a misspelt CUDA runtime call without a GPU: every ``self._rt.X`` must exist in CuPy."""
     runtime = pytest.importorskip("cupy.cuda.runtime", reason="CuPy not installed")
-    source = Path(__file__).resolve().parents[1].joinpath("deepspeed_feplb/gpu/backend.py").read_text()
+    source = Path(__file__).resolve().parents[1].joinpath("deepspeed_feplb/migrate/backend.py").read_text()
     used = set(re.findall(r"self\._rt\.(\w+)", source))
     assert {"malloc", "ipcOpenMemHandle", "memcpyAsync", "streamWaitEvent", "ipcGetEventHandle"} <= used
     missing = sorted(name for name in used if not hasattr(runtime, name))
@@ -147,15 +148,15 @@ def test_memory_formula_matches_the_transport_slots():
 def test_selection_on_a_cpu_machine():
     from deepspeed_feplb.config import FEPLBConfigError, load_config
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
-    from deepspeed_feplb.gpu import select
+    from deepspeed_feplb.dispatch import make_dispatcher
+    from deepspeed_feplb.migrate import cuda_available, transport_class
     from deepspeed_feplb.migrate.shm import ShmTransport
     params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
     auto = load_config({"feplb": {}})
-    assert isinstance(select.make_dispatcher(auto, None, 2, 4, params), TorchDispatcher)
-    assert select.transport_class(auto, params) is ShmTransport
+    assert isinstance(make_dispatcher(auto, None, 2, 4, params), TorchDispatcher)
+    assert transport_class(auto, params) is ShmTransport
     with pytest.raises(FEPLBConfigError, match="feplb.ep_backend"):
-        select.make_dispatcher(load_config({"feplb": {"ep_backend": "deepep"}}), None, 2, 4, params)
-    from deepspeed_feplb.gpu import cuda_available
+        make_dispatcher(load_config({"feplb": {"ep_backend": "deepep"}}), None, 2, 4, params)
     if not cuda_available():
         with pytest.raises(FEPLBConfigError, match="feplb.transport"):
-            select.transport_class(load_config({"feplb": {"transport": "cuda_ce"}}), params)
+            transport_class(load_config({"feplb": {"transport": "cuda_ce"}}), params)

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_feplb.gpu.backend import HostBackend
-from deepspeed_feplb.gpu.cuda_ce import CudaCETransport
-from deepspeed_feplb.migrate.shm import PeerTimeoutError, leftover_segments
+from deepspeed_feplb.migrate.backend import HostBackend
+from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+from deepspeed_feplb.segments import PeerTimeoutError, leftover_segments
 from deepspeed_feplb.testing import run_distributed
 
 
@@ -76,7 +76,7 @@ def all_to_all_rounds(capacity: int, rounds: int) -> dict:
 
 def arena_case() -> dict:
     """PeerArena: handles exchanged with all_gather_object, peer views written, closed before free."""
-    from deepspeed_feplb.gpu.arena import PeerArena
+    from deepspeed_feplb.migrate.arena import PeerArena
     name = _domain_name()
     backend = HostBackend(prefix=f"{name}-mem")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -194,13 +194,14 @@ def layer_through_ce_protocol() -> dict:
     """The full FEPLB layer vs DeepSpeed's MoE, with phase 2 on `CudaCETransport` (host backend)."""
     import moe_cases
 
-    from deepspeed_feplb import layer, runtime
+    from deepspeed_feplb import domain as runtime
+    from deepspeed_feplb import layer
 
     def transport_factory(name, local_rank, size, timeout_s, create, watch=None):
         return CudaCETransport(name, local_rank, size, timeout_s, create, watch, backend=HostBackend(prefix=f"{name}-mem"),
                                capacity_bytes=4096)  # small: the layer's messages grow the slots
 
-    layer.transport_class = lambda config, expert_params: transport_factory  # what select picks on a GPU
+    layer.transport_class = lambda config, expert_params: transport_factory  # what `migrate.transport_class` picks on a GPU
     results = {}
     for k in (1, 2):
         results[k] = moe_cases.equivalence_case(2, 2, k)

@@ -7,9 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspeed_feplb.migrate.shm import ShmTransport, leftover_segments
-from deepspeed_feplb.planner.policy import Plan, PlanConstraints
-from deepspeed_feplb.planner.service import RING, Mailbox
+from deepspeed_feplb.migrate.shm import ShmTransport
+from deepspeed_feplb.segments import leftover_segments
+from deepspeed_feplb.plan.policy import Plan, PlanConstraints
+from deepspeed_feplb.scheduler.mailbox import RING, Mailbox
 
 RANKS, EXPERTS = 3, 5
 CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=4)
@@ -61,15 +62,17 @@ def test_a_torn_counts_write_is_never_read(mailbox):
     assert mailbox.missing_ranks(0) == [1]
 
 
-def test_a_plan_is_read_only_for_its_own_step_and_never_torn(mailbox):
+def test_a_plan_crosses_as_a_plan_only_for_its_own_step_and_never_torn(mailbox):
     moves = np.array([[0, 1, 2, 16], [0, 1, 1, 8]], dtype=np.int64)
-    mailbox.write_plan(5, Plan(moves, np.zeros(RANKS, np.int64)), plan_ns=1234)
-    got, plan_ns = mailbox.read_plan(5, RANKS)
-    assert np.array_equal(got, moves) and plan_ns == 1234
-    assert mailbox.read_plan(5 + RING, RANKS) is None  # same ring entry, other step: stale
-    assert mailbox.read_plan(4, RANKS) is None
+    rank_tokens = np.arange(10, 10 + RANKS, dtype=np.int64)
+    mailbox.write_plan(5, Plan(moves, rank_tokens), plan_ns=1234)
+    got, plan_ns = mailbox.read_plan(5)
+    assert isinstance(got, Plan) and plan_ns == 1234
+    assert np.array_equal(got.moves, moves) and np.array_equal(got.rank_tokens, rank_tokens)
+    assert mailbox.read_plan(5 + RING) is None  # same ring entry, other step: stale
+    assert mailbox.read_plan(4) is None
     mailbox.plans[5 % RING, 1] = 4  # torn: end marker of another step
-    assert mailbox.read_plan(5, RANKS) is None
+    assert mailbox.read_plan(5) is None
 
 
 @settings(max_examples=25, deadline=None)

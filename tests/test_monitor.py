@@ -1,8 +1,8 @@
 """Monitor summaries and events without processes: straggler definitions, byte accounting, CSV output."""
 import pytest
 
-from deepspeed_feplb import monitor
-from deepspeed_feplb.monitor import Record, events, summarize
+from deepspeed_feplb.integration import monitor
+from deepspeed_feplb.integration.monitor import Record, events, summarize
 
 
 def rec(rank, ranks, seconds, before, after, migrated=0, moves=0, fallback=False, training=True):

@@ -16,7 +16,7 @@ def pipeline_on_and_off() -> dict:
     sys.path.insert(0, str(EXAMPLES))
     import torch.distributed as dist
     import train_moe_pipe
-    from deepspeed_feplb.pipeline import FEPLBPipelineEngine
+    from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
 
     args = Namespace(steps=2, stages=2, hidden=32, experts=8, top_k=2, context=8)
     base = json.loads((EXAMPLES / "ds_config_pipe.json").read_text())

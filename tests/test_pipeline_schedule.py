@@ -8,8 +8,8 @@ import pytest
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from deepspeed_feplb.monitor import StatsCollector, warm_start_straggler
-from deepspeed_feplb.pipeline import FEPLBPipelineEngine, FEPLBTrainSchedule, MicroBatchState, PlanMicroBatch
+from deepspeed_feplb.integration.monitor import StatsCollector, warm_start_straggler
+from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine, FEPLBTrainSchedule, MicroBatchState, PlanMicroBatch
 
 SHAPES = [(mb, stages, stage) for mb in (1, 2, 3, 8) for stages in (1, 2, 4) for stage in range(stages)]
 
@@ -73,7 +73,7 @@ class _Bare(FEPLBPipelineEngine):
     def __init__(self):  # noqa: D107 - deliberately skips DeepSpeed's constructor
         import torch
         self.__dict__["_modules"] = {}
-        self.feplb_stats = StatsCollector(torch.nn.Linear(1, 1))
+        self.feplb_monitor = StatsCollector(torch.nn.Linear(1, 1))
         self.feplb_in_flight = {}
         self._feplb_done = {}
         self._feplb_layers = {}
@@ -106,7 +106,7 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
     assert bare.feplb_in_flight == {} and bare._feplb_done == {}
     assert peak <= sched.num_pipe_buffers() + 1  # in flight: forwarded, not yet backwarded (+1 planned ahead)
     assert [k for k, _ in bare.log].count("F") == micro_batches and bare.log[-1] == ("R", None)
-    assert bare.feplb_stats.last["step"] == 1
+    assert bare.feplb_monitor.last["step"] == 1
 
 
 def test_backward_without_forward_and_missing_backward_are_errors(bare):

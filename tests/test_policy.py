@@ -1,15 +1,15 @@
-"""Property and example tests of the FEPLB planner (deepspeed_feplb/planner/policy.py)."""
+"""Property and example tests of the FEPLB planner (deepspeed_feplb/plan/policy.py)."""
 import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepspeed_feplb.planner.policy import Plan, PlanConstraints, dynamic_candidates, lower_bound, plan_node
+from deepspeed_feplb.plan.policy import Plan, PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 
 
 def check_plan(counts, cons, plan):
-    """Assert every contract of a plan (DESIGN §2/§4 and the planner API)."""
+    """Assert every contract of a plan (docs/ARCHITECTURE.md and the planner API)."""
     counts = np.asarray(counts, dtype=np.int64)
     G, E = counts.shape
     moves = plan.moves
@@ -91,10 +91,10 @@ def instances(draw):
 @given(instances())
 def test_plan_contracts(inst):
     counts, cons = inst
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     # deterministic, and independent of the input's memory layout and dtype
-    again = plan_node(np.asfortranarray(counts.astype(np.int32)), cons)
+    again = plan_domain(np.asfortranarray(counts.astype(np.int32)), cons)
     assert np.array_equal(plan.moves, again.moves) and np.array_equal(plan.rank_tokens, again.rank_tokens)
     # never worse than doing nothing, never better than the lower bound
     assert plan.rank_tokens.max() <= counts.sum(axis=1).max()
@@ -109,7 +109,7 @@ def test_reaches_lower_bound_without_limits(inst):
     counts, cons = inst
     G = counts.shape[0]
     cons = PlanConstraints(cons.dynamic_experts, max(1, G - 1), 1)
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
         assert plan.rank_tokens.max() == lower_bound(counts, cons.dynamic_experts)
@@ -124,7 +124,7 @@ def test_alignment_costs_less_than_one_chunk(inst):
     counts, cons = inst
     G = counts.shape[0]
     cons = PlanConstraints(cons.dynamic_experts, max(1, G - 1), cons.chunk_align)
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
         assert plan.rank_tokens.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
@@ -141,39 +141,39 @@ def test_dynamic_candidates_ties_and_shapes():
 def test_degenerate_inputs_give_empty_plans():
     for counts, D in [(np.array([[10, 20, 30]]), 2), (np.array([[10, 0], [90, 3]]), 0),
                       (np.zeros((4, 3), dtype=np.int64), 2), (np.zeros((3, 0), dtype=np.int64), 1)]:
-        plan = plan_node(counts, PlanConstraints(D))
+        plan = plan_domain(counts, PlanConstraints(D))
         assert plan.moves.shape == (0, 4) and plan.moves.dtype == np.int64
         assert plan.rank_tokens.tolist() == counts.sum(axis=1).tolist()
     with pytest.raises(ValueError):
-        plan_node(np.zeros(4, dtype=np.int64), PlanConstraints(1))
+        plan_domain(np.zeros(4, dtype=np.int64), PlanConstraints(1))
     with pytest.raises(ValueError):
-        plan_node(np.array([[-1, 900], [0, 0]]), PlanConstraints(1))
+        plan_domain(np.array([[-1, 900], [0, 0]]), PlanConstraints(1))
 
 
 def test_small_example_by_hand():
     # rank 0 holds 100 + 60 + 40 = 200, rank 1 holds 20, rank 2 holds 20: mean 80.
     counts = np.array([[100, 60, 40], [10, 10, 0], [20, 0, 0]])
-    plan = plan_node(counts, PlanConstraints(dynamic_experts=1, max_helpers=2))
+    plan = plan_domain(counts, PlanConstraints(dynamic_experts=1, max_helpers=2))
     # only expert 0 (the hottest) may move; static part of rank 0 = 100, so the bound is 100
     assert lower_bound(counts, 1) == 100
     assert plan.rank_tokens.tolist() == [100, 70, 70] or plan.rank_tokens.max() == 100
     assert plan.moves[:, :2].tolist() == [[0, 0]] * len(plan.moves)
     assert plan.moves[:, 3].sum() == 100
-    plan2 = plan_node(counts, PlanConstraints(dynamic_experts=2, max_helpers=2))
+    plan2 = plan_domain(counts, PlanConstraints(dynamic_experts=2, max_helpers=2))
     assert plan2.rank_tokens.max() == 80  # mean reached: 120 tokens leave rank 0
     check_plan(counts, PlanConstraints(dynamic_experts=2, max_helpers=2), plan2)
 
 
 def test_copy_engine_budget_limits_copies():
     counts = np.array([[400, 300, 200, 100], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
-    free = plan_node(counts, PlanConstraints(4, 3))
+    free = plan_domain(counts, PlanConstraints(4, 3))
     assert free.rank_tokens.max() == 250
     one = PlanConstraints(4, 3, 1, ce_budget_bytes=1.5e6, expert_bytes=10**6)
-    plan = plan_node(counts, one)
+    plan = plan_domain(counts, one)
     check_plan(counts, one, plan)
     assert len(plan.moves) == 1 and plan.rank_tokens.max() == 600  # best single move: 400 away
     none = PlanConstraints(4, 3, 1, ce_budget_bytes=0.5e6, expert_bytes=10**6)
-    assert plan_node(counts, none).moves.shape == (0, 4)
+    assert plan_domain(counts, none).moves.shape == (0, 4)
 
 
 def test_donor_keeps_its_remainder_below_one_chunk():
@@ -183,7 +183,7 @@ def test_donor_keeps_its_remainder_below_one_chunk():
     counts = np.array([[480, 426], [495, 503], [499, 451], [410, 419]])  # loads 906 998 950 829
     cons = PlanConstraints(dynamic_experts=1, max_helpers=1, chunk_align=8)
     assert lower_bound(counts, 1) == 921
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     assert plan.rank_tokens.max() <= 921 + 7
     assert (plan.moves[:, 3] % 8 == 0).all()
@@ -193,7 +193,7 @@ def test_row_order_and_tail_chunk():
     """Chunks are aligned; only a chunk that empties the home may be unaligned."""
     counts = np.array([[1000, 5], [0, 0], [0, 0], [0, 0]])
     cons = PlanConstraints(1, 3, 128)
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     assert plan.rank_tokens.max() <= lower_bound(counts, 1) + 127
 
@@ -204,7 +204,7 @@ def test_rack_scale_domain():
     rng = np.random.default_rng(72)
     counts = rng.integers(0, 500, size=(72, 4)) * rng.integers(1, 6, size=(72, 1))
     for cons in (PlanConstraints(2, 3, 8, 20_000, 1000), PlanConstraints(2, 71, 1)):
-        plan = plan_node(counts, cons)
+        plan = plan_domain(counts, cons)
         check_plan(counts, cons, plan)
         assert len(plan.moves) > 0
     assert plan.rank_tokens.max() == lower_bound(counts, 2)
@@ -216,13 +216,13 @@ def test_whole_expert_chains_when_copies_bind():
     first pushes its own dynamic experts on. Chaining only for the last allowed chunk left this
     node 8.9% of the mean load above the MILP optimum (= the lower bound here); chaining for any
     chunk that fits nowhere whole gets within 1%."""
-    from deepspeed_feplb.sim.generators import no_aux_trace
+    from deepspeed_feplb.trace.generators import no_aux_trace
 
     loads = no_aux_trace(1, 1, ranks=8, experts=128, seed=13).counts.sum(axis=2)  # [1, 1, 128]: one node
     counts = loads.reshape(8, 16)
     expert_bytes = 3 * 6144 * 2048 * 2
     cons = PlanConstraints(4, 2, 1, 2 * expert_bytes + 1, expert_bytes)
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     bound, mean = lower_bound(counts, 4), counts.sum() / 8
     assert counts.max() == 9864 and bound == 32768
@@ -235,7 +235,7 @@ def test_chain_through_a_rank_above_the_level():
     own chunk to rank 0: a chain through a rank above the level (no new copy at rank 0)."""
     counts = np.array([[0, 18, 9, 15], [9, 119, 295, 17], [15, 26, 465, 130], [3, 101, 1, 377]])
     cons = PlanConstraints(dynamic_experts=2, max_helpers=2, ce_budget_bytes=2.5, expert_bytes=1)
-    plan = plan_node(counts, cons)
+    plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     assert plan.rank_tokens.tolist() == [400, 400, 400, 400]
     assert (plan.moves[:, 2] == 0).sum() == 2  # rank 0 received two copies, no more

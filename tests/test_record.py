@@ -1,4 +1,4 @@
-"""`feplb.stats.record_trace`: the layer records a DESIGN §4 trace of a real run.
+"""`feplb.stats.record_trace`: the layer records a trace (`trace.format`) of a real run.
 
 * 2 gloo ranks, two FEPLB layers called in the order second-built first: the trace rank 0 writes
   has one step per training forward, layers in first-call order, and for every (step, layer,
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_feplb
-from deepspeed_feplb.sim.record import get_recorder
-from deepspeed_feplb.sim.trace import load_trace, rank_loads
+from deepspeed_feplb.trace.record import get_recorder
+from deepspeed_feplb.trace.format import load_trace, rank_loads
 from deepspeed_feplb.testing import run_distributed
 
 HIDDEN, TOKENS, WORLD, EXPERTS = 8, 40, 2, 8

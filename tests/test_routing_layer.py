@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 import deepspeed_feplb
-from deepspeed_feplb.sim.trace import load_trace, rank_loads
+from deepspeed_feplb.trace.format import load_trace, rank_loads
 from deepspeed_feplb.testing import (RoutedGate, TraceRouting, assert_equal_to_unbalanced, assert_same_on_all_ranks,
                                      distinct_experts, example_trace_path, one_hot_expert_routing, override_routing,
                                      run_distributed, zipf_routing)

@@ -5,8 +5,8 @@ import torch
 from deepspeed.moe import sharded_moe
 from deepspeed.moe.sharded_moe import TopKGate
 
-from deepspeed_feplb.gating import SigmoidTopKGate
-from deepspeed_feplb.sim.trace import Trace, load_trace
+from deepspeed_feplb.gate.sigmoid import SigmoidTopKGate
+from deepspeed_feplb.trace.format import Trace, load_trace
 from deepspeed_feplb.testing import (RouteRequest, RoutedGate, TraceRouting, assign_counts, dirichlet_routing,
                                      example_trace_path, one_hot_expert_routing, scale_counts, uniform_routing,
                                      zipf_routing)
@@ -88,7 +88,7 @@ def test_trace_sources_fold_onto_the_ep_size_and_check_the_layer():
 
 
 def test_a_simulator_trace_replays_scaled_to_a_small_batch():
-    from deepspeed_feplb.sim.generators import no_aux_trace
+    from deepspeed_feplb.trace.generators import no_aux_trace
     trace = no_aux_trace(2, 2, ranks=4, experts=8, tokens_per_rank=4096, top_k=2)
     routes = check_routes(TraceRouting(trace, fit="scale")(request(step=1, layer=1, rank=2, tokens=16)), 16, 2, 8)
     assert (routes >= 0).all()

@@ -1,5 +1,5 @@
 """Tests of the simulator: traces, importers, peer policies, EPLB golden vector, MILP oracle,
-metrics against an independent computation, and the CLI contract (DESIGN §4)."""
+metrics against an independent computation, and the CLI contract (docs/ARCHITECTURE.md)."""
 import json
 import math
 import os
@@ -7,15 +7,15 @@ import os
 import numpy as np
 import pytest
 
-from deepspeed_feplb.planner.placement import (CrossNodePlacer, node_loads, place_experts,
+from deepspeed_feplb.plan.placement import (CrossNodePlacer, node_loads, place_experts,
                                                rebalance_experts)
-from deepspeed_feplb.planner.policy import PlanConstraints, lower_bound, plan_node
-from deepspeed_feplb.sim.cost import ExpertShape, GemmProfile, gemm_us
-from deepspeed_feplb.sim.generators import GENERATORS, no_aux_trace
-from deepspeed_feplb.sim.importers import read_megatron_router_trace
+from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain
+from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile, gemm_us
+from deepspeed_feplb.trace.generators import GENERATORS, no_aux_trace
+from deepspeed_feplb.trace.importers import read_megatron_router_trace
 from deepspeed_feplb.sim.policies import FasterMoE, SimSetup
 from deepspeed_feplb.sim.simulate import simulate
-from deepspeed_feplb.sim.trace import Trace, fold_sources, load_trace, save_trace
+from deepspeed_feplb.trace.format import Trace, fold_sources, load_trace, save_trace
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -97,7 +97,7 @@ def test_gemm_cost_model_tiles():
 
 
 def _independent_vanilla(counts, ranks):
-    """Straight from DESIGN §2/§4: contiguous homes, T_r, max - mean."""
+    """Straight from the metric definitions: contiguous homes, T_r, max - mean."""
     S, L, _, E = counts.shape
     out = np.zeros((S, L))
     for s in range(S):
@@ -119,7 +119,7 @@ def test_simulator_reproduces_vanilla_and_balances():
     for name, run in res.runs.items():  # every policy conserves tokens
         assert np.array_equal(run.rank_tokens.sum(axis=-1), trace.counts.sum(axis=(2, 3))), name
     assert m["feplb"]["token_straggler"] < m["feplb-paper"]["token_straggler"] < m["vanilla"]["token_straggler"]
-    # feplb's dumped moves replay into its rank tokens, node by node through plan_node
+    # feplb's dumped moves replay into its rank tokens, node by node through plan_domain
     feplb = res.runs["feplb"]
     moves = feplb.moves
     for s in range(trace.steps):
@@ -181,7 +181,7 @@ def test_greedy_close_to_milp_oracle():
                                ce_budget_bytes=math.inf if free else 2.5, expert_bytes=1)
         opt = optimal_max_load(counts, cons, time_limit=5)
         assert opt.optimal
-        plan = plan_node(counts, cons)
+        plan = plan_domain(counts, cons)
         assert plan.rank_tokens.max() >= opt.max_load - 1e-6  # the oracle is a true optimum
         assert opt.max_load >= lower_bound(counts, 2) - 1e-6
         gaps[free].append((plan.rank_tokens.max() - opt.max_load) / counts.sum(axis=1).mean())

@@ -1,0 +1,79 @@
+"""Phase 2: rows and weights of dynamic experts to helper ranks of the NVLink domain, and back.
+
+* `phase2`: the autograd function that runs one micro-batch's plan (forward and backward) over a
+  `Transport`; it knows nothing about how bytes move.
+* `shm.ShmTransport` (CPU: a shared-memory arena and a copy thread) and
+  `cuda_ce.CudaCETransport` (CUDA IPC peer slots, ``cudaMemcpyAsync`` on copy streams) are the
+  two transports; `transport_class` picks one from ``feplb.transport``.
+* `wire`: how a message's tensors are described (dtype codes, shapes), shared by both.
+
+To add a transport: implement `Transport` (constructor and three methods, below), keep its
+message semantics (per-pair FIFO, tag check, private copies on receive), and select it in
+`transport_class`. `tests/test_mailbox.py`-style protocol tests run any transport on CPU ranks.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol
+
+import torch
+
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+
+
+class Transport(Protocol):
+    """Moves lists of tensors between the ranks of one NVLink domain.
+
+    Constructed as ``cls(name, local_rank, size, timeout_s, create, watch)``: ``name`` is the
+    domain's unique segment prefix (starts with ``feplb-``), ``local_rank`` in ``[0, size)``;
+    the rank with ``create=True`` (local rank 0) is constructed first (the caller's barrier);
+    waits longer than ``timeout_s`` raise `segments.PeerTimeoutError`, and ``watch``
+    (a `segments.PeerWatch`) makes them fail fast, naming the rank, once a peer died.
+
+    Messages between one ordered pair of ranks arrive in the order they were sent; every message
+    carries a ``tag`` (micro-batch step and phase) that the receiver checks.
+    """
+
+    closed: bool
+
+    def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
+        """Queue ``tensors`` (any of `wire.DTYPES`, at most `wire.MAX_DIMS` dims) for local rank
+        ``dst``; returns at once with a future that is done once they are written. The tensors
+        must not be modified until then."""
+
+    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+        """Block until the next message from ``src`` arrives; raise if its tag is not ``tag``;
+        return tensors this rank owns (the sender may reuse its buffer at once)."""
+
+    def close(self) -> None:
+        """Stop copying, unmap and free what this rank owns (idempotent; also after a peer died)."""
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device and CuPy can use it (what `CudaCETransport` needs)."""
+    try:
+        if not torch.cuda.is_available():
+            return False
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken CuPy install means "not available"
+        return False
+
+
+def transport_class(config: FEPLBConfig, expert_params) -> type:
+    """The `Transport` class for ``feplb.transport`` and these (already placed) expert parameters:
+    ``shm``; ``cuda_ce`` (`FEPLBConfigError` without a CUDA device usable by CuPy); ``auto``:
+    cuda_ce when the experts live on CUDA and CuPy works, else shm."""
+    from deepspeed_feplb.migrate.shm import ShmTransport
+    params = list(expert_params)
+    on_cuda = bool(params) and all(p.is_cuda for p in params)
+    if config.transport == "cuda_ce" and not cuda_available():
+        raise FEPLBConfigError("feplb.transport: \"cuda_ce\" needs a CUDA device and CuPy (pip install cupy-cuda12x); "
+                               "use \"auto\" or \"shm\"")
+    if config.transport == "cuda_ce" or (config.transport == "auto" and on_cuda and cuda_available()):
+        from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+        return CudaCETransport
+    return ShmTransport
+
+
+__all__ = ["Transport", "transport_class", "cuda_available"]

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from deepspeed_feplb.migrate import Transport
+
 FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS = range(1, 5)
 
 
@@ -58,54 +60,68 @@ class _Piece:
     y: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RankView:
+    """One rank's part of a plan, derived once per micro-batch (forward and backward use it).
+
+    outgoing:  {helper: [(index into ``dynamic``, row offset in that expert's rows, tokens), ...]},
+               helpers ascending, chunks in plan order;
+    kept:      rows ``[D']`` each dynamic expert keeps at home (its first rows);
+    incoming:  {home: [local expert of the home, ...]} of the chunks this rank serves, homes ascending;
+    starts:    int ``[D' + 1]``: first row of each dynamic expert in ``dyn_x``.
+    """
+    outgoing: dict
+    kept: list
+    incoming: dict
+    starts: np.ndarray
+
+    @classmethod
+    def of(cls, moves: np.ndarray, local_rank: int, dynamic: list[int], row_counts: list[int]) -> "RankView":
+        mine = moves[moves[:, 0] == local_rank].tolist()
+        position = {e: i for i, e in enumerate(dynamic)}
+        kept = list(row_counts)
+        for _, expert, _, tokens in mine:
+            kept[position[expert]] -= tokens
+        offsets = list(kept)  # the moved chunks follow the rows the home keeps
+        outgoing: dict[int, list] = {}
+        for _, expert, helper, tokens in mine:
+            i = position[expert]
+            outgoing.setdefault(helper, []).append((i, offsets[i], tokens))
+            offsets[i] += tokens
+        incoming: dict[int, list] = {}
+        for home, expert, _, _ in moves[moves[:, 2] == local_rank].tolist():
+            incoming.setdefault(home, []).append(expert)
+        starts = np.concatenate([[0], np.cumsum(row_counts)]).astype(int)
+        return cls(dict(sorted(outgoing.items())), kept, dict(sorted(incoming.items())), starts)
+
+
 @dataclass
 class Phase2Step:
     """Everything one rank does in phase 2 for one layer and micro-batch.
 
-    moves: int64 [M, 4] (home, local_expert, helper, tokens), node-local ranks, plan order.
+    moves: int64 [M, 4] (home, local_expert, helper, tokens), domain-local ranks, plan order.
     dynamic: local expert ids ``[D']`` of this rank's dynamic experts, in row order of ``dyn_x``.
-    rows: int64 [D'] rows of each dynamic expert in ``dyn_x``.
+    row_counts: rows ``[D']`` of each dynamic expert in ``dyn_x``.
     """
-    transport: object
+    transport: Transport
     seq: int
     local_rank: int
     moves: np.ndarray
     dynamic: list[int]
-    rows: list[int]
+    row_counts: list[int]
     experts: list[torch.nn.Module]
     spec: ExpertSpec
     needs_grad: bool
     kept: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
-    # ------------------------------------------------------------------ plan views
-    def _outgoing(self):
-        """{helper: [(index of dynamic expert, row offset, tokens), ...]} in plan order, and kept rows per expert."""
-        mine = self.moves[self.moves[:, 0] == self.local_rank]
-        kept = list(self.rows)
-        per_helper: dict[int, list] = {}
-        position = {e: i for i, e in enumerate(self.dynamic)}
-        for _, expert, helper, tokens in mine.tolist():
-            kept[position[expert]] -= tokens
-        offsets = list(kept)  # the moved chunks follow the rows the home keeps
-        for _, expert, helper, tokens in mine.tolist():
-            i = position[expert]
-            per_helper.setdefault(helper, []).append((i, offsets[i], tokens))
-            offsets[i] += tokens
-        return dict(sorted(per_helper.items())), kept
-
-    def _incoming(self):
-        """{home: [local expert, ...]} of the moves this rank serves, in plan order."""
-        served: dict[int, list] = {}
-        for home, expert, _, _ in self.moves[self.moves[:, 2] == self.local_rank].tolist():
-            served.setdefault(home, []).append(expert)
-        return dict(sorted(served.items()))
+    def __post_init__(self):
+        self.view = RankView.of(self.moves, self.local_rank, self.dynamic, self.row_counts)
 
     # ------------------------------------------------------------------ forward
     def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
-        outgoing, kept_rows = self._outgoing()
-        starts = np.concatenate([[0], np.cumsum(self.rows)]).astype(int)
+        outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
             payload = []
@@ -143,7 +159,7 @@ class Phase2Step:
         n_params, n_buffers = len(self.spec.param_names), len(self.spec.buffer_names)
         stride = n_params + n_buffers + 1
         sends = []
-        for home, experts in self._incoming().items():
+        for home, experts in self.view.incoming.items():
             message = self.transport.recv(home, tag(self.seq, FWD_TOKENS))
             pieces = []
             for j in range(len(experts)):
@@ -157,8 +173,7 @@ class Phase2Step:
     # ------------------------------------------------------------------ backward
     def backward(self, grad_y: torch.Tensor):
         """grad_y ``[N_dyn, H_out]`` -> grad of dyn_x ``[N_dyn, H]`` and per-expert parameter grads."""
-        outgoing, kept_rows = self._outgoing()
-        starts = np.concatenate([[0], np.cumsum(self.rows)]).astype(int)
+        outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
             payload = [grad_y[starts[i] + offset:starts[i] + offset + tokens] for i, offset, tokens in chunks]

@@ -1,6 +1,6 @@
-"""CPU transport for phase 2: a per-node shared-memory arena and a copy thread.
+"""CPU transport for phase 2: a per-domain shared-memory arena and a copy thread.
 
-This is the CPU analogue of the GPU design (DESIGN §1, §3): every local rank maps the same
+This is the CPU analogue of the GPU transport (`cuda_ce`): every local rank maps the same
 shared memory ("peer pointers"), and a dedicated copy thread ("the Copy Engine") writes a
 rank's outgoing messages straight into the receiver's buffers while the main thread computes.
 
@@ -25,30 +25,21 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from deepspeed_feplb.migrate.segments import (  # noqa: F401  (re-exported: the GPU transport uses them)
-    SEGMENT_PREFIX, PeerDiedError, PeerTimeoutError, PeerWatch, add_parser, cleanup, describe_rank, leftover_segments,
-    open_segment, peer_check, unlink_quietly, wait_until)
+from deepspeed_feplb.migrate import wire
+from deepspeed_feplb.segments import PeerWatch, cleanup, describe_rank, open_segment, peer_check, unlink_quietly, wait_until
 
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
 _ALIGN = 64
-_MAX_DIMS = 4
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
 
 
 def _pack_layout(tag: int, tensors: list[torch.Tensor]) -> tuple[np.ndarray, list[int], int]:
-    header = np.zeros(2 + len(tensors) * (3 + _MAX_DIMS), dtype=np.int64)
+    header = np.zeros(2 + len(tensors) * wire.FIELDS, dtype=np.int64)
     header[0], header[1] = tag, len(tensors)
     offset = _round_up(header.nbytes)
     offsets = []
     for i, t in enumerate(tensors):
-        if t.dim() > _MAX_DIMS:
-            raise ValueError(f"transport tensors have at most {_MAX_DIMS} dims, got shape {tuple(t.shape)}")
-        field = header[2 + i * (3 + _MAX_DIMS):2 + (i + 1) * (3 + _MAX_DIMS)]
-        field[0] = _DTYPES.index(t.dtype)
-        field[1] = offset
-        field[2] = t.dim()
-        field[3:3 + t.dim()] = t.shape
+        wire.describe(header[2 + i * wire.FIELDS:2 + (i + 1) * wire.FIELDS], t, offset)
         offsets.append(offset)
         offset = _round_up(offset + t.numel() * t.element_size())
     return header, offsets, offset
@@ -97,6 +88,7 @@ class ShmTransport:
         """
         if dst == self.local_rank:
             raise ValueError("a rank does not send to itself")
+        wire.check(tensors)
         future: Future = Future()
         self._jobs.put((dst, tag, [t.detach().contiguous() for t in tensors], future))
         return future
@@ -157,14 +149,11 @@ class ShmTransport:
             cached = self._incoming[src] = (generation, open_segment(f"{self.name}-{src}to{self.local_rank}-g{generation}"))
         buf = torch.frombuffer(cached[1].buf, dtype=torch.uint8, count=int(channel[_NBYTES]))
         count = int(buf[8:16].view(torch.int64)[0])
-        header = buf[:_round_up((2 + count * (3 + _MAX_DIMS)) * 8)].view(torch.int64).numpy()
-        if header[0] != tag:
-            raise RuntimeError(f"FEPLB transport out of step: expected message {tag:#x} from local rank {src}, "
-                               f"got {int(header[0]):#x}")
+        header = buf[:_round_up((2 + count * wire.FIELDS) * 8)].view(torch.int64).numpy()
+        wire.check_tag(tag, header[0], src)
         tensors = []
         for i in range(count):
-            code, offset, ndim, *shape = header[2 + i * (3 + _MAX_DIMS):2 + (i + 1) * (3 + _MAX_DIMS)]
-            dtype, shape = _DTYPES[code], [int(s) for s in shape[:ndim]]
+            dtype, offset, shape = wire.read(header[2 + i * wire.FIELDS:2 + (i + 1) * wire.FIELDS])
             size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
             tensors.append(buf[offset:offset + size].view(dtype).view(shape).clone())
         del buf, header

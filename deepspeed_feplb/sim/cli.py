@@ -1,6 +1,4 @@
-"""``python -m deepspeed_feplb simulate ...`` and ``python -m deepspeed_feplb trace ...``.
-
-simulate (DESIGN §4)::
+"""``python -m deepspeed_feplb simulate ...``::
 
     python -m deepspeed_feplb simulate --trace T.npz --ranks-per-node G --nodes N \\
         --dynamic-experts D --policies vanilla,fastermoe,eplb,feplb --json OUT.json \\
@@ -10,9 +8,6 @@ OUT.json: ``{"policies": {name: {"token_straggler", "token_max_over_mean", "gemm
 "reduction_vs_vanilla", ...}}, "setup": {...}, "trace": {...}, "d_sweep": {...}}``.
 PLANS.npz (feplb): ``moves`` int64 [M, 6] = (step, layer, expert, home_rank, helper_rank, tokens)
 and ``rank_tokens`` int64 [steps, layers, ranks].
-
-trace: write a synthetic trace (``--kind noaux|zipf|dirichlet|biased|lplb``) or import a
-Megatron-Core router_trace (``--megatron DIR_OR_FILES``).
 """
 from __future__ import annotations
 
@@ -23,13 +18,13 @@ import sys
 
 import numpy as np
 
-__all__ = ["add_parser", "run_simulate", "run_trace"]
+__all__ = ["add_parser", "run_simulate"]
 
 
 def add_parser(subparsers) -> None:
-    """Register ``simulate`` and ``trace`` on an argparse sub-parsers object."""
+    """Register ``simulate`` on an argparse sub-parsers object."""
     p = subparsers.add_parser("simulate", help="replay a routing trace through balancing policies")
-    p.add_argument("--trace", required=True, help="trace .npz (DESIGN §4 format)")
+    p.add_argument("--trace", required=True, help="trace .npz: counts int64 [steps, layers, src_ranks, experts] (docs/ARCHITECTURE.md)")
     p.add_argument("--ranks-per-node", type=int, required=True, help="G: ranks per NVLink domain")
     p.add_argument("--nodes", type=int, default=1, help="N: nodes in the EP group")
     p.add_argument("--dynamic-experts", type=int, default=4, help="D: dynamic experts per rank")
@@ -57,21 +52,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_simulate)
 
-    t = subparsers.add_parser("trace", help="generate a synthetic routing trace or import one")
-    t.add_argument("--out", required=True, help="trace .npz to write")
-    t.add_argument("--kind", default="noaux", help="noaux | zipf | dirichlet | biased | lplb")
-    t.add_argument("--megatron", nargs="+", help="import Megatron-Core router_trace JSONL files/dirs")
-    t.add_argument("--steps", type=int, default=100)
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--ranks", type=int, default=8, help="source ranks")
-    t.add_argument("--experts", type=int, default=128)
-    t.add_argument("--tokens-per-rank", type=int, default=4096)
-    t.add_argument("--top-k", type=int, default=8)
-    t.add_argument("--skew", type=float, help="zipf exponent / dirichlet concentration / bias std / sigma")
-    t.add_argument("--hidden", type=int)
-    t.add_argument("--ffn-hidden", type=int)
-    t.add_argument("--seed", type=int, default=0)
-    t.set_defaults(func=run_trace)
 
 
 def _parse_budget(text: str):
@@ -82,7 +62,8 @@ def _parse_budget(text: str):
 
 
 def _setup(args, trace, D):
-    from .cost import ExpertShape, get_profile
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.sim.calibrate import get_profile
     from .policies import SimSetup
 
     hidden = args.hidden or trace.hidden or 6144
@@ -101,7 +82,7 @@ def run_simulate(args) -> int:
 
     from .report import markdown_table, plot
     from .simulate import simulate
-    from .trace import load_trace
+    from deepspeed_feplb.trace.format import load_trace
 
     trace = load_trace(args.trace)
     if args.steps:
@@ -152,29 +133,4 @@ def run_simulate(args) -> int:
                 np.savez_compressed(f, moves=run.moves.reshape(-1, 6), rank_tokens=run.rank_tokens)
     if args.plot:
         plot(args.plot, result.runs, d_sweep)
-    return 0
-
-
-def run_trace(args) -> int:
-    from .generators import GENERATORS
-    from .importers import read_megatron_router_trace
-    from .trace import save_trace
-
-    if args.megatron:
-        trace = read_megatron_router_trace(args.megatron, num_experts=args.experts)
-    else:
-        if args.kind not in GENERATORS:
-            raise SystemExit(f"unknown trace kind {args.kind!r} (one of {', '.join(GENERATORS)})")
-        kw = {"tokens_per_rank": args.tokens_per_rank, "top_k": args.top_k, "seed": args.seed}
-        if args.hidden:
-            kw["hidden"] = args.hidden
-        if args.ffn_hidden:
-            kw["ffn_hidden"] = args.ffn_hidden
-        if args.skew is not None:
-            kw[{"zipf": "skew", "dirichlet": "skew", "biased": "bias_std", "lplb": "sigma"}.get(args.kind, "skew")] = args.skew
-            if args.kind == "noaux":
-                raise SystemExit("--skew does not apply to --kind noaux (it is calibrated)")
-        trace = GENERATORS[args.kind](args.steps, args.layers, args.ranks, args.experts, **kw)
-    save_trace(args.out, trace)
-    print(f"wrote {args.out}: counts {list(trace.counts.shape)} ({trace.source})")
     return 0

@@ -1,7 +1,7 @@
 """Exact MILP oracle for one node's plan (HiGHS via ``highspy``), to measure how close the greedy
 planner gets to optimal. Small instances only (variables grow as G * D * (G - 1)).
 
-Model (same limits as :class:`deepspeed_feplb.planner.policy.PlanConstraints`, without chunk
+Model (same limits as :class:`deepspeed_feplb.plan.policy.PlanConstraints`, without chunk
 alignment, so its optimum is a lower bound for any aligned plan)::
 
     minimise t
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates
+from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates
 
 __all__ = ["OracleResult", "optimal_max_load"]
 

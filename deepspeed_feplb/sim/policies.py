@@ -1,4 +1,4 @@
-"""Balancing policies the simulator compares (DESIGN §5).
+"""Balancing policies the simulator compares (docs/ARCHITECTURE.md, "Simulator").
 
 Each policy turns one (step, layer)'s per-source expert counts into the *expert pieces* every rank
 computes: ``(piece_rank int64 [P], piece_tokens int64 [P])``; the cost model prices each piece
@@ -14,7 +14,7 @@ layer) only look at past steps.
                   evenly over its replicas.
 * ``feplb-paper`` the FEPLB paper's planner: whole dynamic experts, greedy most-loaded rank ->
                   its busiest dynamic expert -> least-loaded rank of the node.
-* ``feplb``       ours: :func:`deepspeed_feplb.planner.policy.plan_node` on every node (the very
+* ``feplb``       ours: :func:`deepspeed_feplb.plan.policy.plan_domain` on every node (the very
                   function the runtime calls), plus the cross-node placement layer on multi-node
                   groups.
 * ``milp``        the exact MILP oracle per node (small cases only).
@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
 
-from deepspeed_feplb.planner.placement import CrossNodePlacer, rebalance_experts
-from deepspeed_feplb.planner.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_node
-from .cost import ExpertShape, GemmProfile, PROFILES, gemm_us
+from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts
+from deepspeed_feplb.config import FEPLBConfig
+from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
+from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile, PROFILES, gemm_us
 
 __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy"]
 
@@ -38,8 +40,9 @@ __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy"]
 class SimSetup:
     """The simulated EP group and the knobs of every policy.
 
-    ce_budget: "auto" (Copy-Engine bandwidth x the node's mean static GEMM time, or half its mean
-               GEMM time when every local expert is dynamic), "inf", or bytes.
+    ce_budget: "auto" (`plan.policy.auto_ce_budget`: Copy-Engine bandwidth x the node's mean
+               static GEMM time, or half its mean GEMM time when it has no static work), "inf",
+               or bytes.
     placement: cross-node layer for ``feplb``: "auto" (on when nodes > 1), "on", "off".
     """
 
@@ -64,6 +67,13 @@ class SimSetup:
     def ranks(self) -> int:
         return self.ranks_per_node * self.nodes
 
+    @cached_property
+    def feplb_config(self) -> FEPLBConfig:
+        """The ``"feplb"`` section a runtime with these knobs would have (what the planner obeys)."""
+        budget = math.inf if self.ce_budget == "inf" else self.ce_budget
+        return FEPLBConfig(dynamic_experts_per_rank=self.dynamic_experts, max_helpers_per_expert=self.max_helpers,
+                           chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps)
+
     @property
     def experts_per_rank(self) -> int:
         return self.experts // self.ranks
@@ -79,7 +89,7 @@ class SimSetup:
 class StepResult:
     """piece_rank, piece_tokens int64 [P]: expert pieces and who computes them.
     moves int64 [M, 4] = (expert, home_rank, helper_rank, tokens) (global ids) or None.
-    lower_bound: DESIGN §2 bound on the largest rank load for this step (intra-node policies).
+    lower_bound: bound (`plan.policy.lower_bound`) on the largest rank load for this step (intra-node policies).
     ce: Copy-Engine figures of this step (µs) or None. extra: other per-step numbers."""
 
     piece_rank: np.ndarray
@@ -109,7 +119,7 @@ class Vanilla:
 
 class FasterMoE:
     """FasterMoE's ``global_policy`` with its cost model, fed the per-expert global load (sum over
-    sources, as the paper describes; see DESIGN §5). Hardware constants come from the profile:
+    sources, as the paper describes). Hardware constants come from the profile:
     ``bw_mm`` = sustained GEMM rate, ``bw_net`` = the slowest link of the EP group (NVLink within
     one node, the NIC across nodes); the expert is ``shape`` (FasterMoE's alpha·d_model² with
     ``mats`` matrices)."""
@@ -273,16 +283,10 @@ class _NodePolicy:
         cand = dynamic_candidates(node_counts, D)
         t = gemm_us(node_counts, s.shape, s.profile)
         static_us = t.sum(axis=1) - np.take_along_axis(t, cand, axis=1).sum(axis=1)
-        if s.ce_budget == "auto":
-            # the copies must hide behind the static GEMMs; with no static experts (D = E_local)
-            # behind half of the node's mean GEMM time (what a rank keeps of its own work)
-            window = float(static_us.mean()) if D < node_counts.shape[1] else 0.5 * float(t.sum(axis=1).mean())
-            budget = s.profile.ce_gbps * 1e3 * window
-        elif s.ce_budget == "inf":
-            budget = math.inf
-        else:
-            budget = float(s.ce_budget)
-        cons = PlanConstraints(D, s.max_helpers, s.chunk_align, budget, s.shape.weight_bytes)
+        # the runtime's rule with modelled instead of measured times: the node's mean static and
+        # whole GEMM time (the runtime: this rank's previous micro-batch)
+        cons = PlanConstraints.from_config(s.feplb_config, s.shape.weight_bytes, float(static_us.mean()) * 1e-6,
+                                           float(t.sum(axis=1).mean()) * 1e-6)
         return cons, static_us
 
     def plan(self, node_counts: np.ndarray, cons: PlanConstraints) -> np.ndarray:
@@ -335,7 +339,7 @@ class FEPLB(_NodePolicy):
     uses_placement = True
 
     def plan(self, node_counts, cons):
-        return plan_node(node_counts, cons).moves
+        return plan_domain(node_counts, cons).moves
 
 
 class FEPLBPaper(_NodePolicy):

@@ -1,8 +1,8 @@
-"""Replay a routing trace through the balancing policies and measure stragglers (DESIGN §2).
+"""Replay a routing trace through the balancing policies and measure stragglers (docs/ARCHITECTURE.md, "Metrics").
 
 Per (step, layer) and policy: ``T_r`` tokens each rank computes, token straggler
 ``max T - mean T``, ``max/mean``, GEMM straggler from the cost model (:mod:`.cost`), and for the
-intra-node policies the gap to the DESIGN §2 lower bound and Copy-Engine time vs static time.
+intra-node policies the gap to the lower bound and Copy-Engine time vs static time.
 
 Averages: every "mean" is over all (step, layer) micro-batches; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
@@ -15,9 +15,9 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .cost import rank_gemm_us
+from deepspeed_feplb.plan.cost import rank_gemm_us
 from .policies import SimSetup, make_policy
-from .trace import Trace, fold_sources
+from deepspeed_feplb.trace.format import Trace, fold_sources
 
 __all__ = ["PolicyRun", "SimResult", "simulate"]
 

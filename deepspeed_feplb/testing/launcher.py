@@ -126,7 +126,7 @@ def _worker(payload, rank, world_size, port, store, results, stack_file, environ
             lines = traceback.format_exception_only(type(exc), exc)
             results.put((rank, "error", ("".join(lines).strip(), traceback.format_exc())))
         return
-    from deepspeed_feplb.runtime import shutdown
+    from deepspeed_feplb.domain import shutdown
     shutdown()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """GPU tests: marked ``gpu`` and skipped (with the reason) unless torch sees CUDA and CuPy can use it."""
 import pytest
 
-from deepspeed_feplb.gpu import cuda_available
+from deepspeed_feplb.migrate import cuda_available
 
 
 def pytest_configure(config):

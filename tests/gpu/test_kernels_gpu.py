@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from deepspeed_feplb.gpu import kernels, reference
+from deepspeed_feplb.kernels import cuda as kernels
+from deepspeed_feplb.kernels import reference
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _transport(capacity):
-    from deepspeed_feplb.gpu.backend import CudaBackend
-    from deepspeed_feplb.gpu.cuda_ce import CudaCETransport
+    from deepspeed_feplb.migrate.backend import CudaBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     names = [f"feplb-gputest-{torch.randint(1 << 30, ()).item()}"]
     dist.broadcast_object_list(names, 0)
@@ -52,8 +52,8 @@ def test_ce_transport_roundtrips_and_growth_on_cuda():
 
 
 def peer_arena() -> list:
-    from deepspeed_feplb.gpu.arena import PeerArena
-    from deepspeed_feplb.gpu.backend import CudaBackend
+    from deepspeed_feplb.migrate.arena import PeerArena
+    from deepspeed_feplb.migrate.backend import CudaBackend
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     arena = PeerArena(CudaBackend(), 1 << 20)
     arena.exchange()

@@ -1,7 +1,7 @@
 """Peer-memory arenas: one plain ``cudaMalloc`` per rank, shared with the domain by CUDA IPC handles.
 
 Why not torch tensors: a caching-allocator tensor is an offset inside a bigger block (IPC exports
-whole blocks) and expandable segments break legacy IPC (reference/cuda.md §2). An arena owns its
+whole blocks) and expandable segments break legacy IPC (docs/GPU.md). An arena owns its
 allocation; peers open its handle once, and the owner frees it only after every peer closed it.
 
 Layout of a message in an arena or transport slot (`message_layout`): tensors back to back, each
@@ -49,12 +49,6 @@ def channel_capacity_hint(dynamic_experts: int, expert_bytes: int, max_tokens: i
     """Bytes one channel needs so that no message of a step has to grow it (module docstring)."""
     per_expert = expert_bytes + max_tokens * hidden * element_size + tensors_per_expert * ALIGN
     return align_up(dynamic_experts * per_expert)
-
-
-def control_bytes(domain_size: int, max_tensors: int) -> int:
-    """Host control memory of one domain's transport (see `cuda_ce` channel fields)."""
-    from deepspeed_feplb.gpu.cuda_ce import channel_words
-    return domain_size * domain_size * channel_words(max_tensors) * 8
 
 
 def transport_bytes_per_rank(domain_size: int, capacity_bytes: int) -> int:

@@ -1,7 +1,7 @@
 """Loader and launchers of the CUDA kernels in ``ops/feplb_kernels.cu`` (CuPy `RawModule`).
 
 Each launcher takes torch tensors. CUDA tensors run the kernel on torch's current stream; CPU
-tensors run the reference of the same contract (`deepspeed_feplb.gpu.reference`), so callers need
+tensors run the reference of the same contract (`deepspeed_feplb.kernels.reference`), so callers need
 no device branch. CuPy is imported lazily: importing this module never needs it.
 
 The module is compiled on first use per device with NVRTC (CuPy's default, needs libnvrtc:
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepspeed_feplb.gpu import reference
+from deepspeed_feplb.kernels import reference
 
 SOURCE_NAME = "feplb_kernels.cu"
 KERNELS = ("feplb_gather_rows", "feplb_scatter_rows", "feplb_expert_counts", "feplb_expert_positions",

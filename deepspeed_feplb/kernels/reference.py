@@ -2,7 +2,7 @@
 
 These are the specification: the GPU tests compare each kernel with its reference bit for bit
 (row movement) or to fp32 rounding (combine), and on a machine without CUDA they *are* the code
-path (`deepspeed_feplb.gpu.kernels` falls back to them for CPU tensors).
+path (`deepspeed_feplb.kernels.cuda` falls back to them for CPU tensors).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Same interface and message semantics as `deepspeed_feplb.migrate.shm.ShmTranspor
 (``send(dst, tag, tensors) -> Future``, ``recv(src, tag) -> list[Tensor]``, ``close()``), so
 `migrate.phase2` runs on it unchanged.
 
-Design (DESIGN §1, §6; reference/cuda.md "Suggested shape"):
+Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md):
 
 * **Push into peer memory.** Every rank owns one inbound *slot* per peer, a plain ``cudaMalloc``.
   The sender opens the receiver's slot by its IPC handle once and writes a message into it with
@@ -41,13 +41,11 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from deepspeed_feplb.gpu.arena import align_up, message_layout
-from deepspeed_feplb.migrate.segments import (PeerTimeoutError, describe_rank, open_segment, peer_check, unlink_quietly,
-                                               wait_until)
+from deepspeed_feplb.migrate import wire
+from deepspeed_feplb.migrate.arena import align_up, message_layout
+from deepspeed_feplb.segments import (PeerTimeoutError, describe_rank, open_segment, peer_check, unlink_quietly,
+                                      wait_until)
 
-MAX_DIMS = 4
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool)
 DEFAULT_CAPACITY = 64 << 20
 DEFAULT_MAX_TENSORS = 256
 
@@ -55,13 +53,12 @@ DEFAULT_MAX_TENSORS = 256
 SEQ, ACK, NBYTES, GEN, CAP, WANT, TAG, COUNT = range(8)
 SLOT_H, READY_H, DONE_H = 8, 16, 24
 META = 32
-_META_FIELDS = 3 + MAX_DIMS  # dtype code, offset, ndim, shape
 # the diagonal channel (r, r) carries rank r's state
 ALIVE, IMPORTS_CLOSED = 0, 1
 
 
 def channel_words(max_tensors: int) -> int:
-    return META + max_tensors * _META_FIELDS
+    return META + max_tensors * wire.FIELDS
 
 
 def _put_handle(words: np.ndarray, at: int, handle: bytes) -> None:
@@ -85,13 +82,13 @@ class CudaCETransport:
         backend: a `CudaBackend` (default: on torch's current CUDA device) or `HostBackend`.
         capacity_bytes: initial size of each inbound slot (`arena.channel_capacity_hint`).
         max_tensors: most tensors in one message.
-        watch: a `migrate.shm.PeerWatch`: waits fail fast, naming the rank, when a peer died.
+        watch: a `segments.PeerWatch`: waits fail fast, naming the rank, when a peer died.
     """
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
                  backend=None, capacity_bytes: int = DEFAULT_CAPACITY, max_tensors: int = DEFAULT_MAX_TENSORS):
         if backend is None:
-            from deepspeed_feplb.gpu.backend import CudaBackend
+            from deepspeed_feplb.migrate.backend import CudaBackend
             backend = CudaBackend()
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
         self.backend, self.max_tensors, self.watch = backend, max_tensors, watch
@@ -162,11 +159,7 @@ class CudaCETransport:
             raise ValueError(f"no local rank {dst} in a domain of {self.size}")
         if len(tensors) > self.max_tensors:
             raise ValueError(f"a message holds at most {self.max_tensors} tensors, got {len(tensors)}")
-        for t in tensors:
-            if t.dim() > MAX_DIMS:
-                raise ValueError(f"transport tensors have at most {MAX_DIMS} dims, got shape {tuple(t.shape)}")
-            if t.dtype not in DTYPES:
-                raise TypeError(f"transport cannot move {t.dtype}")
+        wire.check(tensors)
         tensors = [t.detach().contiguous() for t in tensors]
         ready = self.backend.event_create()
         self.backend.event_record(ready, self.backend.current_stream())
@@ -218,11 +211,9 @@ class CudaCETransport:
         for t, offset in zip(tensors, offsets):
             backend.memcpy_async(peer + offset, t.data_ptr(), t.numel() * t.element_size(), stream)
         backend.event_record(self._ready[dst], stream)
-        meta = channel[META:META + len(tensors) * _META_FIELDS].reshape(len(tensors), _META_FIELDS)
+        meta = channel[META:META + len(tensors) * wire.FIELDS].reshape(len(tensors), wire.FIELDS)
         for row, t, offset in zip(meta, tensors, offsets):
-            row[:] = 0
-            row[0], row[1], row[2] = DTYPES.index(t.dtype), offset, t.dim()
-            row[3:3 + t.dim()] = t.shape
+            wire.describe(row, t, offset)
         channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
         channel[SEQ] += 1  # publish last: the receiver polls seq
 
@@ -256,9 +247,7 @@ class CudaCETransport:
 
         wait_until(arrived, self.timeout_s, f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
                    peer_check(self.watch, src))
-        if channel[TAG] != tag:
-            raise RuntimeError(f"FEPLB transport out of step: expected message {tag:#x} from local rank {src}, "
-                               f"got {int(channel[TAG]):#x}")
+        wire.check_tag(tag, channel[TAG], src)
         backend, stream = self.backend, self.backend.current_stream()
         if src not in self._ready_peer:
             self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
@@ -266,8 +255,9 @@ class CudaCETransport:
         slot = self._slots[src][0]
         tensors = []
         count = int(channel[COUNT])
-        for code, offset, ndim, *shape in channel[META:META + count * _META_FIELDS].reshape(count, _META_FIELDS).tolist():
-            out = backend.empty([int(s) for s in shape[:ndim]], DTYPES[code])
+        for row in channel[META:META + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist():
+            dtype, offset, shape = wire.read(row)
+            out = backend.empty(shape, dtype)
             backend.memcpy_async(out.data_ptr(), slot + offset, out.numel() * out.element_size(), stream)
             tensors.append(out)
         backend.event_record(self._done[src], stream)

@@ -1,4 +1,4 @@
-"""Seeded synthetic routing-trace generators (DESIGN §4 format, see :mod:`.trace`).
+"""Seeded synthetic routing-trace generators (the format of :mod:`.format`).
 
 * :func:`skewed_trace` — per-layer expert popularity from a Zipf law (``dist="zipf"``, exponent
   ``skew``) or a Dirichlet draw (``dist="dirichlet"``, concentration ``skew``), drifting over
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .trace import Trace
+from deepspeed_feplb.trace.format import Trace
 
 __all__ = ["skewed_trace", "no_aux_trace", "biased_logits_trace", "lplb_noise_trace", "GENERATORS"]
 

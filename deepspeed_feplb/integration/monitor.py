@@ -4,7 +4,7 @@
 `MOELayer`, whose expert compute it times as well). For every training forward of a layer it
 keeps one record per micro-batch on this rank:
 
-* the layer's ``feplb_stats`` (DESIGN §4: tokens per rank before/after balancing for the ranks
+* the layer's ``feplb_stats`` (tokens per rank before/after balancing for the ranks
   of its NVLink domain, migrated tokens, moves, plan latency, fallback);
 * the measured **expert-compute wall time** of this rank: the time spent inside the layer's
   expert modules (forward hooks on each expert), i.e. the static experts, the kept part of the
@@ -240,13 +240,13 @@ def events(summary: dict) -> list[tuple[str, float, int]]:
     return out
 
 
-def warm_start_straggler(node_counts: np.ndarray, moves: np.ndarray) -> float:
-    """Token straggler left on ``node_counts int64 [G, E_local]`` by a plan made for other counts.
+def warm_start_straggler(domain_counts: np.ndarray, moves: np.ndarray) -> float:
+    """Token straggler left on ``domain_counts int64 [G, E_local]`` by a plan made for other counts.
 
     moves ``int64 [M, 4]`` (home, local_expert, helper, tokens); a move takes at most the rows
     its home still holds of that expert.
     """
-    counts = np.array(node_counts, dtype=np.int64, copy=True)
+    counts = np.array(domain_counts, dtype=np.int64, copy=True)
     tokens = counts.sum(axis=1)
     for home, expert, helper, n in np.asarray(moves, dtype=np.int64).reshape(-1, 4).tolist():
         if home >= counts.shape[0] or helper >= counts.shape[0] or expert >= counts.shape[1]:

@@ -1,4 +1,4 @@
-"""Routing traces: the DESIGN §4 ``.npz`` format, validation and folding onto an EP group.
+"""Routing traces: the ``.npz`` format, validation and folding onto an EP group.
 
 A trace holds ``counts`` int64 ``[steps, layers, src_ranks, experts]``: tokens (token-expert
 pairs) that the router of ``layer`` sent to ``expert`` from EP rank ``src_rank`` at micro-batch
@@ -65,7 +65,7 @@ def save_trace(path: str | os.PathLike, trace: Trace) -> None:
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
-    """Read a DESIGN §4 trace; raises ValueError naming what is wrong."""
+    """Read a trace; raises ValueError naming what is wrong."""
     with np.load(path, allow_pickle=False) as z:
         if "counts" not in z:
             raise ValueError(f"{path}: no 'counts' array in trace")

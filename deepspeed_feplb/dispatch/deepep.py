@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepspeed_feplb.gpu import kernels
+from deepspeed_feplb.kernels import cuda as kernels
 
 
 class _Done:

@@ -1,4 +1,4 @@
-"""Record a DESIGN §4 routing trace from a real run (``feplb.stats.record_trace``).
+"""Record a routing trace (:mod:`.format`) from a real run (``feplb.stats.record_trace``).
 
 Every FEPLB MoE layer calls :meth:`TraceRecorder.record` once per training forward with its
 router's choices. The recorder counts this rank's routes per global expert (int64 ``[E]``),
@@ -7,7 +7,7 @@ takes part in the same collectives, in the same order as the forward itself) and
 ``[src_ranks, experts]`` for that layer call. Layers are numbered in the order they are first
 called; a layer's n-th recorded call is step n. Only the EP group that holds global rank 0
 gathers; rank 0 writes ``counts`` int64 ``[steps, layers, src_ranks, experts]`` (steps that every
-layer completed) with :func:`deepspeed_feplb.sim.trace.save_trace`, at :meth:`flush`, at
+layer completed) with :func:`deepspeed_feplb.trace.format.save_trace`, at :meth:`flush`, at
 `deepspeed_feplb.shutdown` (through :func:`flush_all`) and at interpreter exit.
 
 Eval-mode forwards are not recorded (they are not training micro-batches); a forward recomputed
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepspeed_feplb.sim.trace import Trace, save_trace
+from deepspeed_feplb.trace.format import Trace, save_trace
 
 __all__ = ["TraceRecorder", "get_recorder", "flush_all"]
 

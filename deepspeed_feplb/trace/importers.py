@@ -1,4 +1,4 @@
-"""Importers from other tools' routing logs into the DESIGN §4 trace format.
+"""Importers from other tools' routing logs into FEPLB's trace format (:mod:`.format`).
 
 Megatron-Core ``router_trace`` (``--moe-routing-trace-path``): one JSONL file per rank,
 ``router_trace_rank{rank}.jsonl``, one record per router call::
@@ -21,7 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .trace import Trace
+from deepspeed_feplb.trace.format import Trace
 
 __all__ = ["read_megatron_router_trace"]
 

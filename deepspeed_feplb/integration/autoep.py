@@ -7,7 +7,7 @@ calls its ``experts`` module, a ``GroupedExperts`` holding stacked weights
 counts)``. That call is FEPLB's phase-2 seam: `install` swaps the class of each ``experts``
 instance for `FEPLBGroupedExperts` after ``deepspeed.initialize``, which keeps the parameter
 objects, their names (``...experts.w1`` etc., which DeepSpeed's checkpoints match), the optimizer
-state and ZeRO's hooks. Its ``forward`` runs `deepspeed_feplb.experts.run_experts`, the same
+state and ZeRO's hooks. Its ``forward`` runs `deepspeed_feplb.balance.run_experts`, the same
 code as the DeepSpeed-MoE layer: counts to the domain's scheduler, static experts through
 AutoEP's own grouped GEMM while the scheduler plans, dynamic experts (per-expert slices of the
 stacked weights, run by a SwiGLU template module) through the phase-2 transport to helpers and
@@ -23,10 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.balance import ComputeTimes, run_experts
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
-from deepspeed_feplb.experts import run_experts
+from deepspeed_feplb.domain import domain_size, get_runtime
+from deepspeed_feplb.integration import seams
+from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
-from deepspeed_feplb.runtime import domain_size, get_runtime
 from deepspeed_feplb.stats import layer_stats
 
 try:  # DeepSpeed without AutoEP: nothing to install
@@ -67,11 +69,9 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         self.feplb_stats: dict = {}
         self._feplb_domain = None
         self._feplb_ready = False
-        self._static_seconds = 0.0
+        self.compute_times = ComputeTimes()
 
     def _feplb_attach(self) -> None:
-        from deepspeed_feplb.gpu.select import transport_class
-
         config = self.feplb_config
         slices = [self.w1[0], self.w2[0], self.w3[0]]
         # not a submodule: its meta parameters must not join the model's parameters or state_dict
@@ -106,9 +106,9 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         rows = int(counts.sum())
         w1, w2, w3 = self.w1, self.w2, self.w3
         params = [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
-        out, stats, self._static_seconds = run_experts(
-            x[:rows], counts, [self._template] * self.num_experts, params, self._spec, self._feplb_domain,
-            self.feplb_config, self._expert_bytes, self._static_seconds, static_fn=self._static)
+        out, stats = run_experts(x[:rows], counts, [self._template] * self.num_experts, params, self._spec,
+                                 self._feplb_domain, self.feplb_config, self._expert_bytes, self.compute_times,
+                                 static_fn=self._static)
         if stats is not None:
             self.feplb_stats = stats
         if x.shape[0] > rows:  # trailing padding rows of AutoEP's permute: zero output
@@ -158,7 +158,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig) -> dict:
                                "deepspeed.initialize")
         domain_size(config, layer.ep_size)  # raises naming feplb.nvlink_domain_size
         if type(experts) is not FEPLBGroupedExperts:
-            experts.__class__ = FEPLBGroupedExperts
+            seams.become(experts, FEPLBGroupedExperts)
         experts.feplb_setup(config, layer.ep_group, layer.ep_size)
         installed[name] = experts
     return installed

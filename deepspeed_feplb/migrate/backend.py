@@ -2,7 +2,7 @@
 
 `CudaBackend` maps them one to one onto CUDA runtime calls through CuPy (plain ``cudaMalloc``,
 legacy IPC memory and event handles, ``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on
-non-blocking streams; DESIGN §6, reference/cuda.md §2). `HostBackend` implements the *same*
+non-blocking streams; docs/GPU.md). `HostBackend` implements the *same*
 semantics on host shared memory, synchronously (a stream is the calling thread, an event is
 always complete, an IPC handle names a ``/dev/shm`` segment). The transport's protocol (slots,
 handles, generations, ordering, teardown) is therefore exercised on CPU machines with the same
@@ -151,7 +151,7 @@ class HostBackend:
             os.close(fd)
 
     def malloc(self, nbytes: int) -> int:
-        from deepspeed_feplb.migrate.shm import open_segment
+        from deepspeed_feplb.segments import open_segment
         shm = open_segment(f"{self.prefix}-{os.getpid()}-{secrets.token_hex(4)}", self._HEADER + max(int(nbytes), 1),
                            create=True)
         view, ptr = self._map(shm)
@@ -161,7 +161,7 @@ class HostBackend:
         return ptr
 
     def free(self, ptr: int) -> None:
-        from deepspeed_feplb.migrate.shm import unlink_quietly
+        from deepspeed_feplb.segments import unlink_quietly
         with self._lock:
             shm, view = self._owned[ptr]
             importers = self._count(shm, 0)
@@ -179,7 +179,7 @@ class HostBackend:
         return name.ljust(HANDLE_BYTES, b"\0")
 
     def ipc_open(self, handle: bytes) -> int:
-        from deepspeed_feplb.migrate.shm import open_segment
+        from deepspeed_feplb.segments import open_segment
         shm = open_segment(bytes(handle).rstrip(b"\0").decode())
         self._count(shm, +1)
         view, ptr = self._map(shm)

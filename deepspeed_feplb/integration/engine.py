@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import threading
 
 import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
+from deepspeed_feplb.integration import seams
 from deepspeed_feplb.layer import MoE
 
 
@@ -32,13 +32,13 @@ def initialize(*args, **kwargs):
 
     Reads and validates the ``"feplb"`` section of the ds_config (`FEPLBConfigError` names a bad
     key), converts the model's MoE layers and hands everything to DeepSpeed. For a
-    `PipelineModule` it first creates the expert-parallel groups on every rank (DESIGN §6: lazy
-    creation on MoE stages only makes a later ``new_group`` hang), refuses bf16 when some stage
+    `PipelineModule` it first creates the expert-parallel groups on every rank (creating them
+    lazily on the MoE stages only makes a later ``new_group`` hang), refuses bf16 when some stage
     has no MoE layer (that configuration hangs in DeepSpeed's optimizer, upstream #6714) and
-    builds a `deepspeed_feplb.pipeline.FEPLBPipelineEngine`. With ``feplb.stats.enabled`` every
-    engine gets ``engine.feplb_stats`` (a `deepspeed_feplb.monitor.StatsCollector`): per-layer
+    builds a `deepspeed_feplb.integration.pipeline.FEPLBPipelineEngine`. With ``feplb.stats.enabled`` every
+    engine gets ``engine.feplb_monitor`` (a `deepspeed_feplb.integration.monitor.StatsCollector`): per-layer
     statistics of each step, written to DeepSpeed's monitor when one is configured. Layers that
-    DeepSpeed AutoEP (``"expert_parallel"``) built get FEPLB phase 2 too (`deepspeed_feplb.autoep`).
+    DeepSpeed AutoEP (``"expert_parallel"``) built get FEPLB phase 2 too (`deepspeed_feplb.integration.autoep`).
     """
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     given = bound.arguments
@@ -55,20 +55,15 @@ def initialize(*args, **kwargs):
     from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
-        from deepspeed_feplb.pipeline import FEPLBPipelineEngine
+        from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
         _prepare_pipeline(model, _as_dict(ds_config))
-        with _ENGINE_LOCK:
-            saved = deepspeed.PipelineEngine
-            deepspeed.PipelineEngine = FEPLBPipelineEngine  # `deepspeed.initialize` looks it up at call time
-            try:
-                result = deepspeed.initialize(*bound.args, **bound.kwargs)
-            finally:
-                deepspeed.PipelineEngine = saved
+        with seams.pipeline_engine_class(FEPLBPipelineEngine):
+            result = deepspeed.initialize(*bound.args, **bound.kwargs)
         if not config.stats.enabled:
-            result[0].feplb_stats.remove()
+            result[0].feplb_monitor.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
-    from deepspeed_feplb.autoep import install as install_autoep
+    from deepspeed_feplb.integration.autoep import install as install_autoep
     install_autoep(result[0].module, config)  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
     if config.stats.enabled:
         _attach_stats(result[0], config)
@@ -83,8 +78,9 @@ def check_consistency(model, config: FEPLBConfig) -> None:
 
     import torch.distributed as dist
 
-    from deepspeed_feplb.gpu.select import make_dispatcher, transport_class
-    from deepspeed_feplb.runtime import domain_size
+    from deepspeed_feplb.dispatch import make_dispatcher
+    from deepspeed_feplb.domain import domain_size
+    from deepspeed_feplb.migrate import transport_class
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     for name, module in model.named_modules():
@@ -105,9 +101,6 @@ def check_consistency(model, config: FEPLBConfig) -> None:
         params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
         transport_class(config, params)
         make_dispatcher(config, None, 1, module.num_local_experts, params)
-
-
-_ENGINE_LOCK = threading.Lock()
 
 
 def _as_dict(ds_config) -> dict:
@@ -153,18 +146,14 @@ def _bf16(ds_config: dict) -> bool:
 
 def _attach_stats(engine, config: FEPLBConfig) -> None:
     """Collect per-step FEPLB stats on a `DeepSpeedEngine`; flush them at each accumulation boundary."""
-    from deepspeed_feplb.monitor import StatsCollector
+    from deepspeed_feplb.integration.monitor import StatsCollector
 
-    collector = engine.feplb_stats = StatsCollector(engine.module)
+    collector = engine.feplb_monitor = StatsCollector(engine.module)
     if not collector.layers:
         return
-    step = engine.step
 
-    def feplb_step(*args, **kwargs):
-        boundary = engine.is_gradient_accumulation_boundary()
-        result = step(*args, **kwargs)
+    def flush(boundary: bool) -> None:
         if boundary:
             collector.flush(engine.global_steps, engine.monitor if config.stats.monitor else None)
-        return result
 
-    engine.step = feplb_step
+    seams.after_step(engine, flush)

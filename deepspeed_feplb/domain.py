@@ -1,6 +1,7 @@
-"""Per-rank runtime of one NVLink domain: the transport, the scheduler client, the step counter.
+"""Per-rank runtime of one NVLink domain: the transport, the scheduler, the step counter.
 
-A domain is ``nvlink_domain_size`` consecutive ranks of an expert-parallel group (DESIGN §3).
+A domain is ``nvlink_domain_size`` consecutive ranks of an expert-parallel group that share a
+host (on GPUs: an NVLink / copy-engine domain); phase 2 moves work only inside a domain.
 All FEPLB layers that share an EP group share its domain runtime; it is created on first use
 (collectively over the EP group) and closed at exit, on SIGTERM, or by `shutdown()`.
 """
@@ -17,8 +18,10 @@ import threading
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
-from deepspeed_feplb.migrate.shm import PeerWatch, ShmTransport
-from deepspeed_feplb.planner.service import SchedulerClient
+from deepspeed_feplb.migrate import Transport
+from deepspeed_feplb.migrate.shm import ShmTransport
+from deepspeed_feplb.scheduler import Scheduler, make_scheduler
+from deepspeed_feplb.segments import PeerWatch
 
 _RUNTIMES: dict[tuple, "DomainRuntime"] = {}
 _LOCK = threading.Lock()
@@ -39,9 +42,13 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
 
 
 class DomainRuntime:
-    """This rank's view of its domain: ``local_rank`` in ``[0, size)``, transport, scheduler."""
+    """This rank's view of its domain: ``local_rank`` in ``[0, size)``, ``ranks`` (global ranks),
+    ``transport`` (a `migrate.Transport`), ``scheduler`` (a `scheduler.Scheduler`), ``watch``."""
 
-    def __init__(self, ep_group, config: FEPLBConfig, transport_cls=ShmTransport):
+    transport: Transport
+    scheduler: Scheduler
+
+    def __init__(self, ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport):
         ep_ranks = dist.get_process_group_ranks(ep_group)
         ep_rank = ep_ranks.index(dist.get_rank())
         self.size = domain_size(config, len(ep_ranks))
@@ -62,17 +69,17 @@ class DomainRuntime:
         sched = config.scheduler
         leader = self.local_rank == 0
         self.watch = watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
-        kwargs = dict(mode=sched.mode, plan_timeout_s=sched.plan_timeout_ms / 1e3, peer_timeout_s=sched.peer_timeout_s,
-                      restart=sched.restart, poll_s=sched.poll_ms / 1e3, watch=watch)
         if leader:
-            self.transport = transport_cls(self.name, 0, self.size, sched.peer_timeout_s, create=True, watch=watch)
-            self.scheduler = SchedulerClient(f"{self.name}-mbox", 0, self.size, create=True, **kwargs)
+            self._open(transport_cls, sched, create=True)
         dist.barrier(group=ep_group)
         if not leader:
-            self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=False,
-                                           watch=watch)
-            self.scheduler = SchedulerClient(f"{self.name}-mbox", self.local_rank, self.size, create=False, **kwargs)
+            self._open(transport_cls, sched, create=False)
         self.closed = False
+
+    def _open(self, transport_cls: type, sched, create: bool) -> None:
+        self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=create,
+                                       watch=self.watch)
+        self.scheduler = make_scheduler(sched, f"{self.name}-mbox", self.local_rank, self.size, create, self.watch)
 
     def next_seq(self) -> int:
         seq, self.seq = self.seq, self.seq + 1
@@ -85,7 +92,7 @@ class DomainRuntime:
             self.transport.close()
 
 
-def get_runtime(ep_group, config: FEPLBConfig, transport_cls=ShmTransport) -> DomainRuntime:
+def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport) -> DomainRuntime:
     """This rank's runtime for ``ep_group`` (created collectively over the group on first use)."""
     key = (tuple(dist.get_process_group_ranks(ep_group)), domain_size(config, dist.get_world_size(ep_group)),
            transport_cls)

@@ -19,7 +19,7 @@ backward of the *same* micro-batch. The plan itself travels with the activations
 layer keeps its `Phase2Step` in the autograd context of the micro-batch's forward, so the
 backward of micro-batch ``i`` uses exactly the plan its forward used however 1F1B interleaves.
 
-The warm start: `deepspeed_feplb.planner.policy.plan_node` on the previous micro-batch's node
+The warm start: `plan.policy.plan_domain` on the previous micro-batch's domain
 counts of every FEPLB layer, with the layer's constraints. The scheduler's real plan needs this
 micro-batch's counts, which exist only after its gate ran; the warm-start plan is what is known
 earlier. The engine reports how good it would have been (``warm_start_token_straggler`` next to
@@ -36,8 +36,8 @@ import numpy as np
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from deepspeed_feplb.monitor import StatsCollector, warm_start_straggler
-from deepspeed_feplb.planner.policy import PlanConstraints, plan_node
+from deepspeed_feplb.integration.monitor import StatsCollector, warm_start_straggler
+from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
 
 
 class PlanMicroBatch(schedule.PipeInstruction):
@@ -82,16 +82,16 @@ class MicroBatchState:
 class FEPLBPipelineEngine(PipelineEngine):
     """DeepSpeed's `PipelineEngine` running `FEPLBTrainSchedule` (module docstring).
 
-    Attributes: ``feplb_stats`` (the `StatsCollector`; ``feplb_stats.last`` is the summary of the
+    Attributes: ``feplb_monitor`` (the `StatsCollector`; ``feplb_monitor.last`` is the summary of the
     last ``train_batch``), ``feplb_in_flight`` (micro-batch id -> `MicroBatchState`).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.feplb_stats = StatsCollector(self.module)
+        self.feplb_monitor = StatsCollector(self.module)
         self.feplb_in_flight: dict[int, MicroBatchState] = {}
         self._feplb_done: dict[int, dict] = {}
-        self._feplb_layers = {name: layer for name, layer in self.feplb_stats.layers.items()
+        self._feplb_layers = {name: layer for name, layer in self.feplb_monitor.layers.items()
                               if hasattr(layer, "feplb_config")}
 
     def _train_schedule(self):
@@ -105,19 +105,18 @@ class FEPLBPipelineEngine(PipelineEngine):
             domain = getattr(layer, "domain", None)
             if domain is None or domain.closed:
                 continue
-            _revive_scheduler(domain.scheduler)
-            previous = self.feplb_stats.latest.get(name)
-            if previous is None or "node_counts" not in previous.stats:
+            domain.scheduler.revive()
+            previous = self.feplb_monitor.latest.get(name)
+            if previous is None or "domain_counts" not in previous.stats:
                 continue
-            config = layer.feplb_config
-            constraints = PlanConstraints(dynamic_experts=config.dynamic_experts_per_rank,
-                                          max_helpers=config.max_helpers_per_expert,
-                                          chunk_align=config.chunk_align_tokens, expert_bytes=layer.expert_bytes)
-            jobs.append((name, np.asarray(previous.stats["node_counts"]), constraints))
+            constraints = PlanConstraints.from_config(layer.feplb_config, layer.expert_bytes,
+                                                      layer.compute_times.static_seconds,
+                                                      layer.compute_times.expert_seconds)
+            jobs.append((name, np.asarray(previous.stats["domain_counts"]), constraints))
         if jobs:
             def warm_start():
                 for name, counts, constraints in jobs:
-                    state.hints[name] = plan_node(counts, constraints).moves
+                    state.hints[name] = plan_domain(counts, constraints).moves
             state.thread = threading.Thread(target=warm_start, name=f"feplb-warm-{micro_batch_id}", daemon=True)
             state.thread.start()
 
@@ -127,19 +126,19 @@ class FEPLBPipelineEngine(PipelineEngine):
         state = self.feplb_in_flight.setdefault(micro_batch_id, MicroBatchState(micro_batch_id))
         if state.forward_done:
             raise RuntimeError(f"FEPLB pipeline: micro-batch {micro_batch_id} forwarded twice in one batch")
-        self.feplb_stats.micro_batch = micro_batch_id
+        self.feplb_monitor.micro_batch = micro_batch_id
         try:
             PipelineEngine._exec_forward_pass(self, buffer_id)
         finally:
-            self.feplb_stats.micro_batch = None
+            self.feplb_monitor.micro_batch = None
         if state.thread is not None:
             state.thread.join()
             state.thread = None
-        state.records = self.feplb_stats.records.pop(micro_batch_id, {})
+        state.records = self.feplb_monitor.records.pop(micro_batch_id, {})
         for name, moves in state.hints.items():
             record = state.records.get(name)
-            if record is not None and "node_counts" in record.stats:
-                record.extra["warm_start_token_straggler"] = warm_start_straggler(record.stats["node_counts"], moves)
+            if record is not None and "domain_counts" in record.stats:
+                record.extra["warm_start_token_straggler"] = warm_start_straggler(record.stats["domain_counts"], moves)
         state.hints = {}
         state.forward_done = True
 
@@ -156,9 +155,9 @@ class FEPLBPipelineEngine(PipelineEngine):
         if open_batches:
             raise RuntimeError(f"FEPLB pipeline: micro-batch(es) {open_batches} have no backward pass in this batch")
         done, self._feplb_done = self._feplb_done, {}
-        self.feplb_stats.records = done  # flush() takes them
+        self.feplb_monitor.records = done  # flush() takes them
         monitor = self.monitor if _monitor_wanted(self._feplb_layers) else None
-        self.feplb_stats.flush(self.global_steps + 1, monitor)
+        self.feplb_monitor.flush(self.global_steps + 1, monitor)
         PipelineEngine._exec_reduce_grads(self)
 
     _INSTRUCTION_MAP = {
@@ -173,10 +172,3 @@ class FEPLBPipelineEngine(PipelineEngine):
 def _monitor_wanted(layers: dict) -> bool:
     configs = [layer.feplb_config for layer in layers.values() if getattr(layer, "feplb_config", None) is not None]
     return all(c.stats.monitor for c in configs) if configs else True
-
-
-def _revive_scheduler(client) -> None:
-    """Restart the domain's scheduler process now if it died (only its owner, rank 0 of the domain, has it)."""
-    process = getattr(client, "process", None)
-    if process is not None and client.restart and process.poll() is not None:
-        client._start_process()  # noqa: SLF001  (the client's own restart; otherwise done after a plan timeout)

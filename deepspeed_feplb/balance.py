@@ -1,0 +1,84 @@
+"""One micro-batch's expert stage with FEPLB balancing, shared by every layer kind.
+
+`run_experts` is what `layer.FEPLBMOELayer` (DeepSpeed MoE) and `integration.autoep`
+(Hugging Face models sharded by AutoEP) call between phase 1's dispatch and combine:
+
+1. publish this rank's per-expert counts to the domain's scheduler (`scheduler/`);
+2. compute the static experts (all but this rank's D hottest) while the scheduler plans;
+3. read the `Plan` and run the dynamic experts through `migrate.phase2` (rows and weights to
+   helpers of the NVLink domain, results and gradients home).
+
+The caller says how to run one expert functionally (a module per local expert as template, its
+parameters, an `ExpertSpec`) and may give a faster compute for the static experts (e.g.
+AutoEP's grouped GEMM).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from deepspeed_feplb.config import FEPLBConfig
+from deepspeed_feplb.domain import DomainRuntime
+from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Step
+from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates
+from deepspeed_feplb.stats import layer_stats
+
+# static_fn(rows, counts, static) -> outputs of the experts in ``static`` (local ids, ascending),
+# concatenated in expert order; ``rows``/``counts`` are the whole micro-batch.
+StaticFn = Callable[[torch.Tensor, np.ndarray, list], torch.Tensor]
+
+
+@dataclass
+class ComputeTimes:
+    """What the previous micro-batch's expert compute took on this rank (sizes the ``auto`` budget)."""
+    static_seconds: float = 0.0
+    expert_seconds: float = 0.0
+
+
+def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.nn.Module],
+                params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
+                expert_bytes: int, times: ComputeTimes,
+                static_fn: Optional[StaticFn] = None) -> tuple[torch.Tensor, Optional[dict]]:
+    """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
+    stats or None when ``config.stats`` is off).
+
+    modules[e] runs expert e functionally with ``params[e]`` (named ``spec.param_names``) and its
+    own buffers; ``times`` holds the previous micro-batch's compute times and is updated.
+    """
+    begin = time.perf_counter()
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    seq = domain.next_seq()
+    constraints = PlanConstraints.from_config(config, expert_bytes, times.static_seconds, times.expert_seconds)
+    domain.scheduler.publish(seq, counts, constraints)
+
+    dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
+    static = [e for e in range(len(modules)) if e not in dynamic]
+    outs: list = [None] * len(modules)
+    start = time.perf_counter()
+    if static_fn is not None:
+        static_y = static_fn(rows, counts, static)
+        for e, y in zip(static, static_y.split([int(counts[e]) for e in static])):
+            outs[e] = y
+    else:
+        for e in static:
+            outs[e] = spec.call(modules[e], params[e], spec.buffers(modules[e]), rows[starts[e]:starts[e + 1]])
+    times.static_seconds = time.perf_counter() - start
+
+    planned = domain.scheduler.plan(seq)
+    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
+    step = Phase2Step(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
+                      [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad)
+    dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
+    dyn_y = DynamicExperts.apply(step, len(spec.param_names), dyn_x, *[p for e in dynamic for p in params[e]])
+    for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
+        outs[e] = y
+    stats = None
+    if config.stats.enabled:
+        stats = {**layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks),
+                 "domain_counts": planned.counts, "seq": seq}
+    times.expert_seconds = time.perf_counter() - begin
+    return torch.cat(outs), stats

@@ -1,0 +1,42 @@
+"""How a transport message describes its tensors: one table for every transport.
+
+A message is a list of tensors; each is described by ``(dtype code, byte offset, ndim,
+shape[MAX_DIMS])`` (`FIELDS` int64 words), the dtype code being its index in `DTYPES`.
+"""
+from __future__ import annotations
+
+import torch
+
+MAX_DIMS = 4
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool)
+FIELDS = 3 + MAX_DIMS  # dtype code, offset, ndim, shape
+
+
+def check(tensors: list[torch.Tensor]) -> None:
+    """Raise if a tensor cannot travel: more than `MAX_DIMS` dims or a dtype outside `DTYPES`."""
+    for t in tensors:
+        if t.dim() > MAX_DIMS:
+            raise ValueError(f"transport tensors have at most {MAX_DIMS} dims, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"transport cannot move {t.dtype}")
+
+
+def describe(row, t: torch.Tensor, offset: int) -> None:
+    """Fill ``row`` (int64 [FIELDS]) with the description of ``t`` stored at byte ``offset``."""
+    row[:] = 0
+    row[0], row[1], row[2] = DTYPES.index(t.dtype), offset, t.dim()
+    row[3:3 + t.dim()] = t.shape
+
+
+def read(row) -> tuple[torch.dtype, int, list[int]]:
+    """(dtype, byte offset, shape) of a description written by `describe`."""
+    code, offset, ndim, *shape = (int(v) for v in row)
+    return DTYPES[code], offset, shape[:ndim]
+
+
+def check_tag(expected: int, got: int, src: int) -> None:
+    """Raise if a received message is not the one the protocol expects next from local rank ``src``."""
+    if got != expected:
+        raise RuntimeError(f"FEPLB transport out of step: expected message {expected:#x} from local rank {src}, "
+                           f"got {int(got):#x}")

@@ -1,0 +1,14 @@
+"""Pure policy: what to move, decided from counts. numpy and numba only (no torch, no I/O).
+
+* `policy`: per micro-batch, one NVLink domain's counts -> a `Plan` of moves (`plan_domain`), the
+  limits it obeys (`PlanConstraints`, built from the ``"feplb"`` section by `from_config`), the
+  dynamic-expert rule (`dynamic_candidates`) and the lower bound.
+* `placement`: across domains, which rank hosts which expert (DeepSeek-EPLB-style packing and
+  the cross-node placer).
+* `cost`: the time model (tile-quantised GEMM time, copy bandwidths) of the simulator.
+"""
+from deepspeed_feplb.plan.policy import (Plan, PlanConstraints, auto_ce_budget, dynamic_candidates, empty_plan,
+                                         lower_bound, plan_domain)
+
+__all__ = ["Plan", "PlanConstraints", "auto_ce_budget", "dynamic_candidates", "empty_plan", "lower_bound",
+           "plan_domain"]

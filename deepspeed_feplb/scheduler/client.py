@@ -1,0 +1,202 @@
+"""The ranks' side of the scheduler: publish counts, get the domain's plan for the same step.
+
+Two implementations of `scheduler.Scheduler`:
+
+* `InlineScheduler` (``feplb.scheduler.mode: "inline"``): every rank waits for the domain's
+  counts in the mailbox and computes the plan itself. The planner is deterministic, so all ranks
+  get the same plan without further communication.
+* `ProcessScheduler` (``"process"``, the default): the domain's `feplb-sched` process plans while
+  the ranks compute their static experts; a rank reads the plan from the mailbox, and plans
+  in-process exactly as `InlineScheduler` does when the process is late, stalled or dead.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
+from deepspeed_feplb.scheduler.mailbox import PID, SHUTDOWN, STARTING, Mailbox
+from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, process_alive, wait_until
+
+STARTUP_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class DomainPlan:
+    """The plan of one micro-batch step, as a rank receives it.
+
+    plan:      the `Plan` (moves int64 [M, 4], rank_tokens int64 [G]);
+    counts:    int64 [G, E_local]: every domain rank's counts the plan was made from;
+    seconds:   planning time; fallback: True when this rank planned in-process because the
+               scheduler process was late, stalled or dead (never in inline mode).
+    """
+    plan: Plan
+    counts: np.ndarray
+    seconds: float
+    fallback: bool
+
+
+class InlineScheduler:
+    """Every rank plans itself from the mailbox (module docstring).
+
+    name: the mailbox segment; local_rank in ``[0, ranks)``; rank 0 creates (``create=True``)
+    and owns the mailbox. ``peer_timeout_s`` bounds the wait for the other ranks' counts;
+    ``watch`` fails that wait fast, naming the rank, when one of them died.
+    """
+
+    def __init__(self, name: str, local_rank: int, ranks: int, *, peer_timeout_s: float, create: bool,
+                 watch: PeerWatch | None = None):
+        self.local_rank, self.ranks, self.watch, self.peer_timeout_s = local_rank, ranks, watch, peer_timeout_s
+        self.mailbox = Mailbox(name, ranks, create=create)
+
+    def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
+        """This rank's counts ``int64 [E_local]`` for step ``seq`` and the constraints of its plan."""
+        self.mailbox.publish(self.local_rank, seq, counts, constraints)
+
+    def plan(self, seq: int) -> DomainPlan:
+        """The domain's plan for step ``seq`` (waits for every rank's counts)."""
+        counts, constraints = self._wait_counts(seq)
+        return self._plan_here(counts, constraints, fallback=False)
+
+    @staticmethod
+    def _plan_here(counts: np.ndarray, constraints: PlanConstraints, fallback: bool) -> DomainPlan:
+        start = time.perf_counter()
+        plan = plan_domain(counts, constraints)
+        return DomainPlan(plan, counts, time.perf_counter() - start, fallback)
+
+    def _wait_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints]:
+        try:
+            return _poll(lambda: self.mailbox.read_counts(seq), self.peer_timeout_s, "counts",
+                         self.watch.check if self.watch else None)
+        except PeerTimeoutError as error:
+            missing = self.mailbox.missing_ranks(seq)
+            if self.watch is not None:
+                missing = [self.watch.ranks[r] for r in missing]
+            raise type(error)(
+                f"FEPLB: rank(s) {missing} did not publish step {seq} within feplb.scheduler.peer_timeout_s="
+                f"{self.peer_timeout_s:g} s ({error})") from None
+
+    def scheduler_pid(self) -> int:
+        """Pid of the running scheduler process; 0 while none runs (inline mode, starting, or dead)."""
+        return int(self.mailbox.header[PID])
+
+    def revive(self) -> None:
+        """Restart a dead scheduler process now (nothing to do inline)."""
+
+    def close(self) -> None:
+        self.mailbox.close()
+
+
+class ProcessScheduler(InlineScheduler):
+    """The `feplb-sched` process plans; ranks fall back to `InlineScheduler`'s plan when it is late.
+
+    Rank 0 of the domain starts and owns the process. ``plan_timeout_s`` bounds the wait for its
+    plan; a process that is gone is not waited for at all; with ``restart`` the owner restarts a
+    dead one, and kills and restarts one that missed `STALLED_AFTER` plans in a row.
+    ``poll_s``: how long the process polls without sleeping after each plan.
+    """
+
+    STALLED_AFTER = 3
+    LIVENESS_AFTER_S = 0.001
+
+    def __init__(self, name: str, local_rank: int, ranks: int, *, plan_timeout_s: float, peer_timeout_s: float,
+                 restart: bool, create: bool, poll_s: float = 0.002, watch: PeerWatch | None = None):
+        super().__init__(name, local_rank, ranks, peer_timeout_s=peer_timeout_s, create=create, watch=watch)
+        self.plan_timeout_s, self.restart, self.poll_s = plan_timeout_s, restart, poll_s
+        self.process: subprocess.Popen | None = None
+        self.fallbacks = self.late_in_a_row = 0
+        if create:
+            self._start_process()
+            try:  # a cold Python needs a moment to import numpy; until it is up, ranks plan in-process
+                wait_until(lambda: self.mailbox.header[PID] > 0 or self.process.poll() is not None,
+                           min(peer_timeout_s, STARTUP_WAIT_S), "the feplb-sched process to start")
+            except PeerTimeoutError:
+                pass
+
+    def _start_process(self) -> None:
+        self.mailbox.header[PID] = 0  # never a sentinel pid: os.kill(-1, ...) would signal every process
+        self.mailbox.header[STARTING] = 1
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deepspeed_feplb.scheduler.process", "--mailbox", self.mailbox.name, "--ranks",
+             str(self.ranks), "--parent", str(os.getpid()), "--poll-ms", repr(self.poll_s * 1e3)],
+            stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def revive(self) -> None:
+        """Restart the process now if it died (only its owner, rank 0 of the domain, can), instead of
+        after a plan timeout inside the next forward."""
+        if self.process is not None and self.restart and self.process.poll() is not None:
+            self._start_process()
+
+    def plan(self, seq: int) -> DomainPlan:
+        counts, constraints = self._wait_counts(seq)
+        got = self._scheduler_plan(seq)
+        if got is not None:
+            self.late_in_a_row = 0
+            return DomainPlan(got[0], counts, got[1] * 1e-9, False)
+        if not self.mailbox.header[STARTING]:
+            self._on_late_scheduler()
+        return self._plan_here(counts, constraints, fallback=True)
+
+    def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
+        """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is
+        dead, or later than ``plan_timeout_s``. Whether it is alive (a /proc read: tens of µs on a
+        VM) is checked only once the plan is `LIVENESS_AFTER_S` late, not on every step."""
+        if self.scheduler_pid() <= 0:
+            return None  # starting, or restarting
+        read = lambda: self.mailbox.read_plan(seq)  # noqa: E731
+        first = min(self.plan_timeout_s, self.LIVENESS_AFTER_S)
+        try:
+            return _poll(read, first, "the scheduler process")
+        except PeerTimeoutError:
+            pass
+        if first >= self.plan_timeout_s or not process_alive(self.scheduler_pid()):
+            return None
+        try:
+            return _poll(read, self.plan_timeout_s - first, "the scheduler process")
+        except PeerTimeoutError:
+            return None
+
+    def _on_late_scheduler(self) -> None:
+        self.fallbacks += 1
+        self.late_in_a_row += 1
+        if self.fallbacks == 1:
+            warnings.warn("FEPLB: the scheduler process did not answer in time; ranks plan in-process "
+                          "(same plan on every rank)", RuntimeWarning, stacklevel=4)
+        if self.process is None or not self.restart:
+            return
+        if self.process.poll() is None and self.late_in_a_row >= self.STALLED_AFTER:
+            self.process.kill()  # stalled: a fresh one is cheaper than waiting on it every step
+            self.process.wait()
+        if self.process.poll() is not None:
+            self._start_process()
+            self.late_in_a_row = 0
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.mailbox.header[SHUTDOWN] = 1
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+        super().close()
+
+
+def _poll(read, timeout_s: float, what: str, watch=None):
+    """Call ``read()`` until it returns something other than None (see `wait_until`); return that."""
+    got = None
+
+    def ready() -> bool:
+        nonlocal got
+        got = read()
+        return got is not None
+
+    wait_until(ready, timeout_s, what, watch)
+    return got

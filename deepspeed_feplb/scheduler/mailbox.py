@@ -1,0 +1,149 @@
+"""The domain's mailbox: the shared memory through which ranks and the scheduler process talk.
+
+Every rank of an NVLink domain publishes its per-local-expert token counts for micro-batch step
+``seq`` (and the plan's constraints) into its own slot; whoever plans (the `feplb-sched`
+process, or each rank itself when that process is late) reads all slots of ``seq`` and the
+scheduler writes the `Plan` into the plan ring, from which every rank reads it back.
+
+Slots and plan entries are rings of `RING` entries guarded like a seqlock (``begin`` written
+first, ``end`` last; a reader accepts an entry only if both equal the wanted ``seq`` before and
+after it copied the data), so a stale or torn entry is never used for a new micro-batch.
+
+Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, ...]``
+(`HEADER` words); per rank and ring entry a slot ``[begin, end, E_local, D, max_helpers,
+chunk_align, expert_bytes, ce_budget (float64 bits), counts[E_MAX]]``; per ring entry a plan
+``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepspeed_feplb.plan.policy import Plan, PlanConstraints
+from deepspeed_feplb.segments import open_segment, unlink_quietly
+
+RING = 4
+E_MAX = 1024
+HEADER = 8
+SHUTDOWN, PID, HEARTBEAT, STARTING = range(4)  # header words
+_SLOT_META = 8
+_PLAN_META = 4
+
+
+def max_moves(ranks: int) -> int:
+    """Upper bound of plan rows the plan ring can hold for a domain of ``ranks``."""
+    return ranks * 64 * 8
+
+
+@dataclass(frozen=True)
+class MailboxLayout:
+    """Word counts of a mailbox for a domain of ``ranks`` ranks."""
+    ranks: int
+
+    @property
+    def slot_words(self) -> int:
+        return _SLOT_META + E_MAX
+
+    @property
+    def plan_words(self) -> int:
+        return _PLAN_META + self.ranks + 4 * max_moves(self.ranks)
+
+    @property
+    def words(self) -> int:
+        return HEADER + self.ranks * RING * self.slot_words + RING * self.plan_words
+
+
+class Mailbox:
+    """A domain's mailbox in shared memory; rank 0 of the domain creates and unlinks it."""
+
+    def __init__(self, name: str, ranks: int, create: bool):
+        self.name, self.ranks, self.layout = name, ranks, MailboxLayout(ranks)
+        self._shm = open_segment(name, self.layout.words * 8, create=create)
+        self._owner = create
+        words = np.ndarray((self.layout.words, ), dtype=np.int64, buffer=self._shm.buf)
+        if create:
+            words[:] = 0
+            words[HEADER:] = -1
+        self.header = words[:HEADER]
+        end_slots = HEADER + ranks * RING * self.layout.slot_words
+        self.slots = words[HEADER:end_slots].reshape(ranks, RING, self.layout.slot_words)
+        self.plans = words[end_slots:].reshape(RING, self.layout.plan_words)
+        self._meta, self._constraints = None, None
+
+    # ---------------------------------------------------------------- counts
+    def publish(self, rank: int, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
+        """Rank ``rank`` publishes its counts ``int64 [E_local]`` for micro-batch step ``seq``."""
+        if counts.shape[0] > E_MAX:
+            raise ValueError(f"FEPLB supports at most {E_MAX} local experts per rank, got {counts.shape[0]}")
+        slot = self.slots[rank, seq % RING]
+        slot[0] = -1
+        slot[2:_SLOT_META] = (counts.shape[0], constraints.dynamic_experts, constraints.max_helpers,
+                              constraints.chunk_align, constraints.expert_bytes, 0)
+        slot[7:8].view(np.float64)[0] = constraints.ce_budget_bytes
+        slot[_SLOT_META:_SLOT_META + counts.shape[0]] = counts
+        slot[1] = seq
+        slot[0] = seq
+
+    def read_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints] | None:
+        """All ranks' counts ``int64 [G, E_local]`` for ``seq`` and rank 0's constraints, or None if incomplete."""
+        entries = self.slots[:, seq % RING]
+        if not self._complete(entries, seq):
+            return None
+        meta = entries[0, 2:_SLOT_META].tolist()
+        counts = entries[:, _SLOT_META:_SLOT_META + meta[0]].copy()
+        if not self._complete(entries, seq):
+            return None  # overwritten while we copied
+        if meta != self._meta:  # the constraints rarely change: build them once per change
+            local_experts, D, helpers, align, expert_bytes, budget_bits = meta
+            budget = float(np.int64(budget_bits).view(np.float64))  # from the checked copy, not re-read
+            self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes)
+            self._meta = meta
+        return counts, self._constraints
+
+    @staticmethod
+    def _complete(entries, seq: int) -> bool:
+        return all(begin == seq and end == seq for begin, end in entries[:, :2].tolist())  # cheaper than numpy here
+
+    def missing_ranks(self, seq: int) -> list[int]:
+        """Domain-local ranks that have not published ``seq``."""
+        entries = self.slots[:, seq % RING]
+        return [r for r in range(self.ranks) if entries[r, 0] != seq or entries[r, 1] != seq]
+
+    def newest_complete(self) -> int:
+        """The newest step that every rank has published (-1 if none)."""
+        return int(self.slots[:, :, 1].min(axis=0).max())
+
+    # ---------------------------------------------------------------- plans
+    def write_plan(self, seq: int, plan: Plan, plan_ns: int) -> None:
+        """Publish ``plan`` for ``seq`` and how long it took to compute (ns)."""
+        moves = plan.moves.reshape(-1)
+        if moves.size > 4 * max_moves(self.ranks):
+            return  # cannot happen within the documented bounds; ranks then plan in-process
+        G = self.ranks
+        entry = self.plans[seq % RING]
+        entry[0] = -1
+        entry[2], entry[3] = plan.moves.shape[0], plan_ns
+        entry[_PLAN_META:_PLAN_META + G] = plan.rank_tokens
+        entry[_PLAN_META + G:_PLAN_META + G + moves.size] = moves
+        entry[1] = seq
+        entry[0] = seq
+
+    def read_plan(self, seq: int) -> tuple[Plan, int] | None:
+        """The scheduler's `Plan` for ``seq`` and its planning time (ns), or None if not (yet) there."""
+        entry = self.plans[seq % RING]
+        if entry[0] != seq or entry[1] != seq:
+            return None
+        G = self.ranks
+        count, plan_ns = int(entry[2]), int(entry[3])
+        rank_tokens = entry[_PLAN_META:_PLAN_META + G].copy()
+        moves = entry[_PLAN_META + G:_PLAN_META + G + 4 * count].copy().reshape(count, 4)
+        if entry[0] != seq or entry[1] != seq:
+            return None
+        return Plan(moves, rank_tokens), plan_ns
+
+    def close(self) -> None:
+        del self.header, self.slots, self.plans
+        self._shm.close()
+        if self._owner:
+            unlink_quietly(self._shm)
