@@ -106,18 +106,18 @@ def bench_cold(args):
 
 def bench_roundtrip(args):
     """128 experts x 8 ranks through the scheduler process: the benchmark plays all 8 ranks of one
-    node from one process (rank 0's `SchedulerClient` owns the mailbox and starts
-    ``python -m deepspeed_feplb.scheduler.client``; ranks 1-7 write their slots directly). Timed:
-    from the last rank's publish to rank 0 holding the plan (`SchedulerClient.plan`), i.e. mailbox
+    node from one process (rank 0's `ProcessScheduler` owns the mailbox and starts
+    ``python -m deepspeed_feplb.scheduler.process``; ranks 1-7 write their slots directly). Timed:
+    from the last rank's publish to rank 0 holding the plan (`ProcessScheduler.plan`), i.e. mailbox
     write, the scheduler noticing the complete step, planning, writing the plan ring, and the
     rank reading it back. Plans that fell back to in-process planning are counted, not timed."""
-    from deepspeed_feplb.scheduler.client import SchedulerClient
+    from deepspeed_feplb.scheduler.client import ProcessScheduler
 
     cons = latency_constraints()
     t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
     xs = list(node_counts(t8, 8, 8))
-    client = SchedulerClient(f"feplb-bench-{os.getpid()}", 0, 8, mode="process", plan_timeout_s=1.0,
-                             peer_timeout_s=60.0, restart=False, create=True, poll_s=args.poll_ms / 1e3)
+    client = ProcessScheduler(f"feplb-bench-{os.getpid()}", 0, 8, plan_timeout_s=1.0, peer_timeout_s=60.0,
+                              restart=False, create=True, poll_s=args.poll_ms / 1e3)
     wall, sched, fallbacks = [], [], 0
     try:
         seq = 0
@@ -127,7 +127,8 @@ def bench_roundtrip(args):
                     client.mailbox.publish(r, seq, x[r], cons)
                 t = time.perf_counter_ns()
                 client.publish(seq, x[0], cons)
-                moves, _, plan_s, fallback = client.plan(seq)
+                planned = client.plan(seq)
+                plan_s, fallback = planned.seconds, planned.fallback
                 dt = time.perf_counter_ns() - t
                 seq += 1
                 if rep == 0:

@@ -19,7 +19,7 @@ from deepspeed_feplb.trace.format import load_trace, rank_loads
 from deepspeed_feplb.testing import run_distributed
 
 HIDDEN, TOKENS, WORLD, EXPERTS = 8, 40, 2, 8
-SHIPPED = os.path.join(os.path.dirname(__file__), "..", "deepspeed_feplb", "sim", "data", "stdlib_moe_trace.npz")
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "deepspeed_feplb", "trace", "data", "stdlib_moe_trace.npz")
 
 
 def _moe(seed, path):
