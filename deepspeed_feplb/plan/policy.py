@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -140,40 +139,11 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
 
 
 # ------------------------------------------------------------------ the compiled planning pass
-class _Pass(NamedTuple):
-    """The state one water-filling pass shares between its compiled functions (numba compiles no
-    closures or classes it can cache; a named tuple of arrays is passed by reference).
-
-    counts:  int64 [G, E]; top_e / top_n: int64 [G, D] each rank's D hottest experts and their
-             rows (filled lazily, :func:`_ensure_top`); topped: int64 [G], 1 once filled;
-    final:   int64 [G] each rank's load after the moves so far;
-    room:    int64 [G] rows a receiver may still take (0: not a receiver, or full);
-    recv / send: int64 [G] weight copies a rank may still receive / send;
-    gave:    int64 [G] 1 once a rank pushed its own experts (it is not asked to make room again);
-    tally:   int64 [2]: receivers with room left (_OPEN), moves written so far (_MOVES);
-    out:     int64 [G * D * H, 4] the moves (home, expert, helper, tokens) in the order taken;
-    cap:     the most rows a receiver may end with (level + slack); H: helpers per expert;
-    align:   chunk alignment.
-    """
-    counts: np.ndarray
-    top_e: np.ndarray
-    top_n: np.ndarray
-    topped: np.ndarray
-    final: np.ndarray
-    room: np.ndarray
-    recv: np.ndarray
-    send: np.ndarray
-    gave: np.ndarray
-    tally: np.ndarray
-    out: np.ndarray
-    cap: int
-    H: int
-    align: int
-
-
-_OPEN, _MOVES = range(2)  # entries of _Pass.tally
-# A push's own state, an int64 [4] array, so that a caller can resume it after a receiver made room.
-_LEFT, _NEED, _MOVED, _CHUNKS = range(4)
+# Per-rank state of one water-filling pass, rows of an int64 [6, G] array (numba compiles no
+# closures, so the pass's functions share their state through it).
+_FINAL, _ROOM, _RECV, _SEND, _GAVE, _TOPPED = range(6)
+# Scalar state, an int64 [2] array: receivers with room left, moves written so far.
+_OPEN, _MOVES = range(2)
 # What _push returns while its loop is not finished: the rows it needs a receiver to make room for.
 _DONE = -1
 # _push's `forced` receiver: none (pick one), or "making room failed: take the roomiest".
@@ -184,7 +154,7 @@ _PICK, _ROOMIEST = -1, -2
 _NO_CHAIN, _CHAIN_LAST, _CHAIN_ANY = 0, 1, 2
 
 
-@njit(cache=True)
+@njit("int64(int64, int64, int64, int64, int64, boolean)", cache=True)
 def _chunk(amt, left, c, gap, align, final_chunk):
     """Round a chunk of ``amt`` rows (``amt % align != 0``, ``amt < left``) to the alignment.
 
@@ -215,61 +185,59 @@ def _hottest(counts, r, top_e, top_n):
         top_n[r, i] = counts[r, order[i]]
 
 
-@njit(cache=True)
-def _ensure_top(st, r):
+@njit("void(int64[:, ::1], int64, int64[:, ::1], int64[:, ::1], int64[:, ::1])", cache=True)
+def _ensure_top(counts, r, top_e, top_n, s):
     """`_hottest` for rank r, once per rank and plan."""
-    if st.topped[r]:
+    if s[_TOPPED, r]:
         return
-    _hottest(st.counts, r, st.top_e, st.top_n)
-    st.topped[r] = 1
+    _hottest(counts, r, top_e, top_n)
+    s[_TOPPED, r] = 1
 
 
-@njit(cache=True)
-def _relay(st, r, want, used):
+@njit("UniTuple(int64, 2)(int64, int64, boolean[::1], int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _relay(r, want, used, cap, align, counts, s, sc, out):
     """A chain through a rank above the level, for when no receiver can take a chunk of rank r
     (all are full, used by this expert, or out of weight copies): rank d, which already sends a
     chunk of its expert e2 to receiver j with room left, takes ``a`` rows of r's expert and sends
     ``a`` more rows of e2 along its existing chunk to j (a new weight copy only from r to d).
-    Returns (index of d's move in ``st.out``, a) for the largest such ``a`` (an aligned amount up
-    to ``want``), or (-1, 0)."""
-    out, final = st.out, st.final
-    m = st.tally[_MOVES]
+    Returns (index of d's move in ``out``, a) for the largest such ``a`` (an aligned amount up to
+    ``want``), or (-1, 0)."""
+    final, recv = s[_FINAL], s[_RECV]
+    m = sc[_MOVES]
     best, best_a = -1, 0
     for k in range(m):
         d, e2, j = out[k, 0], out[k, 1], out[k, 2]
-        if d == r or used[d] or st.recv[d] <= 0 or st.cap - final[j] <= 0:
+        if d == r or used[d] or recv[d] <= 0 or cap - final[j] <= 0:
             continue
-        left = st.counts[d, e2]
+        left = counts[d, e2]
         for i in range(m):
             if out[i, 0] == d and out[i, 1] == e2:
                 left -= out[i, 3]
-        a = min(want, st.cap - final[j], left)
-        a -= a % st.align
+        a = min(want, cap - final[j], left)
+        a -= a % align
         if a > best_a:
             best, best_a = k, a
     return best, best_a
 
 
-@njit(cache=True)
-def _push(st, r, e, progress, used, forced, chain, stop):
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out):
     """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
 
-    progress: int64 [4] = (_LEFT rows the home still holds, _NEED rows still needed, _MOVED,
-              _CHUNKS): the loop's state, so that a caller can resume it after a receiver made room;
-    used:     bool [G]: ranks this expert may not go to (updated);
-    forced:   the receiver of the next chunk, or _PICK / _ROOMIEST;
-    chain:    _NO_CHAIN / _CHAIN_LAST / _CHAIN_ANY (see `_fill`);
-    stop:     stop once at most ``stop`` rows are still needed.
+    ps:      int64 [4] = (rows the home still holds, rows still needed, moved, chunks): the loop's
+             state, so that a caller can resume the loop after a receiver made room;
+    used:    bool [G]: ranks this expert may not go to (updated);
+    forced:  the receiver of the next chunk, or _PICK / _ROOMIEST;
+    stop:    stop once at most ``stop`` rows are still needed; cap: the most a receiver may hold.
     Each chunk goes to the receiver with the least room that takes it whole (ties: lower rank),
     else the roomiest one (ties: higher rank); when chaining and no receiver can take any, through
-    a rank above the level (:func:`_relay`). Writes (r, e, helper, tokens) rows to ``st.out``.
+    a rank above the level (:func:`_relay`). Writes (r, e, helper, tokens) rows to ``out``.
     Returns _DONE, or (per ``chain``) the rows of a chunk that no receiver takes whole: the
     caller lets a receiver make room and resumes with it ``forced``."""
-    G = st.final.shape[0]
-    H, align, out, tally = st.H, st.align, st.out, st.tally
-    final, room, recv, send = st.final, st.room, st.recv, st.send
-    left, need, moved, chunks = progress[_LEFT], progress[_NEED], progress[_MOVED], progress[_CHUNKS]
-    while need > stop and left > 0 and chunks < H and send[r] > 0 and (tally[_OPEN] > 0 or chain != _NO_CHAIN):
+    G = s.shape[1]
+    final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
+    left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
+    while need > stop and left > 0 and chunks < H and send[r] > 0 and (sc[_OPEN] > 0 or chain != _NO_CHAIN):
         want = need if need < left else left
         j = forced if forced >= 0 else -1
         big = -1
@@ -285,7 +253,7 @@ def _push(st, r, e, progress, used, forced, chain, stop):
                         big, bg = i, c
             if j < 0 and forced == _PICK and (chain == _CHAIN_ANY or chain == _CHAIN_LAST and (
                     chunks == H - 1 or send[r] == 1)):
-                progress[_LEFT], progress[_NEED], progress[_MOVED], progress[_CHUNKS] = left, need, moved, chunks
+                ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
                 return want
             if j < 0:
                 j = big
@@ -302,21 +270,21 @@ def _push(st, r, e, progress, used, forced, chain, stop):
                 room[j] = c - amt
             else:
                 room[j] = 0
-                tally[_OPEN] -= 1
+                sc[_OPEN] -= 1
             final[j] += amt
         else:  # none can: through a rank above the level
             if chain == _NO_CHAIN:
                 break
-            k, amt = _relay(st, r, want, used)
+            k, amt = _relay(r, want, used, cap, align, counts, s, sc, out)
             if amt <= 0:
                 break
             j = out[k, 0]
             out[k, 3] += amt  # j sends amt more of its expert to its receiver ...
             final[out[k, 2]] += amt
             recv[j] -= 1  # ... and computes amt rows of ours: its load is unchanged
-        m = tally[_MOVES]
+        m = sc[_MOVES]
         out[m, 0], out[m, 1], out[m, 2], out[m, 3] = r, e, j, amt
-        tally[_MOVES] = m + 1
+        sc[_MOVES] = m + 1
         chunks += 1
         used[j] = True
         left -= amt
@@ -324,25 +292,25 @@ def _push(st, r, e, progress, used, forced, chain, stop):
         moved += amt
         send[r] -= 1
     final[r] -= moved
-    progress[_LEFT], progress[_NEED], progress[_MOVED], progress[_CHUNKS] = left, need, moved, chunks
+    ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
     return _DONE
 
 
-@njit(cache=True)
-def _make_room(st, want, banned):
+@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
     """Let the receiver with the most room plus movable dynamic load push its own dynamic experts
     to the other receivers (not in ``banned``) until it can take ``want`` rows; returns that
     receiver, or -1."""
-    G = st.final.shape[0]
-    room, gave = st.room, st.gave
+    G = s.shape[1]
+    final, room, recv, send, gave = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND], s[_GAVE]
     best = -1
     bfree = bc = 0
     for j in range(G):
         c = room[j]
-        if c == 0 or banned[j] or gave[j] or st.send[j] <= 0:
+        if c == 0 or banned[j] or gave[j] or send[j] <= 0:
             continue
-        _ensure_top(st, j)
-        free = c + st.top_n[j].sum()
+        _ensure_top(counts, j, top_e, top_n, s)
+        free = c + top_n[j].sum()
         if best < 0 or free > bfree or (free == bfree and c < bc):  # ties: less room, lower rank
             best, bfree, bc = j, free, c
     if best < 0 or bfree < want:
@@ -350,26 +318,26 @@ def _make_room(st, want, banned):
     j = best
     gave[j] = 1
     room[j] = 0
-    st.tally[_OPEN] -= 1
+    sc[_OPEN] -= 1
     extra = want - bc
-    progress = np.zeros(4, np.int64)
-    for i in range(st.top_e.shape[1]):
-        n = st.top_n[j, i]
+    ps = np.zeros(4, np.int64)
+    for i in range(top_e.shape[1]):
+        n = top_n[j, i]
         if extra <= 0 or n <= 0:
             break
-        progress[_LEFT], progress[_NEED], progress[_MOVED], progress[_CHUNKS] = n, extra, 0, 0
-        _push(st, j, st.top_e[j, i], progress, banned.copy(), _PICK, _NO_CHAIN, 0)
-        extra -= progress[_MOVED]
-    c = st.cap - st.final[j]
-    if c <= 0 or st.recv[j] <= 0:
+        ps[0], ps[1], ps[2], ps[3] = n, extra, 0, 0
+        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, cap, H, align, counts, s, sc, out)
+        extra -= ps[2]
+    c = cap - final[j]
+    if c <= 0 or recv[j] <= 0:
         return -1
     room[j] = c
-    st.tally[_OPEN] += 1
+    sc[_OPEN] += 1
     return j
 
 
-@njit(cache=True)
-def _fill(counts, top_e, top_n, topped, loads, level, slack, H, align, copies, chain):
+@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64)", cache=True)
+def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
     first, to ranks at or below it ("receivers"), which may end at most ``slack`` tokens above
@@ -379,48 +347,52 @@ def _fill(counts, top_e, top_n, topped, loads, level, slack, H, align, copies, c
     chain of two moves beats a helper or copy limit); with chaining, a chunk that no receiver
     can take at all goes through a rank above the level (:func:`_relay`).
 
-    counts int64 [G, E]; top_e / top_n / topped as in `_Pass` (kept between passes);
-    loads int64 [G]; copies: weight copies one rank may send, and one may receive.
+    loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (filled lazily, see
+    :func:`_ensure_top`); s int64 [6, G]: the state rows (only _TOPPED is kept between passes);
+    copies: weight copies one rank may send, and one may receive.
     Returns (moves int64 [M, 4] in the order the rows are taken, final int64 [G])."""
     G = loads.shape[0]
     D = top_e.shape[1]
     cap = level + slack
-    st = _Pass(counts, top_e, top_n, topped, loads.copy(), np.zeros(G, np.int64), np.full(G, copies, np.int64),
-               np.full(G, copies, np.int64), np.zeros(G, np.int64), np.zeros(2, np.int64),
-               np.empty((G * D * H, 4), np.int64),  # each (rank, expert) moves at most once, in <= H chunks
-               cap, H, align)
+    final, room = s[_FINAL], s[_ROOM]
+    final[:] = loads
+    s[_RECV, :] = copies
+    s[_SEND, :] = copies
+    s[_GAVE, :] = 0
+    sc = np.zeros(2, np.int64)
     for j in range(G):
         x = loads[j]
-        st.room[j] = cap - x if x <= level and cap > x else 0
-        if st.room[j] > 0:
-            st.tally[_OPEN] += 1
-    progress = np.zeros(4, np.int64)
+        room[j] = cap - x if x <= level and cap > x else 0
+        if room[j] > 0:
+            sc[_OPEN] += 1
+    out = np.empty((G * D * H, 4), np.int64)  # each (rank, expert) moves at most once, in <= H chunks
+    ps = np.zeros(4, np.int64)
     for r in np.argsort(-loads, kind="mergesort"):
         if loads[r] <= cap:
             break
-        st.gave[r] = 1
-        _ensure_top(st, r)
+        s[_GAVE, r] = 1
+        _ensure_top(counts, r, top_e, top_n, s)
         for i in range(D):
             left = top_n[r, i]
-            need = st.final[r] - level
-            if need <= slack or st.send[r] <= 0 or left <= 0 or st.tally[_OPEN] == 0 and chain == _NO_CHAIN:
+            need = final[r] - level
+            if need <= slack or s[_SEND, r] <= 0 or left <= 0 or sc[_OPEN] == 0 and chain == _NO_CHAIN:
                 break  # candidates are sorted hottest first
-            progress[_LEFT], progress[_NEED], progress[_MOVED], progress[_CHUNKS] = left, need, 0, 0
+            ps[0], ps[1], ps[2], ps[3] = left, need, 0, 0
             used = np.zeros(G, np.bool_)
             forced = _PICK
             while True:
-                want = _push(st, r, top_e[r, i], progress, used, forced, chain, slack)
+                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, cap, H, align, counts, s, sc, out)
                 if want == _DONE:
                     break
                 banned = used.copy()
                 banned[r] = True
-                forced = _make_room(st, want, banned)
+                forced = _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out)
                 if forced < 0:
                     forced = _ROOMIEST
-    return st.out[:st.tally[_MOVES]], st.final
+    return out[:sc[_MOVES]], final.copy()
 
 
-@njit(cache=True)
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64)", cache=True)
 def _plan(counts, D, H, align, copies):
     """The compiled body of :func:`plan_domain`. counts int64 [G, E] (C order); D <= E; copies:
     weight copies per rank (an int; the caller maps "unlimited" to G * D * H).
@@ -443,16 +415,15 @@ def _plan(counts, D, H, align, copies):
         return loads
     top_e = np.zeros((G, D), np.int64)
     top_n = np.zeros((G, D), np.int64)
-    topped = np.zeros(G, np.int64)
+    s = np.zeros((6, G), np.int64)
     for r in range(G):
         if loads[r] > level:
-            _hottest(counts, r, top_e, top_n)
-            topped[r] = 1
+            _ensure_top(counts, r, top_e, top_n, s)
             level = max(level, loads[r] - top_n[r].sum())
     if top_load <= level + slack:
         return loads
 
-    moves, final = _fill(counts, top_e, top_n, topped, loads, level, slack, H, align, copies, _NO_CHAIN)
+    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, _NO_CHAIN)
     best_max = final.max()
     if best_max > level + slack:
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
@@ -463,7 +434,7 @@ def _plan(counts, D, H, align, copies):
         while lo <= hi:
             mid = (lo + hi) // 2 if lo > level else level
             for chain in (_CHAIN_LAST, _CHAIN_ANY):
-                m, f = _fill(counts, top_e, top_n, topped, loads, mid, slack, H, align, copies, chain)
+                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
                 fmax = f.max()
                 if fmax < best_max:
                     moves, final, best_max = m, f, fmax
