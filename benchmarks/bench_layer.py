@@ -16,6 +16,12 @@ Per layer: median step time (forward + backward, the slower rank of each step), 
 straggler (max - mean over the 2 ranks of the wall time spent inside expert modules in forward,
 `deepspeed_feplb.integration.monitor`), mean of the slowest rank's expert time, and token-expert routes
 dropped. Ranks are started by `deepspeed_feplb.testing.run_distributed` (gloo, spawned).
+
+Next to wall time, the CPU time per step of every process of the job: the ranks (all their
+threads: copy threads included) and FEPLB's scheduler process; and for the FEPLB layers the host
+time per stage (`stats.StageTimes`: gate, dispatch, static experts, plan wait, phase-2 compute and
+communication, combine; in backward the all-to-alls, phase 2, and the rest of autograd).
+``--quiet-check`` refuses to run when the 1-minute load average says the cores are busy.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = ("deepspeed dropless", "deepspeed cap1.0", "feplb off (D=0)", "feplb")
+STAGES = ("gate", "dispatch", "static experts", "plan wait", "phase-2 compute", "phase-2 comm", "combine",
+          "forward total", "all-to-all bwd", "phase-2 bwd compute", "phase-2 bwd comm", "backward total")
 
 
 def _worker(opts: dict) -> dict:
@@ -39,6 +47,7 @@ def _worker(opts: dict) -> dict:
 
     import deepspeed_feplb
     from deepspeed_feplb.integration.monitor import StatsCollector, summarize
+    from deepspeed_feplb.segments import cpu_seconds
 
     torch.manual_seed(0)
     hidden, ffn, experts, k = opts["hidden"], opts["ffn"], opts["experts"], opts["k"]
@@ -81,6 +90,17 @@ def _worker(opts: dict) -> dict:
 
     times = {name: [] for name in layers}
     gemm, gemm_max, straggle_after = ({name: [] for name in layers} for _ in range(3))
+    cpu_ranks, cpu_sched = ({name: [] for name in layers} for _ in range(2))
+    stages = {name: [] for name in layers}
+    sched_pid = 0
+    if dist.get_rank() == 0:  # the scheduler process of the FEPLB layer's domain is rank 0's child
+        layers["feplb"](torch.randn(8, hidden))  # attach the runtime now: its scheduler pid is known
+        sched_pid = layers["feplb"].deepspeed_moe.domain.scheduler.scheduler_pid()
+    else:
+        layers["feplb"](torch.randn(8, hidden))
+    for layer in layers.values():
+        if hasattr(layer.deepspeed_moe, "stage_times"):
+            layer.deepspeed_moe.stage_times.take()
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     for step in range(opts["warmup"] + opts["steps"]):
         x = torch.randn(opts["tokens"], hidden, generator=g) + 1.0
@@ -90,17 +110,31 @@ def _worker(opts: dict) -> dict:
                 dropped[name] = routes[name] = 0
             layer.zero_grad(set_to_none=True)
             dist.barrier()
+            cpu0, sched0 = time.process_time(), cpu_seconds(sched_pid)
             start = time.perf_counter()
             out = layer(x)[0]
+            mid = time.perf_counter()
             (out * w).sum().backward()
-            elapsed = torch.tensor([time.perf_counter() - start])
+            end = time.perf_counter()
+            elapsed = torch.tensor([end - start])
+            used = torch.tensor([time.process_time() - cpu0, cpu_seconds(sched_pid) - sched0 if name == "feplb" else 0.0],
+                                dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(used)
+            staged = getattr(layer.deepspeed_moe, "stage_times", None)
+            if staged is not None:
+                host = staged.take()
+                host["forward total"], host["backward total"] = mid - start, end - mid
             records = collectors[name].take()
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, records)
             if step >= opts["warmup"]:
                 summary = summarize(everyone, step)["layers"]["moe"]
                 times[name].append(float(elapsed))
+                cpu_ranks[name].append(float(used[0]))
+                cpu_sched[name].append(float(used[1]))
+                if staged is not None:
+                    stages[name].append(host)
                 gemm[name].append(summary["gemm_straggler_ms"])
                 gemm_max[name].append(summary["gemm_max_ms"])
                 if name == "feplb":  # the only layer with an NVLink domain (D=0 has none)
@@ -110,9 +144,14 @@ def _worker(opts: dict) -> dict:
     result = {}
     for i, name in enumerate(layers):
         result[name] = {"median_step_ms": 1e3 * float(np.median(times[name])),
+                        "ranks_cpu_ms": 1e3 * float(np.median(cpu_ranks[name])),
+                        "scheduler_cpu_ms": 1e3 * float(np.median(cpu_sched[name])),
                         "gemm_straggler_ms": float(np.median(gemm[name])),
                         "gemm_max_ms": float(np.median(gemm_max[name])),
                         "routes_dropped": int(totals[i, 0]), "routes": int(totals[i, 1])}
+        if stages[name]:  # rank 0's host time per stage, median over steps
+            keys = sorted({k for h in stages[name] for k in h})
+            result[name]["host_ms"] = {k: 1e3 * float(np.median([h.get(k, 0.0) for h in stages[name]])) for k in keys}
         if straggle_after[name]:
             result[name]["token_straggler_before"] = float(np.mean([b for b, _ in straggle_after[name]]))
             result[name]["token_straggler_after"] = float(np.mean([a for _, a in straggle_after[name]]))
@@ -131,20 +170,37 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--quiet-check", action="store_true",
+                        help="refuse to run when the 1-minute load average exceeds half the cores (busy machine)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cores = os.cpu_count() or 1
+    load_before = os.getloadavg()[0]
+    if args.quiet_check and load_before > 0.5 * cores:
+        print(f"refusing to measure: load average {load_before:.2f} on {cores} cores (more than half busy); "
+              "wait for a quiet machine or drop --quiet-check", file=sys.stderr)
+        return 3
     from deepspeed_feplb.testing import run_distributed
 
-    opts = {k: v for k, v in vars(args).items() if k != "json"}
+    opts = {k: v for k, v in vars(args).items() if k not in ("json", "quiet_check")}
     result = run_distributed(_worker, 2, opts, timeout=900)[0]
+    load_after = os.getloadavg()[0]
     print(f"2 CPU ranks (gloo), EP=2, {args.experts} experts, top-{args.k}, hidden {args.hidden}, ffn {args.ffn}, "
           f"{args.tokens} tokens/rank, skew {args.skew}, no aux loss; {args.steps} steps after {args.warmup} warm-up")
-    header = f"{'layer':<20}{'step ms (median)':>18}{'GEMM straggler ms':>19}{'slowest expert ms':>19}{'routes dropped':>16}"
+    print(f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after, {cores} cores")
+    header = (f"{'layer':<20}{'step ms (median)':>18}{'ranks CPU ms':>14}{'sched CPU ms':>14}{'GEMM straggler ms':>19}"
+              f"{'slowest expert ms':>19}{'routes dropped':>16}")
     print(header)
     for name in VARIANTS:
         r = result[name]
-        print(f"{name:<20}{r['median_step_ms']:>18.1f}{r['gemm_straggler_ms']:>19.2f}{r['gemm_max_ms']:>19.2f}"
-              f"{r['routes_dropped']:>9} / {r['routes']}")
+        print(f"{name:<20}{r['median_step_ms']:>18.1f}{r['ranks_cpu_ms']:>14.1f}{r['scheduler_cpu_ms']:>14.2f}"
+              f"{r['gemm_straggler_ms']:>19.2f}{r['gemm_max_ms']:>19.2f}{r['routes_dropped']:>9} / {r['routes']}")
+    print("\nhost ms per stage on rank 0 (median over steps):")
+    staged = [n for n in VARIANTS if "host_ms" in result[n]]
+    stages = [k for k in STAGES if any(k in result[n]["host_ms"] for n in staged)]
+    print(f"{'stage':<24}" + "".join(f"{n:>18}" for n in staged))
+    for k in stages:
+        print(f"{k:<24}" + "".join(f"{result[n]['host_ms'].get(k, 0.0):>18.2f}" for n in staged))
     ours, dropless, off = result["feplb"], result["deepspeed dropless"], result["feplb off (D=0)"]
     print(f"\nFEPLB vs DeepSpeed dropless: {dropless['median_step_ms'] / ours['median_step_ms']:.2f}x faster per step")
     print(f"GEMM straggler vs the same layer with balancing off: "

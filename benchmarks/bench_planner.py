@@ -112,16 +112,19 @@ def bench_roundtrip(args):
     write, the scheduler noticing the complete step, planning, writing the plan ring, and the
     rank reading it back. Plans that fell back to in-process planning are counted, not timed."""
     from deepspeed_feplb.scheduler.client import ProcessScheduler
+    from deepspeed_feplb.segments import cpu_seconds
 
     cons = latency_constraints()
     t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
     xs = list(node_counts(t8, 8, 8))
     client = ProcessScheduler(f"feplb-bench-{os.getpid()}", 0, 8, plan_timeout_s=1.0, peer_timeout_s=60.0,
-                              restart=False, create=True, poll_s=args.poll_ms / 1e3)
+                              restart=False, create=True)
     wall, sched, fallbacks = [], [], 0
     try:
         seq = 0
         for rep in range(args.repeat + 1):  # the first pass warms the scheduler up and is not timed
+            if rep == 1:
+                cpu0, wall0 = cpu_seconds(client.scheduler_pid()), time.perf_counter()
             for x in xs:
                 for r in range(1, 8):
                     client.mailbox.publish(r, seq, x[r], cons)
@@ -140,13 +143,15 @@ def bench_roundtrip(args):
                 sched.append(plan_s * 1e9)
                 if args.roundtrip_gap_us:
                     time.sleep(args.roundtrip_gap_us * 1e-6)
+        cpu_percent = 100 * (cpu_seconds(client.scheduler_pid()) - cpu0) / (time.perf_counter() - wall0)
     finally:
         client.close()
     wall, sched = np.array(wall) / 1e3, np.array(sched) / 1e3
     return {"p50_us": float(np.percentile(wall, 50)), "p99_us": float(np.percentile(wall, 99)),
             "mean_us": float(wall.mean()), "scheduler_plan_p50_us": float(np.percentile(sched, 50)),
             "scheduler_plan_p99_us": float(np.percentile(sched, 99)), "samples": len(wall),
-            "fallbacks": fallbacks, "gap_us": args.roundtrip_gap_us, "poll_ms": args.poll_ms}
+            "fallbacks": fallbacks, "gap_us": args.roundtrip_gap_us,
+            "scheduler_cpu_percent": cpu_percent}
 
 
 def bench_quality(args, ranks_per_node, nodes, seed):
@@ -201,8 +206,6 @@ def main(argv=None):
     ap.add_argument("--oracle-time", type=float, default=20.0)
     ap.add_argument("--roundtrip-gap-us", type=float, default=0.0,
                     help="sleep between round trips (0: back to back, the scheduler never idles)")
-    ap.add_argument("--poll-ms", type=float, default=2.0,
-                    help="roundtrip: the scheduler's feplb.scheduler.poll_ms")
     ap.add_argument("--sections", default="latency,roundtrip,ep8,ep16,oracle,cpu")
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--no-progress", action="store_true")
@@ -220,7 +223,7 @@ def main(argv=None):
             print(f"cold plan_domain {k:14s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs")
     if "roundtrip" in sections:
         v = out["roundtrip"] = bench_roundtrip(args)
-        print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, poll {v['poll_ms']:g} ms)  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
+        print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, scheduler CPU {v['scheduler_cpu_percent']:.0f}%)  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
               f"(planning inside: p50 {v['scheduler_plan_p50_us']:.1f} µs; {v['samples']} plans, "
               f"{v['fallbacks']} fallbacks)")
     for name, (G, N, seed) in {"ep8": (8, 1, 21), "ep16": (8, 2, 22)}.items():

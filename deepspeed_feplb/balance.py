@@ -25,7 +25,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.domain import DomainRuntime
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Step
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates
-from deepspeed_feplb.stats import layer_stats
+from deepspeed_feplb.stats import StageTimes, layer_stats
 
 # static_fn(rows, counts, static) -> outputs of the experts in ``static`` (local ids, ascending),
 # concatenated in expert order; ``rows``/``counts`` are the whole micro-batch.
@@ -41,14 +41,16 @@ class ComputeTimes:
 
 def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.nn.Module],
                 params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
-                expert_bytes: int, times: ComputeTimes,
+                expert_bytes: int, times: ComputeTimes, stage_times: Optional[StageTimes] = None,
                 static_fn: Optional[StaticFn] = None) -> tuple[torch.Tensor, Optional[dict]]:
     """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
     stats or None when ``config.stats`` is off).
 
     modules[e] runs expert e functionally with ``params[e]`` (named ``spec.param_names``) and its
-    own buffers; ``times`` holds the previous micro-batch's compute times and is updated.
+    own buffers; ``times`` holds the previous micro-batch's compute times and is updated;
+    ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later).
     """
+    stage_times = stage_times if stage_times is not None else StageTimes()
     begin = time.perf_counter()
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     seq = domain.next_seq()
@@ -67,11 +69,13 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         for e in static:
             outs[e] = spec.call(modules[e], params[e], spec.buffers(modules[e]), rows[starts[e]:starts[e + 1]])
     times.static_seconds = time.perf_counter() - start
+    stage_times.add("static experts", times.static_seconds)
 
-    planned = domain.scheduler.plan(seq)
+    with stage_times.measure("plan wait"):
+        planned = domain.scheduler.plan(seq)
     needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
     step = Phase2Step(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
-                      [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad)
+                      [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times)
     dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
     dyn_y = DynamicExperts.apply(step, len(spec.param_names), dyn_x, *[p for e in dynamic for p in params[e]])
     for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):

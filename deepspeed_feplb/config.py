@@ -19,9 +19,10 @@ import json
 import os
 import reprlib
 import sys
+import warnings
 from typing import Annotated, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["FEPLBConfig", "SchedulerConfig", "GatingConfig", "StatsConfig", "FEPLBConfigError", "load_config", "schema"]
 
@@ -88,8 +89,17 @@ class SchedulerConfig(FEPLBConfigModel):
     restart: bool = True
     """Restart the scheduler process if it dies (ranks use the in-process plan meanwhile)."""
 
-    poll_ms: float = Field(2.0, ge=0)
-    """How long the scheduler process keeps polling the mailbox without sleeping after its last plan. Counts that arrive within this window are seen within microseconds; later ones within ~0.25 ms (its sleep). Polling keeps one CPU core busy: raise it to cover the gap between two MoE layers on nodes with spare cores."""
+    poll_ms: Optional[float] = Field(None, ge=0, deprecated="feplb.scheduler.poll_ms has no effect: the scheduler "
+                                     "sleeps until the counts arrive; remove the key")
+    """Deprecated, no effect (the scheduler process used to poll for this long after each plan; it now sleeps until a rank's counts wake it)."""
+
+    @field_validator("poll_ms")
+    @classmethod
+    def _poll_ms_is_deprecated(cls, value):
+        if value is not None:
+            warnings.warn("feplb.scheduler.poll_ms has no effect: the scheduler sleeps until the counts arrive; "
+                          "remove the key", DeprecationWarning, stacklevel=2)
+        return value
 
 
 class GatingConfig(FEPLBConfigModel):

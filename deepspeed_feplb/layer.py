@@ -30,7 +30,7 @@ from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
-from deepspeed_feplb.stats import layer_stats
+from deepspeed_feplb.stats import StageTimes, layer_stats
 from deepspeed_feplb.trace.record import get_recorder
 
 
@@ -51,6 +51,7 @@ class FEPLBMOELayer(MOELayer):
         self.feplb_stats: dict = {}
         self._feplb_ready = False
         self.compute_times = ComputeTimes()
+        self.stage_times = StageTimes()  # host time per stage (forward and backward), see `stats.StageTimes`
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:
@@ -73,7 +74,8 @@ class FEPLBMOELayer(MOELayer):
         balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
         self.domain = get_runtime(self.ep_group, config, transport) if balance else None
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
-                                          on_error=self.domain.watch.check if self.domain else None)
+                                          on_error=self.domain.watch.check if self.domain else None,
+                                          stage_times=self.stage_times)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -92,24 +94,29 @@ class FEPLBMOELayer(MOELayer):
         d_model = input[0].shape[-1]
         x = input[0].reshape(-1, d_model)
         used_token = input[1] if len(input) > 1 else None
-        self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
-        rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
+        timed = self.stage_times.measure
+        with timed("gate"):
+            self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
+        with timed("dispatch"):
+            rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
         if self.recorder is not None:
             self.recorder.record(self, expert_ids)
         out = self._experts(rows, counts_by_source.sum(0))
-        return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
+        with timed("combine"):
+            return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
 
     def _experts(self, rows: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``."""
         experts = self.experts.deepspeed_experts
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         if self.domain is None:
-            outs = [_call(experts[e], rows[starts[e]:starts[e + 1]]) for e in range(len(experts))]
+            with self.stage_times.measure("static experts"):
+                outs = [_call(experts[e], rows[starts[e]:starts[e + 1]]) for e in range(len(experts))]
             self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
                 if self.feplb_config.stats.enabled else {}
             return torch.cat(outs) if outs else rows
         out, stats = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec, self.domain,
-                                 self.feplb_config, self.expert_bytes, self.compute_times)
+                                 self.feplb_config, self.expert_bytes, self.compute_times, self.stage_times)
         if stats is not None:
             self.feplb_stats = stats
         return out

@@ -1,12 +1,17 @@
-"""Shared-memory segments, waiting with a deadline, and peer liveness: FEPLB's torch-free plumbing.
+"""Shared-memory segments, waiting on shared words with a deadline, and peer liveness: FEPLB's
+torch-free plumbing.
 
 The scheduler process imports only this (and numpy), so it starts in a fraction of a second.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import time
 from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
 
 SEGMENT_PREFIX = "feplb-"
 class PeerTimeoutError(RuntimeError):
@@ -52,6 +57,18 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) that process ``pid`` of this host used so far; 0 if gone."""
+    if pid <= 0:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
 def describe_rank(watch: "PeerWatch | None", local_rank: int) -> str:
     """How error messages name a domain peer: its global rank when known."""
     return f"rank {watch.ranks[local_rank]}" if watch else f"local rank {local_rank}"
@@ -80,29 +97,91 @@ class PeerWatch:
                 raise PeerDiedError(f"FEPLB: rank {self.ranks[r]} (pid {self.pids[r]}) of this NVLink domain died")
 
 
-def wait_until(predicate, timeout_s: float, what: str, watch=None) -> None:
-    """Spin briefly, then yield the core between polls, then back off with sleeps (2 cores serve
-    several ranks in tests). Yielding, not ``time.sleep(0)``: that costs ~40 µs on a VM.
+class Word:
+    """An int64 word of a shared-memory array that other processes (and threads) can sleep on.
 
-    ``watch``, if given, is called every ~50 ms and raises when a peer is known to be dead.
+    Waiting uses a Linux futex on the word's low 32 bits (the word's own address, little endian):
+    a waiter sleeps until the word changes from the value it saw and its writer calls `notify`,
+    with no CPU used meanwhile. Where futexes are unavailable, waiters poll with short sleeps.
+    array: a numpy int64 array mapping shared memory; index: the word's index in it.
     """
+
+    def __init__(self, array: np.ndarray, index):
+        self.array, self.index = array, index
+        flat = int(np.ravel_multi_index(index, array.shape)) if isinstance(index, tuple) else int(index)
+        self._low = array.reshape(-1).view(np.int32)[2 * flat:2 * flat + 1]  # little-endian low half
+        self.address = self._low.ctypes.data
+
+    def seen(self) -> int:
+        """The value a waiter compares against (the low 32 bits, signed)."""
+        return int(self._low[0])
+
+    def notify(self) -> None:
+        """Wake every waiter of this word (call after changing it)."""
+        futex_wake(self.address)
+
+
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(
+    platform.machine().lower())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(address: int, seen: int, timeout_s: float) -> None:
+    """Sleep until the 32-bit word at ``address`` is woken, its value is no longer ``seen``, or
+    ``timeout_s`` passed (a signal may also end it early: callers re-check their condition)."""
+    if _SYS_FUTEX is None:
+        time.sleep(min(timeout_s, 0.0002))
+        return
+    timeout_s = max(timeout_s, 0.0)
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAIT),
+                  ctypes.c_int(seen), ctypes.byref(ts), None, ctypes.c_int(0))
+
+
+def futex_wake(address: int) -> None:
+    if _SYS_FUTEX is not None:
+        _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
+                      ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
+
+
+WATCH_EVERY_S = 0.05
+SPIN_CHECKS = 50
+
+
+def wait_until(predicate, timeout_s: float, what: str, watch=None, word: Word | None = None) -> None:
+    """Wait until ``predicate()`` holds, at most ``timeout_s`` (then `PeerTimeoutError`).
+
+    ``word``: the shared word whose writer calls `Word.notify` when the condition may have become
+    true; the wait then sleeps in the kernel (no CPU) in slices of `WATCH_EVERY_S`, after a few
+    (`SPIN_CHECKS`) immediate checks for an answer that is already on its way. Without a word,
+    it polls with 0.2 ms sleeps (for conditions nobody signals, such as a process starting).
+    ``watch``, if given, is called every `WATCH_EVERY_S` and raises when a peer is known to be dead.
+    """
+    for _ in range(SPIN_CHECKS):
+        if predicate():
+            return
     deadline = time.monotonic() + timeout_s
-    next_watch = time.monotonic() + 0.05
-    spins = 0
-    while not predicate():
-        spins += 1
-        if spins < 200:
-            continue
+    next_watch = time.monotonic() + WATCH_EVERY_S
+    while True:
+        seen = word.seen() if word is not None else 0
+        if predicate():
+            return
         now = time.monotonic()
         if now > deadline:
             raise PeerTimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
         if watch is not None and now > next_watch:
             watch()
-            next_watch = now + 0.05
-        if spins < 2000:
-            os.sched_yield()
-        else:
+            next_watch = now + WATCH_EVERY_S
+        if word is None:
             time.sleep(0.0002)
+        else:
+            futex_wait(word.address, seen, min(deadline - now, next_watch - now, WATCH_EVERY_S))
 
 
 def leftover_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:

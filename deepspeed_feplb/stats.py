@@ -1,6 +1,10 @@
 """Straggler metrics (docs/ARCHITECTURE.md, "Metrics") and the per-forward stats of a FEPLB layer."""
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
 import numpy as np
 
 
@@ -40,3 +44,32 @@ def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: floa
         "plan_latency_us": plan_seconds * 1e6,
         "fallback": bool(fallback),
     }
+
+
+class StageTimes:
+    """Host seconds one FEPLB layer spent per stage, forward and backward, accumulated until `take`.
+
+    Stages: ``gate``, ``dispatch``, ``static experts``, ``plan wait``, ``phase-2 compute``,
+    ``phase-2 comm`` (sends, receives and waits), ``combine``, and in backward ``all-to-all bwd``,
+    ``phase-2 bwd compute``, ``phase-2 bwd comm``. Costs two clock reads per stage and call.
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def measure(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] += seconds
+
+    def take(self) -> dict[str, float]:
+        """The seconds per stage since the last call, and start over."""
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out

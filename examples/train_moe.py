@@ -4,7 +4,10 @@
 
 The text is the Python standard library's own sources (present on every machine). There is no
 auxiliary loss, so routing skews as it does in real training; FEPLB rebalances every
-micro-batch. Every step prints one JSON line (rank 0): loss and what FEPLB did.
+micro-batch. Every step prints one JSON line (rank 0): loss, step time and what FEPLB did; the
+summary gives step time, tokens/s and the scheduler process's CPU use. ``--no-feplb`` runs the
+same training with the ``"feplb"`` section's ``enabled: false`` (DeepSpeed's own MoE layer), for an
+on/off comparison.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import importlib
 import json
 import os
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +24,10 @@ import torch
 
 import deepspeed
 import deepspeed_feplb
+from deepspeed_feplb.segments import cpu_seconds
 from deepspeed_feplb.stats import straggler
+
+WARMUP_STEPS = 2  # not in the step-time summary (first-call costs: runtime start, caches)
 
 
 def stdlib_bytes(limit: int = 4_000_000) -> np.ndarray:
@@ -71,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--context", type=int, default=8)
     parser.add_argument("--batch", type=int, default=512, help="tokens per rank and step")
+    parser.add_argument("--no-feplb", action="store_true",
+                        help="the same run with FEPLB off (\"feplb\": {\"enabled\": false}: DeepSpeed's own MoE layer)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return deepspeed.add_config_arguments(parser)
 
@@ -81,9 +90,9 @@ def skip_shm_op() -> None:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
-def step_record(step: int, loss: float, stats: dict, summary: dict | None) -> dict:
-    """One JSON line: loss, the layer's own stats (domain of rank 0) and the monitor summary of the step."""
-    record = {"step": step, "loss": round(loss, 6), **{key: stats.get(key) for key in (
+def step_record(step: int, loss: float, seconds: float, stats: dict, summary: dict | None) -> dict:
+    """One JSON line: loss, step time, the layer's own stats (domain of rank 0) and the monitor summary of the step."""
+    record = {"step": step, "loss": round(loss, 6), "step_ms": round(seconds * 1e3, 2), **{key: stats.get(key) for key in (
         "tokens_before", "tokens_after", "token_straggler_before", "token_straggler_after",
         "migrated_tokens", "plan_latency_us", "fallback")}}
     if summary is not None:
@@ -99,6 +108,8 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     process group (the EP size is the world size).
     """
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if getattr(args, "no_feplb", False):
+        ds_config = feplb_off(ds_config if ds_config is not None else args.deepspeed_config)
     torch.manual_seed(0)
     model = ByteMoELM(args.hidden, args.experts, ep_size=world, k=args.top_k, context=args.context)
     engine, _, _, _ = deepspeed_feplb.initialize(args=args if ds_config is None else None, model=model,
@@ -107,42 +118,74 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     loss_fn = torch.nn.CrossEntropyLoss()
     history = []
     for step, (x, y) in zip(range(args.steps), batches(data, args.batch, args.context, seed=1000 + rank)):
+        start = time.perf_counter()
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()
+        seconds = time.perf_counter() - start
         collector = getattr(engine, "feplb_monitor", None)
-        record = step_record(step, loss.item(), engine.module.moe.feplb_stats,
+        record = step_record(step, loss.item(), seconds, engine.module.moe.feplb_stats,
                              collector.last if collector is not None else None)
         history.append(record)
         if rank == 0 and log is not None:
             log(json.dumps(record))
+        if step == 0:  # the runtime (and its scheduler process) exists from the first forward on
+            pid, wall0 = scheduler_pid(engine.module), time.perf_counter()
+            cpu0 = cpu_seconds(pid)
+    if history and pid:
+        history[-1]["scheduler_cpu_percent"] = round(100 * (cpu_seconds(pid) - cpu0) / (time.perf_counter() - wall0), 2)
     return history
+
+
+def feplb_off(ds_config) -> dict:
+    """The ds_config (dict or path) with ``"feplb": {"enabled": false}``."""
+    if not isinstance(ds_config, dict):
+        with open(ds_config) as f:
+            ds_config = json.load(f)
+    return {**ds_config, "feplb": {**ds_config.get("feplb", {}), "enabled": False}}
+
+
+def scheduler_pid(model) -> int:
+    """Pid of the scheduler process this rank started (rank 0 of each domain), else 0."""
+    domain = getattr(model.moe.deepspeed_moe, "domain", None)
+    return domain.scheduler.scheduler_pid() if domain is not None and domain.local_rank == 0 else 0
 
 
 def main() -> None:
     args = build_parser().parse_args()
     skip_shm_op()
     deepspeed.init_distributed()
-    rank = torch.distributed.get_rank()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     history = train(args, log=lambda line: print(line, flush=True))
-    if rank == 0 and history and history[0]["tokens_before"] is not None:
-        summarize(history)
+    if rank == 0 and history:
+        summarize(history, tokens_per_step=args.batch * world, feplb=not args.no_feplb)
     torch.distributed.barrier()
     deepspeed_feplb.shutdown()
     torch.distributed.destroy_process_group()
 
 
-def summarize(history: list[dict]) -> None:
+def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True) -> None:
+    timed = [h["step_ms"] for h in history[WARMUP_STEPS:]] or [h["step_ms"] for h in history]
+    step_ms = float(np.median(timed))
+    print(f"\n{'FEPLB' if feplb else 'FEPLB off (DeepSpeed MoE)'}: step time median {step_ms:.1f} ms "
+          f"(steps {min(WARMUP_STEPS, len(history) - len(timed))}..{len(history) - 1}), "
+          f"{tokens_per_step / step_ms * 1e3:,.0f} tokens/s over all ranks")
+    if not feplb or history[0]["tokens_before"] is None:
+        print(f"  final loss: {history[-1]['loss']}   OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+        return
     before = np.array([h["tokens_before"] for h in history])
     after = np.array([h["tokens_after"] for h in history])
     s_before = np.mean([straggler(t)[0] for t in before])
     s_after = np.mean([straggler(t)[0] for t in after])
     ratio_before = np.mean([straggler(t)[1] for t in before])
     ratio_after = np.mean([straggler(t)[1] for t in after])
-    print(f"\nFEPLB over {len(history)} steps (mean per step, domain ranks {list(range(before.shape[1]))}):")
+    print(f"FEPLB over {len(history)} steps (mean per step, domain ranks {list(range(before.shape[1]))}):")
     print(f"  tokens per rank before: {before.mean(0).round(1).tolist()}   after: {after.mean(0).round(1).tolist()}")
     print(f"  token straggler (max-mean): {s_before:.1f} -> {s_after:.1f}   max/mean: {ratio_before:.3f} -> "
           f"{ratio_after:.3f}   reduction: {100 * (1 - s_after / max(s_before, 1e-9)):.1f}%")
+    if "scheduler_cpu_percent" in history[-1]:
+        print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
+              f"after step 0")
     gemm = [h["gemm_straggler_ms"] for h in history if h.get("gemm_straggler_ms") is not None]
     if gemm:
         print(f"  measured GEMM straggler (expert-compute wall time, max-mean over the domain): "

@@ -43,7 +43,7 @@ def test_defaults():
         "nvlink_domain_size": "auto", "ep_backend": "auto", "transport": "auto", "copy_engine_gbps": 370.0,
         "ce_budget": "auto",
         "scheduler": {"mode": "process", "plan_timeout_ms": 20.0, "peer_timeout_s": 60.0, "restart": True,
-                      "poll_ms": 2.0},
+                      "poll_ms": None},
         "gating": {"score": "softmax", "bias_update_rate": 1e-3, "normalize_topk": True},
         "stats": {"enabled": True, "monitor": True, "record_trace": None},
     }
@@ -73,7 +73,7 @@ SECTION = {
     "enabled": False, "dynamic_experts_per_rank": 4, "max_helpers_per_expert": 3, "chunk_align_tokens": 64,
     "nvlink_domain_size": 8, "ep_backend": "deepep", "transport": "cuda_ce", "copy_engine_gbps": 300.0,
     "ce_budget": 2e9,
-    "scheduler": {"mode": "inline", "plan_timeout_ms": 5.0, "peer_timeout_s": 10.0, "restart": False, "poll_ms": 20.0},
+    "scheduler": {"mode": "inline", "plan_timeout_ms": 5.0, "peer_timeout_s": 10.0, "restart": False, "poll_ms": None},
     "gating": {"score": "sigmoid", "bias_update_rate": 0.01, "normalize_topk": False},
     "stats": {"enabled": False, "monitor": False, "record_trace": "trace.npz"},
 }
@@ -188,3 +188,10 @@ def test_all_errors_reported_one_per_line():
         load_config({"feplb": {"max_helpers_per_expert": 0, "gating": {"score": "x"}, "foo": 1}})
     lines = str(info.value).splitlines()
     assert [line.split(":")[0] for line in lines] == ["feplb.max_helpers_per_expert", "feplb.gating.score", "feplb.foo"]
+
+
+def test_deprecated_poll_ms_still_loads_and_warns():
+    with pytest.warns(DeprecationWarning, match="feplb.scheduler.poll_ms has no effect"):
+        cfg = load_config({"feplb": {"scheduler": {"poll_ms": 5}}})
+    assert cfg.scheduler.mode == "process"
+    assert schema()["$defs"]["SchedulerConfig"]["properties"]["poll_ms"]["deprecated"] is True

@@ -48,11 +48,12 @@ def _on_cuda_bf16(params) -> tuple[bool, bool]:
 
 
 def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts: int, expert_params,
-                    on_error: Optional[Callable[[], None]] = None) -> Dispatcher:
+                    on_error: Optional[Callable[[], None]] = None, stage_times=None) -> Dispatcher:
     """The dispatcher for ``feplb.ep_backend``: ``torch``; ``deepep`` (`FEPLBConfigError` if
     ``deep_ep`` does not import or the experts are not bf16 on CUDA); ``auto``: DeepEP when all
     of that holds and ``ep_size > 1``, else torch. ``on_error`` runs when a collective fails
-    (it raises naming a dead peer, if it knows one)."""
+    (it raises naming a dead peer, if it knows one); ``stage_times`` (a `stats.StageTimes`)
+    receives the host time of backward's all-to-alls."""
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     _, bf16 = _on_cuda_bf16(expert_params)
     if config.ep_backend == "deepep":
@@ -65,4 +66,4 @@ def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts:
     if config.ep_backend == "deepep" or (config.ep_backend == "auto" and bf16 and ep_size > 1 and deepep_available()):
         from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
         return DeepEPDispatcher(group, ep_size, num_local_experts)
-    return TorchDispatcher(group, ep_size, num_local_experts, on_error=on_error)
+    return TorchDispatcher(group, ep_size, num_local_experts, on_error=on_error, stage_times=stage_times)

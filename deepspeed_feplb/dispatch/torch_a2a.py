@@ -6,6 +6,7 @@ sum over routes, computed like DeepSpeed's `_sparse_decode` (fp32 products, summ
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +18,9 @@ class AllToAllV(torch.autograd.Function):
     """Uneven all-to-all of rows ``[N_send, ...] -> [N_recv, ...]``; backward swaps the splits."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, on_error=None):
-        ctx.splits, ctx.group, ctx.on_error = (send_splits, recv_splits), group, on_error
+    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, on_error=None,
+                stage_times=None):
+        ctx.splits, ctx.group, ctx.on_error, ctx.stage_times = (send_splits, recv_splits), group, on_error, stage_times
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         _checked(on_error, dist.all_to_all_single, out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
@@ -26,7 +28,11 @@ class AllToAllV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         send_splits, recv_splits = ctx.splits
-        return AllToAllV.apply(grad.contiguous(), recv_splits, send_splits, ctx.group, ctx.on_error), None, None, None, None
+        start = time.perf_counter()
+        out = AllToAllV.apply(grad.contiguous(), recv_splits, send_splits, ctx.group, ctx.on_error)
+        if ctx.stage_times is not None:
+            ctx.stage_times.add("all-to-all bwd", time.perf_counter() - start)
+        return out, None, None, None, None, None
 
 
 def _checked(on_error, collective, *args, **kwargs):
@@ -57,9 +63,10 @@ class DispatchHandle:
 class TorchDispatcher:
     """Expert-parallel dispatch over ``group`` (``ep_size`` ranks, ``num_local_experts`` each)."""
 
-    def __init__(self, group, ep_size: int, num_local_experts: int, on_error=None):
+    def __init__(self, group, ep_size: int, num_local_experts: int, on_error=None, stage_times=None):
         self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
         self.on_error = on_error  # called when a collective fails; raises if it knows why (a dead peer)
+        self.stage_times = stage_times  # a `stats.StageTimes` that backward's all-to-alls report to, or None
 
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
         """Send rows to their experts' home ranks.
@@ -98,7 +105,7 @@ class TorchDispatcher:
         recv_np = recv_counts.cpu().numpy()
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_np.sum(1).tolist()
-        rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error) \
+        rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error, self.stage_times) \
             if self.ep_size > 1 else send_rows
         regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
         handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
@@ -115,7 +122,8 @@ class TorchDispatcher:
         source_order[handle.regroup] = torch.arange(handle.regroup.numel(), device=rows.device)
         back = rows.index_select(0, source_order)
         if self.ep_size > 1:
-            back = AllToAllV.apply(back, handle.recv_splits, handle.send_splits, self.group, self.on_error)
+            back = AllToAllV.apply(back, handle.recv_splits, handle.send_splits, self.group, self.on_error,
+                                   self.stage_times)
         k, num_tokens = gates.shape
         # one extra zero row for routes not taken, as DeepSpeed's decode does for dropped routes
         slot_of_route = torch.full((handle.num_routes, ), back.shape[0], dtype=torch.long, device=rows.device)

@@ -43,8 +43,8 @@ import torch
 
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.arena import align_up, message_layout
-from deepspeed_feplb.segments import (PeerTimeoutError, describe_rank, open_segment, peer_check, unlink_quietly,
-                                      wait_until)
+from deepspeed_feplb.segments import (PeerTimeoutError, Word, describe_rank, open_segment, peer_check,
+                                      unlink_quietly, wait_until)
 
 DEFAULT_CAPACITY = 64 << 20
 DEFAULT_MAX_TENSORS = 256
@@ -99,6 +99,7 @@ class CudaCETransport:
         if create:
             self._control[:] = 0
         self.closed = False
+        self._words: dict[tuple, Word] = {}
         self._peers = [r for r in range(size) if r != local_rank]
 
         # receiver side: one inbound slot and one consumed event per peer
@@ -112,6 +113,7 @@ class CudaCETransport:
             self._done[src] = backend.event_create(interprocess=True)
             _put_handle(channel, DONE_H, backend.event_handle(self._done[src]))
             channel[GEN] = 1  # publish last: the sender waits for a generation
+            self._notify(src, local_rank, GEN)
         # sender side: one copy stream, ready event, thread and job queue per destination
         self._streams = {dst: backend.stream_create() for dst in self._peers}
         self._ready = {dst: backend.event_create(interprocess=True) for dst in self._peers}
@@ -125,6 +127,17 @@ class CudaCETransport:
         for thread in self._threads.values():
             thread.start()
         self._control[local_rank, local_rank, ALIVE] = 1
+
+    def _word(self, src: int, dst: int, field: int) -> Word:
+        """Word ``field`` of channel ``src -> dst`` (``src == dst``: that rank's state) to sleep on."""
+        key = (src, dst, field)
+        word = self._words.get(key)
+        if word is None:
+            word = self._words[key] = Word(self._control, key)
+        return word
+
+    def _notify(self, src: int, dst: int, field: int) -> None:
+        self._word(src, dst, field).notify()
 
     # ---------------------------------------------------------------- slots (receiver-owned)
     def _allocate_slot(self, channel: np.ndarray, capacity: int) -> tuple[int, int]:
@@ -144,6 +157,7 @@ class CudaCETransport:
         self._slots[src] = self._allocate_slot(channel, align_up(max(want, 2 * capacity)))
         channel[WANT] = 0
         channel[GEN] += 1  # publish last
+        self._notify(src, self.local_rank, GEN)
 
     # ---------------------------------------------------------------- producer side
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
@@ -189,23 +203,25 @@ class CudaCETransport:
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor], ready: int) -> None:
         backend, stream = self.backend, self._streams[dst]
         channel = self._control[self.local_rank, dst]
+        me, check = self.local_rank, peer_check(self.watch, dst)
         wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
-                   f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message",
-                   peer_check(self.watch, dst))
+                   f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message", check,
+                   word=self._word(me, dst, ACK))
         if channel[SEQ] > 0:  # the receiver's copy-out of the previous message must finish first
             if dst not in self._done_peer:
                 self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
             backend.stream_wait_event(stream, self._done_peer[dst])
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
         wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"{describe_rank(self.watch, dst)} of domain {self.name} to start",
-                   peer_check(self.watch, dst))
+                   check, word=self._word(me, dst, GEN))
         if nbytes > channel[CAP]:
             self._unmap(dst)
             generation = int(channel[GEN])
             channel[WANT] = nbytes
+            self._notify(me, dst, SEQ)  # the receiver waits on seq: let it see the request
             wait_until(lambda: channel[GEN] > generation, self.timeout_s,
                        f"{describe_rank(self.watch, dst)} of domain {self.name} to grow its slot to {nbytes} bytes",
-                       peer_check(self.watch, dst))
+                       check, word=self._word(me, dst, GEN))
         peer = self._map(dst, channel)
         backend.stream_wait_event(stream, ready)
         for t, offset in zip(tensors, offsets):
@@ -215,7 +231,8 @@ class CudaCETransport:
         for row, t, offset in zip(meta, tensors, offsets):
             wire.describe(row, t, offset)
         channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
-        channel[SEQ] += 1  # publish last: the receiver polls seq
+        channel[SEQ] += 1  # publish last: the receiver waits on seq
+        self._notify(me, dst, SEQ)
 
     def _map(self, dst: int, channel: np.ndarray) -> int:
         generation = int(channel[GEN])
@@ -246,7 +263,7 @@ class CudaCETransport:
             return channel[SEQ] >= expected
 
         wait_until(arrived, self.timeout_s, f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
-                   peer_check(self.watch, src))
+                   peer_check(self.watch, src), word=self._word(src, self.local_rank, SEQ))
         wire.check_tag(tag, channel[TAG], src)
         backend, stream = self.backend, self.backend.current_stream()
         if src not in self._ready_peer:
@@ -263,6 +280,7 @@ class CudaCETransport:
         backend.event_record(self._done[src], stream)
         self._expected[src] = expected
         channel[ACK] = expected
+        self._notify(src, self.local_rank, ACK)
         return tensors
 
     # ---------------------------------------------------------------- lifetime
@@ -284,6 +302,7 @@ class CudaCETransport:
         self._ready_peer.clear()
         me = self._control[self.local_rank, self.local_rank]
         me[IMPORTS_CLOSED] = 1
+        self._notify(self.local_rank, self.local_rank, IMPORTS_CLOSED)
         deadline = time.monotonic() + self.timeout_s
         for peer in self._peers:  # a peer that never started or died holds no mapping of ours
             state = self._control[peer, peer]
@@ -291,7 +310,8 @@ class CudaCETransport:
             try:
                 wait_until(lambda: state[IMPORTS_CLOSED] or not state[ALIVE] or dead(),
                            max(0.0, deadline - time.monotonic()),
-                           f"{describe_rank(self.watch, peer)} of domain {self.name} to unmap our slots")
+                           f"{describe_rank(self.watch, peer)} of domain {self.name} to unmap our slots",
+                           word=self._word(peer, peer, IMPORTS_CLOSED))
             except PeerTimeoutError:
                 pass  # a dead peer's mappings went with its process
         for stream in self._streams.values():
@@ -303,6 +323,7 @@ class CudaCETransport:
             backend.event_destroy(event)
         self._slots.clear()
         self._streams.clear()
+        self._words.clear()
         del me, self._control
         self._control_shm.close()
         if self._owns_control:

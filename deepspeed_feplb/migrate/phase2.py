@@ -17,13 +17,16 @@ so the exchange is deadlock-free (sends are asynchronous, receives follow a fixe
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 from torch.func import functional_call
 
 from deepspeed_feplb.migrate import Transport
+from deepspeed_feplb.stats import StageTimes
 
 FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS = range(1, 5)
 
@@ -112,15 +115,26 @@ class Phase2Step:
     experts: list[torch.nn.Module]
     spec: ExpertSpec
     needs_grad: bool
+    stage_times: Optional[StageTimes] = None  # receives compute and communication host time
     kept: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
     def __post_init__(self):
         self.view = RankView.of(self.moves, self.local_rank, self.dynamic, self.row_counts)
+        self._compute_s = 0.0
+
+    def _report(self, direction: str, start: float) -> None:
+        """Split the host time since ``start`` into expert compute and communication (the rest)."""
+        if self.stage_times is not None:
+            total = time.perf_counter() - start
+            self.stage_times.add(f"phase-2{direction} compute", self._compute_s)
+            self.stage_times.add(f"phase-2{direction} comm", total - self._compute_s)
+        self._compute_s = 0.0
 
     # ------------------------------------------------------------------ forward
     def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
+        start = time.perf_counter()
         outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
@@ -142,17 +156,26 @@ class Phase2Step:
         blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.kept)]
         for helper, chunks in outgoing.items():
             blocks += [(int(starts[i] + offset), y) for (i, offset, _), y in zip(chunks, results[helper])]
+        self._report("", start)
         if not blocks:
             return dyn_x.new_zeros((0, dyn_x.shape[1]))
         return torch.cat([y for _, y in sorted(blocks, key=lambda block: block[0])])
 
     def _compute(self, module, params, buffers, x) -> _Piece:
+        start = time.perf_counter()
         x = x.detach().requires_grad_(self.needs_grad)
         leaves = [p.detach().requires_grad_(self.needs_grad) for p in params]
         y = self.spec.call(module, leaves, buffers, x)
         if not self.needs_grad:
             y = y.detach()
+        self._compute_s += time.perf_counter() - start
         return _Piece(x, leaves, y)
+
+    def _vjp(self, piece: "_Piece", grad: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        grads = _vjp(piece, grad)
+        self._compute_s += time.perf_counter() - start
+        return grads
 
     def _serve_forward(self):
         template = self.experts[0]
@@ -173,6 +196,7 @@ class Phase2Step:
     # ------------------------------------------------------------------ backward
     def backward(self, grad_y: torch.Tensor):
         """grad_y ``[N_dyn, H_out]`` -> grad of dyn_x ``[N_dyn, H]`` and per-expert parameter grads."""
+        start = time.perf_counter()
         outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
@@ -183,13 +207,13 @@ class Phase2Step:
                              device=grad_y.device)
         grad_params = []
         for i, piece in enumerate(self.kept):
-            gx, *gp = _vjp(piece, grad_y[starts[i]:starts[i] + kept_rows[i]])
+            gx, *gp = self._vjp(piece, grad_y[starts[i]:starts[i] + kept_rows[i]])
             grad_x[starts[i]:starts[i] + kept_rows[i]] = gx
             grad_params.append(gp)
 
         for home, pieces in self.served.items():
             grads = self.transport.recv(home, tag(self.seq, BWD_GRADS))
-            payload = [g for piece, grad in zip(pieces, grads) for g in _vjp(piece, grad)]
+            payload = [g for piece, grad in zip(pieces, grads) for g in self._vjp(piece, grad)]
             sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS), payload))
 
         stride = 1 + len(self.spec.param_names)
@@ -202,6 +226,7 @@ class Phase2Step:
         for future in sends:
             future.result()
         self.kept, self.served = [], {}
+        self._report(" bwd", start)
         return grad_x, grad_params
 
 

@@ -9,7 +9,8 @@ Layout. One control segment per NVLink domain holds, for every ordered pair of l
 channel lives in a data segment owned by ``src``; when a message does not fit, ``src`` creates a
 larger segment under a new generation, so a channel never blocks on size. A channel carries
 one message at a time: the producer waits until the consumer acknowledged the previous message
-(``ack == seq``) before it writes the next, and only the copy thread ever waits for that.
+(``ack == seq``) before it writes the next, and only the copy thread ever waits for that. Waits
+sleep on the header word they wait for (`segments.Word`); its writer wakes them.
 
 A message is a list of tensors. Its payload starts with a small int64 header (tag, tensor
 count, then dtype code, element offset and shape of each tensor), so the receiver checks that it
@@ -26,7 +27,8 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate import wire
-from deepspeed_feplb.segments import PeerWatch, cleanup, describe_rank, open_segment, peer_check, unlink_quietly, wait_until
+from deepspeed_feplb.segments import (PeerWatch, Word, cleanup, describe_rank, open_segment, peer_check, unlink_quietly,
+                                      wait_until)
 
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
@@ -75,6 +77,7 @@ class ShmTransport:
         self._outgoing: dict[int, shared_memory.SharedMemory] = {}  # dst -> segment we own
         self._incoming: dict[int, tuple[int, shared_memory.SharedMemory]] = {}  # src -> (generation, segment)
         self._expected = np.zeros(size, dtype=np.int64)  # messages received so far, per src
+        self._words: dict[tuple, Word] = {}
         self._jobs: queue.Queue = queue.Queue()
         self.closed = False
         self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
@@ -110,7 +113,7 @@ class ShmTransport:
         # closing: a peer that is exiting too will never read again, so do not wait out the timeout
         wait_until(lambda: channel[_ACK] == channel[_SEQ] or self.closed, self.timeout_s,
                    f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message",
-                   peer_check(self.watch, dst))
+                   peer_check(self.watch, dst), word=self._word(self.local_rank, dst, _ACK))
         if self.closed:
             raise RuntimeError(f"FEPLB transport {self.name} closed before a message to local rank {dst} was sent")
         header, offsets, nbytes = _pack_layout(tag, tensors)
@@ -131,7 +134,8 @@ class ShmTransport:
             buf[offset:offset + size].view(t.dtype).view(t.shape).copy_(t)
         del buf
         channel[_NBYTES] = nbytes
-        channel[_SEQ] += 1  # publish last: the consumer polls seq
+        channel[_SEQ] += 1  # publish last: the consumer waits on seq
+        self._word(self.local_rank, dst, _SEQ).notify()
 
     # ---------------------------------------------------------------- consumer side
     def recv(self, src: int, tag: int) -> list[torch.Tensor]:
@@ -140,7 +144,7 @@ class ShmTransport:
         expected = self._expected[src] + 1
         wait_until(lambda: channel[_SEQ] >= expected, self.timeout_s,
                    f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
-                   peer_check(self.watch, src))
+                   peer_check(self.watch, src), word=self._word(src, self.local_rank, _SEQ))
         generation = int(channel[_GEN])
         cached = self._incoming.get(src)
         if cached is None or cached[0] != generation:
@@ -159,7 +163,16 @@ class ShmTransport:
         del buf, header
         self._expected[src] = expected
         channel[_ACK] = expected
+        self._word(src, self.local_rank, _ACK).notify()
         return tensors
+
+    def _word(self, src: int, dst: int, field: int) -> Word:
+        """The header word ``field`` of channel ``src -> dst`` (cached: built once per channel)."""
+        key = (src, dst, field)
+        word = self._words.get(key)
+        if word is None:
+            word = self._words[key] = Word(self._control, key)
+        return word
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -168,6 +181,9 @@ class ShmTransport:
             return
         self.closed = True
         self._jobs.put(None)
+        for dst in range(self.size):  # a copy thread waiting for an ack re-checks `closed` at once
+            if dst != self.local_rank:
+                self._word(self.local_rank, dst, _ACK).notify()
         self._copy_thread.join(timeout=self.timeout_s)
         for segment in self._outgoing.values():
             segment.close()
@@ -176,6 +192,7 @@ class ShmTransport:
             segment.close()
         self._outgoing.clear()
         self._incoming.clear()
+        self._words.clear()
         del self._control
         self._control_shm.close()
         if self._owns_control:

@@ -8,6 +8,9 @@ Two implementations of `scheduler.Scheduler`:
 * `ProcessScheduler` (``"process"``, the default): the domain's `feplb-sched` process plans while
   the ranks compute their static experts; a rank reads the plan from the mailbox, and plans
   in-process exactly as `InlineScheduler` does when the process is late, stalled or dead.
+
+Waiting (for the other ranks' counts, for the plan) sleeps on the mailbox's bells: no CPU is
+spent while nothing happens, and the process answers in microseconds when something does.
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
-from deepspeed_feplb.scheduler.mailbox import PID, SHUTDOWN, STARTING, Mailbox
-from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, process_alive, wait_until
+from deepspeed_feplb.scheduler.mailbox import PID, STARTING, Mailbox
+from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 STARTUP_WAIT_S = 10.0
 
@@ -72,8 +75,8 @@ class InlineScheduler:
 
     def _wait_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints]:
         try:
-            return _poll(lambda: self.mailbox.read_counts(seq), self.peer_timeout_s, "counts",
-                         self.watch.check if self.watch else None)
+            return _wait_for(lambda: self.mailbox.read_counts(seq), self.mailbox.counts_bell, self.peer_timeout_s,
+                             "counts", self.watch.check if self.watch else None)
         except PeerTimeoutError as error:
             missing = self.mailbox.missing_ranks(seq)
             if self.watch is not None:
@@ -99,16 +102,15 @@ class ProcessScheduler(InlineScheduler):
     Rank 0 of the domain starts and owns the process. ``plan_timeout_s`` bounds the wait for its
     plan; a process that is gone is not waited for at all; with ``restart`` the owner restarts a
     dead one, and kills and restarts one that missed `STALLED_AFTER` plans in a row.
-    ``poll_s``: how long the process polls without sleeping after each plan.
     """
 
     STALLED_AFTER = 3
     LIVENESS_AFTER_S = 0.001
 
     def __init__(self, name: str, local_rank: int, ranks: int, *, plan_timeout_s: float, peer_timeout_s: float,
-                 restart: bool, create: bool, poll_s: float = 0.002, watch: PeerWatch | None = None):
+                 restart: bool, create: bool, watch: PeerWatch | None = None):
         super().__init__(name, local_rank, ranks, peer_timeout_s=peer_timeout_s, create=create, watch=watch)
-        self.plan_timeout_s, self.restart, self.poll_s = plan_timeout_s, restart, poll_s
+        self.plan_timeout_s, self.restart = plan_timeout_s, restart
         self.process: subprocess.Popen | None = None
         self.fallbacks = self.late_in_a_row = 0
         if create:
@@ -124,7 +126,7 @@ class ProcessScheduler(InlineScheduler):
         self.mailbox.header[STARTING] = 1
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepspeed_feplb.scheduler.process", "--mailbox", self.mailbox.name, "--ranks",
-             str(self.ranks), "--parent", str(os.getpid()), "--poll-ms", repr(self.poll_s * 1e3)],
+             str(self.ranks), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def revive(self) -> None:
@@ -150,15 +152,16 @@ class ProcessScheduler(InlineScheduler):
         if self.scheduler_pid() <= 0:
             return None  # starting, or restarting
         read = lambda: self.mailbox.read_plan(seq)  # noqa: E731
+        bell = self.mailbox.plan_bell
         first = min(self.plan_timeout_s, self.LIVENESS_AFTER_S)
         try:
-            return _poll(read, first, "the scheduler process")
+            return _wait_for(read, bell, first, "the scheduler process")
         except PeerTimeoutError:
             pass
         if first >= self.plan_timeout_s or not process_alive(self.scheduler_pid()):
             return None
         try:
-            return _poll(read, self.plan_timeout_s - first, "the scheduler process")
+            return _wait_for(read, bell, self.plan_timeout_s - first, "the scheduler process")
         except PeerTimeoutError:
             return None
 
@@ -179,7 +182,7 @@ class ProcessScheduler(InlineScheduler):
 
     def close(self) -> None:
         if self.process is not None:
-            self.mailbox.header[SHUTDOWN] = 1
+            self.mailbox.request_shutdown()
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -189,8 +192,9 @@ class ProcessScheduler(InlineScheduler):
         super().close()
 
 
-def _poll(read, timeout_s: float, what: str, watch=None):
-    """Call ``read()`` until it returns something other than None (see `wait_until`); return that."""
+def _wait_for(read, bell: Word, timeout_s: float, what: str, watch=None):
+    """Call ``read()`` until it returns something other than None, sleeping on ``bell`` in between
+    (see `wait_until`); return that."""
     got = None
 
     def ready() -> bool:
@@ -198,5 +202,5 @@ def _poll(read, timeout_s: float, what: str, watch=None):
         got = read()
         return got is not None
 
-    wait_until(ready, timeout_s, what, watch)
+    wait_until(ready, timeout_s, what, watch, word=bell)
     return got

@@ -9,8 +9,11 @@ Slots and plan entries are rings of `RING` entries guarded like a seqlock (``beg
 first, ``end`` last; a reader accepts an entry only if both equal the wanted ``seq`` before and
 after it copied the data), so a stale or torn entry is never used for a new micro-batch.
 
-Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, ...]``
-(`HEADER` words); per rank and ring entry a slot ``[begin, end, E_local, D, max_helpers,
+Nobody polls: a rank that published rings ``counts_bell`` and the scheduler rings ``plan_bell``
+after writing a plan (`segments.Word`: waiters sleep in the kernel until the word changes).
+
+Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, counts_bell,
+plan_bell, ...]`` (`HEADER` words); per rank and ring entry a slot ``[begin, end, E_local, D, max_helpers,
 chunk_align, expert_bytes, ce_budget (float64 bits), counts[E_MAX]]``; per ring entry a plan
 ``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
 """
@@ -21,12 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
-from deepspeed_feplb.segments import open_segment, unlink_quietly
+from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
 
 RING = 4
 E_MAX = 1024
 HEADER = 8
-SHUTDOWN, PID, HEARTBEAT, STARTING = range(4)  # header words
+SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL = range(6)  # header words
 _SLOT_META = 8
 _PLAN_META = 4
 
@@ -69,6 +72,8 @@ class Mailbox:
         end_slots = HEADER + ranks * RING * self.layout.slot_words
         self.slots = words[HEADER:end_slots].reshape(ranks, RING, self.layout.slot_words)
         self.plans = words[end_slots:].reshape(RING, self.layout.plan_words)
+        self.counts_bell = Word(self.header, COUNTS_BELL)  # rung by every publish
+        self.plan_bell = Word(self.header, PLAN_BELL)  # rung by every plan
         self._meta, self._constraints = None, None
 
     # ---------------------------------------------------------------- counts
@@ -84,6 +89,8 @@ class Mailbox:
         slot[_SLOT_META:_SLOT_META + counts.shape[0]] = counts
         slot[1] = seq
         slot[0] = seq
+        self.header[COUNTS_BELL] = seq * self.ranks + rank  # a new value per publish: no lost wake-up
+        self.counts_bell.notify()
 
     def read_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints] | None:
         """All ranks' counts ``int64 [G, E_local]`` for ``seq`` and rank 0's constraints, or None if incomplete."""
@@ -128,6 +135,8 @@ class Mailbox:
         entry[_PLAN_META + G:_PLAN_META + G + moves.size] = moves
         entry[1] = seq
         entry[0] = seq
+        self.header[PLAN_BELL] = seq
+        self.plan_bell.notify()
 
     def read_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's `Plan` for ``seq`` and its planning time (ns), or None if not (yet) there."""
@@ -142,8 +151,14 @@ class Mailbox:
             return None
         return Plan(moves, rank_tokens), plan_ns
 
+    def request_shutdown(self) -> None:
+        """Ask the scheduler process to exit (it is woken at once)."""
+        self.header[SHUTDOWN] = 1
+        self.header[COUNTS_BELL] = -1
+        self.counts_bell.notify()
+
     def close(self) -> None:
-        del self.header, self.slots, self.plans
+        del self.header, self.slots, self.plans, self.counts_bell, self.plan_bell
         self._shm.close()
         if self._owner:
             unlink_quietly(self._shm)

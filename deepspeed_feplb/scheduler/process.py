@@ -3,8 +3,9 @@
 Started by the domain's rank 0 (`client.ProcessScheduler`) as ``python -m
 deepspeed_feplb.scheduler.process``; it imports numpy, numba's compiled planner and the mailbox,
 never torch, so it is up in a fraction of a second. It waits until every rank published step
-``seq``, calls `plan_domain` and writes the `Plan` into the mailbox's plan ring; it exits on the
-mailbox's shutdown word, or removes the domain's segments and exits when its parent rank died.
+``seq`` (sleeping on the mailbox's counts bell meanwhile), calls `plan_domain` and writes the
+`Plan` into the mailbox's plan ring; it exits on the mailbox's shutdown word, or removes the
+domain's segments and exits when its parent rank died.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 
 from deepspeed_feplb.plan.policy import plan_domain
 from deepspeed_feplb.scheduler.mailbox import HEARTBEAT, PID, SHUTDOWN, STARTING, Mailbox
-from deepspeed_feplb.segments import cleanup
+from deepspeed_feplb.segments import cleanup, futex_wait
 
 
 def _prctl(option: int, arg) -> None:
@@ -25,13 +26,19 @@ def _prctl(option: int, arg) -> None:
         pass
 
 
-def serve(mailbox: Mailbox, parent_pid: int, poll_s: float = 0.002) -> None:
+IDLE_CHECK_S = 0.5
+
+
+def serve(mailbox: Mailbox, parent_pid: int) -> None:
     """Plan every complete step until shutdown is requested or the parent process is gone.
 
-    For ``poll_s`` after each plan the loop polls without sleeping (yielding the core to anything
-    else runnable), then it sleeps 0.2 ms between polls, and 2 ms once idle for 0.1 s."""
-    seq, last_plan = 0, time.monotonic()
+    Between steps the process sleeps on the mailbox's ``counts_bell`` (no CPU): each rank's
+    publish wakes it, and it plans once the step is complete. Every `IDLE_CHECK_S` without a
+    step it checks that its parent rank lives and updates its heartbeat."""
+    bell = mailbox.counts_bell
+    seq = 0
     while mailbox.header[SHUTDOWN] == 0:
+        seen = bell.seen()
         ready = mailbox.read_counts(seq)
         if ready is not None:
             counts, constraints = ready
@@ -39,24 +46,20 @@ def serve(mailbox: Mailbox, parent_pid: int, poll_s: float = 0.002) -> None:
             plan = plan_domain(counts, constraints)
             mailbox.write_plan(seq, plan, time.perf_counter_ns() - start)
             seq += 1
-            last_plan = time.monotonic()
-            continue
-        idle = time.monotonic() - last_plan
-        if idle < poll_s:
-            os.sched_yield()
             continue
         # ranks may have skipped ahead (e.g. we were stopped); follow the newest complete step
         newest = mailbox.newest_complete()
         if newest > seq:
             seq = newest
             continue
-        if idle > 0.5:
+        before = time.monotonic()
+        futex_wait(bell.address, seen, IDLE_CHECK_S)
+        if time.monotonic() - before >= IDLE_CHECK_S:
             if os.getppid() != parent_pid:
                 # our rank was killed and cannot clean up: the domain is broken, remove its segments
                 cleanup(mailbox.name[:-len("mbox")])
                 return
             mailbox.header[HEARTBEAT] = int(time.time())
-        time.sleep(0.0002 if idle < 0.1 else 0.002)
 
 
 def main(argv=None) -> None:
@@ -64,10 +67,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mailbox", required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True)
-    parser.add_argument("--poll-ms", type=float, default=2.0)
     args = parser.parse_args(argv)
     _prctl(15, b"feplb-sched")  # PR_SET_NAME: what `ps -o comm` and pkill see
-    _prctl(29, 1000)  # PR_SET_TIMERSLACK 1 µs (default 50 µs): its 0.2 ms sleeps end on time
+    _prctl(29, 1000)  # PR_SET_TIMERSLACK 1 µs (default 50 µs): a wake-up is not deferred
     try:
         mailbox = Mailbox(args.mailbox, args.ranks, create=False)
     except FileNotFoundError:
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
     mailbox.header[PID] = os.getpid()
     mailbox.header[STARTING] = 0
     try:
-        serve(mailbox, args.parent, args.poll_ms / 1e3)
+        serve(mailbox, args.parent)
     finally:
         mailbox.close()
 
