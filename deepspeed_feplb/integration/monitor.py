@@ -62,6 +62,14 @@ class Record:
     training: bool
     extra: dict = field(default_factory=dict)
 
+    SUMMARY_STATS = ("ranks", "token_straggler_before", "token_straggler_after", "plan_latency_us", "fallback",
+                     "migrated_tokens", "moves")
+
+    def lean(self) -> "Record":
+        """This record with only the stats that `summarize` reads (what every step gathers)."""
+        return Record(self.rank, {k: self.stats[k] for k in self.SUMMARY_STATS if k in self.stats}, self.expert_seconds,
+                      self.hidden, self.elem_bytes, self.expert_bytes, self.training, self.extra)
+
 
 def layer_name(module_name: str) -> str:
     """``"3.moe.deepspeed_moe"`` -> ``"3.moe"``: the name of the user's MoE module."""
@@ -142,7 +150,7 @@ class StatsCollector:
 
         Returns the summary (the same on every rank), also kept as ``self.last``.
         """
-        mine = self.take()
+        mine = {mb: {name: record.lean() for name, record in layers.items()} for mb, layers in self.take().items()}
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)

@@ -27,9 +27,6 @@ from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
 from deepspeed_feplb.scheduler.mailbox import PID, STARTING, Mailbox
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
-STARTUP_WAIT_S = 10.0
-
-
 @dataclass(frozen=True)
 class DomainPlan:
     """The plan of one micro-batch step, as a rank receives it.
@@ -114,12 +111,9 @@ class ProcessScheduler(InlineScheduler):
         self.process: subprocess.Popen | None = None
         self.fallbacks = self.late_in_a_row = 0
         if create:
+            # not waited for: until it is up (a cold Python imports numpy and numba, ~0.5 s), every
+            # rank plans in-process, silently (the mailbox says it is starting)
             self._start_process()
-            try:  # a cold Python needs a moment to import numpy; until it is up, ranks plan in-process
-                wait_until(lambda: self.mailbox.header[PID] > 0 or self.process.poll() is not None,
-                           min(peer_timeout_s, STARTUP_WAIT_S), "the feplb-sched process to start")
-            except PeerTimeoutError:
-                pass
 
     def _start_process(self) -> None:
         self.mailbox.header[PID] = 0  # never a sentinel pid: os.kill(-1, ...) would signal every process
@@ -141,8 +135,8 @@ class ProcessScheduler(InlineScheduler):
         if got is not None:
             self.late_in_a_row = 0
             return DomainPlan(got[0], counts, got[1] * 1e-9, False)
-        if not self.mailbox.header[STARTING]:
-            self._on_late_scheduler()
+        if not self.mailbox.header[STARTING] or (self.process is not None and self.process.poll() is not None):
+            self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
         return self._plan_here(counts, constraints, fallback=True)
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
@@ -183,6 +177,8 @@ class ProcessScheduler(InlineScheduler):
     def close(self) -> None:
         if self.process is not None:
             self.mailbox.request_shutdown()
+            if self.mailbox.header[STARTING]:
+                self.process.kill()  # still importing (it holds nothing yet): do not wait for it to come up
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
