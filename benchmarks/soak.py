@@ -43,7 +43,7 @@ def signal_pid(pid: int, signum: int) -> None:
 
 def soak(steps: int, seed: int) -> dict:
     reference, ours = moe_cases.build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 4,
-                                                     "scheduler": {"plan_timeout_ms": 5}}, seed=seed)
+                                                     "scheduler": {"plan_timeout_ms": 5, "start_after_steps": 0}}, seed=seed)
     rng = torch.Generator().manual_seed(seed)
     gate_weights = [layer.deepspeed_moe.gate.wg.weight for layer in (reference, ours)]
     base = gate_weights[0].detach().clone()

@@ -89,6 +89,9 @@ class SchedulerConfig(FEPLBConfigModel):
     restart: bool = True
     """Restart the scheduler process if it dies (ranks use the in-process plan meanwhile)."""
 
+    start_after_steps: int = Field(8, ge=0)
+    """'process' mode: micro-batch steps (MoE layer passes) the domain plans in-process before its scheduler process starts, so that short runs such as unit tests never pay for starting it (~0.5 s of CPU); 0 starts it with the domain."""
+
     poll_ms: Optional[float] = Field(None, ge=0, deprecated="feplb.scheduler.poll_ms has no effect: the scheduler "
                                      "sleeps until the counts arrive; remove the key")
     """Deprecated, no effect (the scheduler process used to poll for this long after each plan; it now sleeps until a rank's counts wake it)."""

@@ -116,7 +116,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
                                                  model_parameters=model.parameters(), config=ds_config)
     data = stdlib_bytes()
     loss_fn = torch.nn.CrossEntropyLoss()
-    history = []
+    history, pid = [], 0
     for step, (x, y) in zip(range(args.steps), batches(data, args.batch, args.context, seed=1000 + rank)):
         start = time.perf_counter()
         loss = loss_fn(engine(x), y)
@@ -129,10 +129,10 @@ def train(args, ds_config=None, log=print) -> list[dict]:
         history.append(record)
         if rank == 0 and log is not None:
             log(json.dumps(record))
-        if step == 0:  # the runtime (and its scheduler process) exists from the first forward on
+        if not pid:  # from the step its scheduler process is up (it starts with the first forward)
             pid, wall0 = scheduler_pid(engine.module), time.perf_counter()
             cpu0 = cpu_seconds(pid)
-    if history and pid:
+    if pid:
         history[-1]["scheduler_cpu_percent"] = round(100 * (cpu_seconds(pid) - cpu0) / (time.perf_counter() - wall0), 2)
     return history
 
@@ -185,7 +185,7 @@ def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True) -> 
           f"{ratio_after:.3f}   reduction: {100 * (1 - s_after / max(s_before, 1e-9)):.1f}%")
     if "scheduler_cpu_percent" in history[-1]:
         print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
-              f"after step 0")
+              "(from the step it was up to the end)")
     gemm = [h["gemm_straggler_ms"] for h in history if h.get("gemm_straggler_ms") is not None]
     if gemm:
         print(f"  measured GEMM straggler (expert-compute wall time, max-mean over the domain): "

@@ -237,7 +237,8 @@ def scheduler_fault_case() -> dict:
     import time
     import warnings
 
-    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1}, seed=2)
+    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+                                           "scheduler": {"start_after_steps": 0}}, seed=2)
     client = None
     result = {"errors": {}, "migrated": 0, "fallback_after_kill": False, "fallback_when_stalled": False,
               "restarted_after_kill": False, "restarted_after_stall": False, "recovered": False}

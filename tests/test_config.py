@@ -43,7 +43,7 @@ def test_defaults():
         "nvlink_domain_size": "auto", "ep_backend": "auto", "transport": "auto", "copy_engine_gbps": 370.0,
         "ce_budget": "auto",
         "scheduler": {"mode": "process", "plan_timeout_ms": 20.0, "peer_timeout_s": 60.0, "restart": True,
-                      "poll_ms": None},
+                      "start_after_steps": 8, "poll_ms": None},
         "gating": {"score": "softmax", "bias_update_rate": 1e-3, "normalize_topk": True},
         "stats": {"enabled": True, "monitor": True, "record_trace": None},
     }
@@ -73,7 +73,8 @@ SECTION = {
     "enabled": False, "dynamic_experts_per_rank": 4, "max_helpers_per_expert": 3, "chunk_align_tokens": 64,
     "nvlink_domain_size": 8, "ep_backend": "deepep", "transport": "cuda_ce", "copy_engine_gbps": 300.0,
     "ce_budget": 2e9,
-    "scheduler": {"mode": "inline", "plan_timeout_ms": 5.0, "peer_timeout_s": 10.0, "restart": False, "poll_ms": None},
+    "scheduler": {"mode": "inline", "plan_timeout_ms": 5.0, "peer_timeout_s": 10.0, "restart": False,
+                  "start_after_steps": 0, "poll_ms": None},
     "gating": {"score": "sigmoid", "bias_update_rate": 0.01, "normalize_topk": False},
     "stats": {"enabled": False, "monitor": False, "record_trace": "trace.npz"},
 }
@@ -127,6 +128,7 @@ BAD_VALUES = [
     ("scheduler.peer_timeout_s", 0),
     ("scheduler.restart", "sometimes"),
     ("scheduler.poll_ms", -1),
+    ("scheduler.start_after_steps", -1),
     ("gating", "sigmoid"),
     ("gating.score", "relu"),
     ("gating.bias_update_rate", -1e-3),

@@ -48,7 +48,8 @@ def make_scheduler(config: SchedulerConfig, name: str, local_rank: int, ranks: i
     if config.mode == "inline":
         return InlineScheduler(name, local_rank, ranks, peer_timeout_s=config.peer_timeout_s, create=create, watch=watch)
     return ProcessScheduler(name, local_rank, ranks, plan_timeout_s=config.plan_timeout_ms / 1e3,
-                            peer_timeout_s=config.peer_timeout_s, restart=config.restart, create=create, watch=watch)
+                            peer_timeout_s=config.peer_timeout_s, restart=config.restart, create=create,
+                            start_after_steps=config.start_after_steps, watch=watch)
 
 
 __all__ = ["DomainPlan", "InlineScheduler", "ProcessScheduler", "Scheduler", "make_scheduler"]

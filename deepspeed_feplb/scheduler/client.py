@@ -105,15 +105,18 @@ class ProcessScheduler(InlineScheduler):
     LIVENESS_AFTER_S = 0.001
 
     def __init__(self, name: str, local_rank: int, ranks: int, *, plan_timeout_s: float, peer_timeout_s: float,
-                 restart: bool, create: bool, watch: PeerWatch | None = None):
+                 restart: bool, create: bool, start_after_steps: int = 0, watch: PeerWatch | None = None):
         super().__init__(name, local_rank, ranks, peer_timeout_s=peer_timeout_s, create=create, watch=watch)
-        self.plan_timeout_s, self.restart = plan_timeout_s, restart
+        self.plan_timeout_s, self.restart, self.start_after_steps = plan_timeout_s, restart, start_after_steps
         self.process: subprocess.Popen | None = None
         self.fallbacks = self.late_in_a_row = 0
         if create:
-            # not waited for: until it is up (a cold Python imports numpy and numba, ~0.5 s), every
-            # rank plans in-process, silently (the mailbox says it is starting)
-            self._start_process()
+            # Until the process is up every rank plans in-process, silently (the mailbox says it is
+            # starting): it starts after `start_after_steps` steps, so that short runs never pay
+            # for it, and it is not waited for (a cold Python imports numpy and numba, ~0.5 s).
+            self.mailbox.header[STARTING] = 1
+            if start_after_steps <= 0:
+                self._start_process()
 
     def _start_process(self) -> None:
         self.mailbox.header[PID] = 0  # never a sentinel pid: os.kill(-1, ...) would signal every process
@@ -130,14 +133,19 @@ class ProcessScheduler(InlineScheduler):
             self._start_process()
 
     def plan(self, seq: int) -> DomainPlan:
+        """The domain's plan for ``seq``: the process's, or, while it is not up yet or when it is
+        late, this rank's own (``fallback`` says the latter happened although the process was up)."""
         counts, constraints = self._wait_counts(seq)
         got = self._scheduler_plan(seq)
         if got is not None:
             self.late_in_a_row = 0
             return DomainPlan(got[0], counts, got[1] * 1e-9, False)
-        if not self.mailbox.header[STARTING] or (self.process is not None and self.process.poll() is not None):
+        expected = not self.mailbox.header[STARTING]
+        if self.process is None and self.mailbox.owner and seq + 1 >= self.start_after_steps:
+            self._start_process()  # this job runs long enough to be worth a process
+        elif expected or (self.process is not None and self.process.poll() is not None):
             self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
-        return self._plan_here(counts, constraints, fallback=True)
+        return self._plan_here(counts, constraints, fallback=expected)
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is

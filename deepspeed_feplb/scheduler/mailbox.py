@@ -63,7 +63,7 @@ class Mailbox:
     def __init__(self, name: str, ranks: int, create: bool):
         self.name, self.ranks, self.layout = name, ranks, MailboxLayout(ranks)
         self._shm = open_segment(name, self.layout.words * 8, create=create)
-        self._owner = create
+        self.owner = create
         words = np.ndarray((self.layout.words, ), dtype=np.int64, buffer=self._shm.buf)
         if create:
             words[:] = 0
@@ -160,5 +160,5 @@ class Mailbox:
     def close(self) -> None:
         del self.header, self.slots, self.plans, self.counts_bell, self.plan_bell
         self._shm.close()
-        if self._owner:
+        if self.owner:
             unlink_quietly(self._shm)

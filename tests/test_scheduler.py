@@ -1,0 +1,116 @@
+"""The scheduler process from a rank's side, in one process playing every rank of a domain:
+it starts only after ``start_after_steps`` steps, sleeps while nothing happens, answers when the
+counts arrive, and planning in-process before it is up is not reported as a fallback."""
+import secrets
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
+from deepspeed_feplb.scheduler.client import ProcessScheduler
+from deepspeed_feplb.segments import Word, cpu_seconds, futex_wait, leftover_segments, process_alive
+
+RANKS, EXPERTS = 4, 8
+CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=1)
+
+
+def counts(seq: int) -> np.ndarray:
+    rng = np.random.default_rng(seq)
+    return (rng.pareto(1.0, (RANKS, EXPERTS)) * 50).astype(np.int64)
+
+
+def step(client: ProcessScheduler, seq: int):
+    x = counts(seq)
+    for r in range(1, RANKS):
+        client.mailbox.publish(r, seq, x[r], CONSTRAINTS)
+    client.publish(seq, x[0], CONSTRAINTS)
+    return x, client.plan(seq)
+
+
+@pytest.fixture
+def client():
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
+                         start_after_steps=3)
+    yield c
+    c.close()
+    assert not leftover_segments(name)
+
+
+def wait_up(client, timeout=60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while client.scheduler_pid() <= 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.scheduler_pid() > 0, "the scheduler process did not come up"
+    return client.scheduler_pid()
+
+
+def test_starts_after_its_steps_and_its_plans_equal_the_in_process_ones(client):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # planning in-process before the process is up is not a fault
+        for seq in range(2):
+            x, planned = step(client, seq)
+            assert client.process is None and not planned.fallback
+            assert np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves)
+        step(client, 2)
+        assert client.process is not None  # the third step started it
+        wait_up(client)
+    for seq in range(3, 40):
+        x, planned = step(client, seq)
+        expected = plan_domain(x, CONSTRAINTS)
+        assert np.array_equal(planned.plan.moves, expected.moves)
+        assert np.array_equal(planned.plan.rank_tokens, expected.rank_tokens)  # the Plan crossed intact
+    assert not planned.fallback, "the process answered none of the steps"
+
+
+def test_the_idle_process_sleeps_and_wakes_for_the_next_step(client):
+    for seq in range(3):
+        step(client, seq)
+    pid = wait_up(client)
+    step(client, 3)
+    before = cpu_seconds(pid)
+    time.sleep(1.0)
+    idle = cpu_seconds(pid) - before
+    assert idle <= 0.05, f"the idle scheduler used {idle:.2f} s of CPU in 1 s"
+    x, planned = step(client, 4)  # woken by the counts, not by a timer
+    assert not planned.fallback and np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves)
+
+
+def test_close_stops_a_process_that_is_still_starting():
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
+                         start_after_steps=0)
+    pid = c.process.pid
+    assert pid > 0
+    start = time.monotonic()
+    c.close()
+    assert time.monotonic() - start < 2.0 and not process_alive(pid)
+    assert not leftover_segments(name)
+
+
+def test_a_word_wakes_its_sleeper_and_a_sleep_ends_at_its_timeout():
+    import threading
+
+    words = np.zeros(2, dtype=np.int64)
+    word = Word(words, 1)
+    start = time.monotonic()
+    futex_wait(word.address, word.seen(), 0.05)  # nobody writes: ends at the timeout
+    assert 0.04 <= time.monotonic() - start < 1.0
+    woke = []
+
+    def sleeper():
+        seen = word.seen()
+        while words[1] == 0:
+            futex_wait(word.address, seen, 5.0)
+        woke.append(time.monotonic())
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    time.sleep(0.1)
+    words[1] = 7
+    rung = time.monotonic()
+    word.notify()
+    thread.join(5.0)
+    assert woke and woke[0] - rung < 1.0
