@@ -34,6 +34,7 @@ one JSON line per step and `python -m deepspeed_feplb report` plots.
 """
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -152,8 +153,7 @@ class StatsCollector:
         """
         mine = {mb: {name: record.lean() for name, record in layers.items()} for mb, layers in self.take().items()}
         if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+            everyone = gather_small(mine)
         else:
             everyone = [mine]
         self.last = summarize(everyone, step)
@@ -161,6 +161,30 @@ class StatsCollector:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 monitor.write_events(events(self.last))
         return self.last
+
+
+GATHER_BYTES = 16 << 10
+
+
+def gather_small(obj, group=None) -> list:
+    """`dist.all_gather_object` in one collective when every rank's pickle fits `GATHER_BYTES`
+    (a step's lean records do), in two otherwise (``all_gather_object`` always takes two)."""
+    data = pickle.dumps(obj)
+    world = dist.get_world_size(group)
+    buffer = torch.zeros(GATHER_BYTES, dtype=torch.uint8)
+    buffer[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= GATHER_BYTES - 8:
+        buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(gathered, buffer, group=group)
+    sizes = [int(g[:8].view(torch.int64)) for g in gathered]
+    if max(sizes) > GATHER_BYTES - 8:  # every rank sees the same sizes: all take this branch together
+        buffer = torch.zeros(max(sizes), dtype=torch.uint8)
+        buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.empty_like(buffer) for _ in range(world)]
+        dist.all_gather(gathered, buffer, group=group)
+        return [pickle.loads(g[:n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+    return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
 
 def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) -> dict:
