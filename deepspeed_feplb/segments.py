@@ -121,6 +121,24 @@ class Word:
         futex_wake(self.address)
 
 
+class Words:
+    """The `Word` of each index of one shared array, built on first use (a channel's header words)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self._words = array, {}
+
+    def __getitem__(self, index) -> Word:
+        word = self._words.get(index)
+        if word is None:
+            word = self._words[index] = Word(self.array, index)
+        return word
+
+    def release(self) -> None:
+        """Drop every view of the array (before its shared memory is closed)."""
+        self._words.clear()
+        self.array = None
+
+
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(
     platform.machine().lower())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1

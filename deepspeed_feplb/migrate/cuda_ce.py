@@ -43,7 +43,7 @@ import torch
 
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.arena import align_up, message_layout
-from deepspeed_feplb.segments import (PeerTimeoutError, Word, describe_rank, open_segment, peer_check,
+from deepspeed_feplb.segments import (PeerTimeoutError, Word, Words, describe_rank, open_segment, peer_check,
                                       unlink_quietly, wait_until)
 
 DEFAULT_CAPACITY = 64 << 20
@@ -99,7 +99,7 @@ class CudaCETransport:
         if create:
             self._control[:] = 0
         self.closed = False
-        self._words: dict[tuple, Word] = {}
+        self._words = Words(self._control)
         self._peers = [r for r in range(size) if r != local_rank]
 
         # receiver side: one inbound slot and one consumed event per peer
@@ -130,11 +130,7 @@ class CudaCETransport:
 
     def _word(self, src: int, dst: int, field: int) -> Word:
         """Word ``field`` of channel ``src -> dst`` (``src == dst``: that rank's state) to sleep on."""
-        key = (src, dst, field)
-        word = self._words.get(key)
-        if word is None:
-            word = self._words[key] = Word(self._control, key)
-        return word
+        return self._words[src, dst, field]
 
     def _notify(self, src: int, dst: int, field: int) -> None:
         self._word(src, dst, field).notify()
@@ -323,7 +319,7 @@ class CudaCETransport:
             backend.event_destroy(event)
         self._slots.clear()
         self._streams.clear()
-        self._words.clear()
+        self._words.release()
         del me, self._control
         self._control_shm.close()
         if self._owns_control:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate import wire
-from deepspeed_feplb.segments import (PeerWatch, Word, cleanup, describe_rank, open_segment, peer_check, unlink_quietly,
-                                      wait_until)
+from deepspeed_feplb.segments import (PeerWatch, Word, Words, cleanup, describe_rank, open_segment, peer_check,
+                                      unlink_quietly, wait_until)
 
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
@@ -77,7 +77,7 @@ class ShmTransport:
         self._outgoing: dict[int, shared_memory.SharedMemory] = {}  # dst -> segment we own
         self._incoming: dict[int, tuple[int, shared_memory.SharedMemory]] = {}  # src -> (generation, segment)
         self._expected = np.zeros(size, dtype=np.int64)  # messages received so far, per src
-        self._words: dict[tuple, Word] = {}
+        self._words = Words(self._control)
         self._jobs: queue.Queue = queue.Queue()
         self.closed = False
         self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
@@ -167,12 +167,8 @@ class ShmTransport:
         return tensors
 
     def _word(self, src: int, dst: int, field: int) -> Word:
-        """The header word ``field`` of channel ``src -> dst`` (cached: built once per channel)."""
-        key = (src, dst, field)
-        word = self._words.get(key)
-        if word is None:
-            word = self._words[key] = Word(self._control, key)
-        return word
+        """The header word ``field`` of channel ``src -> dst``, to sleep on or to ring."""
+        return self._words[src, dst, field]
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -192,7 +188,7 @@ class ShmTransport:
             segment.close()
         self._outgoing.clear()
         self._incoming.clear()
-        self._words.clear()
+        self._words.release()
         del self._control
         self._control_shm.close()
         if self._owns_control:
