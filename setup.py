@@ -16,7 +16,9 @@ setup(
         # transformers: AutoEP needs 5.x's fused expert weights; >= 5.23 breaks DeepSpeed's presets (docs/AUTOEP.md)
         "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23"],
         "hf": ["transformers>=5.0,<5.23"],
+        # one CuPy for torch's CUDA major version; install none if the environment already imports cupy
         "gpu": ["cupy-cuda12x>=13"],
+        "gpu-cuda13": ["cupy-cuda13x>=13.6"],
         "plot": ["matplotlib>=3.7", "tqdm>=4.60"],
     },
     entry_points={

@@ -74,7 +74,7 @@ class FEPLBMOELayer(MOELayer):
         balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
         self.domain = get_runtime(self.ep_group, config, transport) if balance else None
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
-                                          on_error=self.domain.watch.check if self.domain else None,
+                                          hidden=self.gate.wg.in_features, on_error=self.domain.watch.check if self.domain else None,
                                           stage_times=self.stage_times)
 
     # ------------------------------------------------------------------ forward

@@ -153,10 +153,10 @@ def test_selection_on_a_cpu_machine():
     from deepspeed_feplb.migrate.shm import ShmTransport
     params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
     auto = load_config({"feplb": {}})
-    assert isinstance(make_dispatcher(auto, None, 2, 4, params), TorchDispatcher)
+    assert isinstance(make_dispatcher(auto, None, 2, 4, params, hidden=64), TorchDispatcher)
     assert transport_class(auto, params) is ShmTransport
     with pytest.raises(FEPLBConfigError, match="feplb.ep_backend"):
-        make_dispatcher(load_config({"feplb": {"ep_backend": "deepep"}}), None, 2, 4, params)
+        make_dispatcher(load_config({"feplb": {"ep_backend": "deepep"}}), None, 2, 4, params, hidden=64)
     if not cuda_available():
         with pytest.raises(FEPLBConfigError, match="feplb.transport"):
             transport_class(load_config({"feplb": {"transport": "cuda_ce"}}), params)

@@ -8,6 +8,8 @@ implement the two methods below with the same row order and exactness, and selec
 from __future__ import annotations
 
 import importlib.util
+import os
+import warnings
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -47,15 +49,38 @@ def _on_cuda_bf16(params) -> tuple[bool, bool]:
     return on_cuda, on_cuda and all(p.dtype == torch.bfloat16 for p in params)
 
 
-def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts: int, expert_params,
+# What the adapter supports of DeepEP: its intranode (NVLink) kernels, whose configurations cover
+# these EP sizes, with bf16 token rows whose bytes are a multiple of 16.
+DEEPEP_EP_SIZES = (2, 4, 8)
+
+
+def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int) -> Optional[str]:
+    """Why the DeepEP adapter cannot serve an EP group of ``ep_size`` ranks (``local_ranks`` per
+    host) with tokens of ``hidden`` bf16 values, or None when it can."""
+    if ep_size not in DEEPEP_EP_SIZES:
+        return f"the adapter runs DeepEP's intranode kernels, which support EP sizes {DEEPEP_EP_SIZES}, not {ep_size}"
+    if ep_size > local_ranks:
+        return (f"the EP group of {ep_size} ranks spans hosts ({local_ranks} ranks per host); the adapter supports "
+                "intranode EP only")
+    if hidden * 2 % 16:
+        return f"DeepEP needs token rows of a multiple of 16 bytes; hidden {hidden} in bf16 is {hidden * 2} bytes"
+    return None
+
+
+_warned: set = set()
+
+
+def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts: int, expert_params, hidden: int,
                     on_error: Optional[Callable[[], None]] = None, stage_times=None) -> Dispatcher:
     """The dispatcher for ``feplb.ep_backend``: ``torch``; ``deepep`` (`FEPLBConfigError` if
-    ``deep_ep`` does not import or the experts are not bf16 on CUDA); ``auto``: DeepEP when all
-    of that holds and ``ep_size > 1``, else torch. ``on_error`` runs when a collective fails
-    (it raises naming a dead peer, if it knows one); ``stage_times`` (a `stats.StageTimes`)
-    receives the host time of backward's all-to-alls."""
+    ``deep_ep`` does not import, the experts are not bf16 on CUDA, or the adapter does not support
+    this EP group and ``hidden``, `deepep_unsupported`); ``auto``: DeepEP when all of that holds and
+    ``ep_size > 1``, else torch (with one warning when only the group or shape rules DeepEP out).
+    ``on_error`` runs when a collective fails (it raises naming a dead peer, if it knows one);
+    ``stage_times`` (a `stats.StageTimes`) receives the host time of backward's all-to-alls."""
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     _, bf16 = _on_cuda_bf16(expert_params)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", ep_size)))
     if config.ep_backend == "deepep":
         if not deepep_available():
             raise FEPLBConfigError("feplb.ep_backend: \"deepep\" needs the deep_ep package on a CUDA build of torch "
@@ -63,7 +88,18 @@ def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts:
         if not bf16:
             raise FEPLBConfigError("feplb.ep_backend: \"deepep\" dispatches bf16 tokens on CUDA; the experts are not "
                                    "bf16 on CUDA; use \"auto\" or \"torch\"")
-    if config.ep_backend == "deepep" or (config.ep_backend == "auto" and bf16 and ep_size > 1 and deepep_available()):
+        reason = deepep_unsupported(ep_size, hidden, local_ranks) if ep_size > 1 else None
+        if reason:
+            raise FEPLBConfigError(f"feplb.ep_backend: \"deepep\": {reason}; use \"auto\" or \"torch\"")
         from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
         return DeepEPDispatcher(group, ep_size, num_local_experts)
+    if config.ep_backend == "auto" and bf16 and ep_size > 1 and deepep_available():
+        reason = deepep_unsupported(ep_size, hidden, local_ranks)
+        if reason is None:
+            from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
+            return DeepEPDispatcher(group, ep_size, num_local_experts)
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"FEPLB: not using DeepEP ({reason}); phase 1 uses torch all_to_all_single", RuntimeWarning,
+                          stacklevel=2)
     return TorchDispatcher(group, ep_size, num_local_experts, on_error=on_error, stage_times=stage_times)

@@ -33,11 +33,16 @@ import torch.distributed as dist
 from deepspeed_feplb.kernels import cuda as kernels
 
 
-class _Done:
-    """Stands in for DeepEP's ``EventOverlap`` of a synchronous call."""
+class _EventOverlap:
+    """DeepEP's ``EventOverlap`` as DeepEP returns it: with ``async_finish=False`` it holds no event
+    and ``current_stream_wait()`` asserts (the call already ordered the current stream after it);
+    with ``async_finish=True`` it holds one (here: the work is done, waiting is a no-op)."""
+
+    def __init__(self, async_finish: bool):
+        self.event = object() if async_finish else None
 
     def current_stream_wait(self) -> None:
-        pass
+        assert self.event is not None
 
 
 class ReferenceBuffer:
@@ -86,7 +91,7 @@ class ReferenceBuffer:
         in_rank = torch.zeros((topk_idx.shape[0], self.group_size), dtype=torch.bool, device=topk_idx.device)
         rows, cols = torch.nonzero(valid, as_tuple=True)
         in_rank[rows, dest[rows, cols]] = True
-        return in_rank.sum(0).to(torch.int32), None, per_expert, in_rank, _Done()
+        return in_rank.sum(0).to(torch.int32), None, per_expert, in_rank, _EventOverlap(async_finish)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
@@ -110,7 +115,8 @@ class ReferenceBuffer:
         if handle is not None:
             matrix = handle[0].long()
             recv_splits = torch.diff(matrix[:, self.rank], prepend=matrix.new_zeros(1)).tolist()
-            return self._all_to_all(x.index_select(0, order), send_splits, recv_splits), None, None, None, None, _Done()
+            return (self._all_to_all(x.index_select(0, order), send_splits, recv_splits), None, None, None, None,
+                    _EventOverlap(async_finish))
 
         counts = self._exchange_counts(torch.tensor(send_splits, dtype=torch.long, device=x.device))
         recv_splits = counts[:, self.rank].tolist()
@@ -143,7 +149,7 @@ class ReferenceBuffer:
         prefix = torch.cumsum(counts, 0).to(torch.int32)
         zeros = torch.zeros((self.group_size, 1), dtype=torch.int32, device=x.device)
         new_handle = (prefix, zeros, zeros.clone(), recv_src_idx, in_rank, send_head)
-        return recv_x, recv_idx, recv_weights, expert_list, new_handle, _Done()
+        return recv_x, recv_idx, recv_weights, expert_list, new_handle, _EventOverlap(async_finish)
 
     def combine(self, x: torch.Tensor, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -172,7 +178,7 @@ class ReferenceBuffer:
         if back_w is not None:
             combined_w = torch.zeros((in_rank.shape[0], back_w.shape[1]), dtype=back_w.dtype, device=x.device)
             combined_w.index_add_(0, tokens, back_w)
-        return out.to(x.dtype), combined_w, _Done()
+        return out.to(x.dtype), combined_w, _EventOverlap(async_finish)
 
 
 # ------------------------------------------------------------------------------ autograd pieces
@@ -180,10 +186,9 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, buffer, layout, topk_idx, weights, box):
         per_rank, per_rdma, per_expert, in_rank = layout
-        recv_x, recv_idx, _, _, handle, event = buffer.dispatch(
+        recv_x, recv_idx, _, _, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
-        event.current_stream_wait()
         ctx.buffer, ctx.handle = buffer, handle
         ctx.mark_non_differentiable(recv_idx)
         box["handle"] = handle
@@ -191,23 +196,20 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, _):
-        grad, _, event = ctx.buffer.combine(grad_x.contiguous(), ctx.handle)
-        event.current_stream_wait()
+        grad, _, _ = ctx.buffer.combine(grad_x.contiguous(), ctx.handle)
         return grad, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, buffer, handle):
-        out, _, event = buffer.combine(x.contiguous(), handle)
-        event.current_stream_wait()
+        out, _, _ = buffer.combine(x.contiguous(), handle)
         ctx.buffer, ctx.handle = buffer, handle
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        recv, *_, event = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)
-        event.current_stream_wait()
+        recv, *_ = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)
         return recv, None, None
 
 
@@ -272,9 +274,10 @@ class DeepEPDispatcher:
         k, num_tokens = expert_ids.shape
         routes = expert_ids.reshape(-1, 1).long().contiguous()  # route j * S + t
         x_routes = x.repeat(k, 1) if k > 1 else x
-        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
+        # synchronous calls (async_finish=False): DeepEP orders the current stream after its work and
+        # returns an EventOverlap without an event, whose current_stream_wait() would assert
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             routes, self.ep_size * self.num_local_experts)
-        event.current_stream_wait()
         weights = torch.ones(routes.shape, dtype=torch.float32, device=x.device)
         box: dict = {}
         recv_x, recv_idx = _Dispatch.apply(x_routes, buffer, (per_rank, per_rdma, per_expert, in_rank), routes,

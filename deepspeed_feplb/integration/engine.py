@@ -100,7 +100,8 @@ def check_consistency(model, config: FEPLBConfig) -> None:
                 f"{module.num_local_experts} local experts per rank of {where}; use at most {module.num_local_experts}")
         params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
         transport_class(config, params)
-        make_dispatcher(config, None, 1, module.num_local_experts, params)
+        make_dispatcher(config, None, module.ep_size, module.num_local_experts, params,
+                        hidden=module.deepspeed_moe.gate.wg.in_features)
 
 
 def _as_dict(ds_config) -> dict:

@@ -1,17 +1,16 @@
-"""Loader and launchers of the CUDA kernels in ``ops/feplb_kernels.cu`` (CuPy `RawModule`).
+"""Loader and launchers of the CUDA kernels in ``ops/feplb_kernels.cu`` (through CuPy).
 
 Each launcher takes torch tensors. CUDA tensors run the kernel on torch's current stream; CPU
 tensors run the reference of the same contract (`deepspeed_feplb.kernels.reference`), so callers need
 no device branch. CuPy is imported lazily: importing this module never needs it.
 
-The module is compiled on first use per device with NVRTC (CuPy's default, needs libnvrtc:
-``pip install "cupy-cuda12x[ctk]"`` or a CUDA toolkit); set ``FEPLB_KERNEL_BACKEND=nvcc`` to use
-nvcc instead. `compile_cubin` compiles ahead of time (no GPU needed) and is what the CPU tests
-run for sm_90.
+The module is compiled on first use per device with NVRTC (libnvrtc ships with the CuPy wheels'
+``[ctk]`` extra or a CUDA toolkit) and exactly `OPTIONS`; `compile_cubin` compiles ahead of time
+with nvcc (no GPU needed) and is what the CPU tests run for sm_90.
 """
 from __future__ import annotations
 
-import os
+import math
 import threading
 from pathlib import Path
 
@@ -23,7 +22,10 @@ from deepspeed_feplb.kernels import reference
 SOURCE_NAME = "feplb_kernels.cu"
 KERNELS = ("feplb_gather_rows", "feplb_scatter_rows", "feplb_expert_counts", "feplb_expert_positions",
            "feplb_weighted_combine_f32", "feplb_weighted_combine_bf16", "feplb_weighted_combine_f16")
-OPTIONS = ("-std=c++17", )
+# -ftz=false: flushing subnormals would make the combine kernel differ from torch on them. CuPy's
+# RawModule appends -ftz=true to any options, so the kernels are compiled with NVRTC directly and
+# loaded as a plain module (`_module`).
+OPTIONS = ("-std=c++17", "-ftz=false")
 _COMBINE = {torch.float32: "feplb_weighted_combine_f32", torch.bfloat16: "feplb_weighted_combine_bf16",
             torch.float16: "feplb_weighted_combine_f16"}
 _THREADS = 256
@@ -59,24 +61,36 @@ _modules: dict = {}
 _lock = threading.Lock()
 
 
-def _module(device_index: int):
+def compile_for_device(arch: str) -> bytes:
+    """The kernels for ``sm_<arch>`` (cubin, or PTX when NVRTC cannot target it) with NVRTC and
+    exactly `OPTIONS` (no CuPy defaults added)."""
+    from cupy.cuda import compiler
+    compiled = compiler.compile_using_nvrtc(source(), options=OPTIONS, arch=arch)
+    compiled = compiled[0] if isinstance(compiled, tuple) else compiled  # CuPy 14 also returns a name map
+    return compiled.encode() if isinstance(compiled, str) else bytes(compiled)
+
+
+def _module(device_index: int) -> dict:
+    """{kernel name: CuPy function} on ``device_index``, compiled once per process and device."""
     import cupy
+    from cupy.cuda import function
     with _lock:
-        module = _modules.get(device_index)
-        if module is None:
-            backend = os.environ.get("FEPLB_KERNEL_BACKEND", "nvrtc")
-            with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(code=source(), options=OPTIONS, backend=backend)
-                for name in KERNELS:  # compile now, on this device, not in the middle of a step
-                    module.get_function(name)
-            _modules[device_index] = module
-        return module
+        functions = _modules.get(device_index)
+        if functions is None:
+            with cupy.cuda.Device(device_index) as device:
+                module = function.Module()
+                module.load(compile_for_device(device.compute_capability))
+                # every kernel now, on this device, not in the middle of a step
+                functions = {name: module.get_function(name) for name in KERNELS}
+                functions["__module__"] = module  # the functions need their module alive
+            _modules[device_index] = functions
+        return functions
 
 
 def _launch(name: str, device: torch.device, blocks: int, args: tuple) -> None:
     import cupy
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _module(index).get_function(name)
+    kernel = _module(index)[name]
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(index):
         external = cupy.cuda.ExternalStream(stream.cuda_stream, index)
@@ -89,7 +103,8 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 
 
 def _row_bytes(t: torch.Tensor) -> int:
-    return (t.numel() // max(t.shape[0], 1)) * t.element_size() if t.dim() else t.element_size()
+    """Bytes of one row (``t[i]``); from the shape, so a 0-row tensor still has its row size."""
+    return math.prod(t.shape[1:]) * t.element_size() if t.dim() else t.element_size()
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

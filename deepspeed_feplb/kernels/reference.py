@@ -66,8 +66,10 @@ def weighted_combine(rows: torch.Tensor, slot: torch.Tensor, weight: torch.Tenso
     (what ``(routed * gates).sum(0).to(dtype)`` in `TorchDispatcher.combine` computes).
     """
     t, k = slot.shape
-    routed = gather_rows(rows, slot.reshape(-1)).view(t, k, -1).float()
-    out = routed[:, 0] * weight[:, 0:1].float() if k else rows.new_zeros((t, rows.shape[1]), dtype=torch.float32)
+    if k == 0:
+        return rows.new_zeros((t, rows.shape[1]))
+    routed = gather_rows(rows, slot.reshape(-1)).view(t, k, rows.shape[1]).float()
+    out = routed[:, 0] * weight[:, 0:1].float()
     for j in range(1, k):
         out = out + routed[:, j] * weight[:, j:j + 1].float()
     return out.to(rows.dtype)

@@ -68,8 +68,8 @@ def transport_class(config: FEPLBConfig, expert_params) -> type:
     params = list(expert_params)
     on_cuda = bool(params) and all(p.is_cuda for p in params)
     if config.transport == "cuda_ce" and not cuda_available():
-        raise FEPLBConfigError("feplb.transport: \"cuda_ce\" needs a CUDA device and CuPy (pip install cupy-cuda12x); "
-                               "use \"auto\" or \"shm\"")
+        raise FEPLBConfigError("feplb.transport: \"cuda_ce\" needs a CUDA device and CuPy (the gpu or gpu-cuda13 "
+                               "extra, docs/GPU.md); use \"auto\" or \"shm\"")
     if config.transport == "cuda_ce" or (config.transport == "auto" and on_cuda and cuda_available()):
         from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
         return CudaCETransport

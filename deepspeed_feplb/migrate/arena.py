@@ -20,6 +20,7 @@ weight-gradients).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -76,6 +77,7 @@ class PeerArena:
         self.peers: dict[int, tuple[int, int]] = {}  # rank in group -> (ptr, nbytes)
         self.rank: int | None = None
         self.closed = False
+        self._views: weakref.WeakSet = weakref.WeakSet()
 
     def exchange(self, group=None) -> None:
         import torch.distributed as dist
@@ -99,11 +101,24 @@ class PeerArena:
         size = nbytes_of(dtype, shape)
         if offset < 0 or offset + size > self.size_of(rank):
             raise ValueError(f"view [{offset}, {offset + size}) outside arena of rank {rank} ({self.size_of(rank)} bytes)")
-        return wrap_pointer(self.backend, self.ptr_of(rank) + offset, shape, dtype, owner=self)
+        if self.closed:
+            raise RuntimeError("PeerArena is closed: its memory is freed")
+        view = wrap_pointer(self.backend, self.ptr_of(rank) + offset, shape, dtype, owner=self)
+        self._views.add(view._base if view._base is not None else view)  # derived views keep their base alive
+        return view
+
+    def live_views(self) -> int:
+        """Views from `tensor` still referenced (their memory must outlive them)."""
+        return len(self._views)
 
     def close(self, group=None) -> None:
+        """Unmap the peers, wait for them (``group``), free. Refuses while views from `tensor` live:
+        freeing under them would let later writes land in memory CUDA may hand out again."""
         if self.closed:
             return
+        if self._views:
+            raise RuntimeError(f"PeerArena.close: {len(self._views)} view(s) from tensor() are still referenced; "
+                               "drop them first")
         self.closed = True
         for ptr, _ in self.peers.values():
             self.backend.ipc_close(ptr)

@@ -289,6 +289,14 @@ class CudaCETransport:
             self._jobs[dst].put(None)
         for thread in self._threads.values():
             thread.join(timeout=self.timeout_s)
+        stuck = [dst for dst, thread in self._threads.items() if thread.is_alive()]
+        if stuck:  # a copy may still run into these buffers: leak them rather than free (or unmap) under it
+            import warnings
+            warnings.warn(f"FEPLB: copy thread(s) to local rank(s) {stuck} of domain {self.name} did not stop within "
+                          f"{self.timeout_s:g} s; their device buffers are not freed", RuntimeWarning, stacklevel=2)
+            if self._owns_control:
+                unlink_quietly(self._control_shm)  # the name only: the mapping stays valid for the thread
+            return
         backend = self.backend
         for dst in list(self._mapped):
             self._unmap(dst)

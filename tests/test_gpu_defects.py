@@ -1,0 +1,197 @@
+"""Defects a review of the GPU path found before it ever ran on a GPU, each pinned on CPU.
+
+DeepEP's synchronous events, where the DeepEP adapter is selected, CuPy's default -ftz=true,
+row sizes of empty sources, a combine over k = 0 routes, arenas freed under live views, and a
+transport freeing buffers that a stuck copy thread may still use.
+"""
+import gc
+import secrets
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from deepspeed_feplb.config import FEPLBConfigError, load_config
+
+
+# ------------------------------------------------------------------ 1. DeepEP's EventOverlap
+def test_reference_events_behave_like_deepeps():
+    """DeepEP returns EventOverlap(None) from synchronous calls; its current_stream_wait() asserts."""
+    from deepspeed_feplb.dispatch.deepep import ReferenceBuffer
+    buffer = ReferenceBuffer(None)
+    ids = torch.tensor([[0, 1], [1, -1]])
+    *_, sync_event = buffer.get_dispatch_layout(ids, 2)
+    with pytest.raises(AssertionError):
+        sync_event.current_stream_wait()
+    *_, async_event = buffer.get_dispatch_layout(ids, 2, async_finish=True)
+    async_event.current_stream_wait()
+
+
+def test_the_adapter_never_waits_on_a_synchronous_event():
+    """Single rank, the whole adapter path (layout, dispatch, combine, backward) on the reference."""
+    from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher, ReferenceBuffer
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+    x = torch.randn(5, 8, requires_grad=True)
+    ids = torch.tensor([[0, 1, 2, 0, 1], [2, 0, -1, 1, 2]])
+    gates = torch.rand(2, 5)
+    ours = DeepEPDispatcher(None, 1, 3, buffer=ReferenceBuffer(None))
+    rows, counts, handle = ours.dispatch(x, ids)
+    out = ours.combine(rows * 2, gates, handle)
+    ref_rows, ref_counts, ref_handle = TorchDispatcher(None, 1, 3).dispatch(x, ids)
+    assert torch.equal(rows, ref_rows) and (counts == ref_counts).all()
+    out.sum().backward()
+    assert torch.allclose(out, TorchDispatcher(None, 1, 3).combine(ref_rows * 2, gates, ref_handle))
+    assert x.grad is not None
+
+
+# ------------------------------------------------------------------ 2. where DeepEP is selected
+def test_deepep_is_only_offered_where_the_adapter_works():
+    from deepspeed_feplb.dispatch import deepep_unsupported
+    assert deepep_unsupported(8, 4096, 8) is None
+    assert "EP sizes" in deepep_unsupported(16, 4096, 16)
+    assert "spans hosts" in deepep_unsupported(8, 4096, 4)
+    assert "multiple of 16 bytes" in deepep_unsupported(8, 100, 8)
+
+
+@pytest.fixture
+def deepep_present(monkeypatch):
+    """As on a GPU host with deep_ep: bf16 CUDA experts, DeepEP importable (nothing is created)."""
+    import deepspeed_feplb.dispatch as dispatch
+    monkeypatch.setattr(dispatch, "deepep_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_on_cuda_bf16", lambda params: (True, True))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    return dispatch
+
+
+def test_explicit_deepep_for_an_unsupported_group_is_a_config_error(deepep_present):
+    config = load_config({"feplb": {"ep_backend": "deepep"}})
+    with pytest.raises(FEPLBConfigError, match=r'feplb.ep_backend: "deepep": .*EP sizes'):
+        deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096)
+    with pytest.raises(FEPLBConfigError, match="multiple of 16 bytes"):
+        deepep_present.make_dispatcher(config, None, 8, 4, [], hidden=100)
+    from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
+    assert isinstance(deepep_present.make_dispatcher(config, None, 8, 4, [], hidden=4096), DeepEPDispatcher)
+
+
+def test_auto_falls_back_to_torch_with_one_warning(deepep_present):
+    from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+    config = load_config({"feplb": {}})
+    with pytest.warns(RuntimeWarning, match="not using DeepEP"):
+        assert isinstance(deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096), TorchDispatcher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason is said once
+        assert isinstance(deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096), TorchDispatcher)
+    assert isinstance(deepep_present.make_dispatcher(config, None, 8, 4, [], hidden=4096), DeepEPDispatcher)
+
+
+# ------------------------------------------------------------------ 6. no -ftz=true from CuPy
+def test_runtime_compile_keeps_subnormals(monkeypatch):
+    """The kernels are built with exactly OPTIONS (-ftz=false) through NVRTC, never through a CuPy
+    path that appends -ftz=true; a fake CuPy records what the loader asks for."""
+    from deepspeed_feplb.kernels import cuda as kernels
+    calls = {}
+
+    def compile_using_nvrtc(source, options=(), arch=None, **_):
+        calls["options"], calls["arch"] = tuple(options), arch
+        return b"cubin", {}
+
+    class Module:
+        def load(self, data):
+            calls["loaded"] = data
+
+        def get_function(self, name):
+            return name
+
+    class Device:
+        compute_capability = "90"
+
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def raw_module(*args, **kwargs):
+        raise AssertionError("cupy.RawModule appends -ftz=true")
+
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule = raw_module
+    cupy.cuda = types.SimpleNamespace(Device=Device, compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
+                                      function=types.SimpleNamespace(Module=Module))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.compiler", cupy.cuda.compiler)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.function", cupy.cuda.function)
+    monkeypatch.setattr(kernels, "_modules", {})
+    functions = kernels._module(0)
+    assert "-ftz=false" in calls["options"] and "-ftz=true" not in calls["options"]
+    assert calls["arch"] == "90" and calls["loaded"] == b"cubin"
+    assert set(kernels.KERNELS) <= set(functions)
+
+
+# ------------------------------------------------------------------ 7. edge cases
+def test_row_bytes_of_an_empty_source_is_its_row_size():
+    """A gather from a 0-row source writes zero rows for index -1: the kernel needs the row size."""
+    from deepspeed_feplb.kernels.cuda import _row_bytes
+    assert _row_bytes(torch.empty(0, 4, 3)) == 48
+    assert _row_bytes(torch.empty(7, 5, dtype=torch.bfloat16)) == 10
+    from deepspeed_feplb.kernels import reference
+    out = reference.gather_rows(torch.empty(0, 4), torch.tensor([-1, -1]))
+    assert torch.equal(out, torch.zeros(2, 4))
+
+
+def test_combine_of_zero_routes_is_zero():
+    from deepspeed_feplb.kernels import reference
+    out = reference.weighted_combine(torch.randn(3, 4), torch.zeros(5, 0, dtype=torch.long), torch.zeros(5, 0))
+    assert torch.equal(out, torch.zeros(5, 4))
+
+
+def test_an_arena_is_not_freed_under_live_views():
+    from deepspeed_feplb.migrate.arena import PeerArena
+    from deepspeed_feplb.migrate.backend import HostBackend
+    backend = HostBackend(prefix=f"feplb-test-{secrets.token_hex(4)}")
+    arena = PeerArena(backend, 1024)
+    view = arena.tensor(None, 0, (4, ), torch.int64)
+    derived = view[1:]
+    del view
+    with pytest.raises(RuntimeError, match="still referenced"):
+        arena.close()
+    del derived
+    gc.collect()
+    arena.close()
+    assert backend.live()["owned"] == []
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.tensor(None, 0, (4, ), torch.int64)
+
+
+def test_a_stuck_copy_thread_keeps_its_buffers(monkeypatch):
+    from deepspeed_feplb.migrate.backend import HostBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+    from deepspeed_feplb.segments import cleanup, leftover_segments
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    backend = HostBackend(prefix=f"{name}-mem")
+    transport = CudaCETransport(name, 0, 2, 0.2, True, backend=backend, capacity_bytes=4096)
+    real = transport._threads[1]
+
+    class Stuck:
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return True
+
+    transport._threads[1] = Stuck()
+    with pytest.warns(RuntimeWarning, match="not freed"):
+        transport.close()
+    assert backend.live()["owned"], "the slot was freed although a copy thread may still write to it"
+    assert not [n for n in leftover_segments(name) if n.endswith("-cectl")], "the control segment's name stays"
+    real.join(5)
+    cleanup(name)
+    assert not leftover_segments(name)
