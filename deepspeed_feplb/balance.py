@@ -34,9 +34,38 @@ StaticFn = Callable[[torch.Tensor, np.ndarray, list], torch.Tensor]
 
 @dataclass
 class ComputeTimes:
-    """What the previous micro-batch's expert compute took on this rank (sizes the ``auto`` budget)."""
+    """What the previous micro-batch's expert compute took on this rank (sizes the ``auto`` budget).
+
+    On CUDA the host clock around asynchronous launches would time the launches, not the GEMMs:
+    there the stage boundaries are CUDA events, read when the next micro-batch starts (they have
+    finished by then; if not, the older figures stay). On CPU it is the host clock.
+    """
     static_seconds: float = 0.0
     expert_seconds: float = 0.0
+    pending: Optional[tuple] = None  # CUDA events (begin, static done, end) not read yet
+
+    def clock(self, device: torch.device) -> Callable[[], object]:
+        """A function that marks "now" on ``device``'s timeline (first reads the last micro-batch's events)."""
+        if device.type != "cuda":
+            return time.perf_counter
+        if self.pending is not None and self.pending[-1].query():
+            begin, static_done, end = self.pending
+            self.static_seconds = begin.elapsed_time(static_done) / 1e3
+            self.expert_seconds = begin.elapsed_time(end) / 1e3
+            self.pending = None
+
+        def mark():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return mark
+
+    def finish(self, begin, static_done, end) -> None:
+        """The marks of this micro-batch (host seconds, or CUDA events to read next time)."""
+        if isinstance(begin, float):
+            self.static_seconds, self.expert_seconds = static_done - begin, end - begin
+        else:
+            self.pending = (begin, static_done, end)
 
 
 def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.nn.Module],
@@ -51,7 +80,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later).
     """
     stage_times = stage_times if stage_times is not None else StageTimes()
-    begin = time.perf_counter()
+    mark = times.clock(rows.device)
+    begin = mark()
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     seq = domain.next_seq()
     constraints = PlanConstraints.from_config(config, expert_bytes, times.static_seconds, times.expert_seconds)
@@ -60,16 +90,15 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
     static = [e for e in range(len(modules)) if e not in dynamic]
     outs: list = [None] * len(modules)
-    start = time.perf_counter()
-    if static_fn is not None:
-        static_y = static_fn(rows, counts, static)
-        for e, y in zip(static, static_y.split([int(counts[e]) for e in static])):
-            outs[e] = y
-    else:
-        for e in static:
-            outs[e] = spec.call(modules[e], params[e], spec.buffers(modules[e]), rows[starts[e]:starts[e + 1]])
-    times.static_seconds = time.perf_counter() - start
-    stage_times.add("static experts", times.static_seconds)
+    with stage_times.measure("static experts"):
+        if static_fn is not None:
+            static_y = static_fn(rows, counts, static)
+            for e, y in zip(static, static_y.split([int(counts[e]) for e in static])):
+                outs[e] = y
+        else:
+            for e in static:
+                outs[e] = spec.call(modules[e], params[e], spec.buffers(modules[e]), rows[starts[e]:starts[e + 1]])
+    static_done = mark()
 
     with stage_times.measure("plan wait"):
         planned = domain.scheduler.plan(seq)
@@ -84,5 +113,5 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if config.stats.enabled:
         stats = {**layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks),
                  "domain_counts": planned.counts, "seq": seq}
-    times.expert_seconds = time.perf_counter() - begin
+    times.finish(begin, static_done, mark())
     return torch.cat(outs), stats

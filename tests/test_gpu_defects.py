@@ -195,3 +195,45 @@ def test_a_stuck_copy_thread_keeps_its_buffers(monkeypatch):
     real.join(5)
     cleanup(name)
     assert not leftover_segments(name)
+
+
+# ------------------------------------------------------------------ 3. auto budget timed on the device
+def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatch):
+    """Host time around asynchronous launches measures the launches: on CUDA the static-expert and
+    expert times that size ce_budget "auto" come from CUDA events, read once they completed."""
+    from deepspeed_feplb.balance import ComputeTimes
+
+    class Event:  # a CUDA event on a fake device timeline: the GPU runs 5 ms behind the host
+        now = 0.0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.done = None, False
+
+        def record(self):
+            Event.now += 10.0  # ms of GPU work between two marks
+            self.at = Event.now
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    times = ComputeTimes()
+    mark = times.clock(torch.device("cuda", 0))
+    begin, static_done, end = mark(), mark(), mark()
+    times.finish(begin, static_done, end)
+    assert (times.static_seconds, times.expert_seconds) == (0.0, 0.0)  # nothing read yet: the GPU is still busy
+    times.clock(torch.device("cuda", 0))
+    assert times.pending is not None  # not complete: not read, older figures kept
+    for event in times.pending:
+        event.done = True
+    times.clock(torch.device("cuda", 0))
+    assert times.static_seconds == pytest.approx(0.010) and times.expert_seconds == pytest.approx(0.020)
+    cpu = ComputeTimes()
+    mark = cpu.clock(torch.device("cpu"))
+    begin = mark()
+    cpu.finish(begin, begin + 0.5, begin + 2.0)
+    assert (cpu.static_seconds, cpu.expert_seconds) == (0.5, 2.0)
