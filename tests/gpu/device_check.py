@@ -1,0 +1,347 @@
+"""The device check: every GPU-path check in one run, one JSON of figures written after each stage.
+
+    python tests/gpu/device_check.py --out DIR          # on a GPU machine: fails without CUDA or CuPy
+    python tests/gpu/device_check.py --cpu --out DIR    # the dry run CI does: same stages, CPU stand-ins
+
+Stages (each records ``ok`` and its figures in ``DIR/device_checks.json`` as soon as it ends, so a
+time-out still leaves data):
+
+1. ``preflight``: versions, device; on a GPU run, CUDA and CuPy must work (the check fails, never skips).
+2. ``kernels``: every kernel of ops/feplb_kernels.cu against its torch reference, bit for bit, over
+   dtypes and edge shapes (0 rows, odd row bytes, k = 0, subnormal values in the combine).
+3. ``copy``: bandwidth of the project's own copy path (``backend.memcpy_async`` between two
+   allocations) against torch's copy of the same bytes, and (CUDA) whether the profiler saw a
+   memcpy and no kernel during it, i.e. the copy ran on a copy engine.
+4. ``overlap``: (CUDA) slowdown of a large bf16 GEMM and of an HBM-bound kernel while copies run
+   on a copy stream (`bench_ce_overlap.py`).
+5. ``transport``: two processes (on one GPU, CUDA IPC works between them) exchange messages through
+   `CudaCETransport` with injected GPU delays before the data is produced and before it is
+   consumed, so a missing event wait corrupts data instead of passing by luck.
+6. ``layer``: the FEPLB layer (transport ``cuda_ce``; ``shm`` in the dry run) against DeepSpeed's
+   MoE on 2 ranks, fp32 with TF32 off: outputs and gradients within 1e-5, tokens migrated > 0.
+7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
+   dispatcher on the device.
+8. ``leaks``: no ``feplb-`` segment left in /dev/shm, device memory back to where it started.
+9. ``gpu_tests``: (CUDA) ``pytest tests/gpu`` with none skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(HERE)]
+
+import torch  # noqa: E402
+
+
+class Check:
+    """Runs the stages in order and rewrites the JSON after each one."""
+
+    def __init__(self, out: Path, cpu: bool):
+        self.out, self.cpu = out, cpu
+        self.device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+        self.result = {"mode": "cpu dry run" if cpu else "cuda", "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "stages": {}}
+
+    def stage(self, name: str, fn) -> bool:
+        start = time.perf_counter()
+        try:
+            figures = fn() or {}
+            ok = bool(figures.pop("ok", True))
+        except Exception as exc:  # noqa: BLE001 - a stage that fails is reported, the next ones still run
+            figures, ok = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}, False
+        self.result["stages"][name] = {"ok": ok, "seconds": round(time.perf_counter() - start, 2), **figures}
+        self.result["ok"] = all(s["ok"] for s in self.result["stages"].values())
+        (self.out / "device_checks.json").write_text(json.dumps(self.result, indent=1, default=str))
+        print(f"[{name}] {'ok' if ok else 'FAILED'} {json.dumps(figures, default=str)[:400]}", flush=True)
+        return ok
+
+
+# ------------------------------------------------------------------ 1. preflight
+def preflight(check: Check) -> dict:
+    figures = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda}
+    try:
+        import cupy
+        figures["cupy"] = cupy.__version__
+    except ImportError:
+        figures["cupy"] = None
+    if check.cpu:
+        return figures
+    from deepspeed_feplb.migrate import cuda_available
+    figures["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if not cuda_available():
+        return {**figures, "ok": False, "error": "no CUDA device usable by torch and CuPy: the GPU path cannot run"}
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    figures["free_bytes"], figures["total_bytes"] = torch.cuda.mem_get_info(0)
+    return figures
+
+
+# ------------------------------------------------------------------ 2. kernels
+def kernels(check: Check) -> dict:
+    from deepspeed_feplb.kernels import cuda as k
+    from deepspeed_feplb.kernels import reference as ref
+    dev, g = check.device, torch.Generator().manual_seed(0)
+    cases, failed = 0, []
+
+    def same(name, got, want):
+        nonlocal cases
+        cases += 1
+        if not torch.equal(got.cpu(), want):
+            failed.append(name)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8):
+        for rows, hidden in ((0, 16), (1, 7), (300, 64), (300, 7168)):
+            src = (torch.randn(rows, hidden, generator=g) * 100).to(dtype)
+            index = torch.randint(-1, max(rows, 1), (257, ), generator=g) if rows else torch.full((5, ), -1)
+            same(f"gather {dtype} {rows}x{hidden}", k.gather_rows(src.to(dev), index.to(dev)), ref.gather_rows(src, index))
+            perm = torch.randperm(rows, generator=g)
+            dst = torch.zeros_like(src)
+            same(f"scatter {dtype} {rows}x{hidden}", k.scatter_rows(src.to(dev), perm.to(dev), dst.to(dev)),
+                 ref.scatter_rows(src, perm, torch.zeros_like(src)))
+    for routes, experts in ((0, 4), (1, 1), (1000, 8), (70000, 33)):
+        e = torch.randint(-1, experts + 1, (routes, ), generator=g)
+        counts, position = k.expert_positions(e.to(dev), experts)
+        want_counts = ref.expert_counts(e, experts)
+        same(f"expert_counts {routes}/{experts}", counts, want_counts)
+        same(f"expert_positions {routes}/{experts}", position,
+             ref.expert_positions(e, experts, torch.cumsum(want_counts, 0) - want_counts))
+    tiny = torch.finfo(torch.float32).tiny
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for kk in (0, 1, 4):
+            rows = torch.randn(400, 256, generator=g)
+            rows[:50] *= tiny / 8  # subnormals: flushed to zero by -ftz=true, kept by torch
+            rows = rows.to(dtype)
+            slot = torch.randint(-1, 400, (150, kk), generator=g)
+            weight = torch.rand(150, kk, generator=g)
+            same(f"combine {dtype} k={kk}", k.weighted_combine(rows.to(dev), slot.to(dev), weight.to(dev)),
+                 ref.weighted_combine(rows, slot, weight))
+    return {"ok": not failed, "cases": cases, "failed": failed[:20]}
+
+
+# ------------------------------------------------------------------ 3. copy bandwidth
+def copy(check: Check) -> dict:
+    from deepspeed_feplb.migrate.backend import CudaBackend, HostBackend
+    nbytes = (8 << 20) if check.cpu else (256 << 20)
+    backend = HostBackend(prefix=f"feplb-devcheck-{os.getpid()}") if check.cpu else CudaBackend()
+    src, dst = backend.malloc(nbytes), backend.malloc(nbytes)
+    stream = backend.stream_create()
+    reps = 5 if check.cpu else 20
+
+    def ours():
+        for _ in range(reps):
+            backend.memcpy_async(dst, src, nbytes, stream)
+
+    def sync():
+        if not check.cpu:
+            torch.cuda.synchronize()
+
+    ours()
+    sync()
+    start = time.perf_counter()
+    ours()
+    sync()
+    ours_gbps = reps * nbytes / (time.perf_counter() - start) / 1e9
+    a = torch.empty(nbytes, dtype=torch.uint8, device=check.device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    sync()
+    torch_gbps = reps * nbytes / (time.perf_counter() - start) / 1e9
+    figures = {"bytes": nbytes, "ours_gbps": round(ours_gbps, 1), "torch_copy_gbps": round(torch_gbps, 1)}
+    if not check.cpu:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            backend.memcpy_async(dst, src, nbytes, stream)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        figures["profiled"] = names[:10]
+        figures["copy_engine"] = any("memcpy" in n.lower() for n in names) and not any(
+            "memcpy" not in n.lower() and "memset" not in n.lower() for n in names)
+    del a, b
+    backend.stream_destroy(stream)
+    backend.free(src)
+    backend.free(dst)
+    return figures
+
+
+# ------------------------------------------------------------------ 4. overlap
+def overlap(check: Check) -> dict:
+    if check.cpu:
+        return {"skipped_in_dry_run": "needs a GPU's copy engine"}
+    path = check.out / "ce_overlap.json"
+    run = subprocess.run([sys.executable, str(HERE / "bench_ce_overlap.py"), str(path)], capture_output=True, text=True,
+                         timeout=100)
+    figures = json.loads(path.read_text()) if path.exists() else {}
+    return {"ok": run.returncode == 0, **figures, "log": run.stdout[-1500:] + run.stderr[-1500:]}
+
+
+# ------------------------------------------------------------------ 5. transport with delays
+def _transport_worker(cpu: bool, rounds: int) -> dict:
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.backend import CudaBackend, HostBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+    rank = dist.get_rank()
+    names = [f"feplb-devcheck-{os.getpid()}-{time.monotonic_ns()}"]
+    dist.broadcast_object_list(names, 0)
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if not cpu:
+        torch.cuda.set_device(0)
+
+    def make(create):
+        backend = HostBackend(prefix=f"{names[0]}-mem") if cpu else CudaBackend()
+        return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, capacity_bytes=1 << 16)
+
+    if rank == 0:
+        t = make(True)
+    dist.barrier()
+    if rank:
+        t = make(False)
+
+    def delay():
+        if cpu:
+            time.sleep(0.002)
+        else:
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time on the current stream
+
+    ok, peer = True, 1 - rank
+    for r in range(rounds):
+        g = torch.Generator().manual_seed(100 * r + rank)
+        x = torch.randn(512 * (r + 1), 256, generator=g).to(dev)
+        delay()  # the data below is produced late on the compute stream: the copy must wait for it
+        y = x * 2 + 1
+        future = t.send(peer, r, [y, x.to(torch.bfloat16)])
+        got = t.recv(peer, r)
+        delay()  # and consumed late: the sender must not overwrite the slot before we read it
+        g2 = torch.Generator().manual_seed(100 * r + peer)
+        x2 = torch.randn(512 * (r + 1), 256, generator=g2)
+        ok &= torch.equal(got[0].cpu(), x2 * 2 + 1) and torch.equal(got[1].cpu(), x2.to(torch.bfloat16))
+        future.result(timeout=60)
+    capacities = t.capacities()
+    dist.barrier()
+    t.close()
+    return {"ok": bool(ok), "capacities": capacities}
+
+
+def transport(check: Check) -> dict:
+    from deepspeed_feplb.testing import run_distributed
+    results = run_distributed(_transport_worker, 2, check.cpu, 8, timeout=120)
+    return {"ok": all(r["ok"] for r in results), "slot_bytes_after_growth": [r["capacities"] for r in results]}
+
+
+# ------------------------------------------------------------------ 6. layer vs DeepSpeed
+def _layer_worker(cpu: bool) -> dict:
+    import moe_cases
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if not cpu:
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0}}
+    reference, ours = moe_cases.build_pair(16, 2, 2, {**feplb, "max_helpers_per_expert": 4}, seed=2)
+    reference, ours = reference.to(dev), ours.to(dev)
+    x, w = moe_cases.rank_inputs(2)
+    ref = moe_cases.run_layer(reference, x.to(dev), w.to(dev))
+    got = moe_cases.run_layer(ours, x.to(dev), w.to(dev))
+    errors = [moe_cases.relative_error(got[0], ref[0]), moe_cases.relative_error(got[1], ref[1])]
+    errors += [moe_cases.relative_error(got[2][n], ref[2][n]) for n in ref[2]]
+    transport_name = type(ours.deepspeed_moe.domain.transport).__name__
+    return {"worst_error": max(errors), "migrated": int(ours.feplb_stats["migrated_tokens"]), "transport": transport_name}
+
+
+def layer(check: Check) -> dict:
+    from deepspeed_feplb.testing import run_distributed
+    results = run_distributed(_layer_worker, 2, check.cpu, timeout=120)
+    worst = max(r["worst_error"] for r in results)
+    migrated = sum(r["migrated"] for r in results)
+    return {"ok": worst <= 1e-5 and migrated > 0, "worst_relative_error": worst, "migrated_tokens": migrated,
+            "transport": results[0]["transport"]}
+
+
+# ------------------------------------------------------------------ 7. DeepEP adapter
+def deepep(check: Check) -> dict:
+    from deepspeed_feplb.dispatch import deepep_available
+    from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher, ReferenceBuffer
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+    dev, g = check.device, torch.Generator().manual_seed(7)
+    x = torch.randn(257, 64, generator=g).to(dev).requires_grad_(True)
+    ids = torch.randint(-1, 12, (2, 257), generator=g).to(dev)
+    gates = torch.rand(2, 257, generator=g).to(dev)
+    ours = DeepEPDispatcher(None, 1, 12, buffer=ReferenceBuffer(None))
+    rows, counts, handle = ours.dispatch(x, ids)
+    out = ours.combine(rows * 3, gates, handle)
+    out.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    base = TorchDispatcher(None, 1, 12)
+    ref_rows, ref_counts, ref_handle = base.dispatch(x, ids)
+    ref_out = base.combine(ref_rows * 3, gates, ref_handle)
+    ref_out.sum().backward()
+    equal = (torch.equal(rows, ref_rows) and (counts == ref_counts).all() and torch.equal(out, ref_out)
+             and torch.equal(grad, x.grad))
+    return {"ok": bool(equal), "deep_ep_importable": deepep_available(), "buffer": "ReferenceBuffer (EP size 1)"}
+
+
+# ------------------------------------------------------------------ 8. leaks, 9. gpu tests
+def leaks(check: Check, baseline_bytes: int, segments_before: set) -> dict:
+    from deepspeed_feplb.segments import leftover_segments
+    left = sorted(set(leftover_segments()) - segments_before)  # another job's segments are not ours
+    figures = {"dev_shm_feplb_segments": left}
+    if not check.cpu:
+        torch.cuda.synchronize()
+        figures["device_bytes_now_vs_start"] = [torch.cuda.memory_allocated(0), baseline_bytes]
+        return {"ok": not left and torch.cuda.memory_allocated(0) <= baseline_bytes, **figures}
+    return {"ok": not left, **figures}
+
+
+def gpu_tests(check: Check) -> dict:
+    if check.cpu:
+        return {"skipped_in_dry_run": "tests/gpu skip without CUDA"}
+    xml = check.out / "gpu_tests.xml"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu", "-p", "no:cacheprovider",
+                          f"--junitxml={xml}"], cwd=ROOT, capture_output=True, text=True, timeout=150)
+    import xml.etree.ElementTree as ET
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    return {"ok": run.returncode == 0 and counts["skipped"] == 0 and counts["tests"] > 0, **counts,
+            "log": run.stdout[-2000:]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="dry run on the CPU (what CI runs)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for device_checks.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.cpu)
+    if not check.stage("preflight", lambda: preflight(check)):
+        return 1  # without CUDA and CuPy nothing else can run: fail, never skip
+    from deepspeed_feplb.segments import leftover_segments
+    baseline = 0 if args.cpu else torch.cuda.memory_allocated(0)
+    segments_before = set(leftover_segments())
+    for name, fn in (("kernels", kernels), ("copy", copy), ("overlap", overlap), ("transport", transport),
+                     ("layer", layer), ("deepep", deepep)):
+        check.stage(name, lambda fn=fn: fn(check))
+    check.stage("leaks", lambda: leaks(check, baseline, segments_before))
+    check.stage("gpu_tests", lambda: gpu_tests(check))
+    print(json.dumps({name: s["ok"] for name, s in check.result["stages"].items()}))
+    return 0 if check.result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
