@@ -237,3 +237,112 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
     begin = mark()
     cpu.finish(begin, begin + 0.5, begin + 2.0)
     assert (cpu.static_seconds, cpu.expert_seconds) == (0.5, 2.0)
+
+
+# ------------------------------------------------------------------ 5. no host waits on the copy path
+def _exchange_counting_host_waits() -> dict:
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.backend import HostBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+
+    class Counting(HostBackend):
+        syncs = recorded = 0
+
+        def event_synchronize(self, event):
+            Counting.syncs += 1
+            super().event_synchronize(event)
+
+        def record_stream(self, tensor, stream):
+            Counting.recorded += 1
+
+    rank = dist.get_rank()
+    names = [f"feplb-test-{secrets.token_hex(4)}"]
+    dist.broadcast_object_list(names, 0)
+    backend = Counting(prefix=f"{names[0]}-mem")
+    if rank == 0:
+        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, capacity_bytes=1 << 14)
+    dist.barrier()
+    if rank:
+        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, capacity_bytes=1 << 14)
+    ok = True
+    for r in range(5):
+        future = t.send(1 - rank, r, [torch.full((64, 8), float(r + rank)), torch.arange(3)])
+        got = t.recv(1 - rank, r)
+        future.result(timeout=20)
+        ok &= torch.equal(got[0], torch.full((64, 8), float(r + 1 - rank)))
+    during = (Counting.syncs, Counting.recorded)
+    dist.barrier()
+    t.close()
+    return {"ok": bool(ok), "syncs_during": during[0], "recorded": during[1]}
+
+
+def test_sends_never_wait_for_the_device_and_keep_their_memory():
+    """A send's future completes once its copies are queued (no event synchronisation per message,
+    which serialised messages and blocked the host), and every sent tensor is kept from reuse by
+    the allocator until its copy ran (record_stream on the copy stream)."""
+    from deepspeed_feplb.testing import run_distributed
+    for result in run_distributed(_exchange_counting_host_waits, 2, timeout=120):
+        assert result["ok"]
+        assert result["syncs_during"] == 0, "the copy thread synchronised on an event per message"
+        assert result["recorded"] == 10
+
+
+def test_events_let_a_waiting_host_thread_sleep():
+    from deepspeed_feplb.migrate.backend import CudaBackend
+    flags = []
+    runtime = types.SimpleNamespace(eventDisableTiming=2, eventBlockingSync=1, eventInterprocess=4,
+                                    eventCreateWithFlags=lambda f: flags.append(f) or 7)
+    backend = object.__new__(CudaBackend)  # no CuPy here: only the runtime calls are faked
+    backend._rt = runtime
+    backend.event_create()
+    backend.event_create(interprocess=True)
+    assert flags == [2 | 1, 2 | 1 | 4]
+
+
+# ------------------------------------------------------------------ 4. the receiver's copy-out
+def _recv_streams() -> dict:
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.backend import HostBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+
+    class Recording(HostBackend):
+        log: list = []
+
+        def memcpy_async(self, dst, src, nbytes, stream):
+            Recording.log.append(("copy", stream))
+            super().memcpy_async(dst, src, nbytes, stream)
+
+        def stream_wait_event(self, stream, event):
+            Recording.log.append(("wait", stream))
+            super().stream_wait_event(stream, event)
+
+    rank = dist.get_rank()
+    names = [f"feplb-test-{secrets.token_hex(4)}"]
+    dist.broadcast_object_list(names, 0)
+    backend = Recording(prefix=f"{names[0]}-mem")
+    if rank == 0:
+        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, capacity_bytes=1 << 14)
+    dist.barrier()
+    if rank:
+        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, capacity_bytes=1 << 14)
+    result = {}
+    if rank == 0:
+        t.send(1, 7, [torch.ones(16), torch.zeros(4)]).result(timeout=20)
+    else:
+        Recording.log.clear()
+        got = t.recv(0, 7)
+        result = {"log": list(Recording.log), "current": backend.current_stream(), "ok": torch.equal(got[0], torch.ones(16))}
+    dist.barrier()
+    t.close()
+    return result
+
+
+def test_the_receiver_copies_out_on_its_receive_stream_not_on_the_compute_stream():
+    from deepspeed_feplb.testing import run_distributed
+    result = run_distributed(_recv_streams, 2, timeout=120)[1]
+    copies = [stream for op, stream in result["log"] if op == "copy"]
+    assert result["ok"] and len(copies) == 2
+    assert all(stream != result["current"] for stream in copies), "the copy-out ran on the compute stream"
+    assert result["log"][-1] == ("wait", result["current"]), "the compute stream must wait for the copy-out"

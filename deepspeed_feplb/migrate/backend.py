@@ -61,7 +61,11 @@ class CudaBackend:
 
     # events and streams
     def event_create(self, interprocess: bool = False) -> int:
-        flags = self._rt.eventDisableTiming | (self._rt.eventInterprocess if interprocess else 0)
+        """An event without timing; a host thread that synchronises on it sleeps (BlockingSync)
+        instead of spinning a core."""
+        flags = self._rt.eventDisableTiming | self._rt.eventBlockingSync
+        if interprocess:
+            flags |= self._rt.eventInterprocess
         return int(self._rt.eventCreateWithFlags(flags))
 
     def event_destroy(self, event: int) -> None:

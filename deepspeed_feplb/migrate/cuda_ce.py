@@ -17,10 +17,13 @@ Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md):
   threads mean a channel that waits for its receiver never delays messages to other ranks.
 * **Ordering across processes with IPC events**, and host-side sequence numbers in a per-domain
   shared-memory control block (as in `ShmTransport`): the sender records its *ready* event after
-  the copies, then publishes ``seq``; the receiver, having seen ``seq``, makes its current stream
-  wait on the ready event, copies the message out of the slot into private tensors, records its
+  the copies, then publishes ``seq``; the receiver, having seen ``seq``, makes its receive stream
+  for that source wait on the ready event, copies the message out of the slot into private
+  tensors there (not on the compute stream, which only waits for the copy), records its
   *consumed* event and publishes ``ack``; the sender's copy stream waits on the consumed event
-  before it overwrites the slot with the next message.
+  before it overwrites the slot with the next message. No host thread waits for the device on
+  this path: a send's future completes once its copies are queued (``record_stream`` keeps the
+  sent tensors' memory until they ran), and events are created with ``BlockingSync``.
 * **Growing a slot** needs the receiver (it owns the memory): the sender closes its mapping and
   asks for ``want`` bytes; the receiver, inside the `recv` that waits for that very message,
   frees the slot (after its last read finished), allocates ``max(want, 2 * capacity)`` and
@@ -116,6 +119,7 @@ class CudaCETransport:
             self._notify(src, local_rank, GEN)
         # sender side: one copy stream, ready event, thread and job queue per destination
         self._streams = {dst: backend.stream_create() for dst in self._peers}
+        self._recv_streams = {src: backend.stream_create() for src in self._peers}
         self._ready = {dst: backend.event_create(interprocess=True) for dst in self._peers}
         for dst in self._peers:
             _put_handle(self._control[local_rank, dst], READY_H, backend.event_handle(self._ready[dst]))
@@ -157,11 +161,12 @@ class CudaCETransport:
 
     # ---------------------------------------------------------------- producer side
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
-        """Queue ``tensors`` for ``dst``; returns a future done once the copies have completed.
+        """Queue ``tensors`` for ``dst``; returns a future done once the copies are *enqueued*.
 
         The copies start when the caller's current stream reaches this call (an event), so the
-        tensors may come straight from the compute stream. They must not be modified until the
-        future is done.
+        tensors may come straight from the compute stream; the host never waits for them. Their
+        memory is kept from reuse until the copies completed (``record_stream`` on the copy
+        stream); they must not be modified afterwards on another stream.
         """
         if dst == self.local_rank:
             raise ValueError("a rank does not send to itself")
@@ -189,8 +194,7 @@ class CudaCETransport:
                     self.backend.bind_thread()
                     bound = True
                 self._write(dst, tag, tensors, ready)
-                self.backend.event_synchronize(self._ready[dst])
-                future.set_result(None)
+                future.set_result(None)  # enqueued: the receiver orders itself after _ready[dst]
             except BaseException as exc:  # the waiting caller re-raises it
                 future.set_exception(exc)
             finally:
@@ -222,6 +226,7 @@ class CudaCETransport:
         backend.stream_wait_event(stream, ready)
         for t, offset in zip(tensors, offsets):
             backend.memcpy_async(peer + offset, t.data_ptr(), t.numel() * t.element_size(), stream)
+            backend.record_stream(t, stream)  # the allocator must not hand t's memory out before the copy ran
         backend.event_record(self._ready[dst], stream)
         meta = channel[META:META + len(tensors) * wire.FIELDS].reshape(len(tensors), wire.FIELDS)
         for row, t, offset in zip(meta, tensors, offsets):
@@ -247,8 +252,9 @@ class CudaCETransport:
     def recv(self, src: int, tag: int) -> list[torch.Tensor]:
         """Block until the next message from ``src`` arrives; return private copies of its tensors.
 
-        The copies are ordered on the caller's current stream (it waits for the sender's copies),
-        so the returned tensors can be used on that stream at once.
+        The copy out of the slot runs on this source's receive stream (after the sender's copies),
+        not on the caller's compute stream, which only waits for it; the returned tensors can be
+        used on the caller's current stream at once.
         """
         channel = self._control[src, self.local_rank]
         expected = self._expected[src] + 1
@@ -261,7 +267,7 @@ class CudaCETransport:
         wait_until(arrived, self.timeout_s, f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
                    peer_check(self.watch, src), word=self._word(src, self.local_rank, SEQ))
         wire.check_tag(tag, channel[TAG], src)
-        backend, stream = self.backend, self.backend.current_stream()
+        backend, stream = self.backend, self._recv_streams[src]
         if src not in self._ready_peer:
             self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
         backend.stream_wait_event(stream, self._ready_peer[src])
@@ -273,7 +279,8 @@ class CudaCETransport:
             out = backend.empty(shape, dtype)
             backend.memcpy_async(out.data_ptr(), slot + offset, out.numel() * out.element_size(), stream)
             tensors.append(out)
-        backend.event_record(self._done[src], stream)
+        backend.event_record(self._done[src], stream)  # consumed: the sender may overwrite the slot
+        backend.stream_wait_event(backend.current_stream(), self._done[src])  # the caller sees the data
         self._expected[src] = expected
         channel[ACK] = expected
         self._notify(src, self.local_rank, ACK)
@@ -298,6 +305,8 @@ class CudaCETransport:
                 unlink_quietly(self._control_shm)  # the name only: the mapping stays valid for the thread
             return
         backend = self.backend
+        for dst in self._peers:  # copies still running into a peer's slot must end before we unmap it
+            backend.event_synchronize(self._ready[dst])
         for dst in list(self._mapped):
             self._unmap(dst)
         for event in [*self._done_peer.values(), *self._ready_peer.values()]:
@@ -318,7 +327,7 @@ class CudaCETransport:
                            word=self._word(peer, peer, IMPORTS_CLOSED))
             except PeerTimeoutError:
                 pass  # a dead peer's mappings went with its process
-        for stream in self._streams.values():
+        for stream in [*self._streams.values(), *self._recv_streams.values()]:
             backend.stream_destroy(stream)
         for src, (ptr, _) in self._slots.items():
             backend.event_synchronize(self._done[src])
@@ -327,6 +336,7 @@ class CudaCETransport:
             backend.event_destroy(event)
         self._slots.clear()
         self._streams.clear()
+        self._recv_streams.clear()
         self._words.release()
         del me, self._control
         self._control_shm.close()
