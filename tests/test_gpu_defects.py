@@ -240,11 +240,25 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
 
 
 # ------------------------------------------------------------------ 5. no host waits on the copy path
+def _transport_pair(backend_cls):
+    """This rank's `CudaCETransport` of a 2-rank domain over ``backend_cls`` (a `HostBackend`)."""
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+    names = [f"feplb-test-{secrets.token_hex(4)}"]
+    dist.broadcast_object_list(names, 0)
+    backend = backend_cls(prefix=f"{names[0]}-mem")
+    rank = dist.get_rank()
+    if rank == 0:
+        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, capacity_bytes=1 << 14)
+    dist.barrier()
+    if rank:
+        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, capacity_bytes=1 << 14)
+    return backend, t
 def _exchange_counting_host_waits() -> dict:
     import torch.distributed as dist
 
     from deepspeed_feplb.migrate.backend import HostBackend
-    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
 
     class Counting(HostBackend):
         syncs = recorded = 0
@@ -257,14 +271,7 @@ def _exchange_counting_host_waits() -> dict:
             Counting.recorded += 1
 
     rank = dist.get_rank()
-    names = [f"feplb-test-{secrets.token_hex(4)}"]
-    dist.broadcast_object_list(names, 0)
-    backend = Counting(prefix=f"{names[0]}-mem")
-    if rank == 0:
-        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, capacity_bytes=1 << 14)
-    dist.barrier()
-    if rank:
-        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, capacity_bytes=1 << 14)
+    backend, t = _transport_pair(Counting)
     ok = True
     for r in range(5):
         future = t.send(1 - rank, r, [torch.full((64, 8), float(r + rank)), torch.arange(3)])
@@ -305,7 +312,6 @@ def _recv_streams() -> dict:
     import torch.distributed as dist
 
     from deepspeed_feplb.migrate.backend import HostBackend
-    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
 
     class Recording(HostBackend):
         log: list = []
@@ -319,14 +325,7 @@ def _recv_streams() -> dict:
             super().stream_wait_event(stream, event)
 
     rank = dist.get_rank()
-    names = [f"feplb-test-{secrets.token_hex(4)}"]
-    dist.broadcast_object_list(names, 0)
-    backend = Recording(prefix=f"{names[0]}-mem")
-    if rank == 0:
-        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, capacity_bytes=1 << 14)
-    dist.barrier()
-    if rank:
-        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, capacity_bytes=1 << 14)
+    backend, t = _transport_pair(Recording)
     result = {}
     if rank == 0:
         t.send(1, 7, [torch.ones(16), torch.zeros(4)]).result(timeout=20)
