@@ -70,6 +70,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _prctl(15, b"feplb-sched")  # PR_SET_NAME: what `ps -o comm` and pkill see
     _prctl(29, 1000)  # PR_SET_TIMERSLACK 1 µs (default 50 µs): a wake-up is not deferred
+    from deepspeed_feplb.plan import passes  # noqa: F401  (the compiled pass, loaded before we say we are up)
     try:
         mailbox = Mailbox(args.mailbox, args.ranks, create=False)
     except FileNotFoundError:
