@@ -1,9 +1,9 @@
 """The planning pass of `policy.plan_domain`, compiled by numba (``cache=True``: a process loads the
 machine code from the cache next to this file; the first process on a machine compiles it).
 
-Water-filling toward a level (the algorithm is described in `policy`). Loaded on the first plan,
-not on import of `policy`: ranks that only read plans (while the domain's rank 0 or scheduler
-process plans) never load it.
+Water-filling toward a level (the algorithm is described in `policy`). Loaded on a process's
+first plan, not on import of `policy`: a rank that always gets its plans from the scheduler
+process never loads it (the process loads it before it says it is up).
 """
 from __future__ import annotations
 

@@ -140,29 +140,12 @@ class ProcessScheduler(InlineScheduler):
         if got is not None:
             self.late_in_a_row = 0
             return DomainPlan(got[0], counts, got[1] * 1e-9, False)
-        if self.mailbox.header[STARTING]:
-            return self._plan_while_starting(seq, counts, constraints)
-        self._on_late_scheduler()  # it was up: late, stalled or dead
-        return self._plan_here(counts, constraints, fallback=True)
-
-    def _plan_while_starting(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> DomainPlan:
-        """Until the process is up, the domain's rank 0 plans for everyone and writes the plan to the
-        mailbox, as the process would; the others read it (and plan themselves only if it is late),
-        so only one rank loads the compiled planner. Not a fallback: nothing was expected yet."""
-        if self.mailbox.owner:
-            planned = self._plan_here(counts, constraints, fallback=False)
-            self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
-            if self.process is None and seq + 1 >= self.start_after_steps:
-                self._start_process()  # this job runs long enough to be worth a process
-            elif self.process is not None and self.process.poll() is not None:
-                self._on_late_scheduler()  # it died before it came up
-            return planned
-        try:
-            got = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.plan_timeout_s,
-                            "rank 0's plan")
-            return DomainPlan(got[0], counts, got[1] * 1e-9, False)
-        except PeerTimeoutError:
-            return self._plan_here(counts, constraints, fallback=False)
+        expected = not self.mailbox.header[STARTING]
+        if self.process is None and self.mailbox.owner and seq + 1 >= self.start_after_steps:
+            self._start_process()  # this job runs long enough to be worth a process
+        elif expected or (self.process is not None and self.process.poll() is not None):
+            self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
+        return self._plan_here(counts, constraints, fallback=expected)
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is
