@@ -221,10 +221,34 @@ def leftover_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
         return []
 
 
-def cleanup(prefix: str = SEGMENT_PREFIX) -> list[str]:
-    """Remove FEPLB segments left behind by killed jobs; returns the removed names."""
+def segments_in_use(prefix: str = SEGMENT_PREFIX) -> dict[str, list[int]]:
+    """``{segment name: pids}`` of the ``prefix`` segments that a live process of this host maps
+    (read from ``/proc/<pid>/maps``; processes we may not inspect are not seen)."""
+    used: dict[str, list[int]] = {}
+    marker = "/dev/shm/" + prefix
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                names = {line.split("/dev/shm/", 1)[1].split()[0] for line in f if marker in line}
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for name in names:
+            used.setdefault(name, []).append(int(entry))
+    return used
+
+
+def cleanup(prefix: str = SEGMENT_PREFIX, keep_in_use: bool = False) -> list[str]:
+    """Remove FEPLB segments left behind by killed jobs; returns the removed names.
+
+    ``keep_in_use``: skip segments a live process still maps (a running job's). The command
+    line uses it; a domain's own teardown does not (its peers may still be unmapping)."""
     removed = []
+    in_use = segments_in_use(prefix) if keep_in_use else {}
     for name in leftover_segments(prefix):
+        if name in in_use:
+            continue
         try:
             os.unlink(os.path.join("/dev/shm", name))
             removed.append(name)
@@ -234,13 +258,24 @@ def cleanup(prefix: str = SEGMENT_PREFIX) -> list[str]:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("cleanup", help="remove /dev/shm segments left by killed FEPLB jobs")
+    parser = subparsers.add_parser(
+        "cleanup", help="remove /dev/shm segments left by killed FEPLB jobs",
+        description="Remove the /dev/shm segments that FEPLB jobs killed with SIGKILL left behind. Segments "
+                    "that a running process still maps (a live job's) are kept and listed.")
     parser.add_argument("--prefix", default=SEGMENT_PREFIX, help="segment name prefix (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="only list what would be removed")
 
     def run(args):
-        names = leftover_segments(args.prefix) if args.dry_run else cleanup(args.prefix)
+        in_use = segments_in_use(args.prefix)
+        if args.dry_run:
+            names = [n for n in leftover_segments(args.prefix) if n not in in_use]
+        else:
+            names = cleanup(args.prefix, keep_in_use=True)
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(names)} segment(s)" + "".join(f"\n  /dev/shm/{n}" for n in names))
+        kept = sorted(n for n in leftover_segments(args.prefix) if n in in_use)
+        if kept:
+            print(f"kept {len(kept)} segment(s) a running process maps" +
+                  "".join(f"\n  /dev/shm/{n} (pid {', '.join(map(str, in_use[n]))})" for n in kept))
 
     parser.set_defaults(func=run)

@@ -98,3 +98,24 @@ def test_scheduler_killed_or_stalled_falls_back_and_recovers():
     leader = results[0]
     assert leader["restarted_after_kill"] and leader["restarted_after_stall"]
     assert leader["recovered"], "the restarted scheduler never served a plan again"
+
+
+def test_cleanup_keeps_the_segments_of_a_running_job(tmp_path):
+    """`python -m deepspeed_feplb cleanup` removes what killed jobs left, never what a live process maps."""
+    import secrets
+
+    from deepspeed_feplb.segments import open_segment, unlink_quietly
+    prefix = f"feplb-test-{secrets.token_hex(4)}-"
+    live = open_segment(prefix + "live", 4096, create=True)  # mapped by this (running) process
+    orphan = open_segment(prefix + "orphan", 4096, create=True)
+    orphan.close()  # unmapped, as a SIGKILLed job leaves it
+    try:
+        run = subprocess.run([sys.executable, "-m", "deepspeed_feplb", "cleanup", "--prefix", prefix],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert leftover_segments(prefix) == [prefix + "live"], run.stdout
+        assert "kept 1 segment(s) a running process maps" in run.stdout and f"pid {os.getpid()}" in run.stdout
+    finally:
+        live.close()
+        unlink_quietly(live)
+        unlink_quietly(orphan)
