@@ -98,3 +98,19 @@ def test_pipeline_example_runs_under_the_deepspeed_cli(tmp_path):
     assert "FEPLB pipeline over 2 steps" in proc.stdout
     leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("feplb-", "deepspeed"))}
     assert not leaked, f"left in /dev/shm: {leaked}"
+
+
+def test_train_moe_no_feplb_and_its_summary(capsys):
+    """``--no-feplb`` turns the section off (the rest of the ds_config unchanged); the summary
+    gives step time and tokens/s for both, the balance lines only with FEPLB."""
+    sys.path.insert(0, str(EXAMPLES))
+    import train_moe
+
+    off = train_moe.feplb_off(str(EXAMPLES / "ds_config.json"))
+    assert off["feplb"]["enabled"] is False and off["feplb"]["dynamic_experts_per_rank"] == 2
+    assert off["optimizer"] == json.loads((EXAMPLES / "ds_config.json").read_text())["optimizer"]
+    history = [{"step": i, "loss": 1.0, "step_ms": 10.0 + i, "tokens_before": None} for i in range(5)]
+    train_moe.summarize(history, tokens_per_step=1000, feplb=False)
+    out = capsys.readouterr().out
+    assert "FEPLB off (DeepSpeed MoE): step time median 13.0 ms (steps 2..4)" in out
+    assert "76,923 tokens/s" in out and "token straggler" not in out
