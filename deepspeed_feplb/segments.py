@@ -107,6 +107,8 @@ class Word:
     """
 
     def __init__(self, array: np.ndarray, index):
+        if array.dtype != np.int64 or not array.flags.c_contiguous:
+            raise ValueError("a Word lives in a C-contiguous int64 array (a futex needs the word's own address)")
         self.array, self.index = array, index
         flat = int(np.ravel_multi_index(index, array.shape)) if isinstance(index, tuple) else int(index)
         self._low = array.reshape(-1).view(np.int32)[2 * flat:2 * flat + 1]  # little-endian low half
