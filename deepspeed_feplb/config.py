@@ -135,7 +135,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """The "feplb" section of ds_config.json: per-micro-batch MoE load balancing over the NVLink copy engine."""
 
     enabled: bool = True
-    """Balance MoE layers with FEPLB; false: the layers behave as DeepSpeed's dropless MoE."""
+    """Balance MoE layers with FEPLB, which computes every routed token (dropless; a layer built with drop_tokens=True, DeepSpeed's default, warns once that it drops none). false: the layers run DeepSpeed's own MoE unchanged, including its token dropping."""
 
     dynamic_experts_per_rank: int = Field(2, ge=0)
     """D: each rank's D hottest local experts of a micro-batch may be moved to helper ranks; the others are static and start computing at once. 0 disables migration."""

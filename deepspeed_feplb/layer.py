@@ -14,6 +14,7 @@ Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move b
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -62,6 +63,8 @@ class FEPLBMOELayer(MOELayer):
         self._feplb_ready = True
         if not config.enabled:
             return
+        if getattr(self.gate, "drop_tokens", False) and not _warned_dropless:
+            _warn_dropless()
         self.gate.drop_tokens = False  # FEPLB is dropless
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating)
@@ -129,6 +132,18 @@ class FEPLBMOELayer(MOELayer):
             return params
         aliases = iter(ExpertGradOrder.apply(*flat))
         return [[next(aliases) for _ in group] for group in params]
+
+
+_warned_dropless = False
+
+
+def _warn_dropless() -> None:
+    global _warned_dropless
+    _warned_dropless = True
+    warnings.warn("FEPLB computes every routed token: a MoE layer built with drop_tokens=True (DeepSpeed's default) "
+                  "drops the tokens above its capacity in DeepSpeed's MoE but none with FEPLB enabled, so the two "
+                  "compute different outputs. Build the layer with drop_tokens=False to make them agree, or set "
+                  "feplb.enabled to false to keep DeepSpeed's dropping.", UserWarning, stacklevel=4)
 
 
 class ExpertGradOrder(torch.autograd.Function):

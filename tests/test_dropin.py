@@ -66,3 +66,30 @@ def test_sigmoid_gating_is_exact_under_migration_and_updates_its_bias(results):
         assert worst[1] <= 1e-5, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
         assert case["bias_moved"] and case["bias_equal"]
     assert results[0]["sigmoid"]["stats"]["migrated_tokens"] > 0
+
+
+def dropless_warning() -> dict:
+    import warnings
+
+    import deepspeed_feplb
+    from deepspeed_feplb import layer as feplb_layer
+    feplb_layer._warned_dropless = False
+    seen = {}
+    for drop_tokens in (False, True, True):
+        layer = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=1, k=1, drop_tokens=drop_tokens,
+                                    use_rts=False)
+        layer.set_deepspeed_parallelism()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(torch.randn(16, 8))
+        seen.setdefault(drop_tokens, []).append([str(w.message) for w in caught if "drop_tokens=True" in str(w.message)])
+        seen.setdefault("dropping", []).append(layer.deepspeed_moe.gate.drop_tokens)
+    return seen
+
+
+def test_a_layer_built_to_drop_tokens_is_told_once_that_feplb_drops_none():
+    seen = run_distributed(dropless_warning, 1, timeout=120)[0]
+    assert seen[False] == [[]], "a dropless layer needs no warning"
+    assert len(seen[True][0]) == 1 and "feplb.enabled" in seen[True][0][0]
+    assert seen[True][1] == [], "warned twice"
+    assert seen["dropping"] == [False, False, False]  # FEPLB enabled: dropless, as the warning says

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
-from deepspeed_feplb.scheduler.mailbox import PID, STARTING, Mailbox
+from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 @dataclass(frozen=True)
@@ -133,19 +133,20 @@ class ProcessScheduler(InlineScheduler):
             self._start_process()
 
     def plan(self, seq: int) -> DomainPlan:
-        """The domain's plan for ``seq``: the process's, or, while it is not up yet or when it is
-        late, this rank's own (``fallback`` says the latter happened although the process was up)."""
+        """The domain's plan for ``seq``: the process's, or, before it first came up or when it is
+        late, this rank's own (``fallback``: the latter, after a process had served the domain)."""
         counts, constraints = self._wait_counts(seq)
         got = self._scheduler_plan(seq)
         if got is not None:
             self.late_in_a_row = 0
             return DomainPlan(got[0], counts, got[1] * 1e-9, False)
-        expected = not self.mailbox.header[STARTING]
         if self.process is None and self.mailbox.owner and seq + 1 >= self.start_after_steps:
             self._start_process()  # this job runs long enough to be worth a process
-        elif expected or (self.process is not None and self.process.poll() is not None):
+        elif not self.mailbox.header[STARTING] or (self.process is not None and self.process.poll() is not None):
             self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
-        return self._plan_here(counts, constraints, fallback=expected)
+        # a fallback once a process has served this domain (also while a restarted one comes up);
+        # every rank reads the same word, so they agree
+        return self._plan_here(counts, constraints, fallback=bool(self.mailbox.header[SERVED]))
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is

@@ -13,7 +13,7 @@ Nobody polls: a rank that published rings ``counts_bell`` and the scheduler ring
 after writing a plan (`segments.Word`: waiters sleep in the kernel until the word changes).
 
 Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, counts_bell,
-plan_bell, ...]`` (`HEADER` words); per rank and ring entry a slot ``[begin, end, E_local, D, max_helpers,
+plan_bell, served (1 once a scheduler process was ever up), ...]`` (`HEADER` words); per rank and ring entry a slot ``[begin, end, E_local, D, max_helpers,
 chunk_align, expert_bytes, ce_budget (float64 bits), counts[E_MAX]]``; per ring entry a plan
 ``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
 """
@@ -29,7 +29,7 @@ from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
 RING = 4
 E_MAX = 1024
 HEADER = 8
-SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL = range(6)  # header words
+SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  # header words
 _SLOT_META = 8
 _PLAN_META = 4
 

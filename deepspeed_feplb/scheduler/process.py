@@ -15,7 +15,7 @@ import os
 import time
 
 from deepspeed_feplb.plan.policy import plan_domain
-from deepspeed_feplb.scheduler.mailbox import HEARTBEAT, PID, SHUTDOWN, STARTING, Mailbox
+from deepspeed_feplb.scheduler.mailbox import HEARTBEAT, PID, SERVED, SHUTDOWN, STARTING, Mailbox
 from deepspeed_feplb.segments import cleanup, futex_wait
 
 
@@ -76,6 +76,7 @@ def main(argv=None) -> None:
     except FileNotFoundError:
         return  # started just as the job shut down: nothing to serve
     mailbox.header[PID] = os.getpid()
+    mailbox.header[SERVED] = 1  # from now on, a plan a rank makes itself is a fallback
     mailbox.header[STARTING] = 0
     try:
         serve(mailbox, args.parent)
