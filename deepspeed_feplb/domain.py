@@ -21,7 +21,7 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
-from deepspeed_feplb.segments import PeerWatch
+from deepspeed_feplb.segments import PeerWatch, ranks_per_host
 
 _RUNTIMES: dict[tuple, "DomainRuntime"] = {}
 _LOCK = threading.Lock()
@@ -31,8 +31,7 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
     """Ranks per NVLink domain for an EP group of ``ep_size`` ranks ("auto" = local world size)."""
     size = config.nvlink_domain_size
     if size == "auto":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", ep_size)))
-        size = min(local, ep_size)
+        size = min(ranks_per_host(ep_size), ep_size)
         while ep_size % size:  # the largest divisor of the EP size that fits in one host
             size -= 1
     if ep_size % size:
@@ -68,7 +67,7 @@ class DomainRuntime:
         self.name = f"feplb-{info[first][0]}"
         sched = config.scheduler
         leader = self.local_rank == 0
-        self.watch = watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
+        self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         if leader:
             self._open(transport_cls, sched, create=True)
         dist.barrier(group=ep_group)

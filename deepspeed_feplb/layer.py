@@ -63,8 +63,8 @@ class FEPLBMOELayer(MOELayer):
         self._feplb_ready = True
         if not config.enabled:
             return
-        if getattr(self.gate, "drop_tokens", False) and not _warned_dropless:
-            _warn_dropless()
+        if getattr(self.gate, "drop_tokens", False):
+            _warn_dropless_once()
         self.gate.drop_tokens = False  # FEPLB is dropless
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating)
@@ -137,8 +137,10 @@ class FEPLBMOELayer(MOELayer):
 _warned_dropless = False
 
 
-def _warn_dropless() -> None:
+def _warn_dropless_once() -> None:
     global _warned_dropless
+    if _warned_dropless:
+        return
     _warned_dropless = True
     warnings.warn("FEPLB computes every routed token: a MoE layer built with drop_tokens=True (DeepSpeed's default) "
                   "drops the tokens above its capacity in DeepSpeed's MoE but none with FEPLB enabled, so the two "

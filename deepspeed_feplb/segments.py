@@ -57,6 +57,11 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def ranks_per_host(default: int) -> int:
+    """Ranks the launcher started on this host (``LOCAL_WORLD_SIZE``, or ``LOCAL_SIZE``), else ``default``."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", default)))
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) that process ``pid`` of this host used so far; 0 if gone."""
     if pid <= 0:

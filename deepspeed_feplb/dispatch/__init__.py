@@ -8,7 +8,6 @@ implement the two methods below with the same row order and exactness, and selec
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from typing import Any, Callable, Optional, Protocol
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.segments import ranks_per_host
 
 
 class Dispatcher(Protocol):
@@ -80,7 +80,7 @@ def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts:
     ``stage_times`` (a `stats.StageTimes`) receives the host time of backward's all-to-alls."""
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     _, bf16 = _on_cuda_bf16(expert_params)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", ep_size)))
+    local_ranks = ranks_per_host(ep_size)
     if config.ep_backend == "deepep":
         if not deepep_available():
             raise FEPLBConfigError("feplb.ep_backend: \"deepep\" needs the deep_ep package on a CUDA build of torch "

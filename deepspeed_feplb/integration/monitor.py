@@ -11,8 +11,7 @@ keeps one record per micro-batch on this rank:
   dynamic experts and whatever this rank computed as a helper for other ranks (helpers run the
   expert module functionally, so its hooks fire too). Communication and waiting are excluded.
 
-`flush(step)` is collective over the world (one ``all_gather_object`` of the records of the
-step); every rank gets the same per-layer summary, and global rank 0 writes it to DeepSpeed's
+`flush(step)` is collective over the world (one all-gather of the step's records, `gather_small`); every rank gets the same per-layer summary, and global rank 0 writes it to DeepSpeed's
 monitor (TensorBoard, CSV, W&B, Comet: whatever ``ds_config["monitor"...]`` enables) as events
 ``FEPLB/<layer>/<metric>``:
 

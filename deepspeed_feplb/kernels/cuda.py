@@ -57,7 +57,7 @@ def compile_cubin(arch: str = "90") -> bytes:
     return compiler.compile_using_nvcc(source(), options=OPTIONS, arch=arch)
 
 
-_modules: dict = {}
+_modules: dict = {}  # device index -> (module, {kernel name: function}); the functions need their module alive
 _lock = threading.Lock()
 
 
@@ -75,16 +75,13 @@ def _module(device_index: int) -> dict:
     import cupy
     from cupy.cuda import function
     with _lock:
-        functions = _modules.get(device_index)
-        if functions is None:
+        if device_index not in _modules:
             with cupy.cuda.Device(device_index) as device:
                 module = function.Module()
                 module.load(compile_for_device(device.compute_capability))
                 # every kernel now, on this device, not in the middle of a step
-                functions = {name: module.get_function(name) for name in KERNELS}
-                functions["__module__"] = module  # the functions need their module alive
-            _modules[device_index] = functions
-        return functions
+                _modules[device_index] = module, {name: module.get_function(name) for name in KERNELS}
+        return _modules[device_index][1]
 
 
 def _launch(name: str, device: torch.device, blocks: int, args: tuple) -> None:

@@ -27,6 +27,7 @@ from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
 from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
+
 @dataclass(frozen=True)
 class DomainPlan:
     """The plan of one micro-batch step, as a rank receives it.

@@ -13,8 +13,9 @@ Nobody polls: a rank that published rings ``counts_bell`` and the scheduler ring
 after writing a plan (`segments.Word`: waiters sleep in the kernel until the word changes).
 
 Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, counts_bell,
-plan_bell, served (1 once a scheduler process was ever up), ...]`` (`HEADER` words); per rank and ring entry a slot ``[begin, end, E_local, D, max_helpers,
-chunk_align, expert_bytes, ce_budget (float64 bits), counts[E_MAX]]``; per ring entry a plan
+plan_bell, served (1 once a scheduler process was ever up), ...]`` (`HEADER` words); per rank
+and ring entry a slot ``[begin, end, E_local, D, max_helpers, chunk_align, expert_bytes,
+ce_budget (float64 bits), counts[E_MAX]]``; per ring entry a plan
 ``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
 """
 from __future__ import annotations
