@@ -156,10 +156,16 @@ class FEPLBConfig(FEPLBConfigModel):
     """Phase-2 migration transport: 'shm' (shared-memory arena and copy thread, CPU), 'cuda_ce' (CUDA IPC peer buffers, copies on the copy engine); 'auto': cuda_ce on CUDA, else shm."""
 
     copy_engine_gbps: float = Field(370.0, gt=0)
-    """One-way copy-engine bandwidth between two GPUs of a domain, in GB/s (1e9 bytes/s); used for the 'auto' ce_budget."""
+    """One-way copy-engine bandwidth between two GPUs of a domain, in GB/s (1e9 bytes/s); the planner's time model prices weight and row copies with it."""
 
     ce_budget: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
-    """Expert-weight bytes a rank may send, and a rank may receive, over the copy engine per MoE layer pass (each helper of an offloaded expert receives one copy of its weights; token rows are not counted against it). 'auto': copy_engine_gbps times the previous micro-batch's static-compute time, so the weight copies hide behind the static experts."""
+    """Hard cap on the expert-weight bytes a rank may send, and a rank may receive, over the copy engine per MoE layer pass (each helper of an offloaded expert receives one copy of its weights, unless it still holds one from earlier in the step; token rows are not counted against it). 'auto': no cap; the planner's time model (forward + backward GEMM time measured on the previous micro-batch, copy time at copy_engine_gbps) keeps only the copies that shorten the slowest rank's expert time."""
+
+    weight_residency: Literal["step", "micro_batch"] = "step"
+    """'step': a helper keeps a received expert copy until the optimizer step, serves that expert again in later micro-batches of the step without a new copy, and returns the copy's accumulated weight-gradient once, in the backward of the step's last micro-batch (the gradient-accumulation boundary), before DeepSpeed reduces gradients. 'micro_batch': every micro-batch copies the weights and returns the gradients (the FEPLB paper's scheme)."""
+
+    max_resident_experts: int = Field(8, ge=0)
+    """'step' residency: expert copies one rank keeps per MoE layer; more are used for their micro-batch only. Memory: up to max_resident_experts x (expert weight bytes + one weight-gradient of the same size, in the parameters' dtype) per MoE layer and rank, e.g. 8 x 2 x 75.5 MB = 1.2 GB for a 6144 x 2048 SwiGLU expert in bf16."""
 
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     gating: GatingConfig = Field(default_factory=GatingConfig)

@@ -5,10 +5,13 @@
   dynamic-expert rule (`dynamic_candidates`) and the lower bound.
 * `placement`: across domains, which rank hosts which expert (DeepSeek-EPLB-style packing and
   the cross-node placer).
-* `cost`: the time model (tile-quantised GEMM time, copy bandwidths) of the simulator.
+* `timeline`: the time model of a micro-batch (GEMMs, weight and row copies, arrival times),
+  shared by the planner (it minimises the makespan) and the simulator.
+* `residency`: which helper holds which expert's weights during an optimizer step.
+* `cost`: the simulator's hardware profiles and GEMM cost (tile-quantised).
 """
-from deepspeed_feplb.plan.policy import (Plan, PlanConstraints, auto_ce_budget, dynamic_candidates, empty_plan,
+from deepspeed_feplb.plan.policy import (Plan, PlanConstraints, dynamic_candidates, empty_plan,
                                          lower_bound, plan_domain)
 
-__all__ = ["Plan", "PlanConstraints", "auto_ce_budget", "dynamic_candidates", "empty_plan", "lower_bound",
+__all__ = ["Plan", "PlanConstraints", "dynamic_candidates", "empty_plan", "lower_bound",
            "plan_domain"]

@@ -21,6 +21,9 @@ _OPEN, _MOVES = range(2)
 _DONE = -1
 # _push's `forced` receiver: none (pick one), or "making room failed: take the roomiest".
 _PICK, _ROOMIEST = -1, -2
+# A plan with fewer weight copies per rank replaces a faster one if its makespan is at most this
+# much longer (copies cost memory bandwidth and energy that the time model does not see).
+_FEWER_COPIES_SLACK = 0.005
 # When a chunk that no receiver takes whole makes a receiver make room: never; only the last
 # chunk the helper or send limit allows; any such chunk (a whole expert then moves as one chunk,
 # which saves weight copies when the Copy-Engine budget binds).
@@ -83,8 +86,8 @@ def _relay(r, want, used, cap, align, counts, s, sc, out):
     return best, best_a
 
 
-@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
-def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out):
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, ::1])", cache=True)
+def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out, resident):
     """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
 
     ps:      int64 [4] = (rows the home still holds, rows still needed, moved, chunks): the loop's
@@ -92,18 +95,29 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
     used:    bool [G]: ranks this expert may not go to (updated);
     forced:  the receiver of the next chunk, or _PICK / _ROOMIEST;
     stop:    stop once at most ``stop`` rows are still needed; cap: the most a receiver may hold.
-    Each chunk goes to the receiver with the least room that takes it whole (ties: lower rank),
-    else the roomiest one (ties: higher rank); when chaining and no receiver can take any, through
-    a rank above the level (:func:`_relay`). Writes (r, e, helper, tokens) rows to ``out``.
+    resident: int64 [G, E] bit masks: bit j of ``resident[r, e]`` says helper j already holds a
+             copy of the expert's weights (a chunk to it costs no copy).
+    Each chunk goes to the receiver that holds the weights and has the most room, else to the
+    receiver with the least room that takes it whole (ties: lower rank), else the roomiest one
+    (ties: higher rank); when chaining and no receiver can take any, through a rank above the
+    level (:func:`_relay`). Writes (r, e, helper, tokens) rows to ``out``.
     Returns _DONE, or (per ``chain``) the rows of a chunk that no receiver takes whole: the
     caller lets a receiver make room and resumes with it ``forced``."""
     G = s.shape[1]
     final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
     left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
-    while need > stop and left > 0 and chunks < H and send[r] > 0 and (sc[_OPEN] > 0 or chain != _NO_CHAIN):
+    holders = resident[r, e]
+    while need > stop and left > 0 and chunks < H and (send[r] > 0 or holders) and (sc[_OPEN] > 0 or chain != _NO_CHAIN):
         want = need if need < left else left
         j = forced if forced >= 0 else -1
         big = -1
+        if j < 0 and holders:
+            rc = 0
+            for i in range(G):
+                if (holders >> i) & 1 and room[i] > rc and not used[i]:
+                    j, rc = i, room[i]
+        if j < 0 and send[r] <= 0:
+            break  # out of copies: only helpers that hold the weights could take more
         if j < 0:
             bc = bg = 0
             for i in range(G):
@@ -120,6 +134,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
                 return want
             if j < 0:
                 j = big
+        free = j >= 0 and (holders >> j) & 1 == 1
         if j >= 0:  # a receiver takes the chunk
             forced = _PICK
             c = room[j]
@@ -128,7 +143,8 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
                 amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
                 if amt <= 0:
                     break
-            recv[j] -= 1
+            if not free:
+                recv[j] -= 1
             if c > amt and recv[j] > 0:
                 room[j] = c - amt
             else:
@@ -153,14 +169,15 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
         left -= amt
         need -= amt
         moved += amt
-        send[r] -= 1
+        if not free:
+            send[r] -= 1
     final[r] -= moved
     ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
     return _DONE
 
 
-@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
-def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
+@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, ::1])", cache=True)
+def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, resident):
     """Let the receiver with the most room plus movable dynamic load push its own dynamic experts
     to the other receivers (not in ``banned``) until it can take ``want`` rows; returns that
     receiver, or -1."""
@@ -189,7 +206,7 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
         if extra <= 0 or n <= 0:
             break
         ps[0], ps[1], ps[2], ps[3] = n, extra, 0, 0
-        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, cap, H, align, counts, s, sc, out)
+        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, cap, H, align, counts, s, sc, out, resident)
         extra -= ps[2]
     c = cap - final[j]
     if c <= 0 or recv[j] <= 0:
@@ -199,8 +216,8 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out):
     return j
 
 
-@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64)", cache=True)
-def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain):
+@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, ::1])", cache=True)
+def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain, resident):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
     first, to ranks at or below it ("receivers"), which may end at most ``slack`` tokens above
@@ -212,7 +229,8 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
 
     loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (filled lazily, see
     :func:`_ensure_top`); s int64 [6, G]: the state rows (only _TOPPED is kept between passes);
-    copies: weight copies one rank may send, and one may receive.
+    copies: weight copies one rank may send, and one may receive (a chunk to a helper that holds
+    the weights, per ``resident`` (see :func:`_push`), needs none).
     Returns (moves int64 [M, 4] in the order the rows are taken, final int64 [G])."""
     G = loads.shape[0]
     D = top_e.shape[1]
@@ -238,27 +256,30 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
         for i in range(D):
             left = top_n[r, i]
             need = final[r] - level
-            if need <= slack or s[_SEND, r] <= 0 or left <= 0 or sc[_OPEN] == 0 and chain == _NO_CHAIN:
+            if need <= slack or left <= 0 or sc[_OPEN] == 0 and chain == _NO_CHAIN:
                 break  # candidates are sorted hottest first
+            if s[_SEND, r] <= 0 and resident[r, top_e[r, i]] == 0:
+                continue  # out of copies: only experts whose weights a helper holds can move
             ps[0], ps[1], ps[2], ps[3] = left, need, 0, 0
             used = np.zeros(G, np.bool_)
             forced = _PICK
             while True:
-                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, cap, H, align, counts, s, sc, out)
+                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, cap, H, align, counts, s, sc, out, resident)
                 if want == _DONE:
                     break
                 banned = used.copy()
                 banned[r] = True
-                forced = _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out)
+                forced = _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, resident)
                 if forced < 0:
                     forced = _ROOMIEST
     return out[:sc[_MOVES]], final.copy()
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64)", cache=True)
-def plan_pass(counts, D, H, align, copies):
-    """The compiled body of `policy.plan_domain`. counts int64 [G, E] (C order); D <= E; copies:
-    weight copies per rank (an int; the caller maps "unlimited" to G * D * H).
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, ::1])", cache=True)
+def plan_pass(counts, D, H, align, copies, resident):
+    """The token-balancing plan. counts int64 [G, E] (C order); D <= E; copies: weight copies per
+    rank (an int; the caller maps "unlimited" to G * D * H); resident int64 [G, E]: bit masks of
+    the helpers that hold each expert's weights (`_push`).
     Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
     local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
     negative counts (the caller raises)."""
@@ -269,7 +290,7 @@ def plan_pass(counts, D, H, align, copies):
             if counts[r, e] < 0:
                 return np.zeros(0, np.int64)
             loads[r] += counts[r, e]
-    if G <= 1 or D <= 0 or H <= 0 or copies <= 0:
+    if G <= 1 or D <= 0 or H <= 0 or copies <= 0 and not resident.any():
         return loads
     top_load = loads.max()
     level = -(-loads.sum() // G)
@@ -286,7 +307,7 @@ def plan_pass(counts, D, H, align, copies):
     if top_load <= level + slack:
         return loads
 
-    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, _NO_CHAIN)
+    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, _NO_CHAIN, resident)
     best_max = final.max()
     if best_max > level + slack:
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
@@ -297,7 +318,7 @@ def plan_pass(counts, D, H, align, copies):
         while lo <= hi:
             mid = (lo + hi) // 2 if lo > level else level
             for chain in (_CHAIN_LAST, _CHAIN_ANY):
-                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, chain)
+                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, chain, resident)
                 fmax = f.max()
                 if fmax < best_max:
                     moves, final, best_max = m, f, fmax
@@ -315,3 +336,120 @@ def plan_pass(counts, D, H, align, copies):
     for k in range(order.shape[0]):
         out[G + 4 * k:G + 4 * k + 4] = moves[order[k]]
     return out
+
+
+@njit("float64(int64, float64[::1])", cache=True)
+def _piece_us(n, model):
+    if n <= 0:
+        return 0.0
+    tile = max(1, int(model[0]))
+    return model[2] + ((n + tile - 1) // tile) * tile * model[1]
+
+
+@njit("float64[::1](int64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], int64[:, ::1], float64[::1])", cache=True)
+def finish_us(counts, moves, fresh, grads_back, flush, model):
+    """Each rank's finish time (µs) under the model.
+
+    counts int64 [G, E]: rows per (rank, local expert) before the plan; moves int64 [M, 4] =
+    (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
+    weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
+    weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
+    whose accumulated gradients go home at the end of this micro-batch; model float64 [6]
+    (`timeline.TimeModel.as_array`). Returns float64 [G]. The model is described in `timeline`."""
+    G, E = counts.shape
+    M = moves.shape[0]
+    wcopy, gcopy, rcopy = model[3], model[4], model[5]
+    kept = counts.copy()
+    for m in range(M):
+        kept[moves[m, 0], moves[m, 1]] -= moves[m, 3]
+    t = np.zeros(G)
+    for r in range(G):
+        for e in range(E):
+            t[r] += _piece_us(kept[r, e], model)
+    out_free = np.zeros(G)
+    in_free = np.zeros(G)
+    arrive = np.empty(M)
+    for m in range(M):
+        h, j = moves[m, 0], moves[m, 2]
+        start = max(out_free[h], in_free[j])
+        end = start + (wcopy if fresh[m] else 0.0) + moves[m, 3] * rcopy
+        out_free[h] = end
+        in_free[j] = end
+        arrive[m] = end
+    done = np.empty(M)
+    for m in np.argsort(arrive, kind="mergesort"):
+        j = moves[m, 2]
+        t[j] = max(t[j], arrive[m]) + _piece_us(moves[m, 3], model)
+        done[m] = t[j]
+    finish = t.copy()
+    back_free = t.copy()  # a helper's outgoing link sends gradients once its rows are computed
+    for m in np.argsort(done, kind="mergesort"):
+        h, j = moves[m, 0], moves[m, 2]
+        finish[h] = max(finish[h], done[m] + moves[m, 3] * rcopy)
+        if grads_back[m]:
+            back_free[j] = max(back_free[j], done[m]) + gcopy
+            finish[h] = max(finish[h], back_free[j])
+    for f in range(flush.shape[0]):
+        h, j = flush[f, 0], flush[f, 1]
+        back_free[j] = max(back_free[j], t[j]) + gcopy
+        finish[h] = max(finish[h], back_free[j])
+    return finish
+
+
+@njit("float64(int64[:, ::1], int64[::1], int64[:, ::1], boolean, float64[::1])", cache=True)
+def _makespan(counts, flat, resident, keep, model):
+    """The slowest rank's finish (µs, `timeline.finish_us`) of a `plan_pass` result ``flat``."""
+    G = counts.shape[0]
+    moves = flat[G:].reshape(-1, 4)
+    M = moves.shape[0]
+    fresh = np.empty(M, np.bool_)
+    for m in range(M):
+        fresh[m] = (resident[moves[m, 0], moves[m, 1]] >> moves[m, 2]) & 1 == 0
+    grads_back = fresh & (not keep)
+    return finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64), model).max()
+
+
+@njit("int64(int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+def _most_copies(counts, flat, resident):
+    """The most weight copies one rank sends or receives in a `plan_pass` result ``flat``."""
+    G = counts.shape[0]
+    sent = np.zeros(G, np.int64)
+    got = np.zeros(G, np.int64)
+    for k in range((flat.shape[0] - G) // 4):
+        h, e, j = flat[G + 4 * k], flat[G + 4 * k + 1], flat[G + 4 * k + 2]
+        if (resident[h, e] >> j) & 1 == 0:
+            sent[h] += 1
+            got[j] += 1
+    return max(sent.max(), got.max())
+
+
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, ::1], float64[::1], boolean)", cache=True)
+def plan_timed(counts, D, H, align, copies, resident, model, keep):
+    """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
+    copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
+    helpers hold weights: then only they take rows) and no moves at all, judged by the time model (``model`` float64 [6]; empty: tokens only, one pass); returns
+    the one with the smallest makespan, except that a plan with fewer copies wins when it is at
+    most `_FEWER_COPIES_SLACK` slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
+    helpers for the rest of the step (gradients return at its end, not with this micro-batch).
+    Returns `plan_pass`'s layout."""
+    best = plan_pass(counts, D, H, align, copies, resident)
+    G = counts.shape[0]
+    if model.shape[0] == 0 or best.shape[0] == G:
+        return best
+    none = np.zeros((0, 4), np.int64)
+    no_moves = finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_), np.zeros((0, 2), np.int64), model)
+    best_t = _makespan(counts, best, resident, keep, model)
+    k = _most_copies(counts, best, resident)
+    while k > 1 or k == 1 and resident.any():  # with k = 0 only helpers that hold weights take rows
+        k //= 2
+        cand = plan_pass(counts, D, H, align, k, resident)
+        t = _makespan(counts, cand, resident, keep, model)
+        if t > best_t * (1 + _FEWER_COPIES_SLACK):
+            break
+        best, best_t = cand, min(t, best_t)
+    if no_moves.max() <= best_t:
+        out = np.empty(G, np.int64)
+        for r in range(G):
+            out[r] = counts[r].sum()
+        return out
+    return best

@@ -40,25 +40,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from deepspeed_feplb.plan.hottest import hottest
+from deepspeed_feplb.plan.timeline import TimeModel
 
-__all__ = ["PlanConstraints", "Plan", "auto_ce_budget", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan"]
+__all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents"]
 
 
 @dataclass(frozen=True)
 class PlanConstraints:
-    """Limits every plan obeys.
+    """Limits every plan obeys, and the time model that judges plans.
 
     dynamic_experts:  D: at most D experts per rank may be offloaded (its D hottest).
     max_helpers:      at most this many helper ranks per offloaded expert.
     chunk_align:      every moved chunk is a multiple of this many tokens, except a chunk that
                       ends the expert's rows (one that leaves the home with none of its rows).
-    ce_budget_bytes:  weight bytes one rank may send, and one rank may receive, per micro-batch.
+    ce_budget_bytes:  hard cap on the weight bytes one rank may send, and one rank may receive,
+                      per micro-batch (a chunk to a helper that already holds the expert's weights
+                      costs none); inf: no cap, the time model alone decides.
     expert_bytes:     bytes of one expert's weights (each helper of an expert receives one copy);
                       0 means weights are free and only ``max_helpers`` limits the copies.
+    model:            the `timeline.TimeModel` the planner minimises the makespan under (None:
+                      balance tokens only, as many copies as the cap allows).
+    keep_copies:      weight copies stay on their helpers until the optimizer step
+                      (``feplb.weight_residency: "step"``), so a copy's gradients go home once
+                      per step, not with this micro-batch.
     """
 
     dynamic_experts: int
@@ -66,19 +75,19 @@ class PlanConstraints:
     chunk_align: int = 1
     ce_budget_bytes: float = math.inf
     expert_bytes: int = 0
+    model: Optional[TimeModel] = None
+    keep_copies: bool = False
 
     @classmethod
-    def from_config(cls, config, expert_bytes: int, static_seconds: float = 0.0,
-                    expert_seconds: float = 0.0) -> "PlanConstraints":
+    def from_config(cls, config, expert_bytes: int, model: Optional[TimeModel] = None) -> "PlanConstraints":
         """The limits a ``"feplb"`` section (a `deepspeed_feplb.FEPLBConfig`) sets for experts of
-        ``expert_bytes`` weight bytes. ``static_seconds`` / ``expert_seconds``: the static-expert
-        and whole expert-compute time that the ``ce_budget: "auto"`` budget hides the copies
-        behind (measured on the previous micro-batch at runtime, modelled in the simulator)."""
-        budget = config.ce_budget
-        if budget == "auto":
-            budget = auto_ce_budget(config.copy_engine_gbps, static_seconds, expert_seconds)
+        ``expert_bytes`` weight bytes, judged by ``model`` (measured on the previous micro-batch at
+        runtime, modelled in the simulator); ``ce_budget: "auto"`` sets no cap."""
+        budget = math.inf if config.ce_budget == "auto" else float(config.ce_budget)
         return cls(dynamic_experts=config.dynamic_experts_per_rank, max_helpers=config.max_helpers_per_expert,
-                   chunk_align=config.chunk_align_tokens, ce_budget_bytes=float(budget), expert_bytes=int(expert_bytes))
+                   chunk_align=config.chunk_align_tokens, ce_budget_bytes=budget, expert_bytes=int(expert_bytes),
+                   model=model if model is not None and model.finite else None,
+                   keep_copies=config.weight_residency == "step")
 
     def copies_per_rank(self) -> float:
         """How many expert-weight copies one rank may send (and receive) per micro-batch."""
@@ -97,14 +106,6 @@ class Plan:
 
     moves: np.ndarray
     rank_tokens: np.ndarray
-
-
-def auto_ce_budget(gbps: float, static_seconds: float, expert_seconds: float = 0.0) -> float:
-    """Weight bytes per rank and micro-batch that hide behind compute: Copy-Engine bandwidth
-    ``gbps`` (1e9 bytes/s) times the static-expert time, or, when a rank has no static work, half
-    its whole expert time (what it keeps of its own work); unlimited before anything was timed."""
-    window = static_seconds if static_seconds > 0 else 0.5 * expert_seconds
-    return math.inf if window <= 0 else gbps * 1e9 * window
 
 
 def empty_plan(counts: np.ndarray) -> Plan:
@@ -139,35 +140,54 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
-def plan_domain(counts: np.ndarray, constraints: PlanConstraints) -> Plan:
+def no_residents(G: int, E: int) -> np.ndarray:
+    """The residency masks of a domain where no helper holds any weights: int64 [G, E] zeros."""
+    return np.zeros((G, E), np.int64)
+
+
+def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Optional[np.ndarray] = None) -> Plan:
     """Plan one NVLink domain.
 
     counts:       int64 [G, E_local]: tokens (token-expert pairs) that each of the domain's G ranks
                   received for each of its local experts; negative counts raise ValueError.
     constraints:  :class:`PlanConstraints`.
+    resident:     int64 [G, E_local] bit masks, or None (no weights held anywhere): bit j of
+                  ``resident[r, e]`` says helper j holds a copy of rank r's expert e (kept from an
+                  earlier micro-batch of this step); chunks go to such helpers first and cost no copy.
     Returns a :class:`Plan`; moves touch only ``dynamic_candidates(counts, D)[home]``, never move
-    more than an expert has, respect ``max_helpers``, ``chunk_align`` and the Copy-Engine budget,
+    more than an expert has, respect ``max_helpers``, ``chunk_align`` and the Copy-Engine cap,
     and are deterministic. Degenerate inputs (G <= 1, D == 0, all-zero counts) give no moves, and
     so does a domain whose largest load is within ``chunk_align - 1`` of the mean.
-    The largest per-rank load is the lower bound plus at most ``chunk_align - 1`` whenever the
-    helper and Copy-Engine limits allow it.
+    Without a time model the largest per-rank load is the lower bound plus at most
+    ``chunk_align - 1`` whenever the helper and Copy-Engine limits allow it. With one
+    (``constraints.model``), the token plans for the cap and for fewer copies per rank, and no
+    moves at all, are judged by their makespan (`timeline`), and the fastest is returned.
 
     Cost: one compiled call: the row sums, the D hottest experts of each rank above the mean, one
     water-filling pass, and a bisection over chaining passes only when the helper or Copy-Engine
-    limits bind. The first call in a process loads the compiled code from numba's cache (or
-    compiles it once, a few seconds, into that cache).
+    limits bind; with a time model, an evaluation per pass and further passes only while the
+    copies cost more than they save. The first call in a process loads the compiled code from
+    numba's cache (or compiles it once, a few seconds, into that cache).
     """
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 2:
         raise ValueError(f"counts must be [G, E_local], got shape {counts.shape}")
     counts = np.ascontiguousarray(counts)
     G, E = counts.shape
+    if G > 63:
+        raise ValueError(f"a domain has at most 63 ranks (residency bit masks), got {G}")
     D = min(int(constraints.dynamic_experts), E)
     H = int(constraints.max_helpers)
     copies = constraints.copies_per_rank()
     copies = G * max(D, 0) * max(H, 0) if copies == math.inf else int(copies)
-    from deepspeed_feplb.plan.passes import plan_pass
-    out = plan_pass(counts, D, H, max(1, int(constraints.chunk_align)), copies)
+    resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
+    model = constraints.model.as_array() if constraints.model is not None else _NO_MODEL
+    from deepspeed_feplb.plan.passes import plan_timed
+    out = plan_timed(counts, D, H, max(1, int(constraints.chunk_align)), copies, resident, model,
+                     bool(constraints.keep_copies))
     if out.shape[0] < G:
         raise ValueError("counts must be non-negative")
     return Plan(out[G:].reshape(-1, 4), out[:G])
+
+
+_NO_MODEL = np.zeros(0, np.float64)

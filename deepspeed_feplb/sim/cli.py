@@ -36,7 +36,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--markdown", help="also write the markdown table here")
     p.add_argument("--max-helpers", type=int, default=2)
     p.add_argument("--chunk-align", type=int, default=8, help="tokens; chunks are multiples of it")
-    p.add_argument("--ce-budget", default="auto", help="auto | inf | bytes per rank per micro-batch")
+    p.add_argument("--ce-budget", default="auto",
+                   help="hard cap on weight bytes per rank and micro-batch: auto | inf (no cap: the time model "
+                        "decides) | bytes")
+    p.add_argument("--micro-batches-per-step", type=int, default=1, metavar="M",
+                   help="consecutive micro-batches of the trace that form one optimizer step (gradient "
+                        "accumulation); weight copies kept with --residency step last that long")
+    p.add_argument("--residency", default="step", choices=("step", "micro_batch"),
+                   help="feplb's weight residency: keep copies on helpers for the step, or copy every micro-batch")
+    p.add_argument("--max-resident", type=int, default=8,
+                   help="weight copies a rank keeps per layer with --residency step")
     p.add_argument("--profile", default="h100", help="cost profile: h100 | h200 | cpu (measured now)")
     p.add_argument("--hidden", type=int, help="expert hidden size (default: the trace's, else 6144)")
     p.add_argument("--ffn-hidden", type=int, help="expert FFN size (default: the trace's, else 2048)")
@@ -74,7 +83,9 @@ def _setup(args, trace, D):
                     dynamic_experts=D, max_helpers=args.max_helpers, chunk_align=args.chunk_align,
                     shape=shape, profile=profile, ce_budget=_parse_budget(args.ce_budget),
                     eplb_redundant=args.eplb_redundant, eplb_interval=args.eplb_interval,
-                    placement=args.placement, placement_interval=args.placement_interval)
+                    placement=args.placement, placement_interval=args.placement_interval,
+                    micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
+                    max_resident=args.max_resident)
 
 
 def run_simulate(args) -> int:

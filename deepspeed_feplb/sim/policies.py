@@ -22,7 +22,7 @@ layer) only look at past steps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
 
@@ -32,18 +32,22 @@ from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts
 from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile, PROFILES, gemm_us
+from deepspeed_feplb.plan.residency import ResidencyTable
+from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
-__all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy"]
+__all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy", "pieces_us"]
 
 
 @dataclass(frozen=True)
 class SimSetup:
     """The simulated EP group and the knobs of every policy.
 
-    ce_budget: "auto" (`plan.policy.auto_ce_budget`: Copy-Engine bandwidth x the node's mean
-               static GEMM time, or half its mean GEMM time when it has no static work), "inf",
-               or bytes.
+    ce_budget: hard cap on weight bytes per rank and micro-batch: "auto" / "inf" (none: the
+               planner's time model decides), or bytes.
     placement: cross-node layer for ``feplb``: "auto" (on when nodes > 1), "on", "off".
+    micro_batches_per_step: M: consecutive micro-batches of the trace form one optimizer step.
+    residency: ``feplb``'s weight residency, "step" or "micro_batch" (``feplb.weight_residency``);
+               max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``).
     """
 
     ranks_per_node: int
@@ -62,6 +66,9 @@ class SimSetup:
     placement_interval: int = 20
     expert_state_bytes: Optional[float] = None
     oracle_time_limit: float = 10.0
+    micro_batches_per_step: int = 1
+    residency: str = "step"
+    max_resident: int = 8
 
     @property
     def ranks(self) -> int:
@@ -72,7 +79,17 @@ class SimSetup:
         """The ``"feplb"`` section a runtime with these knobs would have (what the planner obeys)."""
         budget = math.inf if self.ce_budget == "inf" else self.ce_budget
         return FEPLBConfig(dynamic_experts_per_rank=self.dynamic_experts, max_helpers_per_expert=self.max_helpers,
-                           chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps)
+                           chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps,
+                           weight_residency=self.residency, max_resident_experts=self.max_resident)
+
+    @cached_property
+    def time_model(self) -> TimeModel:
+        """The time model of the planner and of ``expert_time_us`` (`plan.timeline`)."""
+        return TimeModel.of(self.shape, self.profile)
+
+    def step_ends(self, step: int) -> bool:
+        """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""
+        return (step + 1) % self.micro_batches_per_step == 0
 
     @property
     def experts_per_rank(self) -> int:
@@ -83,6 +100,10 @@ class SimSetup:
             raise ValueError("ranks per node and nodes must be >= 1")
         if self.experts % self.ranks:
             raise ValueError(f"{self.experts} experts cannot be placed evenly on {self.ranks} ranks")
+        if self.micro_batches_per_step < 1:
+            raise ValueError(f"micro-batches per step must be >= 1, got {self.micro_batches_per_step}")
+        if self.residency not in ("step", "micro_batch"):
+            raise ValueError(f"residency must be 'step' or 'micro_batch', got {self.residency!r}")
 
 
 @dataclass
@@ -90,7 +111,11 @@ class StepResult:
     """piece_rank, piece_tokens int64 [P]: expert pieces and who computes them.
     moves int64 [M, 4] = (expert, home_rank, helper_rank, tokens) (global ids) or None.
     lower_bound: bound (`plan.policy.lower_bound`) on the largest rank load for this step (intra-node policies).
-    ce: Copy-Engine figures of this step (µs) or None. extra: other per-step numbers."""
+    ce: Copy-Engine figures of this step (µs) or None. extra: other per-step numbers.
+    timing: the time model's figures of this micro-batch (`timeline`), for policies that copy
+            weights per micro-batch: ``expert_us`` (makespan, forward + backward with copies),
+            ``exposed_us`` (what the copies add to it), ``weight_bytes`` and ``grad_bytes`` copied;
+            None: the simulator prices the pieces alone (no copies)."""
 
     piece_rank: np.ndarray
     piece_tokens: np.ndarray
@@ -98,6 +123,7 @@ class StepResult:
     lower_bound: Optional[float] = None
     ce: Optional[dict] = None
     extra: dict = field(default_factory=dict)
+    timing: Optional[dict] = None
 
 
 def _contiguous(setup: SimSetup) -> np.ndarray:
@@ -169,8 +195,12 @@ class FasterMoE:
         self.shadowed_total += n
         self.steps += 1
         bcast_us = n * self.send_model * 1e6
-        return StepResult(np.concatenate(ranks), np.concatenate(tokens),
-                          extra={"shadowed_experts": n, "broadcast_us": bcast_us})
+        ranks, tokens = np.concatenate(ranks), np.concatenate(tokens)
+        # the broadcast of the shadowed weights precedes their GEMMs (FasterMoE's own cost model)
+        busy = pieces_us(ranks, tokens, R, self.setup.time_model)
+        timing = {"expert_us": float(busy.max()) + bcast_us, "exposed_us": bcast_us,
+                  "weight_bytes": n * (R - 1) * self.setup.shape.weight_bytes, "grad_bytes": 0}
+        return StepResult(ranks, tokens, extra={"shadowed_experts": n, "broadcast_us": bcast_us}, timing=timing)
 
     def summary(self) -> dict:
         return {"shadowed_experts_mean": self.shadowed_total / max(1, self.steps)}
@@ -226,6 +256,13 @@ class EPLB:
         return {"redundant_experts": self.redundant}
 
 
+def pieces_us(piece_rank: np.ndarray, piece_tokens: np.ndarray, R: int, model: TimeModel) -> np.ndarray:
+    """Expert pieces -> float64 [R]: each rank's forward + backward GEMM time (µs) under ``model``."""
+    counts = np.asarray(piece_tokens, np.int64).reshape(-1, 1)
+    per_piece = rank_finish_us(counts, np.zeros((0, 4), np.int64), model)
+    return np.bincount(np.asarray(piece_rank, np.int64), weights=per_piece, minlength=R)
+
+
 def _ce_figures(node_counts: np.ndarray, moves: np.ndarray, static_us: np.ndarray, setup: SimSetup) -> dict:
     """Copy-Engine time of one node's plan (forward phase 2), against the static GEMM time it must
     hide behind. node_counts int64 [G, E_local]; moves int64 [M, 4] node-local; static_us [G]."""
@@ -265,8 +302,12 @@ class _NodePolicy:
                                             setup.placement_interval, setup.eplb_decay, state,
                                             setup.profile.net_gbps, us_tok) for _ in range(layers)]
         self.budget_copies = []
+        keep = setup.max_resident if setup.residency == "step" and self.uses_residency else 0
+        G, E = setup.ranks_per_node, setup.experts_per_rank
+        self.residency = [[ResidencyTable(G, E, keep) for _ in range(setup.nodes)] for _ in range(layers)]
 
     uses_placement = False
+    uses_residency = False
 
     def slots(self, layer: int) -> np.ndarray:
         """int64 [R, E_local]: the global expert id of each rank's local experts (ascending)."""
@@ -283,13 +324,11 @@ class _NodePolicy:
         cand = dynamic_candidates(node_counts, D)
         t = gemm_us(node_counts, s.shape, s.profile)
         static_us = t.sum(axis=1) - np.take_along_axis(t, cand, axis=1).sum(axis=1)
-        # the runtime's rule with modelled instead of measured times: the node's mean static and
-        # whole GEMM time (the runtime: this rank's previous micro-batch)
-        cons = PlanConstraints.from_config(s.feplb_config, s.shape.weight_bytes, float(static_us.mean()) * 1e-6,
-                                           float(t.sum(axis=1).mean()) * 1e-6)
+        # the runtime's rule with the modelled instead of the measured time model
+        cons = PlanConstraints.from_config(s.feplb_config, s.shape.weight_bytes, s.time_model)
         return cons, static_us
 
-    def plan(self, node_counts: np.ndarray, cons: PlanConstraints) -> np.ndarray:
+    def plan(self, node_counts: np.ndarray, cons: PlanConstraints, resident: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     def step(self, step: int, layer: int, src: np.ndarray) -> StepResult:
@@ -301,10 +340,14 @@ class _NodePolicy:
         ranks, tokens, moves_out = [], [], []
         lb = 0
         ce = {"ce_us": 0.0, "exposed_us": 0.0, "static_us": 0.0, "copies": 0}
+        timing = {"expert_us": 0.0, "exposed_us": 0.0, "weight_bytes": 0, "grad_bytes": 0}
+        ends = s.step_ends(step)
         for n in range(s.nodes):
             nc = counts[n * G:(n + 1) * G]
             cons, static_us = self.constraints(nc)
-            moves = self.plan(nc, cons)
+            table = self.residency[layer][n]
+            moves = self.plan(nc, cons, table.resident.copy())
+            self._time(nc, moves, table, ends, timing)
             lb = max(lb, lower_bound(nc, cons.dynamic_experts))
             kept = nc.copy()
             if len(moves):
@@ -324,7 +367,22 @@ class _NodePolicy:
         if self.placers is not None:
             self.placers[layer].observe(loads)
         moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
-        return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce)
+        return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce, timing=timing)
+
+    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict) -> None:
+        """Add one node's micro-batch to ``timing`` (the slowest node sets the makespan); update
+        its residency table (copies kept until the step ends, whose gradients go home then)."""
+        model = self.setup.time_model
+        fresh, kept = table.admit(moves)
+        flush = table.flush()[:, [0, 2]] if ends else None
+        grads_back = ~kept
+        finish = rank_finish_us(nc, moves, model, fresh, grads_back, flush).max()
+        free = rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0, row_copy_us=0.0)).max()
+        timing["expert_us"] = max(timing["expert_us"], float(finish))
+        timing["exposed_us"] = max(timing["exposed_us"], float(finish - free))
+        w = self.setup.shape.weight_bytes
+        timing["weight_bytes"] += int(fresh.sum()) * w
+        timing["grad_bytes"] += (int(grads_back.sum()) + (0 if flush is None else len(flush))) * w
 
     def summary(self) -> dict:
         if self.placers is None:
@@ -337,17 +395,27 @@ class _NodePolicy:
 class FEPLB(_NodePolicy):
     name = "feplb"
     uses_placement = True
+    uses_residency = True
 
-    def plan(self, node_counts, cons):
-        return plan_domain(node_counts, cons).moves
+    def plan(self, node_counts, cons, resident):
+        return plan_domain(node_counts, cons, resident).moves
 
 
 class FEPLBPaper(_NodePolicy):
-    """The paper's greedy: whole experts only, one helper each, no token splitting."""
+    """The paper's greedy: whole experts only, one helper each, no token splitting; the weight
+    copies of a rank must hide behind the node's mean static (forward) GEMM time at the
+    Copy-Engine bandwidth (half its mean GEMM time when it has no static work)."""
 
     name = "feplb-paper"
 
-    def plan(self, node_counts, cons):
+    def constraints(self, node_counts):
+        cons, static_us = super().constraints(node_counts)
+        s = self.setup
+        window_us = float(static_us.mean()) or 0.5 * float(gemm_us(node_counts, s.shape, s.profile).sum(axis=1).mean())
+        budget = min(cons.ce_budget_bytes, s.profile.ce_gbps * 1e3 * window_us) if window_us > 0 else cons.ce_budget_bytes
+        return replace(cons, ce_budget_bytes=budget, model=None), static_us
+
+    def plan(self, node_counts, cons, resident):
         G, E = node_counts.shape
         if G <= 1 or cons.dynamic_experts <= 0:
             return np.zeros((0, 4), dtype=np.int64)

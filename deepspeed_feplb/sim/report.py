@@ -20,6 +20,9 @@ _COLUMNS = [
     ("reduction_vs_vanilla", "token red. vs vanilla", "{:.1%}"),
     ("gemm_reduction_vs_vanilla", "GEMM red. vs vanilla", "{:.1%}"),
     ("lower_bound_gap_pct", "gap to bound (% of mean)", "{:.2f}"),
+    ("expert_time_us", "expert time fwd+bwd (µs)", "{:,.0f}"),
+    ("copy_exposed_us", "exposed copy (µs)", "{:,.0f}"),
+    ("weight_bytes_per_step", "weight MB / step", lambda v: f"{v / 1e6:,.0f}"),
     ("ce_us", "CE time (µs)", "{:,.0f}"),
     ("static_us", "static time (µs)", "{:,.0f}"),
 ]
@@ -31,7 +34,7 @@ def markdown_table(metrics: dict) -> str:
     lines = ["| policy | " + " | ".join(c[1] for c in cols) + " |",
              "|---|" + "---:|" * len(cols)]
     for name, m in metrics.items():
-        cells = [c[2].format(m[c[0]]) if c[0] in m else "" for c in cols]
+        cells = [(c[2] if callable(c[2]) else c[2].format)(m[c[0]]) if c[0] in m else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

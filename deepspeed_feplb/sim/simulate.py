@@ -4,6 +4,12 @@ Per (step, layer) and policy: ``T_r`` tokens each rank computes, token straggler
 ``max T - mean T``, ``max/mean``, GEMM straggler from the cost model (:mod:`.cost`), and for the
 intra-node policies the gap to the lower bound and Copy-Engine time vs static time.
 
+Time (`plan.timeline`, forward + backward): ``expert_time_us`` is the makespan of the expert
+stage, the slowest rank's finish with every weight and row copy, arrival and gradient return the
+policy causes; ``copy_exposed_us`` what the copies add to it; ``weight_bytes_per_step`` and
+``grad_bytes_per_step`` the expert weights and weight-gradients copied per optimizer step
+(``SimSetup.micro_batches_per_step`` micro-batches) and layer.
+
 Averages: every "mean" is over all (step, layer) micro-batches; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
 for GEMM time.
@@ -16,7 +22,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from deepspeed_feplb.plan.cost import rank_gemm_us
-from .policies import SimSetup, make_policy
+from .policies import SimSetup, pieces_us, make_policy
 from deepspeed_feplb.trace.format import Trace, fold_sources
 
 __all__ = ["PolicyRun", "SimResult", "simulate"]
@@ -38,6 +44,11 @@ class PolicyRun:
     static_us: np.ndarray
     moves: Optional[np.ndarray]
     summary: dict = field(default_factory=dict)
+    expert_us: Optional[np.ndarray] = None  # float [steps, layers]: makespan, fwd + bwd with copies
+    copy_exposed_us: Optional[np.ndarray] = None  # float [steps, layers]
+    weight_bytes: Optional[np.ndarray] = None  # int64 [steps, layers]: weights copied
+    grad_bytes: Optional[np.ndarray] = None  # int64 [steps, layers]: weight-gradients copied
+    micro_batches_per_step: int = 1
 
     @property
     def token_straggler(self) -> np.ndarray:
@@ -67,6 +78,13 @@ class PolicyRun:
             gap = (T.max(axis=-1) - self.lower_bound) / np.maximum(mean, 1e-12)
             out["lower_bound_gap_pct"] = float(100 * np.nanmean(gap))
             out["within_1pct_of_bound"] = float(np.nanmean(gap <= 0.01))
+        if self.expert_us is not None:
+            S, L = self.expert_us.shape
+            steps = -(-S // self.micro_batches_per_step)
+            out["expert_time_us"] = float(self.expert_us.mean())
+            out["copy_exposed_us"] = float(self.copy_exposed_us.mean())
+            out["weight_bytes_per_step"] = float(self.weight_bytes.sum() / (steps * L))
+            out["grad_bytes_per_step"] = float(self.grad_bytes.sum() / (steps * L))
         if not np.all(np.isnan(self.ce_us)):
             out["ce_us"] = float(np.nanmean(self.ce_us))
             out["static_us"] = float(np.nanmean(self.static_us))
@@ -100,7 +118,7 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
     shape = (S, L, R)
     data = {n: {"tok": np.zeros(shape, np.int64), "gemm": np.zeros(shape), "lb": np.full((S, L), np.nan),
                 "ce": np.full((S, L), np.nan), "exp": np.full((S, L), np.nan), "st": np.full((S, L), np.nan),
-                "moves": []} for n in names}
+                "moves": [], "time": np.zeros((4, S, L))} for n in names}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -113,6 +131,9 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
                 d = data[n]
                 d["tok"][s, l] = np.bincount(res.piece_rank, weights=res.piece_tokens, minlength=R).astype(np.int64)
                 d["gemm"][s, l] = rank_gemm_us(res.piece_rank, res.piece_tokens, R, setup.shape, setup.profile)
+                timing = res.timing or {"expert_us": float(pieces_us(res.piece_rank, res.piece_tokens, R,
+                                                                        setup.time_model).max())}
+                d["time"][:, s, l] = [timing.get(k, 0) for k in ("expert_us", "exposed_us", "weight_bytes", "grad_bytes")]
                 if res.lower_bound is not None:
                     d["lb"][s, l] = res.lower_bound
                 if res.ce is not None:
@@ -130,6 +151,8 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
     for n in names:
         d = data[n]
         moves = np.concatenate(d["moves"]).astype(np.int64) if d["moves"] else np.zeros((0, 6), np.int64)
+        t = d["time"]
         runs[n] = PolicyRun(n, d["tok"], d["gemm"], d["lb"], d["ce"], d["exp"], d["st"],
-                            moves if keep_moves else None, objs[n].summary())
+                            moves if keep_moves else None, objs[n].summary(), t[0], t[1],
+                            t[2].astype(np.int64), t[3].astype(np.int64), setup.micro_batches_per_step)
     return SimResult(setup, runs)

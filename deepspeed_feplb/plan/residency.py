@@ -1,0 +1,72 @@
+"""Weight residency: which helper holds a copy of which expert's weights during an optimizer step.
+
+Weights change only at the optimizer step, so a helper that received expert ``(home, e)`` in one
+micro-batch can serve it again in the step's later micro-batches without a new copy, and return
+the copy's accumulated weight-gradient once, at the step's last micro-batch (``feplb.
+weight_residency: "step"``). Every rank of a domain sees the same plans in the same order, so
+every rank (and the simulator) derives the same table from them with `ResidencyTable.admit`:
+no message says what is resident.
+
+A helper keeps at most ``max_resident`` copies per layer (its memory bound); a copy beyond that
+is used for its micro-batch only and returns its gradients at once, as with
+``weight_residency: "micro_batch"`` (``max_resident = 0``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ResidencyTable"]
+
+
+class ResidencyTable:
+    """The kept weight copies of one MoE layer in one domain of ``G`` ranks with ``E`` local experts.
+
+    resident:  int64 [G, E] bit masks: bit j of ``resident[home, e]`` says rank j holds a copy of
+               ``home``'s local expert e (the `plan.policy.plan_domain` argument);
+    held:      int64 [G]: copies each rank holds.
+    """
+
+    def __init__(self, G: int, E: int, max_resident: int):
+        if G > 63:
+            raise ValueError(f"a domain has at most 63 ranks (residency bit masks), got {G}")
+        self.max_resident = int(max_resident)
+        self.resident = np.zeros((G, E), np.int64)
+        self.held = np.zeros(G, np.int64)
+
+    def admit(self, moves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Account one micro-batch's plan. moves int64 [M, 4] = (home, local_expert, helper, rows).
+
+        Returns (fresh bool [M]: the move carries the weights, the helper holds no copy yet;
+        kept bool [M]: the helper keeps the copy (now or from before), so the chunk's weight-
+        gradients stay there until `flush`). A helper with ``max_resident`` copies keeps no more.
+        """
+        moves = np.asarray(moves, np.int64).reshape(-1, 4)
+        M = moves.shape[0]
+        fresh = np.ones(M, np.bool_)
+        kept = np.zeros(M, np.bool_)
+        for m, (home, e, helper, _) in enumerate(moves.tolist()):
+            bit = 1 << helper
+            if self.resident[home, e] & bit:
+                fresh[m], kept[m] = False, True
+            elif self.held[helper] < self.max_resident:
+                self.resident[home, e] |= bit
+                self.held[helper] += 1
+                kept[m] = True
+        return fresh, kept
+
+    def entries(self) -> np.ndarray:
+        """int64 [K, 3] = (home, local_expert, helper) of every kept copy, sorted."""
+        homes, experts = np.nonzero(self.resident)
+        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist())
+                for j in range(self.resident.shape[0]) if (int(self.resident[h, e]) >> j) & 1]
+        return np.array(rows, np.int64).reshape(-1, 3)
+
+    def flush(self) -> np.ndarray:
+        """End of the step: forget every copy; returns the `entries` whose gradients go home now."""
+        out = self.entries()
+        self.resident[:] = 0
+        self.held[:] = 0
+        return out
+
+    def __len__(self) -> int:
+        return int(self.held.sum())

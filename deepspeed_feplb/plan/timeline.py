@@ -1,0 +1,97 @@
+"""The time model of one domain's micro-batch, shared by the planner and the simulator.
+
+Per micro-batch and rank of a domain (all times µs, forward and backward together):
+
+* a rank first computes its own rows: every local expert's rows that stay home, each a GEMM
+  piece of ``piece_us + ceil(n / tile_rows) * tile_rows * row_us``;
+* each move (home -> helper, ``n`` rows) is one copy over the home's outgoing and the helper's
+  incoming copy-engine link (each link carries one copy at a time, moves in plan order): the
+  expert's weights when the helper holds no copy yet (``weight_copy_us``) plus the rows
+  (``n * row_copy_us``);
+* a helper starts a moved chunk once it has finished its own rows and the chunk has arrived,
+  chunks in arrival order;
+* the chunk's outputs go home (``n * row_copy_us``), and, unless the helper keeps the weight copy
+  for later micro-batches of the step, its weight-gradients too (``grad_copy_us``, one at a time
+  on the helper's outgoing link); the home finishes when both are back. At the step's last
+  micro-batch every weight copy a helper kept sends its accumulated gradients home the same way
+  (``flush``).
+
+The makespan (the slowest rank's finish) is what the planner minimises and what the simulator
+reports as ``expert_time_us``. `TimeModel` holds the constants; the evaluation is compiled with
+the planning pass (`passes.finish_us`, loaded on first use); `rank_finish_us` calls it from Python.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TimeModel", "rank_finish_us"]
+
+# fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
+FWD_BWD_GEMMS = 3
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Constants of the time model (µs); see the module docstring.
+
+    tile_rows:       rows of a GEMM tile: an expert piece's rows are padded to whole tiles;
+    row_us:          forward + backward GEMM time of one (padded) row;
+    piece_us:        fixed cost of one expert piece (forward + backward);
+    weight_copy_us:  one expert's weights over one copy-engine link;
+    grad_copy_us:    one expert's weight-gradients over one link;
+    row_copy_us:     one row's activations over one link.
+    """
+
+    tile_rows: int
+    row_us: float
+    piece_us: float
+    weight_copy_us: float
+    grad_copy_us: float
+    row_copy_us: float
+
+    @classmethod
+    def of(cls, shape, profile) -> "TimeModel":
+        """From a simulator `cost.ExpertShape` and `cost.GemmProfile` (forward GEMM x 3)."""
+        bw = profile.ce_gbps * 1e3  # bytes per µs
+        return cls(int(profile.tile_m), FWD_BWD_GEMMS * shape.flops_per_row / (profile.tflops * 1e6),
+                   FWD_BWD_GEMMS * profile.overhead_us, shape.weight_bytes / bw, shape.weight_bytes / bw,
+                   shape.row_bytes / bw)
+
+    @classmethod
+    def measured(cls, expert_seconds: float, rows: int, expert_bytes: int, row_bytes: int,
+                 gbps: float) -> "TimeModel | None":
+        """At runtime: from the previous micro-batch's forward expert time for ``rows`` rows on this
+        rank (x 3 for forward + backward) and the copy-engine bandwidth ``gbps`` (1e9 bytes/s);
+        None before anything was timed."""
+        if expert_seconds <= 0 or rows <= 0:
+            return None
+        bw = gbps * 1e3
+        return cls(1, FWD_BWD_GEMMS * expert_seconds * 1e6 / rows, 0.0, expert_bytes / bw, expert_bytes / bw,
+                   row_bytes / bw)
+
+    def as_array(self) -> np.ndarray:
+        """float64 [6], the order `passes.finish_us` takes."""
+        return np.array([self.tile_rows, self.row_us, self.piece_us, self.weight_copy_us, self.grad_copy_us,
+                         self.row_copy_us], dtype=np.float64)
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(v) and v >= 0 for v in self.as_array())
+
+
+def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fresh: np.ndarray | None = None,
+                   grads_back: np.ndarray | None = None, flush: np.ndarray | None = None) -> np.ndarray:
+    """Each rank's finish time under ``model`` (`passes.finish_us`, see the module docstring). counts int64 [G, E]; moves int64 [M, 4]; fresh / grads_back bool [M]
+    (default: every move copies weights and returns gradients, i.e. no residency); flush int64
+    [F, 2] or None. Returns float64 [G] µs."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    moves = np.ascontiguousarray(np.asarray(moves, dtype=np.int64).reshape(-1, 4))
+    M = moves.shape[0]
+    fresh = np.ones(M, np.bool_) if fresh is None else np.ascontiguousarray(fresh, dtype=np.bool_)
+    grads_back = fresh.copy() if grads_back is None else np.ascontiguousarray(grads_back, dtype=np.bool_)
+    flush = np.zeros((0, 2), np.int64) if flush is None else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2))
+    from deepspeed_feplb.plan.passes import finish_us
+    return finish_us(counts, moves, fresh, grads_back, flush, model.as_array())
