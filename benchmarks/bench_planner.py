@@ -4,14 +4,20 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_planner.py --json bench_planner.json
 
 Sections (all on the calibrated no-aux-loss trace, GLM-5-like shapes, seeded):
-* latency  — plan_domain in-process for 128 experts x 8 ranks (D=4; also with a binding budget of two
-             weight copies per rank) and for 256 experts x 64 ranks
-             (8 nodes of 8, D=4; per node and all 8 nodes in sequence); wall clock and thread CPU;
+* latency  — plan_domain in-process, judged by the h100 time model as at runtime, for 128 experts
+             x 8 ranks (D=4) at 32,768 and at 4,096 rows per rank, each also with a binding
+             budget of two weight copies per rank and with the residency masks of a step
+             (8 micro-batches); and for 256 experts x 64 ranks (8 nodes of 8, D=4; per node and
+             all 8 nodes in sequence); wall clock and thread CPU;
 * roundtrip — 128 x 8 through the scheduler process's shared-memory mailbox;
 * cold     — (not by default) plan_domain right after 0 / 0.2 / 1 / 5 ms of other work;
 * ep8      — EP=8, 128 experts, top-8: max/mean, gap to the lower bound, reduction vs vanilla,
              FasterMoE / feplb straggler ratio, Copy-Engine time vs static time;
 * ep16     — EP=16 (2 nodes x 8) with the cross-node placement layer;
+* time     — expert time (forward + backward with copies, `plan.timeline`), max/mean and weight
+             bytes per step of every policy at 32,768 and 4,096 rows per rank, 8 micro-batches
+             per optimizer step, feplb with weight residency "step" and "micro_batch"; on the
+             no-aux trace and on a harder Zipf(1.0) one;
 * oracle   — feplb vs the MILP optimum on a sample of EP=8 micro-batches;
 * cpu      — the CPU cost profile measured from real torch GEMMs.
 See benchmarks/PLANNER.md for the targets and the latest figures.
@@ -29,8 +35,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from deepspeed_feplb.plan.cost import PROFILES, ExpertShape  # noqa: E402
 from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain  # noqa: E402
-from deepspeed_feplb.trace.generators import no_aux_trace  # noqa: E402
+from deepspeed_feplb.plan.residency import ResidencyTable  # noqa: E402
+from deepspeed_feplb.plan.timeline import TimeModel  # noqa: E402
+from deepspeed_feplb.trace.generators import no_aux_trace, skewed_trace  # noqa: E402
 from deepspeed_feplb.sim.policies import SimSetup  # noqa: E402
 from deepspeed_feplb.sim.simulate import simulate  # noqa: E402
 from deepspeed_feplb.trace.format import fold_sources  # noqa: E402
@@ -61,26 +70,67 @@ def timed(fn, xs, repeat):
             "cpu_p99_us": float(np.percentile(cpu, 99)), "samples": len(wall)}
 
 
+EXPERT_BYTES = ExpertShape().weight_bytes
+SCALES = {"32k": 4096, "4k": 512}  # rows per rank per micro-batch -> tokens per rank (top-8)
+
+
 def latency_constraints():
-    return PlanConstraints(dynamic_experts=4, max_helpers=2, chunk_align=8,
-                           ce_budget_bytes=370e3 * 3000, expert_bytes=3 * 6144 * 2048 * 2)
+    """What the runtime plans with: the time model (h100, GLM-5-like experts), residency "step"."""
+    return PlanConstraints(dynamic_experts=4, max_helpers=2, chunk_align=8, expert_bytes=EXPERT_BYTES,
+                           model=TimeModel.of(ExpertShape(), PROFILES["h100"]), keep_copies=True)
+
+
+def with_step_residency(xs, cons, micro_batches=8):
+    """(counts, residency masks) pairs as the planner sees them in steps of ``micro_batches``."""
+    table, out = ResidencyTable(8, xs[0].shape[1], 8), []
+    for i, x in enumerate(xs):
+        if i % micro_batches == 0:
+            table.flush()
+        out.append((x, table.resident.copy()))
+        table.admit(plan_domain(x, cons, table.resident).moves, keep_new=(i + 1) % micro_batches != 0)
+    return out
 
 
 def bench_latency(args):
+    from dataclasses import replace
+
     cons = latency_constraints()
-    t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, seed=11)
-    xs = list(node_counts(t8, 8, 8))
-    for x in xs[:50]:
-        plan_domain(x, cons)
-    out = {"128x8": timed(lambda x: plan_domain(x, cons), xs, args.repeat)}
-    # a Copy-Engine budget of two weight copies per rank binds: the bisection over chaining passes runs
-    tight = PlanConstraints(4, 2, 8, 2 * cons.expert_bytes + 1, cons.expert_bytes)
-    out["128x8_2_copies"] = timed(lambda x: plan_domain(x, tight), xs, args.repeat)
+    tight = replace(cons, ce_budget_bytes=2 * EXPERT_BYTES + 1)  # two weight copies per rank: binds
+    out = {}
+    for scale, tokens in SCALES.items():
+        t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, tokens_per_rank=tokens, seed=11)
+        xs = list(node_counts(t8, 8, 8))
+        for x in xs[:50]:
+            plan_domain(x, cons)
+        out[f"128x8_{scale}"] = timed(lambda x: plan_domain(x, cons), xs, args.repeat)
+        out[f"128x8_{scale}_2_copies"] = timed(lambda x: plan_domain(x, tight), xs, args.repeat)
+        pairs = with_step_residency(xs, cons)
+        out[f"128x8_{scale}_resident"] = timed(lambda p: plan_domain(p[0], cons, p[1]), pairs, args.repeat)
+        out[f"128x8_{scale}_resident_2_copies"] = timed(lambda p: plan_domain(p[0], tight, p[1]), pairs, args.repeat)
     t64 = no_aux_trace(max(10, args.steps // 8), 2, ranks=64, experts=256, tokens_per_rank=4096, seed=12)
     nodes = node_counts(t64, 64, 8)  # [S*L*8, 8, 4]
     out["256x64_per_node"] = timed(lambda x: plan_domain(x, cons), list(nodes), args.repeat)
     groups = list(nodes.reshape(-1, 8, 8, 4))
     out["256x64_all_nodes"] = timed(lambda g: [plan_domain(x, cons) for x in g], groups, args.repeat)
+    return out
+
+
+def bench_time(args):
+    """Every policy's expert time, balance and weight traffic at both scales, M=8 micro-batches per step."""
+    from dataclasses import replace
+
+    out = {}
+    for trace_name in ("noaux", "zipf1"):
+        for scale, tokens in SCALES.items():
+            if trace_name == "noaux":
+                trace = no_aux_trace(args.steps, args.layers, ranks=8, experts=128, tokens_per_rank=tokens, seed=31)
+            else:
+                trace = skewed_trace(args.steps, args.layers, 8, 128, tokens_per_rank=tokens, top_k=8, skew=1.0,
+                                     hidden=6144, ffn_hidden=2048, seed=32)
+            setup = SimSetup(8, 1, 128, dynamic_experts=4, max_helpers=2, chunk_align=8, micro_batches_per_step=8)
+            m = simulate(trace, setup, ["fastermoe", "eplb", "feplb-paper", "feplb"], progress=not args.no_progress).metrics()
+            m["feplb (micro_batch)"] = simulate(trace, replace(setup, residency="micro_batch"), ["feplb"]).metrics()["feplb"]
+            out[f"{trace_name}_{scale}"] = m
     return out
 
 
@@ -209,7 +259,7 @@ def main(argv=None):
     ap.add_argument("--oracle-time", type=float, default=20.0)
     ap.add_argument("--roundtrip-gap-us", type=float, default=0.0,
                     help="sleep between round trips (0: back to back, the scheduler never idles)")
-    ap.add_argument("--sections", default="latency,roundtrip,ep8,ep16,oracle,cpu")
+    ap.add_argument("--sections", default="latency,roundtrip,ep8,ep16,time,oracle,cpu")
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -242,6 +292,14 @@ def main(argv=None):
                 print(f"  {p:12s} straggler {v['token_straggler']:8.0f}  max/mean {v['token_max_over_mean']:.4f}"
                       f"  GEMM {v['gemm_straggler_us']:7.1f} µs  red. {v.get('reduction_vs_vanilla', 0):6.1%}{extra}")
             print(f"  FasterMoE / feplb token straggler: {m['feplb']['fastermoe_over_feplb_straggler']:.1f}x")
+    if "time" in sections:
+        out["time"] = bench_time(args)
+        for case, m in out["time"].items():
+            print(f"\ntime {case}: {args.steps} micro-batches x {args.layers} layers, 8 per step")
+            for p, v in m.items():
+                print(f"  {p:20s} max/mean {v['token_max_over_mean']:.3f}  straggler {v['token_straggler']:8.0f}  "
+                      f"expert time {v['expert_time_us']:9,.0f} µs (copies exposed {v['copy_exposed_us']:6,.0f})  "
+                      f"weights {v['weight_bytes_per_step'] / 1e6:8,.0f} MB/step")
     if "oracle" in sections:
         out["oracle"] = bench_oracle(args)
         for k, v in out["oracle"].items():

@@ -31,6 +31,7 @@ from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.stats import StageTimes, layer_stats
 from deepspeed_feplb.trace.record import get_recorder
 
@@ -53,6 +54,9 @@ class FEPLBMOELayer(MOELayer):
         self._feplb_ready = False
         self.compute_times = ComputeTimes()
         self.stage_times = StageTimes()  # host time per stage (forward and backward), see `stats.StageTimes`
+        self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
+        if not hasattr(self, "step_ends"):
+            self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:
@@ -73,9 +77,12 @@ class FEPLBMOELayer(MOELayer):
         expert_params = list(experts[0].parameters())
         self.expert_spec = ExpertSpec.of(experts[0])
         self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
+        self.row_bytes = self.gate.wg.in_features * expert_params[0].element_size()  # one token row (time model)
         transport = transport_class(config, expert_params)  # checks the configured backends exist here
         balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
         self.domain = get_runtime(self.ep_group, config, transport) if balance else None
+        if self.domain is not None:
+            self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, config)
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
                                           hidden=self.gate.wg.in_features, on_error=self.domain.watch.check if self.domain else None,
                                           stage_times=self.stage_times)
@@ -119,7 +126,8 @@ class FEPLBMOELayer(MOELayer):
                 if self.feplb_config.stats.enabled else {}
             return torch.cat(outs) if outs else rows
         out, stats = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec, self.domain,
-                                 self.feplb_config, self.expert_bytes, self.compute_times, self.stage_times)
+                                 self.feplb_config, self.expert_bytes, self.compute_times, self.stage_times,
+                                 residency=self.residency, step_ends=self.step_ends())
         if stats is not None:
             self.feplb_stats = stats
         return out
@@ -132,6 +140,11 @@ class FEPLBMOELayer(MOELayer):
             return params
         aliases = iter(ExpertGradOrder.apply(*flat))
         return [[next(aliases) for _ in group] for group in params]
+
+
+def _every_micro_batch() -> bool:
+    """Without an engine that says otherwise, every micro-batch ends its optimizer step."""
+    return True
 
 
 _warned_dropless = False
@@ -199,10 +212,11 @@ class MoE(ds_layer.MoE):
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
-        if self.deepspeed_moe.feplb_config is None:
-            section = seams.engine_feplb_section()
-            if section is not None:
-                self.deepspeed_moe.feplb_config = load_config(section)
+        engine = seams.configuring_engine()
+        if engine is not None:
+            self.deepspeed_moe.step_ends = seams.step_ends(engine)
+        if self.deepspeed_moe.feplb_config is None and engine is not None:
+            self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
 
     @classmethod
     def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":

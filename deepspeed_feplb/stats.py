@@ -46,6 +46,18 @@ def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: floa
     }
 
 
+def residency_stats(fresh: np.ndarray, kept: np.ndarray, flushed: int, expert_bytes: int) -> dict:
+    """Weight traffic of one layer's micro-batch in its domain: fresh / kept bool [M] per move of
+    the plan (`plan.residency.ResidencyTable.admit`), ``flushed`` kept copies whose gradients went
+    home at the step's end. Weight and gradient bytes count one expert per copy (the parameters'
+    dtype), domain-wide. A copy refreshed because the home's weights changed counts as a hit here
+    (rare: weights change at the optimizer step, when the table is empty)."""
+    copies, hits = int(fresh.sum()), int((~fresh).sum())
+    grads = int((~kept).sum()) + int(flushed)
+    return {"weight_copies": copies, "resident_hits": hits, "flushed_copies": int(flushed),
+            "weight_bytes": copies * int(expert_bytes), "grad_bytes": grads * int(expert_bytes)}
+
+
 class StageTimes:
     """Host seconds one FEPLB layer spent per stage, forward and backward, accumulated until `take`.
 

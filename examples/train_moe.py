@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--context", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=512, help="tokens per rank and step")
+    parser.add_argument("--batch", type=int, default=512, help="tokens per rank and micro-batch")
+    parser.add_argument("--gradient-accumulation-steps", type=int, metavar="M",
+                        help="micro-batches per optimizer step (default: the ds_config's); with "
+                             "feplb.weight_residency 'step' a helper keeps its expert copies for the M micro-batches")
     parser.add_argument("--no-feplb", action="store_true",
                         help="the same run with FEPLB off (\"feplb\": {\"enabled\": false}: DeepSpeed's own MoE layer)")
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -96,7 +99,9 @@ def step_record(step: int, loss: float, seconds: float, stats: dict, summary: di
         "tokens_before", "tokens_after", "token_straggler_before", "token_straggler_after",
         "migrated_tokens", "plan_latency_us", "fallback")}}
     if summary is not None:
-        record.update({key: summary[key] for key in ("gemm_straggler_ms", "migrated_bytes") if key in summary})
+        record.update({key: summary[key] for key in ("gemm_straggler_ms", "migrated_bytes", "weight_bytes",
+                                                     "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")
+                       if key in summary})
         record["layers"] = summary["layers"]
     return record
 
@@ -110,6 +115,9 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     if getattr(args, "no_feplb", False):
         ds_config = feplb_off(ds_config if ds_config is not None else args.deepspeed_config)
+    if getattr(args, "gradient_accumulation_steps", None):
+        ds_config = {**as_dict(ds_config if ds_config is not None else args.deepspeed_config),
+                     "gradient_accumulation_steps": args.gradient_accumulation_steps}
     torch.manual_seed(0)
     model = ByteMoELM(args.hidden, args.experts, ep_size=world, k=args.top_k, context=args.context)
     engine, _, _, _ = deepspeed_feplb.initialize(args=args if ds_config is None else None, model=model,
@@ -117,11 +125,14 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     data = stdlib_bytes()
     loss_fn = torch.nn.CrossEntropyLoss()
     history, pid = [], 0
-    for step, (x, y) in zip(range(args.steps), batches(data, args.batch, args.context, seed=1000 + rank)):
+    stream = batches(data, args.batch, args.context, seed=1000 + rank)
+    for step in range(args.steps):
         start = time.perf_counter()
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)
-        engine.step()
+        for _ in range(engine.gradient_accumulation_steps()):
+            x, y = next(stream)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
         seconds = time.perf_counter() - start
         collector = getattr(engine, "feplb_monitor", None)
         record = step_record(step, loss.item(), seconds, engine.module.moe.feplb_stats,
@@ -137,11 +148,17 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     return history
 
 
+def as_dict(ds_config) -> dict:
+    """A ds_config given as a dict or a path, as a dict."""
+    if isinstance(ds_config, dict):
+        return ds_config
+    with open(ds_config) as f:
+        return json.load(f)
+
+
 def feplb_off(ds_config) -> dict:
     """The ds_config (dict or path) with ``"feplb": {"enabled": false}``."""
-    if not isinstance(ds_config, dict):
-        with open(ds_config) as f:
-            ds_config = json.load(f)
+    ds_config = as_dict(ds_config)
     return {**ds_config, "feplb": {**ds_config.get("feplb", {}), "enabled": False}}
 
 
@@ -158,7 +175,8 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     history = train(args, log=lambda line: print(line, flush=True))
     if rank == 0 and history:
-        summarize(history, tokens_per_step=args.batch * world, feplb=not args.no_feplb)
+        gas = args.gradient_accumulation_steps or as_dict(args.deepspeed_config).get("gradient_accumulation_steps", 1)
+        summarize(history, tokens_per_step=args.batch * world * gas, feplb=not args.no_feplb)
     torch.distributed.barrier()
     deepspeed_feplb.shutdown()
     torch.distributed.destroy_process_group()
@@ -186,6 +204,12 @@ def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True) -> 
     if "scheduler_cpu_percent" in history[-1]:
         print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
               "(from the step it was up to the end)")
+    if "weight_copies" in history[-1]:
+        mean = {key: np.mean([h.get(key, 0) for h in history]) for key in (
+            "weight_copies", "weight_bytes", "resident_hits", "flushed_copies", "grad_bytes")}
+        print(f"  expert weights copied per step: {mean['weight_copies']:.1f} copies, {mean['weight_bytes'] / 1e6:.2f} MB; "
+              f"chunks served from kept copies: {mean['resident_hits']:.1f}; copies whose gradients went home at the "
+              f"step's end: {mean['flushed_copies']:.1f}; weight-gradients sent: {mean['grad_bytes'] / 1e6:.2f} MB")
     gemm = [h["gemm_straggler_ms"] for h in history if h.get("gemm_straggler_ms") is not None]
     if gemm:
         print(f"  measured GEMM straggler (expert-compute wall time, max-mean over the domain): "

@@ -161,6 +161,66 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     return {"losses": losses, "param_errors": params, "migrated": migrated}
 
 
+def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 4, steps: int = 3,
+                      max_resident: int = 8) -> dict:
+    """Train DeepSpeed's MoE and FEPLB side by side with ``gas`` micro-batches per optimizer step.
+
+    Between steps, and once between two micro-batches of a step, both models' expert weights are
+    changed in place the same way: a helper that computed with a copy it kept from before the
+    change would make FEPLB's losses and weights differ. Returns the losses, the parameter errors
+    and FEPLB's weight traffic summed over every micro-batch (its stats, domain-wide)."""
+    import deepspeed
+
+    world = dist.get_world_size()
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "weight_residency": residency, "max_resident_experts": max_resident}
+
+    def make_model():
+        torch.manual_seed(11)
+        model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=4 * ep_size,
+                                          ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
+                                          top2_2nd_expert_sampling=False))
+        skew_gate(model.moe.deepspeed_moe.gate.wg.weight, spread=False)
+        diversify_experts(model.moe)
+        return model
+
+    config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
+    models = {"reference": make_model(), "feplb": make_model()}
+    reference, *_ = deepspeed.initialize(model=models["reference"], model_parameters=param_groups(models["reference"]),
+                                         config=config)
+    ours, *_ = deepspeed_feplb.initialize(model=models["feplb"], model_parameters=param_groups(models["feplb"]),
+                                          config=config)
+    engines = {"reference": reference, "feplb": ours}
+
+    def perturb(scale: float):
+        with torch.no_grad():
+            for engine in engines.values():
+                for expert in engine.module.moe.deepspeed_moe.experts.deepspeed_experts:
+                    for p in expert.parameters():
+                        p.mul_(scale)
+
+    losses = {name: [] for name in engines}
+    traffic = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "moves": 0}
+    for step in range(steps):
+        for micro in range(gas):
+            x, target = rank_inputs(100 + step * gas + micro)
+            if step == 1 and micro == 2:
+                perturb(0.97)  # inside a step: kept copies of the changed experts are stale now
+            for name, engine in engines.items():
+                prediction, l_aux = engine(x)
+                loss = ((prediction - target)**2).mean() + 0.01 * l_aux
+                engine.backward(loss)
+                engine.step()
+                losses[name].append(loss.item())
+            stats = ours.module.moe.feplb_stats
+            for key in traffic:
+                traffic[key] += stats[key]
+        perturb(1.02)  # between steps
+    params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
+              for n, p in ours.module.named_parameters()}
+    return {"losses": losses, "param_errors": params, "traffic": traffic}
+
+
 def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, residual: bool = False,
                         training: bool = True, feplb: dict | None = None, reference_drop_tokens: bool = False) -> dict:
     """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors."""

@@ -68,7 +68,8 @@ def test_csv_monitor_received_the_feplb_events(train_moe_runs, csv_dir):
     on = train_moe_runs[0][True]
     files = {p.name: p for p in (csv_dir / "feplb").glob("FEPLB_moe_*.csv")}
     for metric in ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms", "migrated_tokens",
-                   "migrated_bytes", "plan_latency_us", "fallbacks"):
+                   "migrated_bytes", "plan_latency_us", "fallbacks", "weight_bytes", "weight_copies", "resident_hits",
+                   "flushed_copies", "grad_bytes"):
         rows = (files.pop(f"FEPLB_moe_{metric}.csv")).read_text().split()
         assert rows[0] == f"step,{metric}" and len(rows) == 1 + STEPS, rows
         steps, values = zip(*(row.split(",") for row in rows[1:]))

@@ -224,7 +224,7 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
     times = ComputeTimes()
     mark = times.clock(torch.device("cuda", 0))
     begin, static_done, end = mark(), mark(), mark()
-    times.finish(begin, static_done, end)
+    times.finish(begin, static_done, end, rows=100)
     assert (times.static_seconds, times.expert_seconds) == (0.0, 0.0)  # nothing read yet: the GPU is still busy
     times.clock(torch.device("cuda", 0))
     assert times.pending is not None  # not complete: not read, older figures kept
@@ -235,8 +235,8 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
     cpu = ComputeTimes()
     mark = cpu.clock(torch.device("cpu"))
     begin = mark()
-    cpu.finish(begin, begin + 0.5, begin + 2.0)
-    assert (cpu.static_seconds, cpu.expert_seconds) == (0.5, 2.0)
+    cpu.finish(begin, begin + 0.5, begin + 2.0, rows=100)
+    assert (cpu.static_seconds, cpu.expert_seconds, cpu.rows) == (0.5, 2.0, 100)
 
 
 # ------------------------------------------------------------------ 5. no host waits on the copy path

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.segments import leftover_segments
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
+from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.scheduler.mailbox import RING, Mailbox
 
 RANKS, EXPERTS = 3, 5
-CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=4)
+CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=4, ce_budget_bytes=3e6, expert_bytes=10**6,
+                              model=TimeModel(128, 0.5, 6.0, 203.1, 203.1, 0.033), keep_copies=True)
 
 
 @pytest.fixture
@@ -27,6 +29,11 @@ def counts_for(rank: int, seq: int) -> np.ndarray:
     return np.arange(EXPERTS, dtype=np.int64) * 100 + rank * 10 + seq % 10 + seq * 1000
 
 
+def masks_for(rank: int, seq: int) -> np.ndarray:
+    """A rank's row of the residency masks, int64 [EXPERTS, 1] (helpers of each of its experts)."""
+    return ((np.arange(EXPERTS, dtype=np.int64) + rank + seq) % (1 << RANKS)).reshape(EXPERTS, 1)
+
+
 # Each step: a rank that may publish its next step (ranks stay within RING - 1 steps of each other,
 # as phase 1's collective guarantees), then a step to read.
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -37,17 +44,19 @@ def test_counts_are_complete_and_of_the_asked_step_or_absent(mailbox, operations
     for rank, wanted in operations:
         if published[rank] + 1 - min(published) < RING - 1:
             published[rank] += 1
-            mailbox.publish(rank, published[rank], counts_for(rank, published[rank]), CONSTRAINTS)
+            mailbox.publish(rank, published[rank], counts_for(rank, published[rank]), CONSTRAINTS,
+                            masks_for(rank, published[rank]))
         got = mailbox.read_counts(wanted)
         every_rank_has_it = all(p >= wanted for p in published)
         not_overwritten = all(p - wanted < RING for p in published)
         if got is None:
             assert not (every_rank_has_it and not_overwritten)
             continue
-        counts, constraints = got
+        counts, constraints, resident = got
         assert every_rank_has_it and not_overwritten
         assert np.array_equal(counts, np.stack([counts_for(r, wanted) for r in range(RANKS)]))
-        assert constraints == CONSTRAINTS
+        assert np.array_equal(resident, np.stack([masks_for(r, wanted) for r in range(RANKS)]))
+        assert constraints == CONSTRAINTS  # the time model and the residency flag cross too
         assert set(mailbox.missing_ranks(wanted)) == set()
 
 
@@ -57,7 +66,7 @@ def test_a_torn_counts_write_is_never_read(mailbox):
     assert mailbox.read_counts(0) is not None
     slot = mailbox.slots[1, 0]
     slot[0] = -1  # the writer of rank 1 was interrupted after it started rewriting this slot
-    slot[8:8 + EXPERTS] = 7
+    slot[16:16 + EXPERTS] = 7
     assert mailbox.read_counts(0) is None
     assert mailbox.missing_ranks(0) == [1]
 

@@ -92,10 +92,14 @@ def bare(monkeypatch):
 
 
 @pytest.mark.parametrize("micro_batches,stages,stage_id", [(4, 2, 0), (4, 2, 1), (8, 4, 0), (3, 4, 2)])
-def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, stages, stage_id):
+def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, stages, stage_id, monkeypatch):
     sched = FEPLBTrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+    bare.micro_batches = micro_batches
     handlers = {k: v for k, v in FEPLBPipelineEngine._INSTRUCTION_MAP.items()
                 if k in (schedule.ForwardPass, schedule.BackwardPass, schedule.ReduceGrads, PlanMicroBatch)}
+    ends = []  # what the layers would read during each forward (weight residency's step end)
+    monkeypatch.setattr(PipelineEngine, "_exec_forward_pass",
+                        lambda self, buffer_id: (self.log.append(("F", buffer_id)), ends.append(self.feplb_step_ends())))
     peak = 0
     for cmd in flat(sched):
         if type(cmd) in handlers:
@@ -106,10 +110,12 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
     assert bare.feplb_in_flight == {} and bare._feplb_done == {}
     assert peak <= sched.num_pipe_buffers() + 1  # in flight: forwarded, not yet backwarded (+1 planned ahead)
     assert [k for k, _ in bare.log].count("F") == micro_batches and bare.log[-1] == ("R", None)
+    assert ends == [False] * (micro_batches - 1) + [True] and bare.feplb_step_ends()  # only the last forward ends the step
     assert bare.feplb_monitor.last["step"] == 1
 
 
 def test_backward_without_forward_and_missing_backward_are_errors(bare):
+    bare.micro_batches = 2
     with pytest.raises(RuntimeError, match="before its forward"):
         bare._exec_backward_pass(buffer_id=0, micro_batch_id=0)
     bare._exec_plan_micro_batch(micro_batch_id=0)

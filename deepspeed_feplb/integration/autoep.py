@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.balance import ComputeTimes, run_experts
+from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.domain import domain_size, get_runtime
 from deepspeed_feplb.integration import seams
@@ -62,7 +63,9 @@ class SwiGLUExpert(torch.nn.Module):
 class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torch.nn.Module):
     """AutoEP's ``GroupedExperts`` with FEPLB phase 2 (module docstring); set up by `install`."""
 
-    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int) -> None:
+    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int, step_ends=None) -> None:
+        """``step_ends``: says whether the current micro-batch ends the optimizer step
+        (`seams.step_ends`; default: every one does)."""
         self.feplb_config = config
         self.feplb_ep_group = ep_group
         self.feplb_ep_size = ep_size
@@ -70,6 +73,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         self._feplb_domain = None
         self._feplb_ready = False
         self.compute_times = ComputeTimes()
+        self.residency = None
+        self.step_ends = step_ends if step_ends is not None else (lambda: True)
 
     def _feplb_attach(self) -> None:
         config = self.feplb_config
@@ -83,6 +88,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         if balance:
             transport = transport_class(config, slices)
             self._feplb_domain = get_runtime(self.feplb_ep_group, config, transport)
+            self.residency = LayerResidency.create(self._feplb_domain.size, self.num_experts, config)
         self._feplb_ready = True
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -108,7 +114,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         params = [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
         out, stats = run_experts(x[:rows], counts, [self._template] * self.num_experts, params, self._spec,
                                  self._feplb_domain, self.feplb_config, self._expert_bytes, self.compute_times,
-                                 static_fn=self._static)
+                                 static_fn=self._static, residency=self.residency, step_ends=self.step_ends())
         if stats is not None:
             self.feplb_stats = stats
         if x.shape[0] > rows:  # trailing padding rows of AutoEP's permute: zero output
@@ -133,8 +139,9 @@ def autoep_layers(model: torch.nn.Module) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, AutoEPMoELayer)}
 
 
-def install(model: torch.nn.Module, config: FEPLBConfig) -> dict:
-    """Insert FEPLB phase 2 into every AutoEP layer of ``model`` (after ``deepspeed.initialize``).
+def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
+    """Insert FEPLB phase 2 into every AutoEP layer of ``model`` (after ``deepspeed.initialize``);
+    ``engine`` (the DeepSpeed engine, if any) says where optimizer steps end (weight residency).
 
     Returns ``{name: FEPLBGroupedExperts}``; nothing is changed when ``config.enabled`` is false.
     `FEPLBConfigError` names a setting that does not fit a layer.
@@ -159,7 +166,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig) -> dict:
         domain_size(config, layer.ep_size)  # raises naming feplb.nvlink_domain_size
         if type(experts) is not FEPLBGroupedExperts:
             seams.become(experts, FEPLBGroupedExperts)
-        experts.feplb_setup(config, layer.ep_group, layer.ep_size)
+        experts.feplb_setup(config, layer.ep_group, layer.ep_size, seams.step_ends(engine) if engine is not None else None)
         installed[name] = experts
     return installed
 

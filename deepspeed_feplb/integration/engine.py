@@ -64,7 +64,7 @@ def initialize(*args, **kwargs):
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
     from deepspeed_feplb.integration.autoep import install as install_autoep
-    install_autoep(result[0].module, config)  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
+    install_autoep(result[0].module, config, result[0])  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result

@@ -21,8 +21,14 @@ monitor (TensorBoard, CSV, W&B, Comet: whatever ``ds_config["monitor"...]`` enab
   ``t_r`` over the ranks of a domain, same average; ``gemm_max_ms`` the mean of ``max_r t_r``;
 * ``migrated_tokens``: token-expert rows computed by a helper, summed over micro-batches and
   domains; ``migrated_bytes``: what the transport moved for them, forward (rows there and
-  results back, one weight copy per move) plus, in training, backward (output-grads there,
-  input-grads and weight-grads back): ``rows * H * elem * (2 fwd + 2 bwd) + moves * expert_bytes * (1 + 1)``;
+  results back, the weight copies) plus, in training, backward (output-grads there, input-grads
+  back, the weight-gradients that went home): ``rows * H * elem * (2 fwd + 2 bwd) + weight_bytes
+  + grad_bytes``;
+* ``weight_bytes``: expert weights copied to helpers (one expert per copy; a helper that kept a
+  copy from earlier in the step needs none, ``feplb.weight_residency: "step"``),
+  ``weight_copies`` their number, ``resident_hits`` chunks served from a kept copy,
+  ``flushed_copies`` kept copies whose accumulated gradients went home at the step's end, and
+  ``grad_bytes`` the weight-gradients sent home (per chunk, or once per kept copy); sums;
 * ``plan_latency_us``: mean planning time; ``fallbacks``: micro-batches planned in-process
   because the scheduler process was late or dead (summed);
 * ``warm_start_token_straggler`` (pipeline engine only): the token straggler the plan computed
@@ -47,7 +53,9 @@ from deepspeed_feplb.stats import straggler
 
 EVENT_PREFIX = "FEPLB"
 METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms", "gemm_max_ms", "migrated_tokens",
-           "migrated_bytes", "plan_latency_us", "fallbacks")
+           "migrated_bytes", "weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes",
+           "plan_latency_us", "fallbacks")
+TRAFFIC = ("weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")  # summed stats
 
 
 @dataclass
@@ -63,7 +71,8 @@ class Record:
     extra: dict = field(default_factory=dict)
 
     SUMMARY_STATS = ("ranks", "token_straggler_before", "token_straggler_after", "plan_latency_us", "fallback",
-                     "migrated_tokens", "moves")
+                     "migrated_tokens", "moves", "weight_bytes", "weight_copies", "resident_hits", "flushed_copies",
+                     "grad_bytes")
 
     def lean(self) -> "Record":
         """This record with only the stats that `summarize` reads (what every step gathers)."""
@@ -203,6 +212,7 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
     for name in sorted(by_layer):
         s_before, s_after, gemm, gemm_max, latency, warm = [], [], [], [], [], []
         migrated_tokens = migrated_bytes = fallbacks = 0
+        traffic = dict.fromkeys(TRAFFIC, 0)
         for mb, records in sorted(by_layer[name].items()):
             micro_batches = max(micro_batches, mb + 1)
             for ranks, members in _domains(records):
@@ -220,14 +230,18 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
                 tokens, moves = int(st.get("migrated_tokens", 0)), int(st.get("moves", 0))
                 migrated_tokens += tokens
                 passes = 2 if lead.training else 1
-                migrated_bytes += passes * (2 * tokens * lead.hidden * lead.elem_bytes + moves * lead.expert_bytes)
+                weights = int(st.get("weight_bytes", moves * lead.expert_bytes))
+                grads = int(st.get("grad_bytes", moves * lead.expert_bytes)) if lead.training else 0
+                migrated_bytes += passes * 2 * tokens * lead.hidden * lead.elem_bytes + weights + grads
+                for key in TRAFFIC:
+                    traffic[key] += int(st.get(key, 0)) if lead.training or key != "grad_bytes" else 0
                 if "warm_start_token_straggler" in lead.extra:
                     warm.append(lead.extra["warm_start_token_straggler"])
         entry = {"gemm_straggler_ms": _mean(gemm), "gemm_max_ms": _mean(gemm_max)}
         if s_before:
             entry.update(token_straggler_before=_mean(s_before), token_straggler_after=_mean(s_after),
                          migrated_tokens=migrated_tokens, migrated_bytes=migrated_bytes,
-                         plan_latency_us=_mean(latency), fallbacks=fallbacks)
+                         plan_latency_us=_mean(latency), fallbacks=fallbacks, **traffic)
         if warm:
             entry["warm_start_token_straggler"] = _mean(warm)
         layers[name] = entry
@@ -237,7 +251,7 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
             values = [v[key] for v in layers.values() if key in v]
             if values:
                 summary[key] = _mean(values)
-        for key in ("migrated_tokens", "migrated_bytes", "fallbacks"):
+        for key in ("migrated_tokens", "migrated_bytes", "fallbacks", *TRAFFIC):
             values = [v[key] for v in layers.values() if key in v]
             if values:
                 summary[key] = int(sum(values))

@@ -93,6 +93,12 @@ class FEPLBPipelineEngine(PipelineEngine):
         self._feplb_done: dict[int, dict] = {}
         self._feplb_layers = {name: layer for name, layer in self.feplb_monitor.layers.items()
                               if hasattr(layer, "feplb_config")}
+        self._feplb_last_micro_batch = True
+
+    def feplb_step_ends(self) -> bool:
+        """Whether the micro-batch being forwarded is the last of ``train_batch`` (`seams.step_ends`):
+        its backward, the last of the batch under 1F1B, runs before ``ReduceGrads``."""
+        return self._feplb_last_micro_batch
 
     def _train_schedule(self):
         return FEPLBTrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -109,10 +115,10 @@ class FEPLBPipelineEngine(PipelineEngine):
             previous = self.feplb_monitor.latest.get(name)
             if previous is None or "domain_counts" not in previous.stats:
                 continue
-            constraints = PlanConstraints.from_config(layer.feplb_config, layer.expert_bytes,
-                                                      layer.compute_times.static_seconds,
-                                                      layer.compute_times.expert_seconds)
-            jobs.append((name, np.asarray(previous.stats["domain_counts"]), constraints))
+            counts = np.asarray(previous.stats["domain_counts"])
+            model = layer.compute_times.model(layer.feplb_config, layer.expert_bytes, getattr(layer, "row_bytes", 0))
+            constraints = PlanConstraints.from_config(layer.feplb_config, layer.expert_bytes, model)
+            jobs.append((name, counts, constraints))
         if jobs:
             def warm_start():
                 for name, counts, constraints in jobs:
@@ -127,10 +133,12 @@ class FEPLBPipelineEngine(PipelineEngine):
         if state.forward_done:
             raise RuntimeError(f"FEPLB pipeline: micro-batch {micro_batch_id} forwarded twice in one batch")
         self.feplb_monitor.micro_batch = micro_batch_id
+        self._feplb_last_micro_batch = micro_batch_id == self.micro_batches - 1
         try:
             PipelineEngine._exec_forward_pass(self, buffer_id)
         finally:
             self.feplb_monitor.micro_batch = None
+            self._feplb_last_micro_batch = True
         if state.thread is not None:
             state.thread.join()
             state.thread = None

@@ -4,8 +4,11 @@ DeepSpeed 0.19 offers no hook for any of these; each function says what it relie
 DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 `tests/test_pipeline*.py`, `tests/test_autoep.py` and `tests/test_monitor.py` catch it).
 
-* `engine_feplb_section`: a layer under a plain ``deepspeed.initialize`` finds the engine's
-  ``"feplb"`` section while the engine configures it (DeepSpeed passes no config to modules).
+* `configuring_engine` / `engine_feplb_section`: a layer under a plain ``deepspeed.initialize``
+  finds the engine and its ``"feplb"`` section while the engine configures it (DeepSpeed passes
+  no config to modules).
+* `step_ends`: whether the engine's current micro-batch ends the optimizer step (weight
+  residency returns gradients then; DeepSpeed tells modules nothing about accumulation).
 * `become`: turn an existing module into a FEPLB subclass in place (DeepSpeed builds its MoE and
   AutoEP modules itself; replacing them would lose parameter identity, names and ZeRO hooks).
 * `pipeline_engine_class`: make ``deepspeed.initialize`` build our `PipelineEngine` subclass
@@ -17,31 +20,64 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 from typing import Callable, Optional
 
 _ENGINE_LOCK = threading.Lock()
 
 
-def engine_feplb_section(depth: int = 4) -> Optional[dict]:
-    """``{"feplb": section}`` of the DeepSpeed engine that is configuring the caller, or None.
+def configuring_engine(depth: int = 5):
+    """The DeepSpeed engine that is configuring the caller, or None.
 
     Relies on `DeepSpeedEngine._configure_distributed_model` calling
     ``module.set_deepspeed_parallelism()`` on every MoE module, with the engine (whose ``config``
     is the user's ds_config dict) a few frames up the stack.
     """
-    frame = inspect.currentframe()
+    frame = inspect.currentframe().f_back
     try:
         for _ in range(depth):
             frame = frame.f_back
             if frame is None:
                 return None
             engine = frame.f_locals.get("self")
-            config = getattr(engine, "config", None)
-            if type(engine).__name__.endswith("Engine") and isinstance(config, dict):
-                return {"feplb": config.get("feplb", {})}
+            if type(engine).__name__.endswith("Engine") and isinstance(getattr(engine, "config", None), dict):
+                return engine
         return None
     finally:
         del frame
+
+
+def engine_feplb_section(engine) -> Optional[dict]:
+    """``{"feplb": section}`` of ``engine``'s ds_config (a `configuring_engine`), or None."""
+    return None if engine is None else {"feplb": engine.config.get("feplb", {})}
+
+
+def step_ends(engine) -> Callable[[], bool]:
+    """A function that says, during a forward, whether ``engine``'s current micro-batch is the last
+    of its optimizer step (the gradient-accumulation boundary).
+
+    Relies on `DeepSpeedEngine.is_gradient_accumulation_boundary` being true in the forward of the
+    last micro-batch (``(micro_steps + 1) % gradient_accumulation_steps == 0``, micro_steps
+    advanced by ``engine.step()``). Where it cannot know (unmanaged accumulation, ZenFlow, a
+    plain `PipelineEngine`, whose boundary is true only inside its reduce instruction), every
+    micro-batch counts as the last. `integration.pipeline.FEPLBPipelineEngine` says it itself
+    (``feplb_step_ends``). Holds the engine weakly.
+    """
+    ref = weakref.ref(engine)
+
+    def ends() -> bool:
+        e = ref()
+        if e is None:
+            return True
+        own = getattr(e, "feplb_step_ends", None)
+        if own is not None:
+            return bool(own())
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        managed = getattr(e, "managed_gradient_accumulation", None)
+        if isinstance(e, PipelineEngine) or getattr(e, "zenflow", False) or (managed is not None and not managed()):
+            return True
+        return bool(e.is_gradient_accumulation_boundary())
+    return ends
 
 
 def become(module, cls: type):

@@ -225,6 +225,8 @@ class CudaCETransport:
         peer = self._map(dst, channel)
         backend.stream_wait_event(stream, ready)
         for t, offset in zip(tensors, offsets):
+            if t.numel() == 0:
+                continue  # an empty tensor (e.g. phase 2's chunk flags) travels in its description only
             backend.memcpy_async(peer + offset, t.data_ptr(), t.numel() * t.element_size(), stream)
             backend.record_stream(t, stream)  # the allocator must not hand t's memory out before the copy ran
         backend.event_record(self._ready[dst], stream)
@@ -277,7 +279,8 @@ class CudaCETransport:
         for row in channel[META:META + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist():
             dtype, offset, shape = wire.read(row)
             out = backend.empty(shape, dtype)
-            backend.memcpy_async(out.data_ptr(), slot + offset, out.numel() * out.element_size(), stream)
+            if out.numel():
+                backend.memcpy_async(out.data_ptr(), slot + offset, out.numel() * out.element_size(), stream)
             tensors.append(out)
         backend.event_record(self._done[src], stream)  # consumed: the sender may overwrite the slot
         backend.stream_wait_event(backend.current_stream(), self._done[src])  # the caller sees the data

@@ -12,6 +12,13 @@ and weight-gradients; the weight-gradients are returned by the autograd function
 home's real parameters, so autograd accumulates them into ``.grad`` (and DeepSpeed's gradient
 hooks and expert-data-parallel reduction see the full gradient).
 
+Weight residency (`migrate.resident`, ``feplb.weight_residency: "step"``): a helper that keeps
+an expert's copy for the step gets the weights only with the first chunk (or again when the
+home's parameters changed: each chunk says whether it carries weights), and keeps that copy's
+weight-gradients; in the backward of the step's last micro-batch every helper sends the
+accumulated gradients of its copies home (message ``FLUSH``), where the autograd function
+returns them for the home's parameters, before DeepSpeed reduces gradients.
+
 Every message of a step is tagged ``(seq, phase)``; every rank of the domain enters every step,
 so the exchange is deadlock-free (sends are asynchronous, receives follow a fixed order).
 """
@@ -26,9 +33,10 @@ import torch
 from torch.func import functional_call
 
 from deepspeed_feplb.migrate import Transport
+from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency, fingerprint
 from deepspeed_feplb.stats import StageTimes
 
-FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS = range(1, 5)
+FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
 
 
 def tag(seq: int, phase: int) -> int:
@@ -57,20 +65,23 @@ class ExpertSpec:
 
 @dataclass
 class _Piece:
-    """One computed block: its differentiable leaves and output (graph kept for backward)."""
+    """One computed block: its differentiable leaves and output (graph kept for backward); ``held``:
+    the kept copy whose weight-gradients stay with this helper (None: they go home now)."""
     x: torch.Tensor
     params: list[torch.Tensor]
     y: torch.Tensor
+    held: Optional[HeldCopy] = None
 
 
 @dataclass(frozen=True)
 class RankView:
     """One rank's part of a plan, derived once per micro-batch (forward and backward use it).
 
-    outgoing:  {helper: [(index into ``dynamic``, row offset in that expert's rows, tokens), ...]},
-               helpers ascending, chunks in plan order;
+    outgoing:  {helper: [(index into ``dynamic``, row offset in that expert's rows, tokens, move), ...]},
+               helpers ascending, chunks in plan order (``move``: the row of the plan);
     kept:      rows ``[D']`` each dynamic expert keeps at home (its first rows);
-    incoming:  {home: [local expert of the home, ...]} of the chunks this rank serves, homes ascending;
+    incoming:  {home: [(local expert of the home, move), ...]} of the chunks this rank serves,
+               homes ascending;
     starts:    int ``[D' + 1]``: first row of each dynamic expert in ``dyn_x``.
     """
     outgoing: dict
@@ -80,20 +91,21 @@ class RankView:
 
     @classmethod
     def of(cls, moves: np.ndarray, local_rank: int, dynamic: list[int], row_counts: list[int]) -> "RankView":
-        mine = moves[moves[:, 0] == local_rank].tolist()
         position = {e: i for i, e in enumerate(dynamic)}
         kept = list(row_counts)
-        for _, expert, _, tokens in mine:
+        outgoing: dict[int, list] = {}
+        incoming: dict[int, list] = {}
+        rows = moves.tolist()
+        for _, expert, _, tokens in (row for row in rows if row[0] == local_rank):
             kept[position[expert]] -= tokens
         offsets = list(kept)  # the moved chunks follow the rows the home keeps
-        outgoing: dict[int, list] = {}
-        for _, expert, helper, tokens in mine:
-            i = position[expert]
-            outgoing.setdefault(helper, []).append((i, offsets[i], tokens))
-            offsets[i] += tokens
-        incoming: dict[int, list] = {}
-        for home, expert, _, _ in moves[moves[:, 2] == local_rank].tolist():
-            incoming.setdefault(home, []).append(expert)
+        for m, (home, expert, helper, tokens) in enumerate(rows):
+            if home == local_rank:
+                i = position[expert]
+                outgoing.setdefault(helper, []).append((i, offsets[i], tokens, m))
+                offsets[i] += tokens
+            if helper == local_rank:
+                incoming.setdefault(home, []).append((expert, m))
         starts = np.concatenate([[0], np.cumsum(row_counts)]).astype(int)
         return cls(dict(sorted(outgoing.items())), kept, dict(sorted(incoming.items())), starts)
 
@@ -105,6 +117,11 @@ class Phase2Step:
     moves: int64 [M, 4] (home, local_expert, helper, tokens), domain-local ranks, plan order.
     dynamic: local expert ids ``[D']`` of this rank's dynamic experts, in row order of ``dyn_x``.
     row_counts: rows ``[D']`` of each dynamic expert in ``dyn_x``.
+    residency: this layer's `LayerResidency` (None: every chunk carries weights, gradients go
+    home at once); step_ends: this micro-batch is the last of its optimizer step, so (with
+    gradients) the kept copies' gradients go home in its backward.
+    ``grad_experts``: the local experts whose parameters the autograd function takes, the dynamic
+    ones first, then those only a helper's kept copy has gradients for.
     """
     transport: Transport
     seq: int
@@ -116,12 +133,36 @@ class Phase2Step:
     spec: ExpertSpec
     needs_grad: bool
     stage_times: Optional[StageTimes] = None  # receives compute and communication host time
+    residency: Optional[LayerResidency] = None
+    step_ends: bool = True
     kept: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
     def __post_init__(self):
         self.view = RankView.of(self.moves, self.local_rank, self.dynamic, self.row_counts)
         self._compute_s = 0.0
+        M = self.moves.shape[0]
+        if self.residency is not None:
+            self.fresh, self.keeps = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
+        else:
+            self.fresh, self.keeps = np.ones(M, np.bool_), np.zeros(M, np.bool_)
+        self.flushing = self.residency is not None and self.step_ends and self.needs_grad
+        self.flush_entries, self.flush_held = np.zeros((0, 3), np.int64), {}
+        extra = []
+        if self.flushing:
+            homes_here = self.residency.table.entries()
+            extra = sorted({e for h, e, _ in homes_here.tolist() if h == self.local_rank} - set(self.dynamic))
+        self.grad_experts = [*self.dynamic, *extra]
+
+    def _carries_weights(self, m: int, expert: int, helper: int, params: list[torch.Tensor]) -> bool:
+        """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights (``params``): unless the
+        helper keeps a copy it received earlier in the step and they did not change since."""
+        if not self.keeps[m]:
+            return True
+        now = fingerprint(params)
+        carry = bool(self.fresh[m]) or self.residency.sent.get((expert, helper)) != now
+        self.residency.sent[(expert, helper)] = now
+        return carry
 
     def _report(self, direction: str, start: float) -> None:
         """Split the host time since ``start`` into expert compute and communication (the rest)."""
@@ -138,10 +179,12 @@ class Phase2Step:
         outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
-            payload = []
-            for i, offset, tokens in chunks:
+            carries = [self._carries_weights(m, self.dynamic[i], helper, params[i]) for i, _, _, m in chunks]
+            payload = [_flags_tensor(carries, dyn_x)]
+            for (i, offset, tokens, _), carry in zip(chunks, carries):
                 expert = self.experts[self.dynamic[i]]
-                payload += [*params[i], *self.spec.buffers(expert), dyn_x[starts[i] + offset:starts[i] + offset + tokens]]
+                payload += [*(params[i] if carry else []), *self.spec.buffers(expert),
+                            dyn_x[starts[i] + offset:starts[i] + offset + tokens]]
             sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload))
 
         with torch.enable_grad():
@@ -153,9 +196,11 @@ class Phase2Step:
         results = {helper: self.transport.recv(helper, tag(self.seq, FWD_RESULTS)) for helper in outgoing}
         for future in sends:
             future.result()
+        if self.flushing:  # the step ends: its copies leave the table now and go home in backward
+            self.flush_entries, self.flush_held = self.residency.end_step()
         blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.kept)]
         for helper, chunks in outgoing.items():
-            blocks += [(int(starts[i] + offset), y) for (i, offset, _), y in zip(chunks, results[helper])]
+            blocks += [(int(starts[i] + offset), y) for (i, offset, _, _), y in zip(chunks, results[helper])]
         self._report("", start)
         if not blocks:
             return dyn_x.new_zeros((0, dyn_x.shape[1]))
@@ -171,6 +216,23 @@ class Phase2Step:
         self._compute_s += time.perf_counter() - start
         return _Piece(x, leaves, y)
 
+    def _held_copy(self, home: int, expert: int, m: int, params: Optional[list]) -> Optional[HeldCopy]:
+        """The copy this helper keeps for chunk ``m`` (updated with ``params`` when the chunk
+        carries weights), or None when the chunk's gradients go home at once."""
+        if not self.keeps[m]:
+            if params is None:
+                raise RuntimeError(f"FEPLB residency out of step: expert {expert} of local rank {home} came "
+                                   f"without weights to local rank {self.local_rank}, which keeps no copy of it")
+            return None
+        key = (home, expert)
+        if params is not None:
+            old = self.residency.held.get(key)
+            self.residency.held[key] = HeldCopy(list(params), old.grads if old is not None else None)
+        elif key not in self.residency.held:
+            raise RuntimeError(f"FEPLB residency out of step: local rank {self.local_rank} holds no copy of expert "
+                               f"{expert} of local rank {home}")
+        return self.residency.held[key]
+
     def _vjp(self, piece: "_Piece", grad: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()
         grads = _vjp(piece, grad)
@@ -180,14 +242,20 @@ class Phase2Step:
     def _serve_forward(self):
         template = self.experts[0]
         n_params, n_buffers = len(self.spec.param_names), len(self.spec.buffer_names)
-        stride = n_params + n_buffers + 1
         sends = []
         for home, experts in self.view.incoming.items():
             message = self.transport.recv(home, tag(self.seq, FWD_TOKENS))
+            carries, at = _read_flags(message[0], len(experts)), 1
             pieces = []
-            for j in range(len(experts)):
-                part = message[j * stride:(j + 1) * stride]
-                pieces.append(self._compute(template, part[:n_params], part[n_params:n_params + n_buffers], part[-1]))
+            for (expert, m), carry in zip(experts, carries):
+                params = message[at:at + n_params] if carry else None
+                at += n_params if carry else 0
+                buffers, x = message[at:at + n_buffers], message[at + n_buffers]
+                at += n_buffers + 1
+                held = self._held_copy(home, expert, m, params)
+                piece = self._compute(template, held.params if held is not None else params, buffers, x)
+                piece.held = held
+                pieces.append(piece)
             if self.needs_grad:
                 self.served[home] = pieces
             sends.append(self.transport.send(home, tag(self.seq, FWD_RESULTS), [p.y.detach() for p in pieces]))
@@ -195,12 +263,13 @@ class Phase2Step:
 
     # ------------------------------------------------------------------ backward
     def backward(self, grad_y: torch.Tensor):
-        """grad_y ``[N_dyn, H_out]`` -> grad of dyn_x ``[N_dyn, H]`` and per-expert parameter grads."""
+        """grad_y ``[N_dyn, H_out]`` -> grad of dyn_x ``[N_dyn, H]`` and the parameter grads of each
+        expert of ``grad_experts``."""
         start = time.perf_counter()
         outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
-            payload = [grad_y[starts[i] + offset:starts[i] + offset + tokens] for i, offset, tokens in chunks]
+            payload = [grad_y[starts[i] + offset:starts[i] + offset + tokens] for i, offset, tokens, _ in chunks]
             sends.append(self.transport.send(helper, tag(self.seq, BWD_GRADS), payload))
 
         grad_x = torch.zeros((int(starts[-1]), self.kept[0].x.shape[1] if self.kept else 0), dtype=grad_y.dtype,
@@ -213,21 +282,67 @@ class Phase2Step:
 
         for home, pieces in self.served.items():
             grads = self.transport.recv(home, tag(self.seq, BWD_GRADS))
-            payload = [g for piece, grad in zip(pieces, grads) for g in self._vjp(piece, grad)]
+            payload = []
+            for piece, grad in zip(pieces, grads):
+                gx, *gp = self._vjp(piece, grad)
+                payload.append(gx)
+                if piece.held is not None:
+                    piece.held.accumulate(gp)  # goes home once, at the step's end
+                else:
+                    payload += gp
             sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS), payload))
 
-        stride = 1 + len(self.spec.param_names)
+        n_params = len(self.spec.param_names)
         for helper, chunks in outgoing.items():
-            message = self.transport.recv(helper, tag(self.seq, BWD_RESULTS))
-            for j, (i, offset, tokens) in enumerate(chunks):
-                gx, *gp = message[j * stride:(j + 1) * stride]
-                grad_x[starts[i] + offset:starts[i] + offset + tokens] = gx
-                grad_params[i] = [a + b for a, b in zip(grad_params[i], gp)]
+            message, at = self.transport.recv(helper, tag(self.seq, BWD_RESULTS)), 0
+            for i, offset, tokens, m in chunks:
+                grad_x[starts[i] + offset:starts[i] + offset + tokens] = message[at]
+                at += 1
+                if not self.keeps[m]:
+                    grad_params[i] = [a + b for a, b in zip(grad_params[i], message[at:at + n_params])]
+                    at += n_params
+        grad_params += [None] * (len(self.grad_experts) - len(grad_params))
+        sends += self._flush(grad_params)
         for future in sends:
             future.result()
         self.kept, self.served = [], {}
         self._report(" bwd", start)
         return grad_x, grad_params
+
+    def _flush(self, grad_params: list) -> list:
+        """The step's end: send the gradients of the copies this rank kept to their homes, and add
+        those of this rank's experts to ``grad_params`` (indexed like ``grad_experts``)."""
+        if not self.flushing:
+            return []
+        entries = self.flush_entries.tolist()
+        sends = []
+        for home in sorted({h for h, _, j in entries if j == self.local_rank}):
+            payload = [g for h, e, j in entries if h == home and j == self.local_rank
+                       for g in self.flush_held[(h, e)].gradients()]
+            sends.append(self.transport.send(home, tag(self.seq, FLUSH), payload))
+        position = {e: k for k, e in enumerate(self.grad_experts)}
+        n_params = len(self.spec.param_names)
+        for helper in sorted({j for h, _, j in entries if h == self.local_rank}):
+            message, at = self.transport.recv(helper, tag(self.seq, FLUSH)), 0
+            for _, e, _ in (row for row in entries if row[0] == self.local_rank and row[2] == helper):
+                k = position[e]
+                gp = message[at:at + n_params]
+                at += n_params
+                grad_params[k] = list(gp) if grad_params[k] is None else [a + b for a, b in zip(grad_params[k], gp)]
+        self.flush_held = {}
+        return sends
+
+
+def _flags_tensor(flags: list[bool], like: torch.Tensor) -> torch.Tensor:
+    """Per-chunk flags as an *empty* tensor whose second dimension is their bit mask: its shape
+    travels in the transport's host-side description, so the receiver reads the flags without
+    a device copy or synchronisation (on the CUDA transport too)."""
+    return like.new_empty((0, sum(1 << k for k, flag in enumerate(flags) if flag)))
+
+
+def _read_flags(t: torch.Tensor, n: int) -> list[bool]:
+    mask = int(t.shape[1])
+    return [bool((mask >> k) & 1) for k in range(n)]
 
 
 def _vjp(piece: _Piece, grad: torch.Tensor) -> list[torch.Tensor]:
@@ -238,7 +353,8 @@ def _vjp(piece: _Piece, grad: torch.Tensor) -> list[torch.Tensor]:
 
 
 class DynamicExperts(torch.autograd.Function):
-    """Autograd boundary of a `Phase2Step`: ``(dyn_x, *params) -> dyn_y``."""
+    """Autograd boundary of a `Phase2Step`: ``(dyn_x, *params) -> dyn_y``; ``params``: those of the
+    step's ``grad_experts`` in order (the dynamic experts' first)."""
 
     @staticmethod
     def forward(ctx, step: Phase2Step, params_per_expert: int, dyn_x: torch.Tensor, *params):
@@ -250,4 +366,5 @@ class DynamicExperts(torch.autograd.Function):
     def backward(ctx, grad_y):
         grad_x, grad_params = ctx.step.backward(grad_y.contiguous())
         ctx.step = None
-        return (None, None, grad_x, *[g for gp in grad_params for g in gp])
+        n = ctx.params_per_expert
+        return (None, None, grad_x, *[g for gp in grad_params for g in (gp if gp is not None else [None] * n)])

@@ -30,6 +30,21 @@ _FEWER_COPIES_SLACK = 0.005
 _NO_CHAIN, _CHAIN_LAST, _CHAIN_ANY = 0, 1, 2
 
 
+@njit("boolean(int64[:, :, ::1], int64, int64, int64)", cache=True)
+def holds(resident, r, e, j):
+    """Whether helper j holds a copy of rank r's expert e: bit ``j % 64`` of word ``j // 64`` of
+    ``resident[r, e]`` (int64 [G, E, W], W = ceil(G / 64))."""
+    return (resident[r, e, j >> 6] >> (j & 63)) & 1 == 1
+
+
+@njit("boolean(int64[:, :, ::1], int64, int64)", cache=True)
+def _any_holder(resident, r, e):
+    for w in range(resident.shape[2]):
+        if resident[r, e, w] != 0:
+            return True
+    return False
+
+
 @njit("int64(int64, int64, int64, int64, int64, boolean)", cache=True)
 def _chunk(amt, left, c, gap, align, final_chunk):
     """Round a chunk of ``amt`` rows (``amt % align != 0``, ``amt < left``) to the alignment.
@@ -86,7 +101,7 @@ def _relay(r, want, used, cap, align, counts, s, sc, out):
     return best, best_a
 
 
-@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, ::1])", cache=True)
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, :, ::1])", cache=True)
 def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out, resident):
     """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
 
@@ -95,8 +110,8 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
     used:    bool [G]: ranks this expert may not go to (updated);
     forced:  the receiver of the next chunk, or _PICK / _ROOMIEST;
     stop:    stop once at most ``stop`` rows are still needed; cap: the most a receiver may hold.
-    resident: int64 [G, E] bit masks: bit j of ``resident[r, e]`` says helper j already holds a
-             copy of the expert's weights (a chunk to it costs no copy).
+    resident: int64 [G, E, W] bit masks (`holds`): helper j already holds a copy of the
+             expert's weights (a chunk to it costs no copy).
     Each chunk goes to the receiver that holds the weights and has the most room, else to the
     receiver with the least room that takes it whole (ties: lower rank), else the roomiest one
     (ties: higher rank); when chaining and no receiver can take any, through a rank above the
@@ -106,7 +121,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
     G = s.shape[1]
     final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
     left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
-    holders = resident[r, e]
+    holders = _any_holder(resident, r, e)
     while need > stop and left > 0 and chunks < H and (send[r] > 0 or holders) and (sc[_OPEN] > 0 or chain != _NO_CHAIN):
         want = need if need < left else left
         j = forced if forced >= 0 else -1
@@ -114,7 +129,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
         if j < 0 and holders:
             rc = 0
             for i in range(G):
-                if (holders >> i) & 1 and room[i] > rc and not used[i]:
+                if room[i] > rc and not used[i] and holds(resident, r, e, i):
                     j, rc = i, room[i]
         if j < 0 and send[r] <= 0:
             break  # out of copies: only helpers that hold the weights could take more
@@ -134,7 +149,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
                 return want
             if j < 0:
                 j = big
-        free = j >= 0 and (holders >> j) & 1 == 1
+        free = j >= 0 and holds(resident, r, e, j)
         if j >= 0:  # a receiver takes the chunk
             forced = _PICK
             c = room[j]
@@ -176,7 +191,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
     return _DONE
 
 
-@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, ::1])", cache=True)
+@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, :, ::1])", cache=True)
 def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, resident):
     """Let the receiver with the most room plus movable dynamic load push its own dynamic experts
     to the other receivers (not in ``banned``) until it can take ``want`` rows; returns that
@@ -216,7 +231,7 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, re
     return j
 
 
-@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, ::1])", cache=True)
+@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1])", cache=True)
 def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain, resident):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
@@ -258,7 +273,7 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain,
             need = final[r] - level
             if need <= slack or left <= 0 or sc[_OPEN] == 0 and chain == _NO_CHAIN:
                 break  # candidates are sorted hottest first
-            if s[_SEND, r] <= 0 and resident[r, top_e[r, i]] == 0:
+            if s[_SEND, r] <= 0 and not _any_holder(resident, r, top_e[r, i]):
                 continue  # out of copies: only experts whose weights a helper holds can move
             ps[0], ps[1], ps[2], ps[3] = left, need, 0, 0
             used = np.zeros(G, np.bool_)
@@ -275,11 +290,11 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain,
     return out[:sc[_MOVES]], final.copy()
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, ::1])", cache=True)
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1])", cache=True)
 def plan_pass(counts, D, H, align, copies, resident):
     """The token-balancing plan. counts int64 [G, E] (C order); D <= E; copies: weight copies per
-    rank (an int; the caller maps "unlimited" to G * D * H); resident int64 [G, E]: bit masks of
-    the helpers that hold each expert's weights (`_push`).
+    rank (an int; the caller maps "unlimited" to G * D * H); resident int64 [G, E, W]: bit masks of
+    the helpers that hold each expert's weights (`holds`).
     Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
     local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
     negative counts (the caller raises)."""
@@ -396,7 +411,7 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
     return finish
 
 
-@njit("float64(int64[:, ::1], int64[::1], int64[:, ::1], boolean, float64[::1])", cache=True)
+@njit("float64(int64[:, ::1], int64[::1], int64[:, :, ::1], boolean, float64[::1])", cache=True)
 def _makespan(counts, flat, resident, keep, model):
     """The slowest rank's finish (µs, `timeline.finish_us`) of a `plan_pass` result ``flat``."""
     G = counts.shape[0]
@@ -404,12 +419,12 @@ def _makespan(counts, flat, resident, keep, model):
     M = moves.shape[0]
     fresh = np.empty(M, np.bool_)
     for m in range(M):
-        fresh[m] = (resident[moves[m, 0], moves[m, 1]] >> moves[m, 2]) & 1 == 0
+        fresh[m] = not holds(resident, moves[m, 0], moves[m, 1], moves[m, 2])
     grads_back = fresh & (not keep)
     return finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64), model).max()
 
 
-@njit("int64(int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+@njit("int64(int64[:, ::1], int64[::1], int64[:, :, ::1])", cache=True)
 def _most_copies(counts, flat, resident):
     """The most weight copies one rank sends or receives in a `plan_pass` result ``flat``."""
     G = counts.shape[0]
@@ -417,13 +432,13 @@ def _most_copies(counts, flat, resident):
     got = np.zeros(G, np.int64)
     for k in range((flat.shape[0] - G) // 4):
         h, e, j = flat[G + 4 * k], flat[G + 4 * k + 1], flat[G + 4 * k + 2]
-        if (resident[h, e] >> j) & 1 == 0:
+        if not holds(resident, h, e, j):
             sent[h] += 1
             got[j] += 1
     return max(sent.max(), got.max())
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, ::1], float64[::1], boolean)", cache=True)
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], float64[::1], boolean)", cache=True)
 def plan_timed(counts, D, H, align, copies, resident, model, keep):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when

@@ -141,8 +141,9 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
 
 
 def no_residents(G: int, E: int) -> np.ndarray:
-    """The residency masks of a domain where no helper holds any weights: int64 [G, E] zeros."""
-    return np.zeros((G, E), np.int64)
+    """The residency masks of a domain where no helper holds any weights: int64 [G, E, ceil(G / 64)]
+    zeros (`residency.ResidencyTable.resident`)."""
+    return np.zeros((G, E, (G + 63) // 64), np.int64)
 
 
 def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Optional[np.ndarray] = None) -> Plan:
@@ -151,9 +152,10 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     counts:       int64 [G, E_local]: tokens (token-expert pairs) that each of the domain's G ranks
                   received for each of its local experts; negative counts raise ValueError.
     constraints:  :class:`PlanConstraints`.
-    resident:     int64 [G, E_local] bit masks, or None (no weights held anywhere): bit j of
-                  ``resident[r, e]`` says helper j holds a copy of rank r's expert e (kept from an
-                  earlier micro-batch of this step); chunks go to such helpers first and cost no copy.
+    resident:     int64 [G, E_local, ceil(G / 64)] bit masks, or None (no weights held anywhere):
+                  bit ``j % 64`` of word ``j // 64`` of ``resident[r, e]`` says helper j holds a copy
+                  of rank r's expert e (kept from an earlier micro-batch of this step,
+                  `residency.ResidencyTable`); chunks go to such helpers first and cost no copy.
     Returns a :class:`Plan`; moves touch only ``dynamic_candidates(counts, D)[home]``, never move
     more than an expert has, respect ``max_helpers``, ``chunk_align`` and the Copy-Engine cap,
     and are deterministic. Degenerate inputs (G <= 1, D == 0, all-zero counts) give no moves, and
@@ -174,8 +176,6 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
         raise ValueError(f"counts must be [G, E_local], got shape {counts.shape}")
     counts = np.ascontiguousarray(counts)
     G, E = counts.shape
-    if G > 63:
-        raise ValueError(f"a domain has at most 63 ranks (residency bit masks), got {G}")
     D = min(int(constraints.dynamic_experts), E)
     H = int(constraints.max_helpers)
     copies = constraints.copies_per_rank()

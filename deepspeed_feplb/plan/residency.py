@@ -21,44 +21,46 @@ __all__ = ["ResidencyTable"]
 class ResidencyTable:
     """The kept weight copies of one MoE layer in one domain of ``G`` ranks with ``E`` local experts.
 
-    resident:  int64 [G, E] bit masks: bit j of ``resident[home, e]`` says rank j holds a copy of
-               ``home``'s local expert e (the `plan.policy.plan_domain` argument);
+    resident:  int64 [G, E, ceil(G / 64)] bit masks: bit ``j % 64`` of word ``j // 64`` of
+               ``resident[home, e]`` says rank j holds a copy of ``home``'s local expert e (the
+               `plan.policy.plan_domain` argument);
     held:      int64 [G]: copies each rank holds.
     """
 
     def __init__(self, G: int, E: int, max_resident: int):
-        if G > 63:
-            raise ValueError(f"a domain has at most 63 ranks (residency bit masks), got {G}")
         self.max_resident = int(max_resident)
-        self.resident = np.zeros((G, E), np.int64)
+        self.resident = np.zeros((G, E, (G + 63) // 64), np.int64)
         self.held = np.zeros(G, np.int64)
 
-    def admit(self, moves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def holds(self, home: int, e: int, helper: int) -> bool:
+        return bool((int(self.resident[home, e, helper >> 6]) >> (helper & 63)) & 1)
+
+    def admit(self, moves: np.ndarray, keep_new: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Account one micro-batch's plan. moves int64 [M, 4] = (home, local_expert, helper, rows).
 
         Returns (fresh bool [M]: the move carries the weights, the helper holds no copy yet;
         kept bool [M]: the helper keeps the copy (now or from before), so the chunk's weight-
-        gradients stay there until `flush`). A helper with ``max_resident`` copies keeps no more.
+        gradients stay there until `flush`). A helper with ``max_resident`` copies keeps no more,
+        and none is kept with ``keep_new=False`` (the step's last micro-batch: nothing follows).
         """
         moves = np.asarray(moves, np.int64).reshape(-1, 4)
         M = moves.shape[0]
         fresh = np.ones(M, np.bool_)
         kept = np.zeros(M, np.bool_)
         for m, (home, e, helper, _) in enumerate(moves.tolist()):
-            bit = 1 << helper
-            if self.resident[home, e] & bit:
+            if self.holds(home, e, helper):
                 fresh[m], kept[m] = False, True
-            elif self.held[helper] < self.max_resident:
-                self.resident[home, e] |= bit
+            elif keep_new and self.held[helper] < self.max_resident:
+                self.resident[home, e, helper >> 6] |= np.int64(1) << np.int64(helper & 63)
                 self.held[helper] += 1
                 kept[m] = True
         return fresh, kept
 
     def entries(self) -> np.ndarray:
         """int64 [K, 3] = (home, local_expert, helper) of every kept copy, sorted."""
-        homes, experts = np.nonzero(self.resident)
-        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist())
-                for j in range(self.resident.shape[0]) if (int(self.resident[h, e]) >> j) & 1]
+        G = self.resident.shape[0]
+        homes, experts = np.nonzero(self.resident.any(axis=2))
+        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist()) for j in range(G) if self.holds(h, e, j)]
         return np.array(rows, np.int64).reshape(-1, 3)
 
     def flush(self) -> np.ndarray:

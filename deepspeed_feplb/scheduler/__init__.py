@@ -5,8 +5,8 @@ answers with a `Plan`.
 * `process`: the `feplb-sched` process (numpy + the compiled planner, no torch);
 * `client`: the ranks' side, `InlineScheduler` and `ProcessScheduler`.
 
-What crosses the boundary per micro-batch step: each rank's counts ``int64 [E_local]`` and the
-`PlanConstraints` in; the `Plan` (moves ``int64 [M, 4]``, rank_tokens ``int64 [G]``) and the
+What crosses the boundary per micro-batch step: each rank's counts ``int64 [E_local]``, the
+`PlanConstraints` (with the time model) and the rank's row of the layer's residency masks in; the `Plan` (moves ``int64 [M, 4]``, rank_tokens ``int64 [G]``) and the
 planning time out. To add a scheduler (another process model, a remote planner), implement
 `Scheduler` and select it in `make_scheduler`.
 """
@@ -25,8 +25,10 @@ from deepspeed_feplb.segments import PeerWatch
 class Scheduler(Protocol):
     """One rank's handle on its domain's planner."""
 
-    def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
-        """This rank's counts ``int64 [E_local]`` for micro-batch step ``seq`` (steps count up from 0)."""
+    def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
+                resident: np.ndarray | None = None) -> None:
+        """This rank's counts ``int64 [E_local]`` for micro-batch step ``seq`` (steps count up from
+        0) and its row of the residency masks (int64 [E_local, W], `plan.residency`; None: none)."""
 
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the same on every rank; never hangs past the configured timeouts."""

@@ -56,22 +56,24 @@ class InlineScheduler:
         self.local_rank, self.ranks, self.watch, self.peer_timeout_s = local_rank, ranks, watch, peer_timeout_s
         self.mailbox = Mailbox(name, ranks, create=create)
 
-    def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
-        """This rank's counts ``int64 [E_local]`` for step ``seq`` and the constraints of its plan."""
-        self.mailbox.publish(self.local_rank, seq, counts, constraints)
+    def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
+                resident: np.ndarray | None = None) -> None:
+        """This rank's counts ``int64 [E_local]`` for step ``seq``, the constraints of its plan and
+        its row of the layer's residency masks (int64 [E_local, W], `plan.residency`; None: none)."""
+        self.mailbox.publish(self.local_rank, seq, counts, constraints, resident)
 
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for step ``seq`` (waits for every rank's counts)."""
-        counts, constraints = self._wait_counts(seq)
-        return self._plan_here(counts, constraints, fallback=False)
+        counts, constraints, resident = self._wait_counts(seq)
+        return self._plan_here(counts, constraints, resident, fallback=False)
 
     @staticmethod
-    def _plan_here(counts: np.ndarray, constraints: PlanConstraints, fallback: bool) -> DomainPlan:
+    def _plan_here(counts: np.ndarray, constraints: PlanConstraints, resident: np.ndarray, fallback: bool) -> DomainPlan:
         start = time.perf_counter()
-        plan = plan_domain(counts, constraints)
+        plan = plan_domain(counts, constraints, resident)
         return DomainPlan(plan, counts, time.perf_counter() - start, fallback)
 
-    def _wait_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints]:
+    def _wait_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints, np.ndarray]:
         try:
             return _wait_for(lambda: self.mailbox.read_counts(seq), self.mailbox.counts_bell, self.peer_timeout_s,
                              "counts", self.watch.check if self.watch else None)
@@ -136,7 +138,7 @@ class ProcessScheduler(InlineScheduler):
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the process's, or, before it first came up or when it is
         late, this rank's own (``fallback``: the latter, after a process had served the domain)."""
-        counts, constraints = self._wait_counts(seq)
+        counts, constraints, resident = self._wait_counts(seq)
         got = self._scheduler_plan(seq)
         if got is not None:
             self.late_in_a_row = 0
@@ -147,7 +149,7 @@ class ProcessScheduler(InlineScheduler):
             self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
         # a fallback once a process has served this domain (also while a restarted one comes up);
         # every rank reads the same word, so they agree
-        return self._plan_here(counts, constraints, fallback=bool(self.mailbox.header[SERVED]))
+        return self._plan_here(counts, constraints, resident, fallback=bool(self.mailbox.header[SERVED]))
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is

@@ -15,8 +15,9 @@ after writing a plan (`segments.Word`: waiters sleep in the kernel until the wor
 Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, counts_bell,
 plan_bell, served (1 once a scheduler process was ever up), ...]`` (`HEADER` words); per rank
 and ring entry a slot ``[begin, end, E_local, D, max_helpers, chunk_align, expert_bytes,
-ce_budget (float64 bits), counts[E_MAX]]``; per ring entry a plan
-``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
+ce_budget (float64 bits), keep_copies, has_model, model[6] (float64 bits), counts[E_MAX],
+resident[E_MAX, W]]`` (``resident``: the rank's row of the residency masks, W = ceil(G / 64));
+per ring entry a plan ``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
 """
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
+from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
 
 RING = 4
 E_MAX = 1024
 HEADER = 8
 SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  # header words
-_SLOT_META = 8
+_SLOT_META = 16
+_MODEL = 10  # first word of the time model in a slot
 _PLAN_META = 4
 
 
@@ -46,8 +49,12 @@ class MailboxLayout:
     ranks: int
 
     @property
+    def mask_words(self) -> int:
+        return (self.ranks + 63) // 64
+
+    @property
     def slot_words(self) -> int:
-        return _SLOT_META + E_MAX
+        return _SLOT_META + E_MAX * (1 + self.mask_words)
 
     @property
     def plan_words(self) -> int:
@@ -78,36 +85,53 @@ class Mailbox:
         self._meta, self._constraints = None, None
 
     # ---------------------------------------------------------------- counts
-    def publish(self, rank: int, seq: int, counts: np.ndarray, constraints: PlanConstraints) -> None:
-        """Rank ``rank`` publishes its counts ``int64 [E_local]`` for micro-batch step ``seq``."""
-        if counts.shape[0] > E_MAX:
-            raise ValueError(f"FEPLB supports at most {E_MAX} local experts per rank, got {counts.shape[0]}")
+    def publish(self, rank: int, seq: int, counts: np.ndarray, constraints: PlanConstraints,
+                resident: np.ndarray | None = None) -> None:
+        """Rank ``rank`` publishes its counts ``int64 [E_local]`` for micro-batch step ``seq``, the
+        constraints of its plan and its row of the residency masks (int64 [E_local, W]; None: none)."""
+        E = counts.shape[0]
+        if E > E_MAX:
+            raise ValueError(f"FEPLB supports at most {E_MAX} local experts per rank, got {E}")
         slot = self.slots[rank, seq % RING]
         slot[0] = -1
-        slot[2:_SLOT_META] = (counts.shape[0], constraints.dynamic_experts, constraints.max_helpers,
-                              constraints.chunk_align, constraints.expert_bytes, 0)
+        model = constraints.model
+        slot[2:_SLOT_META] = (E, constraints.dynamic_experts, constraints.max_helpers, constraints.chunk_align,
+                              constraints.expert_bytes, 0, int(constraints.keep_copies), int(model is not None),
+                              0, 0, 0, 0, 0, 0)
         slot[7:8].view(np.float64)[0] = constraints.ce_budget_bytes
-        slot[_SLOT_META:_SLOT_META + counts.shape[0]] = counts
+        if model is not None:
+            slot[_MODEL:_MODEL + 6].view(np.float64)[:] = model.as_array()
+        slot[_SLOT_META:_SLOT_META + E] = counts
+        W = self.layout.mask_words
+        masks = slot[_SLOT_META + E_MAX:_SLOT_META + E_MAX + E * W]
+        masks[:] = 0 if resident is None else np.asarray(resident, np.int64).reshape(-1)
         slot[1] = seq
         slot[0] = seq
         self.header[COUNTS_BELL] = seq * self.ranks + rank  # a new value per publish: no lost wake-up
         self.counts_bell.notify()
 
-    def read_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints] | None:
-        """All ranks' counts ``int64 [G, E_local]`` for ``seq`` and rank 0's constraints, or None if incomplete."""
+    def read_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints, np.ndarray] | None:
+        """All ranks' counts ``int64 [G, E_local]`` for ``seq``, rank 0's constraints and the
+        domain's residency masks ``int64 [G, E_local, W]``, or None if incomplete."""
         entries = self.slots[:, seq % RING]
         if not self._complete(entries, seq):
             return None
         meta = entries[0, 2:_SLOT_META].tolist()
-        counts = entries[:, _SLOT_META:_SLOT_META + meta[0]].copy()
+        E, W = meta[0], self.layout.mask_words
+        counts = entries[:, _SLOT_META:_SLOT_META + E].copy()
+        resident = entries[:, _SLOT_META + E_MAX:_SLOT_META + E_MAX + E * W].copy().reshape(self.ranks, E, W)
         if not self._complete(entries, seq):
             return None  # overwritten while we copied
-        if meta != self._meta:  # the constraints rarely change: build them once per change
-            local_experts, D, helpers, align, expert_bytes, budget_bits = meta
+        if meta != self._meta:  # the constraints change once per micro-batch at most: build them then
+            _, D, helpers, align, expert_bytes, budget_bits, keep, has_model = meta[:8]
             budget = float(np.int64(budget_bits).view(np.float64))  # from the checked copy, not re-read
-            self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes)
+            model = None
+            if has_model:
+                tile, *rest = np.array(meta[_MODEL - 2:_MODEL + 4], np.int64).view(np.float64).tolist()
+                model = TimeModel(int(tile), *rest)
+            self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes, model, bool(keep))
             self._meta = meta
-        return counts, self._constraints
+        return counts, self._constraints, resident
 
     @staticmethod
     def _complete(entries, seq: int) -> bool:

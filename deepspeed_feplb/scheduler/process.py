@@ -41,9 +41,9 @@ def serve(mailbox: Mailbox, parent_pid: int) -> None:
         seen = bell.seen()
         ready = mailbox.read_counts(seq)
         if ready is not None:
-            counts, constraints = ready
+            counts, constraints, resident = ready
             start = time.perf_counter_ns()
-            plan = plan_domain(counts, constraints)
+            plan = plan_domain(counts, constraints, resident)
             mailbox.write_plan(seq, plan, time.perf_counter_ns() - start)
             seq += 1
             continue

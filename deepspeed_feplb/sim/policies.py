@@ -373,7 +373,7 @@ class _NodePolicy:
         """Add one node's micro-batch to ``timing`` (the slowest node sets the makespan); update
         its residency table (copies kept until the step ends, whose gradients go home then)."""
         model = self.setup.time_model
-        fresh, kept = table.admit(moves)
+        fresh, kept = table.admit(moves, keep_new=not ends)
         flush = table.flush()[:, [0, 2]] if ends else None
         grads_back = ~kept
         finish = rank_finish_us(nc, moves, model, fresh, grads_back, flush).max()

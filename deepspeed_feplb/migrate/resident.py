@@ -1,0 +1,76 @@
+"""One MoE layer's weight residency on one rank (``feplb.weight_residency``), for phase 2.
+
+Every rank of the domain keeps the same `plan.residency.ResidencyTable` (derived from the plans,
+which every rank reads); on top of it this rank keeps
+
+* as a helper, the expert copies it holds (`HeldCopy`: the weights, received once, and the
+  weight-gradient accumulated over the step's micro-batches, returned home at the step's end);
+* as a home, the *fingerprint* of each expert's parameters when a helper received them: if the
+  parameters changed since (in place, or replaced), the next chunk carries the weights again, so
+  a helper never computes with a stale copy, whatever changed them.
+
+The step ends in the forward of the step's last micro-batch (the gradient-accumulation
+boundary): the table is cleared there and the copies of the step travel with that micro-batch's
+`Phase2Step`, whose backward returns their gradients. So no copy outlives the optimizer step that
+follows, even if that micro-batch never runs a backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from deepspeed_feplb.plan.residency import ResidencyTable
+
+__all__ = ["HeldCopy", "LayerResidency", "fingerprint"]
+
+
+@dataclass
+class HeldCopy:
+    """A helper's copy of one home expert: ``params`` as received; ``grads`` the sum of the weight-
+    gradients of every chunk it computed this step (None until the first backward)."""
+    params: list[torch.Tensor]
+    grads: Optional[list[torch.Tensor]] = None
+
+    def accumulate(self, grads: list[torch.Tensor]) -> None:
+        if self.grads is None:
+            self.grads = [g.clone() for g in grads]
+        else:
+            for acc, g in zip(self.grads, grads):
+                acc.add_(g)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The accumulated weight-gradients (zeros if no backward used the copy)."""
+        return self.grads if self.grads is not None else [torch.zeros_like(p) for p in self.params]
+
+
+def fingerprint(params: list[torch.Tensor]) -> tuple:
+    """What identifies a version of an expert's parameters: storage and in-place version counter."""
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
+@dataclass
+class LayerResidency:
+    """This rank's residency state of one MoE layer in a domain of G ranks with E local experts.
+
+    table:   the domain's kept copies (`ResidencyTable`, the same on every rank);
+    held:    {(home, local_expert): HeldCopy} this rank holds as a helper;
+    sent:    {(local_expert, helper): fingerprint} of this rank's experts that helpers hold.
+    """
+    table: ResidencyTable
+    held: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, G: int, E: int, config) -> "LayerResidency":
+        keep = config.max_resident_experts if config.weight_residency == "step" else 0
+        return cls(ResidencyTable(G, E, keep))
+
+    def end_step(self) -> tuple[np.ndarray, dict]:
+        """The step ends: returns (entries int64 [K, 3] = (home, local_expert, helper) of the kept
+        copies, {(home, local_expert): HeldCopy} of those this rank holds) and forgets them all."""
+        entries = self.table.flush()
+        held, self.held, self.sent = self.held, {}, {}
+        return entries, held

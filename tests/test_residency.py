@@ -1,0 +1,170 @@
+"""Balance in time: the time model, weight residency in the planner and the simulator, and the
+runtime's residency (copies kept for the optimizer step, gradients home at its end) against
+DeepSpeed's MoE with gradient accumulation."""
+import math
+
+import numpy as np
+import pytest
+
+import moe_cases
+from deepspeed_feplb.plan.policy import PlanConstraints, no_residents, plan_domain
+from deepspeed_feplb.plan.residency import ResidencyTable
+from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+from deepspeed_feplb.sim.policies import SimSetup
+from deepspeed_feplb.sim.simulate import simulate
+from deepspeed_feplb.testing import run_distributed
+from deepspeed_feplb.trace.format import Trace
+from deepspeed_feplb.trace.generators import skewed_trace
+
+TOLERANCE = 1e-5  # relative, fp32 (as the other layer tests)
+MODEL = TimeModel(tile_rows=1, row_us=1.0, piece_us=0.0, weight_copy_us=10.0, grad_copy_us=10.0, row_copy_us=0.1)
+
+
+# ---------------------------------------------------------------- the time model
+def test_finish_times_by_hand():
+    counts = np.array([[100, 20], [10, 0]])
+    moves = np.array([[0, 0, 1, 40]])
+    # rank 1 computes its own 10 rows (10 µs) while the copy arrives at 10 + 40 * 0.1 = 14 µs,
+    # then the 40 rows: 54 µs; the home computes 60 + 20 rows (80 µs), gets the outputs at
+    # 54 + 4 = 58 µs and the weight-gradient at 54 + 10 = 64 µs: it finishes at 80
+    assert rank_finish_us(counts, moves, MODEL).tolist() == pytest.approx([80.0, 54.0])
+    # a helper that holds the weights starts at 4 µs: no copy; without gradients going home
+    kept = rank_finish_us(counts, moves, MODEL, fresh=np.array([False]), grads_back=np.array([False]))
+    assert kept.tolist() == pytest.approx([80.0, 50.0])
+    # the step's end: the kept copy's gradient goes home after the helper's work
+    flushed = rank_finish_us(counts, moves, MODEL, np.array([False]), np.array([False]), flush=np.array([[0, 1]]))
+    assert flushed.tolist() == pytest.approx([80.0, 50.0]) and flushed[0] >= 50.0 + 10.0
+    # tiles: 1 row costs a whole tile
+    tiled = TimeModel(4, 1.0, 2.0, 0.0, 0.0, 0.0)
+    assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).tolist() == pytest.approx([6 + 6 + 10])
+
+
+def random_domains(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        G, E = rng.integers(2, 9), rng.integers(2, 17)
+        yield (rng.zipf(1.6, (G, E)) * rng.integers(1, 200)).clip(0, 5000).astype(np.int64)
+
+
+@pytest.mark.parametrize("weight_copy_us", [0.0, 50.0, 5_000.0])
+def test_the_time_model_plan_is_never_slower_than_the_token_plan_or_no_moves(weight_copy_us):
+    model = TimeModel(8, 1.0, 3.0, weight_copy_us, weight_copy_us, 0.05)
+    for counts in random_domains(60, seed=int(weight_copy_us)):
+        timed = plan_domain(counts, PlanConstraints(2, 2, 8, model=model))
+        tokens = plan_domain(counts, PlanConstraints(2, 2, 8))
+        t = rank_finish_us(counts, timed.moves, model).max()
+        assert t <= rank_finish_us(counts, tokens.moves, model).max() * (1 + 0.005) + 1e-9
+        assert t <= rank_finish_us(counts, np.zeros((0, 4)), model).max() + 1e-9
+    # copies that cost more than any gain: no moves at all
+    counts = np.array([[400, 100], [100, 100]])
+    assert len(plan_domain(counts, PlanConstraints(2, 2, 1, model=TimeModel(1, 1.0, 0, 1e6, 1e6, 0))).moves) == 0
+
+
+# ---------------------------------------------------------------- residency in the planner
+def test_residency_table_keeps_admits_caps_and_flushes():
+    table = ResidencyTable(G=3, E=2, max_resident=1)
+    moves = np.array([[0, 0, 1, 5], [0, 1, 1, 5], [2, 0, 0, 3]])
+    fresh, kept = table.admit(moves)
+    assert fresh.tolist() == [True, True, True] and kept.tolist() == [True, False, True]  # rank 1 holds one copy
+    fresh, kept = table.admit(moves)
+    assert fresh.tolist() == [False, True, False] and kept.tolist() == [True, False, True]
+    assert table.entries().tolist() == [[0, 0, 1], [2, 0, 0]] and len(table) == 2
+    fresh, kept = ResidencyTable(3, 2, 8).admit(moves, keep_new=False)  # the step's last micro-batch keeps none
+    assert not kept.any()
+    assert table.flush().tolist() == [[0, 0, 1], [2, 0, 0]] and len(table) == 0 and not table.resident.any()
+    big = ResidencyTable(G=72, E=1, max_resident=1)  # rack-scale domains: several mask words
+    big.admit(np.array([[0, 0, 70, 1]]))
+    assert big.holds(0, 0, 70) and not big.holds(0, 0, 6) and big.resident.shape == (72, 1, 2)
+
+
+def test_a_helper_that_holds_the_weights_takes_rows_without_a_copy():
+    counts = np.array([[60, 0], [0, 0], [0, 0]])
+    no_copies = PlanConstraints(dynamic_experts=1, max_helpers=2, chunk_align=1, ce_budget_bytes=0.0, expert_bytes=100)
+    assert len(plan_domain(counts, no_copies).moves) == 0  # the cap allows no copy
+    table = ResidencyTable(3, 2, 4)
+    table.admit(np.array([[0, 0, 2, 1]]))
+    plan = plan_domain(counts, no_copies, table.resident)
+    assert plan.moves.tolist() == [[0, 0, 2, 30]]  # only the holder, for free
+    # with copies allowed, the holder is chosen first
+    plan = plan_domain(counts, PlanConstraints(1, 2, 1), table.resident)
+    assert plan.moves[0].tolist()[:3] == [0, 0, 2] and plan.rank_tokens.max() == 20
+    assert np.array_equal(plan_domain(counts, PlanConstraints(1, 2, 1), no_residents(3, 2)).rank_tokens,
+                          plan_domain(counts, PlanConstraints(1, 2, 1)).rank_tokens)
+
+
+# ---------------------------------------------------------------- the simulator
+def small_trace(rows_per_rank: int) -> Trace:
+    return skewed_trace(16, 1, 8, 64, tokens_per_rank=rows_per_rank // 4, top_k=4, skew=1.0, seed=3,
+                        hidden=2048, ffn_hidden=1024)
+
+
+def test_simulator_reports_time_and_residency_cuts_weight_bytes():
+    trace = small_trace(4096)
+    runs = {}
+    for residency in ("micro_batch", "step"):
+        setup = SimSetup(ranks_per_node=8, nodes=1, experts=64, dynamic_experts=4, chunk_align=8,
+                         micro_batches_per_step=8, residency=residency)
+        runs[residency] = simulate(trace, setup, ["fastermoe", "eplb", "feplb-paper", "feplb"]).metrics()
+    step, per_mb = runs["step"], runs["micro_batch"]
+    for metrics in step.values():
+        assert metrics["expert_time_us"] > 0 and metrics["copy_exposed_us"] >= 0
+    assert step["vanilla"]["weight_bytes_per_step"] == 0 and step["eplb"]["copy_exposed_us"] == 0
+    assert step["feplb"]["weight_bytes_per_step"] * 2 <= per_mb["feplb"]["weight_bytes_per_step"]
+    assert step["feplb"]["expert_time_us"] <= min(m["expert_time_us"] for m in step.values())
+    assert step["feplb"]["expert_time_us"] < step["vanilla"]["expert_time_us"]
+    assert per_mb["feplb-paper"] == step["feplb-paper"]  # the peers do not depend on our residency
+
+
+def test_simulator_steps_and_residency_are_checked():
+    with pytest.raises(ValueError, match="micro-batches per step"):
+        SimSetup(ranks_per_node=2, nodes=1, experts=4, micro_batches_per_step=0).check()
+    with pytest.raises(ValueError, match="residency"):
+        SimSetup(ranks_per_node=2, nodes=1, experts=4, residency="forever").check()
+
+
+# ---------------------------------------------------------------- the runtime
+def accumulation_cases(ep_size: int, stages=(0, 1, 2)) -> dict:
+    return {(stage, residency): moe_cases.accumulation_case(stage, residency, ep_size)
+            for stage in stages for residency in ("step", "micro_batch")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(accumulation_cases, 2, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(accumulation_cases, 4, 4, (1, ), timeout=600)
+
+
+def check_exact(results: list) -> None:
+    for rank, cases in enumerate(results):
+        for key, case in cases.items():
+            ref, ours = case["losses"]["reference"], case["losses"]["feplb"]
+            assert ours == pytest.approx(ref, rel=TOLERANCE), f"rank {rank} {key}: losses {ours} vs {ref}"
+            name, worst = max(case["param_errors"].items(), key=lambda item: item[1])
+            assert worst <= TOLERANCE, f"rank {rank} {key}: parameter {name} differs by {worst:.2e}"
+
+
+def check_residency_cuts_copies(results: list, stages) -> None:
+    for stage in stages:
+        step, per_mb = results[0][(stage, "step")]["traffic"], results[0][(stage, "micro_batch")]["traffic"]
+        assert step["moves"] > 0 and step["resident_hits"] > 0 and step["flushed_copies"] > 0, step
+        assert per_mb["resident_hits"] == per_mb["flushed_copies"] == 0 and per_mb["weight_copies"] == per_mb["moves"]
+        assert 3 * step["weight_copies"] <= per_mb["weight_copies"], (step, per_mb)
+
+
+def test_two_ranks_with_accumulation_match_deepspeed_and_copy_less(two_ranks):
+    check_exact(two_ranks)
+    check_residency_cuts_copies(two_ranks, (0, 1, 2))
+
+
+def test_four_ranks_with_accumulation_match_deepspeed_and_copy_less(four_ranks):
+    check_exact(four_ranks)
+    check_residency_cuts_copies(four_ranks, (1, ))
+
+
+def test_stats_are_the_same_on_every_rank(two_ranks):
+    assert all(r[(2, "step")]["traffic"] == two_ranks[0][(2, "step")]["traffic"] for r in two_ranks)
+    assert not math.isnan(two_ranks[0][(2, "step")]["losses"]["feplb"][-1])
