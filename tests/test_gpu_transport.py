@@ -208,6 +208,9 @@ def layer_through_ce_protocol() -> dict:
         domain = next(iter(runtime._RUNTIMES.values()))  # noqa: SLF001
         assert isinstance(domain.transport, CudaCETransport)
         results[k]["capacities"] = domain.transport.capacities()
+    # weight residency through the same protocol: chunks without weights, kept copies, gradients at the step's end
+    results["accumulation"] = moe_cases.accumulation_case(0, "step", 2, steps=2)
+    assert all(isinstance(r.transport, CudaCETransport) for r in runtime._RUNTIMES.values())  # noqa: SLF001
     return results
 
 
@@ -226,3 +229,13 @@ def test_layer_with_ce_transport_equals_deepspeed_moe(layer_results, k):
         migrated += result["stats"]["migrated_tokens"]
     assert migrated > 0, "no migration: phase 2 did not use the transport"
     assert any(c > 4096 for r in layer_results for c in r[k]["capacities"].values()), "no slot growth exercised"
+
+
+def test_weight_residency_through_ce_protocol_matches_deepspeed(layer_results):
+    for rank, results in enumerate(layer_results):
+        case = results["accumulation"]
+        ref, ours = case["losses"]["reference"], case["losses"]["feplb"]
+        assert ours == pytest.approx(ref, rel=1e-5), f"rank {rank}: {ours} vs {ref}"
+        assert max(case["param_errors"].values()) <= 1e-5
+        traffic = case["traffic"]
+        assert traffic["resident_hits"] > 0 and traffic["flushed_copies"] > 0, traffic
