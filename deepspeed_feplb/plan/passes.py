@@ -149,7 +149,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
                 return want
             if j < 0:
                 j = big
-        free = j >= 0 and holds(resident, r, e, j)
+        free = holders and j >= 0 and holds(resident, r, e, j)
         if j >= 0:  # a receiver takes the chunk
             forced = _PICK
             c = room[j]
@@ -290,11 +290,12 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain,
     return out[:sc[_MOVES]], final.copy()
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1])", cache=True)
-def plan_pass(counts, D, H, align, copies, resident):
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], boolean)", cache=True)
+def plan_pass(counts, D, H, align, copies, resident, chain):
     """The token-balancing plan. counts int64 [G, E] (C order); D <= E; copies: weight copies per
     rank (an int; the caller maps "unlimited" to G * D * H); resident int64 [G, E, W]: bit masks of
-    the helpers that hold each expert's weights (`holds`).
+    the helpers that hold each expert's weights (`holds`); chain: when the limits bind, bisect
+    over chaining passes (False: the one water-filling pass, a cheaper, coarser plan).
     Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
     local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
     negative counts (the caller raises)."""
@@ -324,7 +325,7 @@ def plan_pass(counts, D, H, align, copies, resident):
 
     moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, _NO_CHAIN, resident)
     best_max = final.max()
-    if best_max > level + slack:
+    if chain and best_max > level + slack:
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
         # the last allowed chunk, or for any chunk that fits no receiver whole), and bisect the
         # level between the lower bound and the best result so far, keeping the plan with the
@@ -447,7 +448,7 @@ def plan_timed(counts, D, H, align, copies, resident, model, keep):
     most `_FEWER_COPIES_SLACK` slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch).
     Returns `plan_pass`'s layout."""
-    best = plan_pass(counts, D, H, align, copies, resident)
+    best = plan_pass(counts, D, H, align, copies, resident, True)
     G = counts.shape[0]
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
@@ -457,7 +458,7 @@ def plan_timed(counts, D, H, align, copies, resident, model, keep):
     k = _most_copies(counts, best, resident)
     while k > 1 or k == 1 and resident.any():  # with k = 0 only helpers that hold weights take rows
         k //= 2
-        cand = plan_pass(counts, D, H, align, k, resident)
+        cand = plan_pass(counts, D, H, align, k, resident, False)
         t = _makespan(counts, cand, resident, keep, model)
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
