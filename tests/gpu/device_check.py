@@ -258,7 +258,21 @@ def _layer_worker(cpu: bool) -> dict:
     errors = [moe_cases.relative_error(got[0], ref[0]), moe_cases.relative_error(got[1], ref[1])]
     errors += [moe_cases.relative_error(got[2][n], ref[2][n]) for n in ref[2]]
     transport_name = type(ours.deepspeed_moe.domain.transport).__name__
-    return {"worst_error": max(errors), "migrated": int(ours.feplb_stats["migrated_tokens"]), "transport": transport_name}
+    migrated = int(ours.feplb_stats["migrated_tokens"])
+    # weight residency: two micro-batches of one step (the helper keeps its copies after the first,
+    # their gradients go home in the second's backward); gradients summed over both, as DeepSpeed's
+    hits = 0
+    for layer_ in (reference, ours):
+        layer_.zero_grad(set_to_none=True)
+    for micro, ends in enumerate((False, True)):
+        ours.deepspeed_moe.step_ends = lambda ends=ends: ends
+        x, w = moe_cases.rank_inputs(10 + micro)
+        ref = moe_cases.run_layer(reference, x.to(dev), w.to(dev))
+        got = moe_cases.run_layer(ours, x.to(dev), w.to(dev))
+        errors.append(moe_cases.relative_error(got[0], ref[0]))
+        hits += int(ours.feplb_stats["resident_hits"])
+    errors += [moe_cases.relative_error(got[2][n], ref[2][n]) for n in ref[2]]
+    return {"worst_error": max(errors), "migrated": migrated, "transport": transport_name, "resident_hits": hits}
 
 
 def layer(check: Check) -> dict:
@@ -266,8 +280,9 @@ def layer(check: Check) -> dict:
     results = run_distributed(_layer_worker, 2, check.cpu, timeout=120)
     worst = max(r["worst_error"] for r in results)
     migrated = sum(r["migrated"] for r in results)
-    return {"ok": worst <= 1e-5 and migrated > 0, "worst_relative_error": worst, "migrated_tokens": migrated,
-            "transport": results[0]["transport"]}
+    hits = results[0]["resident_hits"]
+    return {"ok": worst <= 1e-5 and migrated > 0 and hits > 0, "worst_relative_error": worst,
+            "migrated_tokens": migrated, "resident_hits": hits, "transport": results[0]["transport"]}
 
 
 # ------------------------------------------------------------------ 7. DeepEP adapter
