@@ -72,5 +72,9 @@ def test_engine_bookkeeping_and_stats_of_both_stages(runs):
             assert layer["gemm_max_ms"] > 0 and layer["fallbacks"] >= 0
     assert sum(h["migrated_tokens"] for h in history) > 0
     assert sum(h["migrated_bytes"] for h in history) > 0
+    # weight residency across the batch's micro-batches: kept copies served later chunks, their
+    # gradients went home in the last micro-batch's backward (the losses above stayed equal)
+    assert sum(layer["resident_hits"] for h in history for layer in h["layers"].values()) > 0
+    assert sum(layer["flushed_copies"] for h in history for layer in h["layers"].values()) > 0
     assert any("warm_start_token_straggler" in layer for h in history[1:] for layer in h["layers"].values())
     assert runs[3][True]["history"] == history  # every rank gets the same summary

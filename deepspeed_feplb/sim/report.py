@@ -3,7 +3,8 @@
 Figures (:func:`plot`, matplotlib with the Agg backend, no display needed):
 1. per-rank load over steps, stacked, for vanilla and for feplb (first layer);
 2. token straggler per policy over steps (mean over layers);
-3. token straggler as a function of D for feplb and feplb-paper (when a D sweep was run).
+3. expert time per policy over steps (forward + backward with copies, `plan.timeline`; mean over layers);
+4. token straggler as a function of D for feplb and feplb-paper (when a D sweep was run).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def plot(path: str, runs: dict, d_sweep: Optional[dict] = None, layer: int = 0) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 + (1 if d_sweep else 0)
+    panels = 4 + (1 if d_sweep else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
     after_name = "feplb" if "feplb" in runs else next(iter(runs))
     top = 0
@@ -68,8 +69,16 @@ def plot(path: str, runs: dict, d_sweep: Optional[dict] = None, layer: int = 0) 
     ax.set_ylabel("tokens")
     ax.set_yscale("symlog", linthresh=10)
     ax.legend(fontsize=8)
+    ax = axes[3]
+    for name, run in runs.items():
+        if run.expert_us is not None:
+            ax.plot(run.expert_us.mean(axis=1) / 1e3, label=name, linewidth=1)
+    ax.set_title("expert time, forward + backward with copies")
+    ax.set_xlabel("micro-batch")
+    ax.set_ylabel("ms (slowest rank)")
+    ax.legend(fontsize=8)
     if d_sweep:
-        ax = axes[3]
+        ax = axes[4]
         for name, by_d in d_sweep.items():
             ds = sorted(by_d)
             ax.plot(ds, [by_d[d] for d in ds], marker="o", label=name)
