@@ -19,7 +19,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer
 

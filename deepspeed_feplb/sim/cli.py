@@ -11,7 +11,6 @@ and ``rank_tokens`` int64 [steps, layers, ranks].
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
