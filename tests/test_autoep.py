@@ -46,10 +46,11 @@ def tiny_model(preset: str, seed: int = 0):
     return model
 
 
-def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False) -> dict:
+def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False, gas: int = 1) -> dict:
     return {
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
         "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": preset},
@@ -62,7 +63,9 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def equivalence_case(preset: str, zero: int = 0, bf16: bool = False):
+def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 1):
+    """FEPLB on vs off on AutoEP layers; with ``gas`` > 1, every engine step is one micro-batch of
+    a ``gas``-micro-batch optimizer step (weight residency keeps copies across them)."""
     import torch
     import torch.distributed as dist
 
@@ -72,9 +75,9 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False):
     model = tiny_model(preset)
     reference = copy.deepcopy(model)
     ours, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(preset, True, zero, bf16))
+                                               config=ds_config(preset, True, zero, bf16, gas))
     ref, _, _, _ = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
-                                              config=ds_config(preset, False, zero, bf16))
+                                              config=ds_config(preset, False, zero, bf16, gas))
     swapped = [type(m.experts) for m in ours.module.modules() if hasattr(m, "experts") and hasattr(m, "router")]
     assert swapped and all(t is FEPLBGroupedExperts for t in swapped), swapped
     assert not any(isinstance(m, FEPLBGroupedExperts) for m in ref.module.modules())
@@ -103,7 +106,7 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False):
 
     # several optimizer steps through the engines
     losses = []
-    for step in range(STEPS):
+    for step in range(STEPS * gas):
         ids = torch.randint(0, VOCAB, (2, 16), generator=g)
         loss, loss_ref = ours(ids, labels=ids).loss, ref(ids, labels=ids).loss
         stats = autoep_stats(ours.module)
@@ -121,13 +124,15 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False):
     last = stats_seen[-1]
     return {"errors": errors, "migrated": migrated, "losses": losses,
             "stats": {name: {k: s[k] for k in ("ranks", "tokens_before", "tokens_after", "migrated_tokens", "moves")}
-                      for name, s in last.items()}}
+                      for name, s in last.items()},
+            "resident_hits": sum(s.get("resident_hits", 0) for seen in stats_seen for s in seen.values())}
 
 
 def autoep_cases():
     return {"mixtral": equivalence_case("mixtral"), "qwen3_moe": equivalence_case("qwen3_moe"),
             "mixtral_zero2": equivalence_case("mixtral", zero=2),
-            "qwen3_moe_bf16_zero1": equivalence_case("qwen3_moe", zero=1, bf16=True)}
+            "qwen3_moe_bf16_zero1": equivalence_case("qwen3_moe", zero=1, bf16=True),
+            "mixtral_accumulation": equivalence_case("mixtral", gas=4)}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +140,7 @@ def results():
     return run_distributed(autoep_cases, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "mixtral_zero2", "qwen3_moe_bf16_zero1"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "mixtral_zero2", "qwen3_moe_bf16_zero1", "mixtral_accumulation"])
 def test_feplb_matches_autoep(results, case):
     tol = 2e-2 if "bf16" in case else TOL  # bf16: dynamic experts run a per-expert loop, static ones grouped GEMM
     for rank, per_rank in enumerate(results):
@@ -185,3 +190,7 @@ def test_example_runs_under_the_deepspeed_cli():
                for line in lines for layer in line["feplb"].values()), lines
     leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("feplb-", "deepspeed"))}
     assert not leaked, f"left in /dev/shm: {leaked}"
+
+
+def test_accumulation_keeps_weight_copies_across_micro_batches(results):
+    assert results[0]["mixtral_accumulation"]["resident_hits"] > 0  # the engine told the layers where steps end

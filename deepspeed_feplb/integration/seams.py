@@ -58,12 +58,16 @@ def step_ends(engine) -> Callable[[], bool]:
 
     Relies on `DeepSpeedEngine.is_gradient_accumulation_boundary` being true in the forward of the
     last micro-batch (``(micro_steps + 1) % gradient_accumulation_steps == 0``, micro_steps
-    advanced by ``engine.step()``). Where it cannot know (unmanaged accumulation, ZenFlow, a
-    plain `PipelineEngine`, whose boundary is true only inside its reduce instruction), every
+    advanced by ``engine.step()``), and wraps ``engine.forward`` to know that a forward runs
+    through the engine. A forward outside it (``engine.module(x)``, an activation-checkpoint
+    recompute) counts as a step's last: its gradients reach ``.grad`` in its own backward, as
+    DeepSpeed's would. Where the engine cannot tell (unmanaged accumulation, ZenFlow, a plain
+    `PipelineEngine`, whose boundary is true only inside its reduce instruction), every
     micro-batch counts as the last. `integration.pipeline.FEPLBPipelineEngine` says it itself
     (``feplb_step_ends``). Holds the engine weakly.
     """
     ref = weakref.ref(engine)
+    _track_forward(engine)
 
     def ends() -> bool:
         e = ref()
@@ -76,8 +80,27 @@ def step_ends(engine) -> Callable[[], bool]:
         managed = getattr(e, "managed_gradient_accumulation", None)
         if isinstance(e, PipelineEngine) or getattr(e, "zenflow", False) or (managed is not None and not managed()):
             return True
+        if not getattr(e, "_feplb_in_forward", False):
+            return True
         return bool(e.is_gradient_accumulation_boundary())
     return ends
+
+
+def _track_forward(engine) -> None:
+    """Set ``engine._feplb_in_forward`` while ``engine.forward`` runs (once per engine)."""
+    if getattr(engine, "_feplb_forward_tracked", False) or getattr(engine, "feplb_step_ends", None) is not None:
+        return
+    forward = engine.forward
+
+    def tracked(*args, **kwargs):
+        engine._feplb_in_forward = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            engine._feplb_in_forward = False
+
+    engine.forward = tracked
+    engine._feplb_forward_tracked = True
 
 
 def become(module, cls: type):
