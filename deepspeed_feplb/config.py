@@ -165,7 +165,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """'step': a helper keeps a received expert copy until the optimizer step, serves that expert again in later micro-batches of the step without a new copy, and returns the copy's accumulated weight-gradient once, in the backward of the step's last micro-batch (the gradient-accumulation boundary), before DeepSpeed reduces gradients. 'micro_batch': every micro-batch copies the weights and returns the gradients (the FEPLB paper's scheme)."""
 
     max_resident_experts: int = Field(8, ge=0)
-    """'step' residency: expert copies one rank keeps per MoE layer; more are used for their micro-batch only. Memory: up to max_resident_experts x (expert weight bytes + one weight-gradient of the same size, in the parameters' dtype) per MoE layer and rank, e.g. 8 x 2 x 75.5 MB = 1.2 GB for a 6144 x 2048 SwiGLU expert in bf16."""
+    """'step' residency: expert copies one rank keeps per MoE layer; more are used for their micro-batch only. Memory per MoE layer and rank: up to max_resident_experts x (expert weight bytes + its weight-gradient, kept in fp32: 2 x the weight bytes for bf16/fp16 parameters, 1 x for fp32), e.g. 8 x 3 x 75.5 MB = 1.8 GB for a 6144 x 2048 SwiGLU expert in bf16."""
 
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     gating: GatingConfig = Field(default_factory=GatingConfig)

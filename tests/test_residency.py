@@ -168,3 +168,20 @@ def test_four_ranks_with_accumulation_match_deepspeed_and_copy_less(four_ranks):
 def test_stats_are_the_same_on_every_rank(two_ranks):
     assert all(r[(2, "step")]["traffic"] == two_ranks[0][(2, "step")]["traffic"] for r in two_ranks)
     assert not math.isnan(two_ranks[0][(2, "step")]["losses"]["feplb"][-1])
+
+
+def test_a_kept_copy_sums_16_bit_gradients_in_fp32_and_returns_them_in_the_parameters_dtype():
+    import torch
+
+    from deepspeed_feplb.migrate.resident import HeldCopy, fingerprint
+
+    p = torch.zeros(4, dtype=torch.bfloat16)
+    held = HeldCopy([p])
+    assert held.gradients()[0].dtype == torch.bfloat16 and not held.gradients()[0].any()
+    for _ in range(256):  # 256 x (1 + 2^-7): bf16 partial sums would round the small parts away
+        held.accumulate([torch.full((4, ), 1 + 2**-7, dtype=torch.bfloat16)])
+    assert held.grads[0].dtype == torch.float32 and held.grads[0][0].item() == 258.0
+    assert held.gradients()[0].dtype == torch.bfloat16
+    before = fingerprint([p])
+    p.add_(1)  # in place: a new version of the weights
+    assert fingerprint([p]) != before

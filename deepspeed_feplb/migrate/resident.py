@@ -30,20 +30,23 @@ __all__ = ["HeldCopy", "LayerResidency", "fingerprint"]
 @dataclass
 class HeldCopy:
     """A helper's copy of one home expert: ``params`` as received; ``grads`` the sum of the weight-
-    gradients of every chunk it computed this step (None until the first backward)."""
+    gradients of every chunk it computed this step (None until the first backward), kept in fp32
+    for 16-bit parameters so that a step's sum is rounded once, not per micro-batch."""
     params: list[torch.Tensor]
     grads: Optional[list[torch.Tensor]] = None
 
     def accumulate(self, grads: list[torch.Tensor]) -> None:
         if self.grads is None:
-            self.grads = [g.clone() for g in grads]
+            self.grads = [g.to(torch.float32) if g.element_size() < 4 else g.clone() for g in grads]
         else:
             for acc, g in zip(self.grads, grads):
                 acc.add_(g)
 
     def gradients(self) -> list[torch.Tensor]:
-        """The accumulated weight-gradients (zeros if no backward used the copy)."""
-        return self.grads if self.grads is not None else [torch.zeros_like(p) for p in self.params]
+        """The accumulated weight-gradients in the parameters' dtype (zeros if no backward used the copy)."""
+        if self.grads is None:
+            return [torch.zeros_like(p) for p in self.params]
+        return [g.to(p.dtype) for g, p in zip(self.grads, self.params)]
 
 
 def fingerprint(params: list[torch.Tensor]) -> tuple:
