@@ -1,10 +1,11 @@
-"""`python -m deepspeed_feplb {schema, simulate, trace, cleanup, report}`.
+"""`feplb` (or `python -m deepspeed_feplb`) {schema, simulate, trace, cleanup, report}.
 
 Each sub-command lives in the module that owns it and registers itself through
 `add_parser(subparsers)`; the handler is stored as `func`.
 """
 import argparse
 import importlib
+import os
 import sys
 
 COMMAND_MODULES = (
@@ -16,16 +17,28 @@ COMMAND_MODULES = (
 )
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m deepspeed_feplb")
-    sub = parser.add_subparsers(dest="command", required=True)
+def program_name(argv0: str) -> str:
+    """How the user called us: ``feplb`` (the installed script) or ``python -m deepspeed_feplb``."""
+    name = os.path.basename(argv0)
+    return name if name and not name.startswith("__main__") else "python -m deepspeed_feplb"
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from deepspeed_feplb import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description="FEPLB tools: replay routing traces through balancing policies (simulate), make or "
+                               "import traces (trace), plot training stats (report), print the \"feplb\" config "
+                               "schema (schema), remove shared memory a killed job left (cleanup).")
+    parser.add_argument("--version", action="version", version=f"deepspeed_feplb {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        module.add_parser(sub)
-    args = parser.parse_args(argv)
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser(program_name(sys.argv[0])).parse_args(argv)
     return args.func(args) or 0
 
 

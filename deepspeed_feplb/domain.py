@@ -14,9 +14,11 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 
 import torch.distributed as dist
 
+from deepspeed_feplb import exits
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
@@ -38,6 +40,15 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
         raise FEPLBConfigError(f"feplb.nvlink_domain_size: {size} does not divide the expert-parallel size {ep_size}; "
                                f"use a divisor of {ep_size} or \"auto\"")
     return size
+
+
+def planner_cached() -> bool:
+    """Whether numba's cache holds the compiled planning pass (`plan/passes.py`): in the package's
+    ``__pycache__``, or under ``NUMBA_CACHE_DIR``."""
+    roots = [Path(__file__).parent / "plan" / "__pycache__"]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        roots.append(Path(os.environ["NUMBA_CACHE_DIR"]))
+    return any(next(root.rglob("passes.*.nbi"), None) is not None for root in roots if root.is_dir())
 
 
 class DomainRuntime:
@@ -65,6 +76,9 @@ class DomainRuntime:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts {sorted(hosts)}; "
                                    "set it to the number of ranks per host")
         self.name = f"feplb-{info[first][0]}"
+        if self.local_rank == 0 and not planner_cached():
+            print("deepspeed_feplb: first use on this machine: numba compiles the planner once (about 15 s on a "
+                  "slow 2-core machine); later runs load it from numba's cache", flush=True)
         sched = config.scheduler
         leader = self.local_rank == 0
         self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
@@ -105,13 +119,26 @@ def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTranspor
 
 def shutdown() -> None:
     """Stop scheduler processes and remove this rank's shared memory (idempotent)."""
-    with _LOCK:
-        for runtime in _RUNTIMES.values():
-            runtime.close()
-        _RUNTIMES.clear()
+    global _shutting_down
+    _shutting_down = True
+    try:
+        with _LOCK:
+            for runtime in _RUNTIMES.values():
+                runtime.close()
+            _RUNTIMES.clear()
+    finally:
+        _shutting_down = False
 
 
 _installed = False
+_shutting_down = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Exit normally, so that the exit handlers remove the segments; a SIGTERM that arrives while
+    they run (a launcher sends one after SIGINT) must not interrupt them."""
+    if not _shutting_down:
+        sys.exit(128 + signum)
 
 
 def _install_exit_handlers() -> None:
@@ -119,7 +146,8 @@ def _install_exit_handlers() -> None:
     if _installed:
         return
     _installed = True
+    exits.install()
     atexit.register(shutdown)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         # default SIGTERM kills without running atexit; exit normally instead so segments are removed
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,33 +1,89 @@
-"""`python -m deepspeed_feplb report`: PNG plots of recorded FEPLB training stats.
+"""`python -m deepspeed_feplb report`: figures and a summary of recorded FEPLB training stats.
 
 Input: the per-step JSON lines that the examples print (``{"step": ..., "loss": ...,
 "layers": {layer: {metric: value}}}``; other lines of a log are skipped, so a whole
 ``deepspeed ... | tee run.log`` works), and/or a directory written by DeepSpeed's CSV monitor
 (files ``FEPLB_<layer>_<metric>.csv``, as `deepspeed_feplb.integration.monitor` writes them).
+Steps are shown as logged (no renumbering).
 
 Output, in ``--out``: ``stragglers.png`` (token straggler before/after balancing and measured
 GEMM straggler per layer over steps), ``migration.png`` (migrated tokens and bytes, plan latency,
-fallbacks) and, when the log has losses, ``loss.png``; plus ``summary.json`` with the per-layer
-means that the plots show.
+fallbacks), ``loss.png`` when the log has losses; ``summary.json`` with the per-layer means over
+steps that the figures show, and ``summary.md``, one page with the same means, what each metric
+means and the figures. Each step's value is what the monitor logged for it: the mean over the
+step's micro-batches (stragglers, plan latency) or their sum (tokens, bytes, copies, fallbacks).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import math
 import os
 import re
+import sys
 from pathlib import Path
 
 STRAGGLER_METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms")
 MIGRATION_METRICS = ("migrated_tokens", "migrated_bytes", "plan_latency_us", "fallbacks")
+# What the monitor logs besides those (integration/monitor.py, METRICS and the pipeline's warm start).
+OTHER_METRICS = ("gemm_max_ms", "warm_start_token_straggler", "weight_bytes", "weight_copies", "resident_hits",
+                 "flushed_copies", "grad_bytes")
+# Metrics whose per-step value is a sum over the step's micro-batches: summary.json also gives their total.
+SUMMED = ("migrated_tokens", "migrated_bytes", "fallbacks", "weight_bytes", "weight_copies", "resident_hits",
+          "flushed_copies", "grad_bytes")
+
+# metric -> (readable name, unit, what it is). Used for legends, table headers and summary.md.
+METRIC_INFO = {
+    "token_straggler_before": (
+        "token straggler before balancing", "tokens",
+        "max_r T_r − mean_r T_r over the ranks r of an NVLink domain, T_r the token-expert rows whose expert "
+        "rank r hosts: what DeepSpeed's MoE leaves, the slowest rank's extra rows"),
+    "token_straggler_after": (
+        "token straggler after balancing", "tokens",
+        "the same after FEPLB's plan, the rows moved to helper ranks counted on the helper"),
+    "warm_start_token_straggler": (
+        "warm-start plan's token straggler", "tokens",
+        "pipeline engine only: the token straggler that a plan made ahead of time from the previous "
+        "micro-batch's routing would have left (FEPLB plans from the current routing; this shows what planning "
+        "one micro-batch early would lose)"),
+    "gemm_straggler_ms": (
+        "measured GEMM straggler", "ms",
+        "max − mean over a domain's ranks of the measured expert-compute wall time (communication and waiting "
+        "excluded)"),
+    "gemm_max_ms": ("slowest rank's expert compute", "ms", "max over a domain's ranks of the measured "
+                    "expert-compute wall time"),
+    "migrated_tokens": ("migrated tokens", "tokens", "token-expert rows computed by a helper rank instead of the "
+                        "expert's home, summed over the step's micro-batches"),
+    "migrated_bytes": ("data moved", "bytes", "what the migration transport moved: rows there and results "
+                       "back (forward and backward), expert weight copies and the weight-gradients sent home"),
+    "weight_bytes": ("expert weights copied", "bytes", "expert weights copied to helpers (none for a helper "
+                     "that kept a copy from earlier in the optimizer step)"),
+    "grad_bytes": ("weight-gradients sent home", "bytes", "weight-gradients of copies, sent to the expert's home"),
+    "weight_copies": ("weight copies", "copies", "expert weight copies sent to helpers"),
+    "resident_hits": ("chunks from kept copies", "chunks", "chunks a helper computed with a copy kept from "
+                      "earlier in the optimizer step (no copy needed)"),
+    "flushed_copies": ("kept copies flushed", "copies", "kept copies whose accumulated gradients went home at "
+                       "the end of the optimizer step"),
+    "plan_latency_us": ("plan latency", "µs", "time to compute one micro-batch's plan; the first plan of a "
+                        "process also loads the compiled planning pass, which is why the figure uses a log axis"),
+    "fallbacks": ("fallbacks", "micro-batches", "micro-batches planned in-process because the scheduler "
+                  "process was late or dead (summed)"),
+}
+
+AVERAGING = ("Every number is a mean over the logged steps of the per-step value; a step's value is the mean "
+             "over its micro-batches and the layer's NVLink domains (stragglers, plan latency) or their sum "
+             "(tokens, bytes, copies, fallbacks).")
+
+# The package is installed from its checkout (it is not on PyPI), so the extra is named there.
+PLOT_INSTALL = "pip install -e '.[plot]' in the repository checkout (or pip install matplotlib)"
 
 
 def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
     """-> (series ``{layer: {metric: [(step, value)]}}``, loss ``{step: value}``) from JSON lines."""
     series: dict = {}
     loss: dict = {}
-    with open(path) as f:
+    with open(path, errors="replace") as f:  # a launcher's log may hold bytes that are not UTF-8
         for line in f:
             line = line.strip()
             if not line.startswith("{"):
@@ -43,12 +99,13 @@ def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
                 loss[step] = record["loss"]
             for layer, metrics in (record.get("layers") or {}).items():
                 for metric, value in metrics.items():
-                    series.setdefault(layer, {}).setdefault(metric, []).append((step, float(value)))
+                    if isinstance(value, (int, float)):
+                        series.setdefault(layer, {}).setdefault(metric, []).append((step, float(value)))
     return series, loss
 
 
 _CSV_NAME = re.compile(r"^FEPLB_(?P<layer>.+)_(?P<metric>" + "|".join(
-    STRAGGLER_METRICS + MIGRATION_METRICS + ("gemm_max_ms", "warm_start_token_straggler")) + r")\.csv$")
+    STRAGGLER_METRICS + MIGRATION_METRICS + OTHER_METRICS) + r")\.csv$")
 
 
 def read_csv_dir(directory: str | os.PathLike) -> dict:
@@ -65,74 +122,248 @@ def read_csv_dir(directory: str | os.PathLike) -> dict:
 
 
 def summary(series: dict) -> dict:
-    """Per-layer means of every metric (sums for token/byte counts and fallbacks)."""
+    """Per-layer means over steps of every metric (``<metric>_mean``), the totals over steps of
+    the summed ones (``<metric>_total``), and ``token_straggler_reduction`` = 1 - after / before."""
     out = {}
     for layer, metrics in series.items():
         entry = {}
         for metric, points in metrics.items():
             values = [v for _, v in points]
-            if metric in ("migrated_tokens", "migrated_bytes", "fallbacks"):
+            if metric in SUMMED:
                 entry[f"{metric}_total"] = sum(values)
-            else:
-                entry[f"{metric}_mean"] = sum(values) / len(values) if values else 0.0
-        if entry.get("token_straggler_before_mean"):
+            entry[f"{metric}_mean"] = sum(values) / len(values) if values else 0.0
+        if entry.get("token_straggler_before_mean") and "token_straggler_after_mean" in entry:
             entry["token_straggler_reduction"] = 1 - entry["token_straggler_after_mean"] / entry["token_straggler_before_mean"]
         out[layer] = entry
     return out
 
 
-def plot(series: dict, loss: dict, out_dir: str | os.PathLike) -> list[str]:
-    """Write the PNGs and summary.json into ``out_dir``; returns the written paths."""
-    import matplotlib
+def _label(metric: str) -> str:
+    return METRIC_INFO.get(metric, (metric.replace("_", " "), "", ""))[0]
+
+
+def _unit(metric: str) -> str:
+    return METRIC_INFO.get(metric, ("", "", ""))[1]
+
+
+def _bytes_unit(largest: float) -> tuple[float, str]:
+    """(divisor, unit) that shows ``largest`` bytes readably (decimal units, as the examples print)."""
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if largest >= scale:
+            return scale, unit
+    return 1.0, "bytes"
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend; an ImportError that names the install command if
+    matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(f"the figures need matplotlib, which is not installed: {PLOT_INSTALL}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+# Line style per metric in a panel that shows several; the colour is the layer's.
+_STYLES = {"token_straggler_before": "--", "warm_start_token_straggler": ":", "weight_bytes": "--", "grad_bytes": ":"}
+_SHORT = {"token_straggler_before": "before balancing", "token_straggler_after": "after balancing",
+          "warm_start_token_straggler": "warm-start plan (see summary.md)", "migrated_bytes": "all data moved",
+          "weight_bytes": "of which expert weights", "grad_bytes": "of which weight-gradients"}
+MANY_LAYERS = 6  # above this, a panel shows the mean over layers and their min-max band, not one line per layer
+
+
+def _layer_lines(series: dict, metric: str):
+    """-> [(label, steps, values, band)] of one metric: one line per layer, or with more than
+    MANY_LAYERS layers one line of the mean over layers and ``band`` = (min, max) per step."""
+    layers = sorted(series)
+    if len(layers) <= MANY_LAYERS:
+        out = []
+        for layer in layers:
+            points = sorted(series[layer].get(metric, []))
+            if points:
+                steps, values = zip(*points)
+                out.append((f"layer {layer}", list(steps), list(values), None))
+        return out
+    by_step: dict = {}
+    for layer in layers:
+        for step, value in series[layer].get(metric, []):
+            by_step.setdefault(step, []).append(value)
+    if not by_step:
+        return []
+    steps = sorted(by_step)
+    return [(f"mean over {len(layers)} layers (band: min to max)", steps,
+             [sum(by_step[s]) / len(by_step[s]) for s in steps],
+             ([min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps]))]
+
+
+def figures(series: dict, loss: dict) -> dict:
+    """-> ``{file name: matplotlib Figure}`` for the panels that have data (module docstring)."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    layers = sorted(series)
+    out = {}
+
+    def has(metrics):
+        return any(series[layer].get(m) for layer in layers for m in metrics)
+
+    def draw(ax, metrics, title, ylabel, scale=1.0):
+        for i, metric in enumerate(metrics):
+            for j, (who, steps, values, band) in enumerate(_layer_lines(series, metric)):
+                name = _SHORT.get(metric, _label(metric)) if len(metrics) > 1 else _label(metric)
+                # colour per layer; with one line per metric (many layers), per metric
+                color = plt.get_cmap("tab10")((i if band is not None else j) % 10)
+                ax.plot(steps, [v / scale for v in values], _STYLES.get(metric, "-"), marker=".", color=color,
+                        label=f"{who}: {name}")
+                if band is not None:
+                    ax.fill_between(steps, [v / scale for v in band[0]], [v / scale for v in band[1]],
+                                    color=color, alpha=0.15 if i == 0 else 0.08, linewidth=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines:  # below the panel, where it covers no data; one column per metric
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False,
+                      ncol=len(metrics) if len(metrics) > 1 else min(2, len(ax.lines)))
+
+    def grid(panels, suptitle):
+        panels = [p for p in panels if has(p[0])]
+        if not panels:
+            return None
+        cols = min(2, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 5.0 * rows), squeeze=False, layout="constrained")
+        for ax in axes.ravel()[len(panels):]:
+            ax.set_axis_off()
+        for ax, (metrics, title, ylabel, *rest) in zip(axes.ravel(), panels):
+            scale = 1.0
+            if ylabel == "bytes":
+                scale, ylabel = _bytes_unit(max(v for layer in layers for m in metrics
+                                                for _, v in series[layer].get(m, [])))
+            draw(ax, metrics, title, ylabel, scale)
+            for tweak in rest:
+                tweak(ax)
+        fig.suptitle(suptitle, fontsize=11)
+        return fig
+
+    def log_axis(ax):
+        ax.set_yscale("log")
+
+    def integer_axis(ax):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(-0.1, max(1.0, ax.get_ylim()[1]))  # all zeros would otherwise show ticks at ±0.04
+
+    stragglers = grid([
+        (("token_straggler_before", "token_straggler_after", "warm_start_token_straggler"),
+         "token straggler (max − mean over a domain's ranks)", "tokens"),
+        (("gemm_straggler_ms",), "measured GEMM straggler\n(expert-compute wall time, max − mean)", "ms"),
+    ], "FEPLB stragglers per step (each step: mean over its micro-batches)")
+    if stragglers is not None:
+        out["stragglers.png"] = stragglers
+    migration = grid([
+        (("migrated_tokens",), "migrated tokens (rows computed by a helper)", "tokens"),
+        (("migrated_bytes", "weight_bytes", "grad_bytes"), "data moved by the migration", "bytes"),
+        (("plan_latency_us",), "plan latency (log axis)", "µs", log_axis),
+        (("fallbacks",), "fallbacks (micro-batches planned in-process)", "micro-batches", integer_axis),
+    ], "FEPLB migration per step (each step: sum over its micro-batches; plan latency: mean)")
+    if migration is not None:
+        out["migration.png"] = migration
+    if loss:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
+        steps = sorted(loss)
+        ax.plot(steps, [loss[s] for s in steps], marker=".")
+        ax.set_title("training loss", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        out["loss.png"] = fig
+    return out
+
+
+def _format(value: float) -> str:
+    if value == 0 or abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.{max(0, 2 - int(math.floor(math.log10(abs(value)))))}f}"
+
+
+def summary_markdown(series: dict, loss: dict, figure_names=(), sources=()) -> str:
+    """The one-page ``summary.md``: per-layer means over steps (one row per metric, one column
+    per layer), what each metric is, and the figures."""
+    means = summary(series)
+    layers = sorted(series)
+    present = {m for metrics in series.values() for m in metrics}
+    metrics = [m for m in METRIC_INFO if m in present] + sorted(present - set(METRIC_INFO))
+    scale, byte_unit = _bytes_unit(max([e[f"{m}_mean"] for e in means.values() for m in metrics
+                                        if _unit(m) == "bytes" and f"{m}_mean" in e] or [0]))
+    lines = ["# FEPLB training report", ""]
+    if sources:
+        lines += ["Inputs: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+    lines += ["## Per-layer means over steps", "", AVERAGING, "",
+              "| metric | unit | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
+              "|---|---|" + "---:|" * len(layers)]
+    spans = []
+    for layer in layers:
+        steps = sorted({s for points in series[layer].values() for s, _ in points})
+        spans.append(f"{len(steps)} ({steps[0]}–{steps[-1]})" if steps else "0")
+    lines.append("| steps logged (first–last) | | " + " | ".join(spans) + " |")
+    for m in metrics:
+        unit = byte_unit if _unit(m) == "bytes" else _unit(m)
+        if m in SUMMED:
+            unit += " / step"
+        cells = []
+        for layer in layers:
+            value = means[layer].get(f"{m}_mean")
+            cells.append("" if value is None else _format(value / scale if _unit(m) == "bytes" else value))
+        lines.append(f"| {_label(m)} | {unit} | " + " | ".join(cells) + " |")
+        if m == "token_straggler_after":
+            cells = [f"{means[layer]['token_straggler_reduction']:.1%}" if "token_straggler_reduction" in means[layer]
+                     else "" for layer in layers]
+            lines.append("| token straggler reduction | | " + " | ".join(cells) + " |")
+    if "plan_latency_us" in present:
+        medians = []
+        for layer in layers:
+            values = sorted(v for _, v in series[layer].get("plan_latency_us", []))
+            if values:
+                medians.append(f"layer {layer} {_format(values[len(values) // 2])} µs")
+        lines += ["", "Plan latency, median over steps (the mean includes the first plan, which also loads the "
+                      "compiled planning pass): " + ", ".join(medians) + "."]
+    if loss:
+        steps = sorted(loss)
+        lines += ["", f"Loss: {loss[steps[0]]:.4g} at step {steps[0]}, {loss[steps[-1]]:.4g} at step {steps[-1]}."]
+    lines += ["", "## What the numbers mean", ""]
+    for m in metrics:
+        name, unit, text = METRIC_INFO.get(m, (m, "", "as logged"))
+        lines.append(f"* **{name}** (`{m}`{', ' + unit if unit else ''}): {text}.")
+    if "token_straggler_after" in present:
+        lines.append("* **token straggler reduction**: 1 − (mean after) / (mean before).")
+    if figure_names:
+        lines += ["", "## Figures", ""]
+        for name in figure_names:
+            lines += [f"[{name}]({name})", "", f"![{name}]({name})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(series: dict, loss: dict, out_dir: str | os.PathLike, sources=()) -> list[str]:
+    """Write the PNGs, summary.json and summary.md into ``out_dir``; returns the written paths."""
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    layers = sorted(series)
-
-    def panel_grid(metrics, title, filename, ylabels):
-        fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
-        for ax, group, ylabel in zip(axes[0], metrics, ylabels):
-            for layer in layers:
-                for metric in group:
-                    points = series[layer].get(metric)
-                    if points:
-                        steps, values = zip(*points)
-                        style = "--" if metric.endswith("before") else "-"
-                        ax.plot(steps, values, style, marker=".", label=f"{layer} {metric}")
-            ax.set_xlabel("step")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-        fig.suptitle(title)
-        fig.tight_layout()
-        path = out / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-
-    panel_grid([("token_straggler_before", "token_straggler_after", "warm_start_token_straggler"),
-                ("gemm_straggler_ms", )], "FEPLB stragglers per layer (max - mean over the domain)",
-               "stragglers.png", ["token straggler (tokens)", "measured GEMM straggler (ms)"])
-    panel_grid([("migrated_tokens", ), ("migrated_bytes", ), ("plan_latency_us", ), ("fallbacks", )],
-               "FEPLB migration per step", "migration.png", ["tokens", "bytes", "plan latency (us)", "fallbacks"])
-    if loss:
-        fig, ax = plt.subplots(figsize=(5, 3.6))
-        steps = sorted(loss)
-        ax.plot(steps, [loss[s] for s in steps], marker=".")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out / "loss.png"
+    drawn = figures(series, loss)
+    for name, fig in drawn.items():
+        path = out / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(str(path))
     path = out / "summary.json"
     path.write_text(json.dumps(summary(series), indent=2, sort_keys=True) + "\n")
+    written.append(str(path))
+    path = out / "summary.md"
+    path.write_text(summary_markdown(series, loss, list(drawn), sources))
     written.append(str(path))
     return written
 
@@ -141,7 +372,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``python -m deepspeed_feplb report INPUT... --out DIR``."""
     parser = subparsers.add_parser(
         "report", help="plot recorded FEPLB training stats (JSON lines or a CSV-monitor directory) as PNGs",
-        description="Plot FEPLB per-step stats: token and GEMM stragglers, migration, plan latency, loss.")
+        description="Plot FEPLB per-step stats (token and GEMM stragglers, migration, plan latency, loss) and "
+                    "write summary.json and summary.md with the per-layer means over steps. Needs matplotlib: "
+                    "pip install -e '.[plot]'.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="a log with the examples' per-step JSON lines, or a DeepSpeed CSV-monitor directory")
     parser.add_argument("--out", default="feplb_report", metavar="DIR", help="output directory (default: %(default)s)")
@@ -149,7 +382,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(message: str):
+    """One line on stderr and exit status 2, as argparse does for a bad option; no traceback."""
+    print(f"report: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _report_command(args) -> int:
+    missing = [source for source in args.inputs if not os.path.exists(source)]
+    if missing:
+        _fail(f"{', '.join(missing)} not found; give a log with the examples' JSON lines or a CSV-monitor directory")
+    try:
+        pyplot()
+    except ImportError as e:
+        _fail(str(e))
     series: dict = {}
     loss: dict = {}
     for source in args.inputs:
@@ -163,12 +409,17 @@ def _report_command(args) -> int:
     if not series:
         print(f"report: no FEPLB stats found in {', '.join(args.inputs)}")
         return 1
-    for path in plot(series, loss, args.out):
+    for path in plot(series, loss, args.out, args.inputs):
         print(path)
+    print("per-layer means over steps (each step: mean over its micro-batches):")
     for layer, entry in summary(series).items():
+        parts = []
         before, after = entry.get("token_straggler_before_mean"), entry.get("token_straggler_after_mean")
-        line = f"{layer}: GEMM straggler {entry.get('gemm_straggler_ms_mean', 0):.2f} ms"
-        if before is not None:
-            line = f"{layer}: token straggler {before:.1f} -> {after:.1f}, " + line.split(": ", 1)[1]
-        print(line)
+        if before is not None and after is not None:
+            parts.append(f"token straggler {before:.1f} -> {after:.1f} tokens")
+        if "warm_start_token_straggler_mean" in entry:
+            parts.append(f"warm-start plan {entry['warm_start_token_straggler_mean']:.1f} tokens")
+        if "gemm_straggler_ms_mean" in entry:
+            parts.append(f"measured GEMM straggler {entry['gemm_straggler_ms_mean']:.2f} ms")
+        print(f"{layer}: " + (", ".join(parts) or "no straggler stats"))
     return 0

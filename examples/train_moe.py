@@ -4,15 +4,18 @@
 
 The text is the Python standard library's own sources (present on every machine). There is no
 auxiliary loss, so routing skews as it does in real training; FEPLB rebalances every
-micro-batch. Every step prints one JSON line (rank 0): loss, step time and what FEPLB did; the
-summary gives step time, tokens/s and the scheduler process's CPU use. ``--no-feplb`` runs the
-same training with the ``"feplb"`` section's ``enabled: false`` (DeepSpeed's own MoE layer), for an
-on/off comparison.
+micro-batch. Every step prints one JSON line (rank 0, `step_record`): ``step`` (the engine's
+global step after it, 1-based like DeepSpeed's monitor), loss, step time, rows per rank and
+``layers`` (what FEPLB did, per MoE layer), which ``python -m deepspeed_feplb report`` plots; the
+summary gives step time, tokens/s, the token straggler before -> after and the scheduler
+process's CPU use. ``--no-feplb`` runs the same training with the ``"feplb"`` section's
+``enabled: false`` (DeepSpeed's own MoE layer), for an on/off comparison; ``--progress`` draws a
+progress bar (needs ``tqdm``).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import json
 import os
 import sysconfig
@@ -83,26 +86,49 @@ def build_parser() -> argparse.ArgumentParser:
                              "feplb.weight_residency 'step' a helper keeps its expert copies for the M micro-batches")
     parser.add_argument("--no-feplb", action="store_true",
                         help="the same run with FEPLB off (\"feplb\": {\"enabled\": false}: DeepSpeed's own MoE layer)")
+    parser.add_argument("--progress", action="store_true", help="a progress bar over the steps (rank 0; needs tqdm)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return deepspeed.add_config_arguments(parser)
 
 
-def skip_shm_op() -> None:
-    """DeepSpeed's CPU shm comm op leaves 66 MiB files in /dev/shm per rank; gloo alone is enough here."""
-    if not torch.cuda.is_available():
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+def progress_bar(steps: int, enabled: bool):
+    """A tqdm bar over ``steps`` on rank 0 when ``enabled``, else None (tqdm is optional)."""
+    if not enabled or torch.distributed.get_rank() != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("--progress: tqdm is not installed (pip install tqdm); continuing without a progress bar", flush=True)
+        return None
+    return tqdm(total=steps, unit="step")
 
 
-def step_record(step: int, loss: float, seconds: float, stats: dict, summary: dict | None) -> dict:
-    """One JSON line: loss, step time, the layer's own stats (domain of rank 0) and the monitor summary of the step."""
-    record = {"step": step, "loss": round(loss, 6), "step_ms": round(seconds * 1e3, 2), **{key: stats.get(key) for key in (
-        "tokens_before", "tokens_after", "token_straggler_before", "token_straggler_after",
-        "migrated_tokens", "plan_latency_us", "fallback")}}
-    if summary is not None:
-        record.update({key: summary[key] for key in ("gemm_straggler_ms", "migrated_bytes", "weight_bytes",
-                                                     "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")
-                       if key in summary})
-        record["layers"] = summary["layers"]
+def log_line(log, line: str, bar) -> None:
+    """``log(line)``, above the progress bar if one is drawn."""
+    with bar.external_write_mode() if bar is not None else contextlib.nullcontext():
+        log(line)
+
+
+def rounded(layers: dict, digits: int = 3) -> dict:
+    """``{layer: {metric: value}}`` with float values rounded to ``digits`` decimals (shorter lines)."""
+    return {name: {key: round(value, digits) if isinstance(value, float) else value for key, value in entry.items()}
+            for name, entry in layers.items()}
+
+
+def step_record(step: int, loss: float, seconds: float, micro_batch_stats: list[dict], summary: dict | None) -> dict:
+    """One JSON line of a training step.
+
+    ``step``: the engine's global step after the step (1-based, the step DeepSpeed's monitor
+    writes); ``tokens_before`` / ``tokens_after``: rows each rank of this rank's NVLink domain
+    computed in the step (int ``[G]``, summed over its micro-batches; None with FEPLB off), from
+    the layer's ``feplb_stats`` of each micro-batch; ``layers``: ``{layer: {metric: value}}`` of
+    the monitor summary (``engine.feplb_monitor.last``, floats to 3 decimals), which ``report`` reads.
+    """
+    record = {"step": step, "loss": round(loss, 6), "step_ms": round(seconds * 1e3, 2)}
+    for key in ("tokens_before", "tokens_after"):
+        counts = [stats[key] for stats in micro_batch_stats if stats.get(key) is not None]
+        record[key] = np.sum(counts, axis=0).tolist() if counts else None
+    record["layers"] = rounded(summary["layers"]) if summary is not None else {}
     return record
 
 
@@ -126,23 +152,30 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     loss_fn = torch.nn.CrossEntropyLoss()
     history, pid = [], 0
     stream = batches(data, args.batch, args.context, seed=1000 + rank)
-    for step in range(args.steps):
+    bar = progress_bar(args.steps, getattr(args, "progress", False))
+    for _ in range(args.steps):
         start = time.perf_counter()
+        micro_batch_stats = []
         for _ in range(engine.gradient_accumulation_steps()):
             x, y = next(stream)
             loss = loss_fn(engine(x), y)
+            micro_batch_stats.append(dict(engine.module.moe.feplb_stats))
             engine.backward(loss)
             engine.step()
         seconds = time.perf_counter() - start
         collector = getattr(engine, "feplb_monitor", None)
-        record = step_record(step, loss.item(), seconds, engine.module.moe.feplb_stats,
+        record = step_record(engine.global_steps, loss.item(), seconds, micro_batch_stats,
                              collector.last if collector is not None else None)
         history.append(record)
         if rank == 0 and log is not None:
-            log(json.dumps(record))
+            log_line(log, json.dumps(record), bar)
+        if bar is not None:
+            bar.update()
         if not pid:  # from the step its scheduler process is up (it starts with the first forward)
             pid, wall0 = scheduler_pid(engine.module), time.perf_counter()
             cpu0 = cpu_seconds(pid)
+    if bar is not None:
+        bar.close()
     if pid:
         history[-1]["scheduler_cpu_percent"] = round(100 * (cpu_seconds(pid) - cpu0) / (time.perf_counter() - wall0), 2)
     return history
@@ -170,8 +203,7 @@ def scheduler_pid(model) -> int:
 
 def main() -> None:
     args = build_parser().parse_args()
-    skip_shm_op()
-    deepspeed.init_distributed()
+    deepspeed_feplb.init_distributed()  # deepspeed.init_distributed, without DeepSpeed's CPU shm op build
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     history = train(args, log=lambda line: print(line, flush=True))
     if rank == 0 and history:
@@ -182,38 +214,57 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
-def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True) -> None:
+def per_step(history: list[dict], metric: str, combine=np.mean) -> list[float]:
+    """``metric`` of each step, combined over the step's MoE layers (``layers`` of `step_record`);
+    steps where no layer has it are left out."""
+    out = []
+    for record in history:
+        values = [entry[metric] for entry in (record.get("layers") or {}).values() if metric in entry]
+        if values:
+            out.append(float(combine(values)))
+    return out
+
+
+def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True, baseline: str = "DeepSpeed MoE") -> None:
+    """Print the end summary of `step_record` lines: step time median (after `WARMUP_STEPS`),
+    tokens/s, and with FEPLB the token and measured GEMM stragglers, each the mean over steps
+    (and over layers) as ``python -m deepspeed_feplb report`` computes them. ``baseline``: what
+    runs with FEPLB off."""
     timed = [h["step_ms"] for h in history[WARMUP_STEPS:]] or [h["step_ms"] for h in history]
     step_ms = float(np.median(timed))
-    print(f"\n{'FEPLB' if feplb else 'FEPLB off (DeepSpeed MoE)'}: step time median {step_ms:.1f} ms "
-          f"(steps {min(WARMUP_STEPS, len(history) - len(timed))}..{len(history) - 1}), "
+    first = len(history) - len(timed)
+    print(f"\n{'FEPLB' if feplb else f'FEPLB off ({baseline})'}: step time median {step_ms:.1f} ms "
+          f"(steps {history[first]['step']}..{history[-1]['step']}), "
           f"{tokens_per_step / step_ms * 1e3:,.0f} tokens/s over all ranks")
-    if not feplb or history[0]["tokens_before"] is None:
+    s_before, s_after = per_step(history, "token_straggler_before"), per_step(history, "token_straggler_after")
+    if not feplb or not s_before:
         print(f"  final loss: {history[-1]['loss']}   OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
         return
-    before = np.array([h["tokens_before"] for h in history])
-    after = np.array([h["tokens_after"] for h in history])
-    s_before = np.mean([straggler(t)[0] for t in before])
-    s_after = np.mean([straggler(t)[0] for t in after])
-    ratio_before = np.mean([straggler(t)[1] for t in before])
-    ratio_after = np.mean([straggler(t)[1] for t in after])
-    print(f"FEPLB over {len(history)} steps (mean per step, domain ranks {list(range(before.shape[1]))}):")
-    print(f"  tokens per rank before: {before.mean(0).round(1).tolist()}   after: {after.mean(0).round(1).tolist()}")
-    print(f"  token straggler (max-mean): {s_before:.1f} -> {s_after:.1f}   max/mean: {ratio_before:.3f} -> "
-          f"{ratio_after:.3f}   reduction: {100 * (1 - s_after / max(s_before, 1e-9)):.1f}%")
+    before, after = float(np.mean(s_before)), float(np.mean(s_after))
+    print(f"FEPLB over {len(history)} steps (mean over steps):")
+    if history[0].get("tokens_before") is not None:
+        tokens_before = np.array([h["tokens_before"] for h in history])
+        tokens_after = np.array([h["tokens_after"] for h in history])
+        ratio_before = np.mean([straggler(t)[1] for t in tokens_before])
+        ratio_after = np.mean([straggler(t)[1] for t in tokens_after])
+        print(f"  rows per rank of the domain (ranks {list(range(tokens_before.shape[1]))}) before: "
+              f"{tokens_before.mean(0).round(1).tolist()}   after: {tokens_after.mean(0).round(1).tolist()}   "
+              f"max/mean: {ratio_before:.3f} -> {ratio_after:.3f}")
+    print(f"  token straggler (max-mean): {before:.1f} -> {after:.1f}   "
+          f"reduction: {100 * (1 - after / max(before, 1e-9)):.1f}%")
     if "scheduler_cpu_percent" in history[-1]:
         print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
               "(from the step it was up to the end)")
-    if "weight_copies" in history[-1]:
-        mean = {key: np.mean([h.get(key, 0) for h in history]) for key in (
+    if per_step(history, "weight_copies"):
+        mean = {key: np.mean(per_step(history, key, np.sum) or [0]) for key in (
             "weight_copies", "weight_bytes", "resident_hits", "flushed_copies", "grad_bytes")}
         print(f"  expert weights copied per step: {mean['weight_copies']:.1f} copies, {mean['weight_bytes'] / 1e6:.2f} MB; "
               f"chunks served from kept copies: {mean['resident_hits']:.1f}; copies whose gradients went home at the "
               f"step's end: {mean['flushed_copies']:.1f}; weight-gradients sent: {mean['grad_bytes'] / 1e6:.2f} MB")
-    gemm = [h["gemm_straggler_ms"] for h in history if h.get("gemm_straggler_ms") is not None]
+    gemm = per_step(history, "gemm_straggler_ms")
     if gemm:
         print(f"  measured GEMM straggler (expert-compute wall time, max-mean over the domain): "
-              f"median {np.median(gemm):.2f} ms per step")
+              f"{np.mean(gemm):.2f} ms per step, mean over steps")
     print(f"  final loss: {history[-1]['loss']}   OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
 

@@ -24,7 +24,7 @@ from deepspeed.pipe import PipelineModule
 import deepspeed_feplb
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe import batches, skip_shm_op, stdlib_bytes  # noqa: E402
+from train_moe import batches, stdlib_bytes  # noqa: E402
 
 
 class EmbedMix(torch.nn.Module):
@@ -79,7 +79,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     for step in range(args.steps):
         loss = engine.train_batch(data_iter=stream)
         summary = engine.feplb_monitor.last or {"layers": {}}
-        record = {"step": step, "loss": round(float(loss), 6)}
+        record = {"step": engine.global_steps, "loss": round(float(loss), 6)}  # 1-based, as DeepSpeed's monitor
         record.update({key: summary[key] for key in ("token_straggler_before", "token_straggler_after",
                                                      "gemm_straggler_ms", "migrated_tokens", "migrated_bytes",
                                                      "fallbacks") if key in summary})
@@ -102,8 +102,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
-    skip_shm_op()
-    deepspeed.init_distributed()
+    deepspeed_feplb.init_distributed()  # deepspeed.init_distributed, without DeepSpeed's CPU shm op build
     history = train(args, log=lambda line: print(line, flush=True))
     if torch.distributed.get_rank() == 0 and history:
         summarize(history)

@@ -181,13 +181,14 @@ def test_example_runs_under_the_deepspeed_cli():
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
-    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [line["step"] for line in lines] == [1, 2, 3]  # the engine's global steps, as DeepSpeed's monitor
     for line in lines:
-        assert set(line["feplb"]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
-        for layer in line["feplb"].values():
+        assert set(line["layers"]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+        for layer in line["layers"].values():
             assert layer["token_straggler_after"] <= layer["token_straggler_before"], layer
     assert any(layer["token_straggler_after"] < layer["token_straggler_before"]
-               for line in lines for layer in line["feplb"].values()), lines
+               for line in lines for layer in line["layers"].values()), lines
+    assert "token straggler (max-mean)" in proc.stdout  # the end summary
     leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("feplb-", "deepspeed"))}
     assert not leaked, f"left in /dev/shm: {leaked}"
 

@@ -1,4 +1,6 @@
-"""The examples: FEPLB on and off give the same loss curve; the pipeline example runs under the deepspeed CLI."""
+"""The examples: FEPLB on and off give the same loss curve; their JSON lines are what `report`
+reads, with the monitor's steps; train_hf_moe.py takes the user's ds_config; a checkpoint
+round trip; the pipeline example runs under the deepspeed CLI."""
 import copy
 import json
 import os
@@ -58,10 +60,20 @@ def test_train_moe_loss_curve_is_the_same_with_feplb_disabled(train_moe_runs):
 
 def test_train_moe_really_balanced_when_enabled(train_moe_runs):
     on, off = train_moe_runs[0][True], train_moe_runs[0][False]
-    assert sum(r["migrated_tokens"] for r in on) > 0, "no migration: the equivalence test would prove nothing"
-    assert sum(r["token_straggler_after"] for r in on) < sum(r["token_straggler_before"] for r in on)
+    layer = [r["layers"]["moe"] for r in on]
+    assert sum(m["migrated_tokens"] for m in layer) > 0, "no migration: the equivalence test would prove nothing"
+    assert sum(m["token_straggler_after"] for m in layer) < sum(m["token_straggler_before"] for m in layer)
+    assert all(sum(r["tokens_after"]) == sum(r["tokens_before"]) for r in on)  # rows move, none is lost
     assert all(r["tokens_before"] is None for r in off)  # disabled: DeepSpeed's own forward ran
-    assert all(r["gemm_straggler_ms"] >= 0 for r in on + off)  # measured for both
+    assert all(r["layers"]["moe"]["gemm_straggler_ms"] >= 0 for r in on + off)  # measured for both
+
+
+def test_train_moe_lines_hold_each_number_once(train_moe_runs):
+    """One copy of the stats: ``layers`` (the monitor summary) and the step's rows per rank; no
+    per-layer numbers repeated at the top level."""
+    for record in train_moe_runs[0][True]:
+        assert set(record) == {"step", "loss", "step_ms", "tokens_before", "tokens_after", "layers"}, sorted(record)
+        assert set(record["layers"]) == {"moe"}
 
 
 def test_csv_monitor_received_the_feplb_events(train_moe_runs, csv_dir):
@@ -74,10 +86,10 @@ def test_csv_monitor_received_the_feplb_events(train_moe_runs, csv_dir):
         assert rows[0] == f"step,{metric}" and len(rows) == 1 + STEPS, rows
         steps, values = zip(*(row.split(",") for row in rows[1:]))
         assert [int(s) for s in steps] == list(range(1, STEPS + 1))  # engine.global_steps after each step
-        expected = [r["layers"]["moe"][metric] for r in on]
-        assert [float(v) for v in values] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+        assert [r["step"] for r in on] == [int(s) for s in steps]  # the JSON lines count the same steps
+        expected = [r["layers"]["moe"][metric] for r in on]  # floats rounded to 3 decimals in the lines
+        assert [float(v) for v in values] == pytest.approx(expected, rel=1e-6, abs=1e-3)
     assert set(files) == {"FEPLB_moe_gemm_max_ms.csv"}
-    assert [r["token_straggler_before"] for r in on] == [r["layers"]["moe"]["token_straggler_before"] for r in on]
 
 
 @pytest.mark.skipif(os.environ.get("FEPLB_CLI_TESTS") != "1" or
@@ -93,7 +105,7 @@ def test_pipeline_example_runs_under_the_deepspeed_cli(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
-    assert [line["step"] for line in lines] == [0, 1]
+    assert [line["step"] for line in lines] == [1, 2]  # the engine's global step, as DeepSpeed's monitor counts
     assert set(lines[0]["layers"]) == {"1.moe", "2.moe"}  # both stages' MoE layers reach rank 0
     assert all(line["micro_batches"] == 4 for line in lines)
     assert "FEPLB pipeline over 2 steps" in proc.stdout
@@ -115,3 +127,131 @@ def test_train_moe_no_feplb_and_its_summary(capsys):
     out = capsys.readouterr().out
     assert "FEPLB off (DeepSpeed MoE): step time median 13.0 ms (steps 2..4)" in out
     assert "76,923 tokens/s" in out and "token straggler" not in out
+
+
+def test_train_moe_summary_uses_the_means_of_report(tmp_path, capsys):
+    """The end summary prints the token and GEMM stragglers as the mean over steps, the numbers
+    `report` computes from the same lines."""
+    sys.path.insert(0, str(EXAMPLES))
+    import train_moe
+    from deepspeed_feplb.report import read_jsonl, summary
+
+    gemm = [0.5, 0.5, 0.5, 3.5]  # median 0.5, mean 1.25: tells the two apart
+    history = [{"step": i + 1, "loss": 2.0, "step_ms": 10.0, "tokens_before": [30, 10], "tokens_after": [20, 20],
+                "layers": {"moe": {"token_straggler_before": 10.0 + i, "token_straggler_after": 1.0,
+                                   "gemm_straggler_ms": g}}} for i, g in enumerate(gemm)]
+    log = tmp_path / "run.log"
+    log.write_text("".join(json.dumps(h) + "\n" for h in history))
+    means = summary(read_jsonl(log)[0])["moe"]
+    train_moe.summarize(history, tokens_per_step=1000)
+    out = capsys.readouterr().out
+    assert f"{means['gemm_straggler_ms_mean']:.2f} ms per step, mean over steps" in out, out
+    assert "1.25 ms per step" in out and "0.50 ms" not in out
+    assert (f"token straggler (max-mean): {means['token_straggler_before_mean']:.1f} -> "
+            f"{means['token_straggler_after_mean']:.1f}") in out, out
+    assert "(steps 3..4)" in out  # the steps as the lines number them
+
+
+# ---------------------------------------------------------------- train_hf_moe.py
+
+def _hf_example():
+    sys.path.insert(0, str(EXAMPLES))
+    import train_hf_moe
+
+    return train_hf_moe
+
+
+def _hf_args(*argv: str):
+    return _hf_example().build_parser().parse_args(list(argv))
+
+
+USER_CONFIG = {  # no optimizer, no "expert_parallel": the example adds them; its own "feplb" section
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 1000,
+    "feplb": {"enabled": True, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 8, "scheduler": {"mode": "inline"}},
+}
+
+
+def test_train_hf_moe_reads_the_users_ds_config(tmp_path):
+    pytest.importorskip("transformers")
+    train_hf_moe = _hf_example()
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**USER_CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                "expert_parallel": {"autoep_size": 1}}))
+    config = train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--model", "qwen3_moe"), world=2)
+    assert config["feplb"] == USER_CONFIG["feplb"]  # the user's section, untouched
+    assert config["optimizer"]["type"] == "SGD" and config["train_micro_batch_size_per_gpu"] == 2  # the file wins
+    assert config["expert_parallel"] == {"enabled": True, "autoep_size": 1, "preset_model": "qwen3_moe"}
+    assert "zero_optimization" not in config  # --zero not given: the file's (none)
+    assert train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--zero", "2"), 2)["zero_optimization"] == \
+        {"stage": 2}
+    assert train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--no-feplb"), 2)["feplb"]["enabled"] is False
+
+    path.write_text(json.dumps({"feplb": {"enabled": True}}))  # nothing else: what AutoEP and the example need is added
+    config = train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--batch", "3"), world=2)
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["optimizer"] == train_hf_moe.OPTIMIZER
+    assert config["expert_parallel"] == {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+    assert config["feplb"] == {"enabled": True}
+
+    builtin = train_hf_moe.ds_config(_hf_args(), world=2)  # no --deepspeed_config: the built-in one
+    assert builtin["zero_optimization"] == {"stage": 1} and builtin["feplb"]["dynamic_experts_per_rank"] == 2
+
+
+def train_hf_moe_with_config(config_path: str, log_path: str) -> dict:
+    import torch.distributed as dist
+
+    from deepspeed_feplb.integration.autoep import autoep_layers
+
+    train_hf_moe = _hf_example()
+    args = _hf_args("--deepspeed_config", config_path, "--steps", "3", "--hidden", "32", "--seq", "16", "--progress")
+    lines = []
+    history, engine = train_hf_moe.train(args, log=lines.append)
+    if dist.get_rank() == 0:
+        with open(log_path, "w") as f:
+            f.write("a line of DeepSpeed's own output\n" + "".join(line + "\n" for line in lines))
+    layers = autoep_layers(engine.module)
+    return {"history": history, "logged": len(lines),
+            "dynamic": [layer.experts.feplb_config.dynamic_experts_per_rank for layer in layers.values()]}
+
+
+def test_train_hf_moe_runs_with_a_deepspeed_config_and_report_reads_its_lines(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed.module_inject.auto_ep_layer")
+    from deepspeed_feplb.report import read_jsonl
+
+    config, log = tmp_path / "ds_config.json", tmp_path / "run.log"
+    config.write_text(json.dumps(USER_CONFIG))
+    results = run_distributed(train_hf_moe_with_config, 2, str(config), str(log), timeout=240)
+    assert [r["logged"] for r in results] == [3, 0]  # rank 0 prints
+    assert all(r["dynamic"] == [1, 1] for r in results)  # the user's "feplb" section reached both AutoEP layers
+    series, loss = read_jsonl(log)
+    layers = {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert set(series) == layers, series
+    assert sorted(loss) == [1, 2, 3]  # the engine's global steps, as DeepSpeed's monitor counts them
+    for name in layers:
+        before, after = series[name]["token_straggler_before"], series[name]["token_straggler_after"]
+        assert [s for s, _ in before] == [1, 2, 3]
+        assert all(a <= b for (_, a), (_, b) in zip(after, before)), (before, after)
+    assert sum(v for name in layers for _, v in series[name]["migrated_tokens"]) > 0, "nothing to balance: vacuous"
+
+
+# ---------------------------------------------------------------- checkpoint_moe.py
+
+def checkpoint_round_trip(checkpoint_dir: str) -> dict:
+    sys.path.insert(0, str(EXAMPLES))
+    import checkpoint_moe
+
+    args = Namespace(steps=3, check_steps=2, hidden=32, experts=8, top_k=2, context=8, batch=128)
+    return checkpoint_moe.round_trip(args, _config("ds_config.json", True), checkpoint_dir, log=None)
+
+
+def test_checkpoint_round_trip_with_and_without_feplb(tmp_path):
+    results = run_distributed(checkpoint_round_trip, 2, str(tmp_path / "checkpoints"), timeout=240)
+    for rank, losses in enumerate(results):
+        assert len(losses["saved"]) == 2
+        for name in ("deepspeed", "feplb"):
+            assert losses[name] == pytest.approx(losses["saved"], rel=TOLERANCE), f"rank {rank} {name}: {losses}"
+        # the comparison can fail: the same engine without the checkpoint computes another loss
+        assert abs(losses["fresh"] - losses["saved"][0]) > 1e-3 * losses["saved"][0], losses
+        assert "deepspeed_moe.experts.deepspeed_experts.0.0.weight" in losses["keys"]  # DeepSpeed's own names
+    assert list((tmp_path / "checkpoints").glob("global_step3/layer_0_expert_*_mp_rank_00_model_states.pt"))

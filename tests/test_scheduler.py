@@ -114,3 +114,15 @@ def test_a_word_wakes_its_sleeper_and_a_sleep_ends_at_its_timeout():
     word.notify()
     thread.join(5.0)
     assert woke and woke[0] - rung < 1.0
+
+
+def test_the_first_compile_of_the_planner_is_announced_only_without_a_cache(tmp_path, monkeypatch):
+    from deepspeed_feplb import domain
+
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(domain, "__file__", str(tmp_path / "domain.py"))
+    assert not domain.planner_cached()  # a fresh machine: the message is printed
+    cache = tmp_path / "plan" / "__pycache__"
+    cache.mkdir(parents=True)
+    (cache / "passes.plan_pass-321.py311.nbi").touch()
+    assert domain.planner_cached()

@@ -7,6 +7,7 @@ import json
 import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
+from deepspeed_feplb import exits
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.layer import MoE
@@ -27,11 +28,26 @@ def convert(model, feplb_config=None):
     return model
 
 
+def init_distributed(*args, **kwargs):
+    """`deepspeed.init_distributed` (same arguments); on a machine without CUDA it does not build
+    DeepSpeed's CPU shared-memory allreduce op (minutes of C++ compile on first use, 66 MiB left
+    in /dev/shm per rank), so collectives use gloo."""
+    import torch
+
+    if torch.cuda.is_available():
+        return deepspeed.init_distributed(*args, **kwargs)
+    with seams.without_cpu_shm_op():
+        return deepspeed.init_distributed(*args, **kwargs)
+
+
 def initialize(*args, **kwargs):
     """`deepspeed.initialize` with FEPLB: same arguments, same return.
 
     Reads and validates the ``"feplb"`` section of the ds_config (`FEPLBConfigError` names a bad
-    key), converts the model's MoE layers and hands everything to DeepSpeed. For a
+    key), converts the model's MoE layers and hands everything to DeepSpeed. On a machine
+    without CUDA it initialises the process group without DeepSpeed's shared-memory allreduce op
+    (`init_distributed`) and gives an ``"Adam"``/``"AdamW"`` optimizer torch's implementation unless
+    ``torch_adam`` is set (both would otherwise compile C++ ops for minutes), saying so once. For a
     `PipelineModule` it first creates the expert-parallel groups on every rank (creating them
     lazily on the MoE stages only makes a later ``new_group`` hang), refuses bf16 when some stage
     has no MoE layer (that configuration hangs in DeepSpeed's optimizer, upstream #6714) and
@@ -40,6 +56,7 @@ def initialize(*args, **kwargs):
     statistics of each step, written to DeepSpeed's monitor when one is configured. Layers that
     DeepSpeed AutoEP (``"expert_parallel"``) built get FEPLB phase 2 too (`deepspeed_feplb.integration.autoep`).
     """
+    exits.install()  # one line, not a traceback per rank, for a bad "feplb" section or a Ctrl-C
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     given = bound.arguments
     ds_config = given.get("config") or given.get("config_params")
@@ -49,8 +66,13 @@ def initialize(*args, **kwargs):
     if model is None:
         raise TypeError("deepspeed_feplb.initialize: a model is required (as for deepspeed.initialize)")
     config = load_config(ds_config) if ds_config is not None else FEPLBConfig()
+    import torch.distributed as dist
+    if not dist.is_initialized() and given.get("dist_init_required") is not False:
+        # what deepspeed.initialize would do first, without building the CPU shm op
+        init_distributed(**({"distributed_port": given["distributed_port"]} if "distributed_port" in given else {}))
     convert(model, config)
     check_consistency(model, config)
+    bound = _cpu_adam(bound, ds_config)
 
     from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
@@ -68,6 +90,40 @@ def initialize(*args, **kwargs):
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result
+
+
+def _cpu_adam(bound: inspect.BoundArguments, ds_config) -> inspect.BoundArguments:
+    """On a machine without CUDA, an ``"Adam"``/``"AdamW"`` optimizer that does not choose
+    ``torch_adam`` gets torch's implementation: DeepSpeed's own first compiles a C++ op for
+    minutes. Says so once (rank 0); the user's config object is not modified."""
+    import torch
+
+    if torch.cuda.is_available() or ds_config is None or bound.arguments.get("optimizer") is not None:
+        return bound
+    config = _as_dict(ds_config)
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return bound
+    params = optimizer.get("params") or {}
+    if "torch_adam" in params:
+        return bound
+    import os
+    if os.environ.get("RANK", "0") == "0":
+        print(f"deepspeed_feplb: no CUDA here: optimizer {optimizer['type']!r} uses torch's implementation "
+              "(\"torch_adam\": true) instead of compiling DeepSpeed's C++ Adam op, which takes minutes; set "
+              "\"torch_adam\" in the optimizer's params to choose", flush=True)
+    config = {**config, "optimizer": {**optimizer, "params": {**params, "torch_adam": True}}}
+    args = bound.arguments
+    if args.get("config") is not None:
+        args["config"] = config
+    elif args.get("config_params") is not None:
+        args["config_params"] = config
+    else:  # given as args.deepspeed_config: DeepSpeed refuses a config in both places
+        import copy
+        args["args"] = copy.copy(args["args"])
+        args["args"].deepspeed_config = None
+        args["config"] = config
+    return bound
 
 
 def check_consistency(model, config: FEPLBConfig) -> None:

@@ -14,6 +14,8 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `pipeline_engine_class`: make ``deepspeed.initialize`` build our `PipelineEngine` subclass
   (it looks the class up as ``deepspeed.PipelineEngine`` at call time and takes no argument).
 * `after_step`: run a callback after every ``engine.step()`` (DeepSpeed has no step hook).
+* `without_cpu_shm_op`: initialise DeepSpeed's process group on CPU without building its
+  shared-memory allreduce op (DeepSpeed has no switch for it).
 """
 from __future__ import annotations
 
@@ -137,3 +139,22 @@ def after_step(engine, callback: Callable[[bool], None]) -> None:
         return result
 
     engine.step = step_then_callback
+
+
+@contextlib.contextmanager
+def without_cpu_shm_op():
+    """Within the block, DeepSpeed's CPU backend does not build its shared-memory allreduce op.
+
+    Relies on `deepspeed.comm.torch.TorchBackend.__init__` calling the module-level
+    ``build_shm_op()`` (a C++ build of minutes on first use, whose buffers stay in /dev/shm as
+    ``deepspeed_allreduce_buffer_*`` after a normal exit); without it, collectives use gloo.
+    """
+    import importlib
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import ... as` finds torch (deepspeed.comm.torch is torch)
+    with _ENGINE_LOCK:
+        saved = ds_torch.build_shm_op
+        ds_torch.build_shm_op = lambda: None
+        try:
+            yield
+        finally:
+            ds_torch.build_shm_op = saved

@@ -127,7 +127,8 @@ class ProcessScheduler(InlineScheduler):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepspeed_feplb.scheduler.process", "--mailbox", self.mailbox.name, "--ranks",
              str(self.ranks), "--parent", str(os.getpid())],
-            stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True)  # a terminal's Ctrl-C goes to the ranks; the process follows its rank's exit
 
     def revive(self) -> None:
         """Restart the process now if it died (only its owner, rank 0 of the domain, can), instead of

@@ -1,8 +1,11 @@
 """``python -m deepspeed_feplb simulate ...``::
 
     python -m deepspeed_feplb simulate --trace T.npz --ranks-per-node G --nodes N \\
-        --dynamic-experts D --policies vanilla,fastermoe,eplb,feplb --json OUT.json \\
-        [--dump-plans PLANS.npz] [--plot OUT.png] [--markdown OUT.md]
+        --dynamic-experts D --policies vanilla,fastermoe,eplb,feplb \\
+        [--json OUT.json] [--markdown OUT.md] [--plot OUT.png] [--dump-plans PLANS.npz]
+
+At least one output; bad input (a missing trace, one that does not fit G x N ranks, a missing
+optional package) ends in one line on stderr and exit status 2.
 
 OUT.json: ``{"policies": {name: {"token_straggler", "token_max_over_mean", "gemm_straggler_us",
 "reduction_vs_vanilla", ...}}, "setup": {...}, "trace": {...}, "d_sweep": {...}}``.
@@ -11,62 +14,221 @@ and ``rank_tokens`` int64 [steps, layers, ranks].
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 
+from deepspeed_feplb.trace.cli import whole_number
+
 __all__ = ["add_parser", "run_simulate"]
+
+POLICY_NAMES = ("vanilla", "fastermoe", "eplb", "feplb-paper", "feplb", "milp")
+SHIPPED_TRACES = Path(__file__).resolve().parents[1] / "trace" / "data"
+
+_EXAMPLE = """example (a trace recorded from real training, 8 ranks and 64 experts, shipped with the package;
+priced as GLM-5-like 6144 x 2048 experts on H100s, since the recording model's own experts are tiny):
+  python -m deepspeed_feplb simulate --trace deepspeed_feplb/trace/data/stdlib_moe_ep8_4k.npz \\
+      --ranks-per-node 8 --hidden 6144 --ffn-hidden 2048 --micro-batches-per-step 8 \\
+      --json out.json --markdown out.md --plot out.png
+
+The trace's experts must split evenly over the G x N ranks, and G x N must divide its source ranks
+(unless it has one): stdlib_moe_trace.npz (2 source ranks, 16 experts) fits 1 or 2 ranks,
+stdlib_moe_ep8_4k.npz and stdlib_moe_ep8_32k.npz (8 source ranks, 64 experts) 1, 2, 4 or 8."""
+
+
+def _budget(text: str):
+    """argparse type of --ce-budget: "auto", "inf" or a number of bytes >= 0."""
+    if text in ("auto", "inf"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, inf or a number of bytes") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return "inf" if math.isinf(value) else value
+
+
+def _d_list(text: str) -> list:
+    """argparse type of --sweep-d: comma list of whole numbers >= 0."""
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of whole numbers, e.g. 0,1,2,4") from None
+    if not values or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 0, e.g. 0,1,2,4")
+    return values
 
 
 def add_parser(subparsers) -> None:
     """Register ``simulate`` on an argparse sub-parsers object."""
-    p = subparsers.add_parser("simulate", help="replay a routing trace through balancing policies")
-    p.add_argument("--trace", required=True, help="trace .npz: counts int64 [steps, layers, src_ranks, experts] (docs/ARCHITECTURE.md)")
-    p.add_argument("--ranks-per-node", type=int, required=True, help="G: ranks per NVLink domain")
-    p.add_argument("--nodes", type=int, default=1, help="N: nodes in the EP group")
-    p.add_argument("--dynamic-experts", type=int, default=4, help="D: dynamic experts per rank")
-    p.add_argument("--policies", default="vanilla,fastermoe,eplb,feplb-paper,feplb",
-                   help="comma list of vanilla,fastermoe,eplb,feplb-paper,feplb,milp")
-    p.add_argument("--json", required=True, help="write the metrics here")
-    p.add_argument("--dump-plans", help="write feplb's moves and rank tokens here (.npz)")
-    p.add_argument("--plot", help="write figures here (.png)")
-    p.add_argument("--markdown", help="also write the markdown table here")
-    p.add_argument("--max-helpers", type=int, default=2)
-    p.add_argument("--chunk-align", type=int, default=8, help="tokens; chunks are multiples of it")
-    p.add_argument("--ce-budget", default="auto",
-                   help="hard cap on weight bytes per rank and micro-batch: auto | inf (no cap: the time model "
-                        "decides) | bytes")
-    p.add_argument("--micro-batches-per-step", type=int, default=1, metavar="M",
+    p = subparsers.add_parser(
+        "simulate", help="replay a routing trace through balancing policies",
+        description="Replay a routing trace through load-balancing policies (vanilla, FasterMoE, EPLB,\n"
+                    "FEPLB) and measure token and GEMM stragglers, expert time and copies. Writes at least\n"
+                    "one of --json, --markdown, --plot, --dump-plans; the markdown table is also printed.",
+        epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, metavar="T.npz",
+                   help="routing trace: an .npz with counts int64 [steps, layers, src_ranks, experts] (tokens that "
+                        "each source rank's router sent to each expert, per micro-batch) and optional scalars "
+                        "top_k, hidden, ffn_hidden; real traces ship in deepspeed_feplb/trace/data/, "
+                        "`python -m deepspeed_feplb trace` writes synthetic ones")
+    p.add_argument("--ranks-per-node", type=whole_number(1), required=True, metavar="G",
+                   help="ranks per node (one NVLink / copy-engine domain; migration stays inside it)")
+    p.add_argument("--nodes", type=whole_number(1), default=1, metavar="N",
+                   help="nodes in the expert-parallel group: G x N ranks in all (default: %(default)s)")
+    p.add_argument("--dynamic-experts", type=whole_number(0), default=4, metavar="D",
+                   help="dynamic experts per rank: each rank's D hottest experts of a micro-batch may be split "
+                        "over helpers (default: %(default)s)")
+    p.add_argument("--policies", default="vanilla,fastermoe,eplb,feplb-paper,feplb", metavar="LIST",
+                   help="comma list of " + ", ".join(POLICY_NAMES) + " (milp: the exact optimum, small "
+                        "cases only, needs highspy); vanilla always runs (default: %(default)s)")
+    p.add_argument("--json", metavar="OUT.json", help="write the metrics of every policy, the setup and the trace here")
+    p.add_argument("--markdown", metavar="OUT.md", help="write the markdown table (and its notes) here")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write the figures here (needs matplotlib: pip install -e '.[plot]'); also runs the D "
+                        "sweep of --sweep-d")
+    p.add_argument("--dump-plans", metavar="PLANS.npz",
+                   help="write feplb's moves int64 [M, 6] = (step, layer, expert, home_rank, helper_rank, "
+                        "tokens) and rank_tokens int64 [steps, layers, ranks] here")
+    p.add_argument("--max-helpers", type=whole_number(1), default=2, metavar="H",
+                   help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
+    p.add_argument("--chunk-align", type=whole_number(1), default=8, metavar="TOKENS",
+                   help="token chunks moved to helpers are multiples of this many tokens (default: %(default)s)")
+    p.add_argument("--ce-budget", type=_budget, default="auto", metavar="BYTES",
+                   help="hard cap on the expert-weight bytes a rank copies per micro-batch: auto or inf (no cap: "
+                        "the time model keeps only copies that pay off) or bytes (default: %(default)s)")
+    p.add_argument("--micro-batches-per-step", type=whole_number(1), default=1, metavar="M",
                    help="consecutive micro-batches of the trace that form one optimizer step (gradient "
-                        "accumulation); weight copies kept with --residency step last that long")
+                        "accumulation); weight copies kept with --residency step last that long (default: %(default)s)")
     p.add_argument("--residency", default="step", choices=("step", "micro_batch"),
-                   help="feplb's weight residency: keep copies on helpers for the step, or copy every micro-batch")
-    p.add_argument("--max-resident", type=int, default=8,
-                   help="weight copies a rank keeps per layer with --residency step")
-    p.add_argument("--profile", default="h100", help="cost profile: h100 | h200 | cpu (measured now)")
-    p.add_argument("--hidden", type=int, help="expert hidden size (default: the trace's, else 6144)")
-    p.add_argument("--ffn-hidden", type=int, help="expert FFN size (default: the trace's, else 2048)")
-    p.add_argument("--expert-mats", type=int, default=3, help="3 for gated (SwiGLU) experts, 2 for MLP")
-    p.add_argument("--eplb-redundant", type=int, help="EPLB redundant experts (default: one per rank)")
-    p.add_argument("--eplb-interval", type=int, default=20, help="steps between EPLB re-placements")
+                   help="feplb's weight residency: keep copies on helpers for the optimizer step, or copy every "
+                        "micro-batch (default: %(default)s)")
+    p.add_argument("--max-resident", type=whole_number(0), default=8, metavar="COPIES",
+                   help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
+    p.add_argument("--profile", default="h100", choices=("h100", "h200", "cpu"),
+                   help="GEMM and copy cost profile: h100, h200, or cpu (measured now on this machine's CPU, "
+                        "for a trace recorded on CPU) (default: %(default)s)")
+    p.add_argument("--hidden", type=whole_number(1),
+                   help="expert hidden size for the cost model (default: the trace's hidden, else 6144)")
+    p.add_argument("--ffn-hidden", type=whole_number(1),
+                   help="expert FFN size for the cost model (default: the trace's ffn_hidden, else 2048)")
+    p.add_argument("--expert-mats", type=int, default=3, choices=(2, 3),
+                   help="weight matrices per expert: 3 for gated (SwiGLU) experts, 2 for a plain MLP "
+                        "(default: %(default)s)")
+    p.add_argument("--eplb-redundant", type=whole_number(0), metavar="SLOTS",
+                   help="redundant expert slots of EPLB in the whole group (default: one per rank)")
+    p.add_argument("--eplb-interval", type=whole_number(1), default=20, metavar="MICRO_BATCHES",
+                   help="micro-batches between EPLB re-placements (default: %(default)s)")
     p.add_argument("--placement", default="auto", choices=("auto", "on", "off"),
-                   help="feplb's cross-node placement layer (auto: on when nodes > 1)")
-    p.add_argument("--placement-interval", type=int, default=20)
-    p.add_argument("--sweep-d", help="comma list of D for the straggler-vs-D figure "
-                                     "(default with --plot: 0,1,2,4,... up to experts per rank)")
-    p.add_argument("--steps", type=int, help="only the first STEPS micro-batches")
-    p.add_argument("--no-progress", action="store_true")
+                   help="feplb's cross-node expert placement layer (auto: on when nodes > 1) (default: %(default)s)")
+    p.add_argument("--placement-interval", type=whole_number(1), default=20, metavar="MICRO_BATCHES",
+                   help="micro-batches between re-placements of experts across nodes by feplb's placement layer "
+                        "(default: %(default)s)")
+    p.add_argument("--sweep-d", type=_d_list, metavar="LIST",
+                   help="comma list of D for the token-straggler-vs-D figure and the d_sweep of OUT.json "
+                        "(default with --plot: 0, 1, 2, 4, ... up to the experts per rank)")
+    p.add_argument("--steps", type=whole_number(1), metavar="STEPS",
+                   help="replay only the first STEPS micro-batches of the trace (default: all)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (there is none either when tqdm is not installed)")
     p.set_defaults(func=run_simulate)
 
 
+def _fail(message: str):
+    """One line on stderr and exit status 2, as argparse does for a bad option; no traceback."""
+    print(f"simulate: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
-def _parse_budget(text: str):
-    if text in ("auto", "inf"):
-        return text
-    value = float(text)
-    return "inf" if math.isinf(value) else value
+
+def _shipped_traces() -> str:
+    """The shipped traces' paths, relative to the working directory when they are below it."""
+    paths = [os.path.relpath(p) if not os.path.relpath(p).startswith("..") else str(p)
+             for p in sorted(SHIPPED_TRACES.glob("*.npz"))]
+    return ", ".join(paths) or "none found"
+
+
+def _load_fitting_trace(args):
+    """The trace of ``--trace`` (cut to ``--steps``); fails in one line when it is missing,
+    unreadable, or does not fit G x N ranks (what `trace.format.fold_sources` and contiguous
+    placement accept: experts divisible by the ranks, source ranks equal to 1 or a multiple of
+    them)."""
+    from deepspeed_feplb.trace.format import load_trace
+
+    path = args.trace
+    if not os.path.isfile(path):
+        _fail(f"trace file {path} not found; shipped traces: {_shipped_traces()}; or write one with "
+              "`python -m deepspeed_feplb trace --out T.npz`")
+    if not zipfile.is_zipfile(path):
+        _fail(f"trace {path} is not an .npz file; a trace holds counts int64 [steps, layers, src_ranks, experts]")
+    try:
+        trace = load_trace(path)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        _fail(f"cannot read trace {path}: {e} (expected an .npz with counts int64 [steps, layers, src_ranks, experts])")
+    if args.steps:
+        trace = trace.with_counts(trace.counts[: args.steps])
+    G, N = args.ranks_per_node, args.nodes
+    ranks, S, E = G * N, trace.src_ranks, trace.experts
+
+    def fits(r: int) -> bool:
+        return E % r == 0 and (S == 1 or S % r == 0)
+
+    if not fits(ranks):
+        problems = []
+        if E % ranks:
+            problems.append(f"its {E} experts do not split evenly over {ranks} ranks")
+        if S != 1 and S % ranks:
+            problems.append(f"its {S} source ranks cannot be folded onto {ranks} ranks (a trace replays on its "
+                            "source ranks or a divisor of them, never on more)")
+        sizes = [r for r in range(1, E + 1) if fits(r)]
+        keep_g = [r for r in sizes if r % G == 0]  # the most ranks with the nodes as they are, if any
+        hint = f"--ranks-per-node {G} --nodes {keep_g[-1] // G}" if keep_g else f"--ranks-per-node {sizes[-1]} --nodes 1"
+        _fail(f"trace {path} does not fit --ranks-per-node {G} --nodes {N} ({ranks} ranks): {'; '.join(problems)}; "
+              f"ranks that fit: {', '.join(map(str, sizes))}, e.g. {hint}")
+    return trace
+
+
+def _check_outputs(args, policies: list) -> None:
+    """Fail before the simulation, not after it, on what would stop it at the end."""
+    outputs = [p for p in (args.json, args.markdown, args.plot, args.dump_plans) if p]
+    if not outputs:
+        _fail("give at least one output: --json OUT.json, --markdown OUT.md, --plot OUT.png or --dump-plans PLANS.npz")
+    for path in outputs:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            _fail(f"cannot write {path}: folder {folder} does not exist")
+    if args.dump_plans and "feplb" not in policies:
+        _fail("--dump-plans writes feplb's plans: add feplb to --policies")
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown or not policies:
+        _fail(f"unknown policy {', '.join(map(repr, unknown)) or '(none given)'} in --policies; "
+              f"choose from {','.join(POLICY_NAMES)}")
+    if args.plot:
+        from .report import pyplot
+        try:
+            pyplot()
+        except ImportError as e:
+            _fail(f"--plot: {e}")
+    if "milp" in policies:
+        from .oracle import require_highspy
+        try:
+            require_highspy()
+        except ImportError as e:
+            _fail(f"--policies milp: {e}")
+
+
+def _have(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _setup(args, trace, D):
@@ -80,7 +242,7 @@ def _setup(args, trace, D):
     profile = get_profile(args.profile, shape if args.profile != "cpu" else None)
     return SimSetup(ranks_per_node=args.ranks_per_node, nodes=args.nodes, experts=trace.experts,
                     dynamic_experts=D, max_helpers=args.max_helpers, chunk_align=args.chunk_align,
-                    shape=shape, profile=profile, ce_budget=_parse_budget(args.ce_budget),
+                    shape=shape, profile=profile, ce_budget=args.ce_budget,
                     eplb_redundant=args.eplb_redundant, eplb_interval=args.eplb_interval,
                     placement=args.placement, placement_interval=args.placement_interval,
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
@@ -92,23 +254,18 @@ def run_simulate(args) -> int:
 
     from .report import markdown_table, plot
     from .simulate import simulate
-    from deepspeed_feplb.trace.format import load_trace
 
-    trace = load_trace(args.trace)
-    if args.steps:
-        trace = trace.with_counts(trace.counts[: args.steps])
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    _check_outputs(args, policies)
+    trace = _load_fitting_trace(args)
     setup = _setup(args, trace, args.dynamic_experts)
-    result = simulate(trace, setup, policies, progress=not args.no_progress,
+    result = simulate(trace, setup, policies, progress=not args.no_progress and _have("tqdm"),
                       keep_moves=bool(args.dump_plans))
     metrics = result.metrics()
     d_sweep = None
     if args.sweep_d or args.plot:
         E_local = setup.experts_per_rank
-        if args.sweep_d:
-            ds = sorted({int(x) for x in args.sweep_d.split(",")})
-        else:
-            ds = sorted({0, *[2 ** i for i in range(0, 16) if 2 ** i <= E_local], E_local})
+        ds = args.sweep_d or sorted({0, *[2 ** i for i in range(0, 16) if 2 ** i <= E_local], E_local})
         swept = [p for p in ("feplb-paper", "feplb") if p in policies]
         if swept:
             d_sweep = {p: {} for p in swept}
@@ -127,20 +284,21 @@ def run_simulate(args) -> int:
     }
     if d_sweep:
         out["d_sweep"] = {p: {str(d): v for d, v in by_d.items()} for p, by_d in d_sweep.items()}
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=2, default=float)
-    table = markdown_table(out["policies"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=float)
+    table = markdown_table(out["policies"], setup_json)
     print(table)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     if args.dump_plans:
-        run = result.runs.get("feplb")
-        if run is None:
-            print("--dump-plans: the feplb policy was not simulated; nothing dumped", file=sys.stderr)
-        else:
-            with open(args.dump_plans, "wb") as f:
-                np.savez_compressed(f, moves=run.moves.reshape(-1, 6), rank_tokens=run.rank_tokens)
+        run = result.runs["feplb"]
+        with open(args.dump_plans, "wb") as f:
+            np.savez_compressed(f, moves=run.moves.reshape(-1, 6), rank_tokens=run.rank_tokens)
     if args.plot:
-        plot(args.plot, result.runs, d_sweep)
+        title = (f"{os.path.basename(args.trace)}: {setup.ranks} ranks ({setup.ranks_per_node} per node x "
+                 f"{setup.nodes}), D = {setup.dynamic_experts}, cost profile {setup.profile.name}, "
+                 f"{trace.steps} micro-batches x {trace.layers} layer{'s' if trace.layers != 1 else ''}")
+        plot(args.plot, result.runs, d_sweep, title=title)
     return 0

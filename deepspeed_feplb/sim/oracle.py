@@ -20,7 +20,19 @@ import numpy as np
 
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates
 
-__all__ = ["OracleResult", "optimal_max_load"]
+__all__ = ["OracleResult", "optimal_max_load", "require_highspy"]
+
+# highspy is in the package's `test` extra; the package is installed from its checkout.
+HIGHSPY_INSTALL = "pip install highspy (or pip install -e '.[test]' in the repository checkout)"
+
+
+def require_highspy():
+    """The ``highspy`` module; an ImportError that names the install command if it is missing."""
+    try:
+        import highspy
+    except ImportError:
+        raise ImportError(f"the MILP oracle needs highspy, which is not installed: {HIGHSPY_INSTALL}") from None
+    return highspy
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class OracleResult:
 def optimal_max_load(counts: np.ndarray, constraints: PlanConstraints, time_limit: float = 10.0) -> OracleResult:
     """counts int64 [G, E_local] -> the optimal largest per-rank load of any plan under
     ``constraints`` (alignment ignored)."""
-    import highspy
+    highspy = require_highspy()
 
     counts = np.asarray(counts, dtype=np.int64)
     G, E = counts.shape

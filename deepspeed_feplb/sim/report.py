@@ -1,92 +1,198 @@
 """Simulator reports: a markdown table per policy and PNG figures like the paper's.
 
-Figures (:func:`plot`, matplotlib with the Agg backend, no display needed):
-1. per-rank load over steps, stacked, for vanilla and for feplb (first layer);
-2. token straggler per policy over steps (mean over layers);
-3. expert time per policy over steps (forward + backward with copies, `plan.timeline`; mean over layers);
-4. token straggler as a function of D for feplb and feplb-paper (when a D sweep was run).
+Figures (:func:`figure` builds them, :func:`plot` writes the PNG; matplotlib with the Agg backend,
+no display needed), one panel each:
+1. tokens per rank over micro-batches, stacked, for vanilla and for feplb (first layer);
+2. token straggler per policy over micro-batches (mean over layers);
+3. GEMM straggler per policy (the cost model, mean over layers);
+4. expert time per policy (forward + backward with copies, `plan.timeline`; mean over layers);
+5. token straggler as a function of D for feplb and feplb-paper (when a D sweep was run).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["markdown_table", "plot"]
+from deepspeed_feplb.report import PLOT_INSTALL, pyplot
+
+__all__ = ["PLOT_INSTALL", "markdown_table", "figure", "plot", "pyplot"]
+
+# The package is installed from its checkout (it is not on PyPI), so the extra is named there.
+
+
+def _number(value: float) -> str:
+    """Three significant figures for small values, thousands separators for large ones; below
+    0.001 (float noise in µs or MB) it prints 0."""
+    if abs(value) < 0.001 or abs(value) >= 100:
+        return f"{value:,.0f}" if abs(value) >= 0.001 else "0"
+    return f"{value:.{max(0, 2 - int(math.floor(math.log10(abs(value)))))}f}"
+
 
 _COLUMNS = [
-    ("token_straggler", "token straggler", "{:,.0f}"),
+    ("token_straggler", "token straggler", _number),
     ("token_max_over_mean", "max/mean", "{:.3f}"),
-    ("gemm_straggler_us", "GEMM straggler (µs)", "{:,.1f}"),
+    ("gemm_straggler_us", "GEMM straggler (µs)", _number),
     ("reduction_vs_vanilla", "token red. vs vanilla", "{:.1%}"),
     ("gemm_reduction_vs_vanilla", "GEMM red. vs vanilla", "{:.1%}"),
     ("lower_bound_gap_pct", "gap to bound (% of mean)", "{:.2f}"),
-    ("expert_time_us", "expert time fwd+bwd (µs)", "{:,.0f}"),
-    ("copy_exposed_us", "exposed copy (µs)", "{:,.0f}"),
-    ("weight_bytes_per_step", "weight MB / step", lambda v: f"{v / 1e6:,.0f}"),
-    ("ce_us", "CE time (µs)", "{:,.0f}"),
-    ("static_us", "static time (µs)", "{:,.0f}"),
+    ("expert_time_us", "expert time fwd+bwd (µs)", _number),
+    ("copy_exposed_us", "exposed copy (µs)", _number),
+    ("weight_bytes_per_step", "weight MB / step", lambda v: _number(v / 1e6)),
+    ("ce_us", "CE time (µs)", _number),
+    ("static_us", "static time (µs)", _number),
 ]
 
 
-def markdown_table(metrics: dict) -> str:
-    """metrics: {policy: {metric: value}} (the ``policies`` object of OUT.json) -> markdown."""
+def markdown_table(metrics: dict, setup: Optional[dict] = None) -> str:
+    """metrics: {policy: {metric: value}} (the ``policies`` object of OUT.json); setup: the
+    ``setup`` object of OUT.json (names the cost profile and expert shape in the notes) -> markdown.
+
+    A note follows the table when a policy's GEMM reduction is negative although its token
+    reduction is positive: it balanced the tokens, yet under the cost model its expert GEMMs are
+    slower than vanilla's, which usually means the profile does not fit the trace."""
     cols = [c for c in _COLUMNS if any(c[0] in m for m in metrics.values())]
     lines = ["| policy | " + " | ".join(c[1] for c in cols) + " |",
              "|---|" + "---:|" * len(cols)]
     for name, m in metrics.items():
         cells = [(c[2] if callable(c[2]) else c[2].format)(m[c[0]]) if c[0] in m else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    # better token balance but slower GEMMs: the cost model, not the policy, is the likely suspect
+    slower = [name for name, m in metrics.items()
+              if m.get("gemm_reduction_vs_vanilla", 0) < 0 and m.get("reduction_vs_vanilla", 0) > 0]
+    if slower:
+        profile, shape = "", ""
+        if setup:
+            profile = f" `{(setup.get('profile') or {}).get('name', '?')}`"
+            s = setup.get("shape") or {}
+            shape = f" (experts of hidden {s.get('hidden', '?')}, FFN {s.get('ffn_hidden', '?')})"
+        lines += ["", f"Note: a negative GEMM reduction next to a positive token reduction ({', '.join(slower)}) "
+                      "means the policy balanced the tokens but its slowest expert GEMMs take longer than "
+                      f"vanilla's under the cost profile{profile}{shape}: splitting an "
+                      "expert's rows into more, smaller pieces costs tile padding and a fixed overhead per piece, "
+                      "which outweighs the better balance when the GEMMs are small. The cost profile may not match "
+                      "the trace's shapes or hardware: give --hidden/--ffn-hidden of the real model, or --profile cpu "
+                      "for a trace recorded on CPU."]
     return "\n".join(lines)
 
 
-def plot(path: str, runs: dict, d_sweep: Optional[dict] = None, layer: int = 0) -> None:
-    """runs: {policy: PolicyRun}; d_sweep: {policy: {D: mean token straggler}} or None."""
-    import matplotlib
+# Legend labels: the policy's CLI name and what it does.
+POLICY_LABELS = {
+    "vanilla": "vanilla (no balancing)",
+    "fastermoe": "fastermoe (shadow hot experts)",
+    "eplb": "eplb (replicate and re-place)",
+    "feplb-paper": "feplb-paper (paper's planner)",
+    "feplb": "feplb",
+    "milp": "milp (exact optimum)",
+}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    panels = 4 + (1 if d_sweep else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
-    after_name = "feplb" if "feplb" in runs else next(iter(runs))
+def _label(name: str) -> str:
+    return POLICY_LABELS.get(name, name)
+
+
+# One colour per policy in every panel.
+POLICY_COLORS = {"vanilla": "black", "fastermoe": "tab:blue", "eplb": "tab:orange", "feplb-paper": "tab:green",
+                 "feplb": "tab:red", "milp": "tab:purple"}
+
+
+def _line(name: str) -> dict:
+    """Line style of a policy: vanilla dashed and on top, so a policy that does nothing (equal to
+    vanilla) stays visible under it."""
+    style = {"color": POLICY_COLORS.get(name), "linewidth": 1}
+    if name == "vanilla":
+        style.update(linestyle=(0, (4, 3)), zorder=3, linewidth=1.2)
+    return style
+
+
+def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: str = ""):
+    """runs: {policy: PolicyRun}; d_sweep: {policy: {D: mean token straggler}} or None -> a
+    matplotlib Figure (module docstring for the panels)."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    panels = 5 + (1 if d_sweep else 0)
+    cols = 3
+    rows = -(-panels // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.6 * rows), squeeze=False)
+    axes = list(grid.ravel())
+    for ax in axes[panels:]:
+        ax.set_axis_off()
+    for ax in axes[:panels]:  # micro-batches and D are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+
+    after_name = "feplb" if "feplb" in runs else next((n for n in runs if n != "vanilla"), next(iter(runs)))
     top = 0
-    for ax, name in zip(axes[:2], ("vanilla", after_name)):
+    stacks = list(zip(axes[:2], ("vanilla", after_name)))
+    for ax, name in stacks:
         T = runs[name].rank_tokens[:, layer, :]  # [steps, R]
-        steps = np.arange(T.shape[0])
-        ax.stackplot(steps, T.T, linewidth=0.2)
+        R = T.shape[1]
+        ax.stackplot(np.arange(T.shape[0]), T.T, linewidth=0.2, labels=[f"rank {r}" for r in range(R)],
+                     colors=plt.get_cmap("tab20" if R > 10 else "tab10")(np.arange(R) % 20))
         top = max(top, T.sum(axis=1).max())
-        ax.set_title(f"{name}: tokens per rank (layer {layer}, stacked)")
-        ax.set_xlabel("micro-batch")
-        ax.set_ylabel("tokens")
-    for ax in axes[:2]:
-        ax.set_ylim(0, top * 1.02)
+        ax.set_title(f"{_label(name)}:\ntokens per rank, layer {layer}, stacked", fontsize=10)
+        ax.set_xlabel("micro-batch of the trace")
+        ax.set_ylabel("tokens (token-expert rows)")
+    for ax, _ in stacks:
+        labels = ax.get_legend_handles_labels()[1]
+        rows = 1 if len(labels) <= 10 else 2
+        ax.set_ylim(0, max(top, 1) * (1.12 + 0.08 * rows))  # head room for the legend of ranks
+        if len(labels) <= 20:
+            ax.legend([h for h in ax.get_legend_handles_labels()[0]], [lab.split()[1] for lab in labels],
+                      title="rank (rank 0 at the bottom of the stack)", title_fontsize=7, fontsize=7,
+                      ncol=-(-len(labels) // rows), loc="upper center", frameon=False, columnspacing=0.9,
+                      handlelength=1.2)
+
     ax = axes[2]
     for name, run in runs.items():
-        ax.plot(run.token_straggler.mean(axis=1), label=name, linewidth=1)
-    ax.set_title("token straggler (max - mean) per micro-batch")
-    ax.set_xlabel("micro-batch")
-    ax.set_ylabel("tokens")
+        ax.plot(run.token_straggler.mean(axis=1), label=_label(name), **_line(name))
+    ax.set_title("token straggler (max − mean over ranks),\nmean over layers", fontsize=10)
+    ax.set_xlabel("micro-batch of the trace")
+    ax.set_ylabel("tokens (log scale above 10)")
     ax.set_yscale("symlog", linthresh=10)
     ax.legend(fontsize=8)
+
     ax = axes[3]
     for name, run in runs.items():
-        if run.expert_us is not None:
-            ax.plot(run.expert_us.mean(axis=1) / 1e3, label=name, linewidth=1)
-    ax.set_title("expert time, forward + backward with copies")
-    ax.set_xlabel("micro-batch")
-    ax.set_ylabel("ms (slowest rank)")
+        ax.plot(run.gemm_straggler.mean(axis=1), label=_label(name), **_line(name))
+    ax.set_title("GEMM straggler (cost model, max − mean over ranks),\nmean over layers", fontsize=10)
+    ax.set_xlabel("micro-batch of the trace")
+    ax.set_ylabel("µs")
     ax.legend(fontsize=8)
+
+    ax = axes[4]
+    expert = {name: run.expert_us.mean(axis=1) for name, run in runs.items() if run.expert_us is not None}
+    scale, unit = (1e3, "ms") if expert and max(v.max() for v in expert.values()) >= 1e3 else (1.0, "µs")
+    for name, values in expert.items():
+        ax.plot(values / scale, label=_label(name), **_line(name))
+    ax.set_title("expert time, forward + backward with copies\n(slowest rank), mean over layers", fontsize=10)
+    ax.set_xlabel("micro-batch of the trace")
+    ax.set_ylabel(unit)
+    if expert:
+        ax.legend(fontsize=8)
+
     if d_sweep:
-        ax = axes[4]
+        ax = axes[5]
         for name, by_d in d_sweep.items():
             ds = sorted(by_d)
-            ax.plot(ds, [by_d[d] for d in ds], marker="o", label=name)
-        ax.set_title("token straggler vs dynamic experts per rank D")
-        ax.set_xlabel("D")
-        ax.set_ylabel("tokens")
+            ax.plot(ds, [by_d[d] for d in ds], marker="o", label=_label(name), color=POLICY_COLORS.get(name))
+        ax.set_title("token straggler vs dynamic experts per rank D,\nmean over micro-batches and layers",
+                     fontsize=10)
+        ax.set_xlabel("D (dynamic experts per rank)")
+        ax.set_ylabel("tokens (log scale above 10)")
         ax.set_yscale("symlog", linthresh=10)
         ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+def plot(path: str, runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: str = "") -> None:
+    """Write :func:`figure` to ``path`` (PNG)."""
+    plt = pyplot()
+    fig = figure(runs, d_sweep, layer, title)
     fig.savefig(path, dpi=110)
     plt.close(fig)

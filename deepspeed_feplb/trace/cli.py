@@ -1,28 +1,82 @@
 """``python -m deepspeed_feplb trace ...``: write a synthetic routing trace
 (``--kind noaux|zipf|dirichlet|biased|lplb``) or import a Megatron-Core router_trace
-(``--megatron DIR_OR_FILES``), in the ``.npz`` format of `format`."""
+(``--megatron DIR_OR_FILES``), in the ``.npz`` format of `format`. Bad input ends in one line on
+stderr and exit status 2."""
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+
 __all__ = ["add_parser", "run_trace"]
+
+KINDS = ("noaux", "zipf", "dirichlet", "biased", "lplb")
+
+
+def whole_number(low: int):
+    """argparse type: an int >= ``low`` (argparse prints the message and exits with status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
 
 
 def add_parser(subparsers) -> None:
     """Register ``trace`` on an argparse sub-parsers object."""
-    t = subparsers.add_parser("trace", help="generate a synthetic routing trace or import one")
-    t.add_argument("--out", required=True, help="trace .npz to write")
-    t.add_argument("--kind", default="noaux", help="noaux | zipf | dirichlet | biased | lplb")
-    t.add_argument("--megatron", nargs="+", help="import Megatron-Core router_trace JSONL files/dirs")
-    t.add_argument("--steps", type=int, default=100)
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--ranks", type=int, default=8, help="source ranks")
-    t.add_argument("--experts", type=int, default=128)
-    t.add_argument("--tokens-per-rank", type=int, default=4096)
-    t.add_argument("--top-k", type=int, default=8)
-    t.add_argument("--skew", type=float, help="zipf exponent / dirichlet concentration / bias std / sigma")
-    t.add_argument("--hidden", type=int)
-    t.add_argument("--ffn-hidden", type=int)
-    t.add_argument("--seed", type=int, default=0)
+    t = subparsers.add_parser(
+        "trace", help="generate a synthetic routing trace or import one",
+        description="Write a routing trace (.npz with counts int64 [steps, layers, src_ranks, experts]: tokens "
+                    "that each source rank's router sent to each expert, per micro-batch) for "
+                    "`python -m deepspeed_feplb simulate`: a synthetic one (--kind) or one imported from "
+                    "Megatron-Core router_trace files (--megatron).")
+    t.add_argument("--out", required=True, metavar="T.npz", help="trace file to write")
+    t.add_argument("--kind", default="noaux", choices=KINDS,
+                   help="synthetic routing: noaux (Zipf popularity calibrated to training without an auxiliary "
+                        "loss), zipf (Zipf popularity drifting over steps), dirichlet (Dirichlet popularity), "
+                        "biased (random logits plus a fixed per-expert bias, exact top-k), lplb (i.i.d. "
+                        "per-expert load noise, one source rank) (default: %(default)s)")
+    t.add_argument("--megatron", nargs="+", metavar="PATH",
+                   help="import Megatron-Core router_trace JSONL files, or folders holding them, instead of "
+                        "generating (micro-batches become steps; ranks and layers as recorded)")
+    t.add_argument("--steps", type=whole_number(1), default=100,
+                   help="micro-batches to generate (default: %(default)s)")
+    t.add_argument("--layers", type=whole_number(1), default=2, help="MoE layers (default: %(default)s)")
+    t.add_argument("--ranks", type=whole_number(1), default=8,
+                   help="source ranks (the EP size the trace is recorded at; simulate replays it on this many "
+                        "ranks or a divisor) (default: %(default)s)")
+    t.add_argument("--experts", type=whole_number(1),
+                   help="experts per layer (default: 128 for generated traces; for --megatron the highest "
+                        "expert index + 1 in the records)")
+    t.add_argument("--tokens-per-rank", type=whole_number(1), default=4096, metavar="TOKENS",
+                   help="tokens per source rank and micro-batch; each is routed to --top-k experts "
+                        "(default: %(default)s)")
+    t.add_argument("--top-k", type=whole_number(1), default=8, metavar="K",
+                   help="experts per token (default: %(default)s)")
+    t.add_argument("--skew", type=float,
+                   help="how skewed the routing is, per kind: zipf exponent (default 1.0, 0 = uniform), "
+                        "dirichlet concentration (default 0.5, smaller = more skewed), biased: std of the "
+                        "per-expert logit bias (default 1.0), lplb: sigma of the load noise (default 0.3); "
+                        "not for noaux (calibrated)")
+    t.add_argument("--hidden", type=whole_number(1),
+                   help="expert hidden size stored in the trace for simulate's cost model (default: 6144 for "
+                        "noaux, none for the other kinds: simulate then assumes 6144)")
+    t.add_argument("--ffn-hidden", type=whole_number(1),
+                   help="expert FFN size stored in the trace for simulate's cost model (default: 2048 for "
+                        "noaux, none for the other kinds: simulate then assumes 2048)")
+    t.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same trace "
+                                                       "(default: %(default)s)")
     t.set_defaults(func=run_trace)
+
+
+def _fail(message: str):
+    """One line on stderr and exit status 2, as argparse does for a bad option; no traceback."""
+    print(f"trace: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def run_trace(args) -> int:
@@ -30,21 +84,35 @@ def run_trace(args) -> int:
     from deepspeed_feplb.trace.generators import GENERATORS
     from deepspeed_feplb.trace.importers import read_megatron_router_trace
 
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        _fail(f"cannot write {args.out}: folder {folder} does not exist")
     if args.megatron:
-        trace = read_megatron_router_trace(args.megatron, num_experts=args.experts)
+        missing = [p for p in args.megatron if not os.path.exists(p)]
+        if missing:
+            _fail(f"--megatron: {', '.join(missing)} not found")
+        try:
+            trace = read_megatron_router_trace(args.megatron, num_experts=args.experts)
+        except (OSError, ValueError) as e:
+            _fail(f"--megatron: {e}")
     else:
-        if args.kind not in GENERATORS:
-            raise SystemExit(f"unknown trace kind {args.kind!r} (one of {', '.join(GENERATORS)})")
+        experts = args.experts or 128
+        if args.top_k > experts:
+            _fail(f"--top-k {args.top_k} is more than the {experts} experts (a token picks distinct experts); "
+                  "lower --top-k or raise --experts")
         kw = {"tokens_per_rank": args.tokens_per_rank, "top_k": args.top_k, "seed": args.seed}
         if args.hidden:
             kw["hidden"] = args.hidden
         if args.ffn_hidden:
             kw["ffn_hidden"] = args.ffn_hidden
         if args.skew is not None:
-            kw[{"zipf": "skew", "dirichlet": "skew", "biased": "bias_std", "lplb": "sigma"}.get(args.kind, "skew")] = args.skew
             if args.kind == "noaux":
-                raise SystemExit("--skew does not apply to --kind noaux (it is calibrated)")
-        trace = GENERATORS[args.kind](args.steps, args.layers, args.ranks, args.experts, **kw)
+                _fail("--skew does not apply to --kind noaux (it is calibrated); use --kind zipf --skew S")
+            kw[{"zipf": "skew", "dirichlet": "skew", "biased": "bias_std", "lplb": "sigma"}[args.kind]] = args.skew
+        try:
+            trace = GENERATORS[args.kind](args.steps, args.layers, args.ranks, experts, **kw)
+        except ValueError as e:
+            _fail(f"--kind {args.kind}: {e}")
     save_trace(args.out, trace)
     print(f"wrote {args.out}: counts {list(trace.counts.shape)} ({trace.source})")
     return 0

@@ -1,0 +1,79 @@
+"""How a FEPLB job ends on a configuration mistake or a Ctrl-C: one line, not a traceback per rank.
+
+Every rank of a job validates the same ``"feplb"`` section and receives the same SIGINT, so an
+uncaught `FEPLBConfigError` or an interruption would print the same long traceback once per
+rank (for an interrupted collective, gloo's "remote worker crashing" on the others). `install`
+replaces ``sys.excepthook`` so that
+
+* a `FEPLBConfigError` prints its message once, on global rank 0 (the others exit quietly);
+* a SIGINT (Ctrl-C) is announced once, on local rank 0, as "interrupted", and every exception
+  that then ends a rank prints nothing more (the job's shared memory and scheduler processes
+  are removed by the exit handlers, `domain.shutdown`, as on any exit).
+
+Every other exception prints as before (the previous hook is called). The exit status stays 1.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+__all__ = ["install", "interrupted"]
+
+_installed = False
+_interrupted = False
+
+
+def interrupted() -> bool:
+    """Whether this process received SIGINT since `install`."""
+    return _interrupted
+
+
+def _env_rank(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:
+        return 0
+
+
+def install() -> None:
+    """Install the excepthook (and a SIGINT handler that notes the interruption); idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        from deepspeed_feplb.config import FEPLBConfigError
+
+        if isinstance(value, FEPLBConfigError):
+            if _env_rank("RANK") == 0:
+                print(f"deepspeed_feplb: invalid ds_config:\n{value}", file=sys.stderr)
+            return
+        if _interrupted or issubclass(kind, KeyboardInterrupt):
+            _say_interrupted()
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        def on_sigint(signum, frame):
+            global _interrupted
+            _interrupted = True
+            _say_interrupted()  # now: the launcher's SIGTERM may end the process before any excepthook runs
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_sigint)
+
+
+_said = False
+
+
+def _say_interrupted() -> None:
+    global _said
+    if not _said and _env_rank("LOCAL_RANK") == 0:
+        print("deepspeed_feplb: interrupted (Ctrl-C); FEPLB removes its shared memory and scheduler processes",
+              file=sys.stderr, flush=True)
+    _said = True
