@@ -31,7 +31,7 @@ from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Ste
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates
 from deepspeed_feplb.plan.timeline import TimeModel
-from deepspeed_feplb.stats import StageTimes, layer_stats, residency_stats
+from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing, residency_stats
 
 # static_fn(rows, counts, static) -> outputs of the experts in ``static`` (local ids, ascending),
 # concatenated in expert order; ``rows``/``counts`` are the whole micro-batch.
@@ -92,9 +92,13 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     own buffers; ``times`` holds the previous micro-batch's compute times and is updated;
     ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later);
     ``residency`` is the layer's weight residency (None: none) and ``step_ends`` says whether this
-    micro-batch is the last of its optimizer step (`migrate.resident`).
+    micro-batch is the last of its optimizer step (`migrate.resident`). A forward that activation
+    checkpointing recomputes in backward leaves residency alone and returns no stats.
     """
     stage_times = stage_times if stage_times is not None else StageTimes()
+    recompute = recomputing()
+    if recompute:  # activation checkpointing re-runs this forward in backward: not a new micro-batch
+        residency, step_ends = None, True
     mark = times.clock(rows.device)
     begin = mark()
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
@@ -128,7 +132,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
         outs[e] = y
     stats = None
-    if config.stats.enabled:
+    if config.stats.enabled and not recompute:
         stats = {**layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks),
                  **residency_stats(step.fresh, step.keeps, len(step.flush_entries), expert_bytes),
                  "domain_counts": planned.counts, "seq": seq}

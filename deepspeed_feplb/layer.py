@@ -31,7 +31,7 @@ from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.resident import LayerResidency
-from deepspeed_feplb.stats import StageTimes, layer_stats
+from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing
 from deepspeed_feplb.trace.record import get_recorder
 
 
@@ -108,7 +108,7 @@ class FEPLBMOELayer(MOELayer):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
         with timed("dispatch"):
             rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
-        if self.recorder is not None:
+        if self.recorder is not None and not recomputing():
             self.recorder.record(self, expert_ids)
         out = self._experts(rows, counts_by_source.sum(0))
         with timed("combine"):

@@ -8,12 +8,15 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
+import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
 SEGMENT_PREFIX = "feplb-"
+_TRACKER_LOCK = threading.Lock()
 class PeerTimeoutError(RuntimeError):
     """A peer rank did not answer within the configured timeout (it died or hangs)."""
 
@@ -22,15 +25,20 @@ def open_segment(name: str, size: int = 0, create: bool = False) -> shared_memor
     """Create or attach a POSIX shared-memory segment whose lifetime FEPLB manages itself.
 
     Python's resource tracker would unlink a segment when *any* attaching process exits (and
-    ranks spawned by one parent share a tracker), so segments are untracked; the creator
-    unlinks with `unlink_quietly`, and `cleanup` removes what a SIGKILL left behind.
+    ranks spawned by one parent share a tracker), so segments are never registered with it (not
+    registered and unregistered: ranks attaching the same name at once make the shared tracker
+    print a KeyError traceback); the creator unlinks with `unlink_quietly`, and `cleanup`
+    removes what a SIGKILL left behind.
     """
-    shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except Exception:
-        pass
-    return shm
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=create, size=size, track=False)
+    with _TRACKER_LOCK:  # SharedMemory registers through the module attribute: skip it for this call
+        register = resource_tracker.register
+        resource_tracker.register = lambda res, rtype: None if rtype == "shared_memory" else register(res, rtype)
+        try:
+            return shared_memory.SharedMemory(name=name, create=create, size=size)
+        finally:
+            resource_tracker.register = register
 
 
 def unlink_quietly(shm: shared_memory.SharedMemory | None) -> None:

@@ -8,6 +8,14 @@ from contextlib import contextmanager
 import numpy as np
 
 
+def recomputing() -> bool:
+    """Whether the current forward runs inside a backward pass: activation checkpointing
+    recomputing it (reentrant or not). Such a forward is not a new micro-batch: it is not
+    counted in the stats, recorded in a trace, or allowed to change weight residency."""
+    import torch
+    return torch._C._current_graph_task_id() != -1  # what torch.utils.checkpoint itself asks
+
+
 def straggler(tokens: np.ndarray) -> tuple[float, float]:
     """tokens ``[R]`` per rank -> (max - mean, max / mean); (0, 1) for an idle group."""
     tokens = np.asarray(tokens, dtype=np.float64)

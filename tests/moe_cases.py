@@ -161,8 +161,19 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     return {"losses": losses, "param_errors": params, "migrated": migrated}
 
 
+class CheckpointedMoEModel(TinyMoEModel):
+    """`TinyMoEModel` whose MoE layer runs inside ``torch.utils.checkpoint``."""
+
+    use_reentrant = False
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        y, l_aux = checkpoint(lambda t: self.moe(t)[:2], self.inp(x) + 1.0, use_reentrant=self.use_reentrant)
+        return self.out(y), l_aux
+
+
 def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 4, steps: int = 3,
-                      max_resident: int = 8) -> dict:
+                      max_resident: int = 8, checkpointing: str | None = None) -> dict:
     """Train DeepSpeed's MoE and FEPLB side by side with ``gas`` micro-batches per optimizer step.
 
     Between steps, and once between two micro-batches of a step, both models' expert weights are
@@ -177,9 +188,11 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
 
     def make_model():
         torch.manual_seed(11)
-        model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=4 * ep_size,
-                                          ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
-                                          top2_2nd_expert_sampling=False))
+        model_cls = TinyMoEModel if checkpointing is None else CheckpointedMoEModel
+        model = model_cls(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=4 * ep_size,
+                                       ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
+                                       top2_2nd_expert_sampling=False))
+        model.use_reentrant = checkpointing == "reentrant"
         skew_gate(model.moe.deepspeed_moe.gate.wg.weight, spread=False)
         diversify_experts(model.moe)
         return model
@@ -421,3 +434,31 @@ def bad_input_case(kind: str):
     errors = {"output": relative_error(out, ref_out) if out.numel() else 0.0}
     errors.update({n: relative_error(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0})
     return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats), "shape": tuple(out.shape)}
+
+
+def checkpointed_case(use_reentrant: bool, ep_size: int = 2, k: int = 2) -> dict:
+    """Forward+backward of DeepSpeed's MoE and FEPLB's, each inside ``torch.utils.checkpoint``
+    (the recompute in backward re-runs the whole layer, collectives and phase 2 included);
+    returns the errors and how many layer forwards FEPLB's stats saw."""
+    from torch.utils.checkpoint import checkpoint
+
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "max_helpers_per_expert": 4}
+    from deepspeed_feplb.integration.monitor import StatsCollector
+
+    reference, ours = build_pair(16, ep_size, k, feplb, seed=k)
+    ours.train()
+    collector = StatsCollector(ours)
+    x, w = rank_inputs(k)
+    results = []
+    for layer in (reference, ours):
+        xi = x.clone().requires_grad_(True)
+        out = checkpoint(lambda t, layer=layer: layer(t)[0], xi, use_reentrant=use_reentrant)
+        (out * w).sum().backward()
+        results.append((out.detach(), xi.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()
+                                                          if p.grad is not None}))
+    (ref_out, ref_dx, ref_grads), (got_out, got_dx, got_grads) = results
+    errors = {"output": relative_error(got_out, ref_out), "input_grad": relative_error(got_dx, ref_dx)}
+    errors.update({n: relative_error(got_grads[n], ref_grads[n]) for n in ref_grads})
+    return {"errors": errors, "migrated": int(ours.feplb_stats["migrated_tokens"]),
+            "micro_batches_recorded": len(collector.take())}

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.sharded_moe import MOELayer
 
-from deepspeed_feplb.stats import straggler
+from deepspeed_feplb.stats import recomputing, straggler
 
 EVENT_PREFIX = "FEPLB"
 METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms", "gemm_max_ms", "migrated_tokens",
@@ -129,7 +129,7 @@ class StatsCollector:
 
     def _layer_end(self, name):
         def hook(module, inputs, output):
-            if not module.training:
+            if not module.training or recomputing():  # a checkpointing recompute is not a micro-batch
                 return
             mb = self.micro_batch
             if mb is None:

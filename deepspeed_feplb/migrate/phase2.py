@@ -144,9 +144,14 @@ class Phase2Step:
         M = self.moves.shape[0]
         if self.residency is not None:
             self.fresh, self.keeps = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
+            self.residency.pending |= bool(self.needs_grad and self.keeps.any())
         else:
             self.fresh, self.keeps = np.ones(M, np.bool_), np.zeros(M, np.bool_)
         self.flushing = self.residency is not None and self.step_ends and self.needs_grad
+        # a step that ends without gradients (evaluation, or the no-grad first pass of reentrant
+        # checkpointing) forgets its copies, unless some hold gradients that a later backward returns
+        self.forgetting = (self.residency is not None and self.step_ends and not self.needs_grad
+                           and not self.residency.pending)
         self.flush_entries, self.flush_held = np.zeros((0, 3), np.int64), {}
         extra = []
         if self.flushing:
@@ -198,6 +203,8 @@ class Phase2Step:
             future.result()
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
+        elif self.forgetting:
+            self.residency.end_step()
         blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.kept)]
         for helper, chunks in outgoing.items():
             blocks += [(int(starts[i] + offset), y) for (i, offset, _, _), y in zip(chunks, results[helper])]
@@ -210,7 +217,11 @@ class Phase2Step:
         start = time.perf_counter()
         x = x.detach().requires_grad_(self.needs_grad)
         leaves = [p.detach().requires_grad_(self.needs_grad) for p in params]
-        y = self.spec.call(module, leaves, buffers, x)
+        # keep what the piece's graph saves even under activation checkpointing's saved-tensor hooks:
+        # our backward differentiates the piece itself, and a dropped tensor would make PyTorch
+        # recompute the whole layer (collectives and messages) from inside phase 2's backward
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            y = self.spec.call(module, leaves, buffers, x)
         if not self.needs_grad:
             y = y.detach()
         self._compute_s += time.perf_counter() - start
@@ -331,6 +342,10 @@ class Phase2Step:
                 grad_params[k] = list(gp) if grad_params[k] is None else [a + b for a, b in zip(grad_params[k], gp)]
         self.flush_held = {}
         return sends
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _flags_tensor(flags: list[bool], like: torch.Tensor) -> torch.Tensor:

@@ -60,11 +60,15 @@ class LayerResidency:
 
     table:   the domain's kept copies (`ResidencyTable`, the same on every rank);
     held:    {(home, local_expert): HeldCopy} this rank holds as a helper;
-    sent:    {(local_expert, helper): fingerprint} of this rank's experts that helpers hold.
+    sent:    {(local_expert, helper): fingerprint} of this rank's experts that helpers hold;
+    pending: whether some kept copy may hold gradients (every rank of the domain knows it: it
+             is set by the plans of micro-batches with gradients), so the step may end only in a
+             backward that sends them home.
     """
     table: ResidencyTable
     held: dict = field(default_factory=dict)
     sent: dict = field(default_factory=dict)
+    pending: bool = False  # a micro-batch with gradients used kept copies since the step began (domain-wide)
 
     @classmethod
     def create(cls, G: int, E: int, config) -> "LayerResidency":
@@ -75,5 +79,5 @@ class LayerResidency:
         """The step ends: returns (entries int64 [K, 3] = (home, local_expert, helper) of the kept
         copies, {(home, local_expert): HeldCopy} of those this rank holds) and forgets them all."""
         entries = self.table.flush()
-        held, self.held, self.sent = self.held, {}, {}
+        held, self.held, self.sent, self.pending = self.held, {}, {}, False
         return entries, held
