@@ -23,7 +23,7 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
-from deepspeed_feplb.segments import PeerWatch, ranks_per_host
+from deepspeed_feplb.segments import PeerWatch, cleanup, leftover_segments, ranks_per_host
 
 _RUNTIMES: dict[tuple, "DomainRuntime"] = {}
 _LOCK = threading.Lock()
@@ -40,6 +40,18 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
         raise FEPLBConfigError(f"feplb.nvlink_domain_size: {size} does not divide the expert-parallel size {ep_size}; "
                                f"use a divisor of {ep_size} or \"auto\"")
     return size
+
+
+def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:
+    """Remove the ``feplb-`` segments that killed jobs left in /dev/shm (no live process maps them,
+    and they are older than ``min_age_s``: another job's that is starting up may not map its own
+    yet), saying so once; returns their names. A domain's first rank calls it before creating its
+    own, so a SIGKILLed job's memory is reclaimed by the next job."""
+    names = cleanup(keep_in_use=True, min_age_s=min_age_s) if leftover_segments() else []
+    if names:
+        print(f"deepspeed_feplb: removed {len(names)} shared-memory segment(s) that killed FEPLB jobs left in "
+              "/dev/shm", flush=True)
+    return names
 
 
 def planner_cached() -> bool:
@@ -83,6 +95,7 @@ class DomainRuntime:
         leader = self.local_rank == 0
         self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         if leader:
+            reclaim_leftovers()
             self._open(transport_cls, sched, create=True)
         dist.barrier(group=ep_group)
         if not leader:
@@ -132,12 +145,20 @@ def shutdown() -> None:
 
 _installed = False
 _shutting_down = False
+_exiting = False
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True  # from here on the interpreter only exits: see `_on_sigterm`
+    shutdown()
 
 
 def _on_sigterm(signum, frame) -> None:
-    """Exit normally, so that the exit handlers remove the segments; a SIGTERM that arrives while
-    they run (a launcher sends one after SIGINT) must not interrupt them."""
-    if not _shutting_down:
+    """Exit normally, so that the exit handlers remove the segments. A SIGTERM that arrives after a
+    Ctrl-C (the launcher sends one), or while exit handlers run, is ignored: the process is
+    exiting already, and raising in an exit handler would print a traceback and skip cleanup."""
+    if not (_shutting_down or _exiting or exits.interrupted()):
         sys.exit(128 + signum)
 
 
@@ -147,7 +168,7 @@ def _install_exit_handlers() -> None:
         return
     _installed = True
     exits.install()
-    atexit.register(shutdown)
+    atexit.register(_at_exit)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         # default SIGTERM kills without running atexit; exit normally instead so segments are removed
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -19,11 +19,12 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer
 
 from deepspeed_feplb.balance import ComputeTimes, run_experts
-from deepspeed_feplb.config import FEPLBConfig, load_config
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import domain_size, get_runtime
 from deepspeed_feplb.gate import SigmoidTopKGate
@@ -64,8 +65,12 @@ class FEPLBMOELayer(MOELayer):
         config = self.feplb_config
         self.recorder = get_recorder(config.stats.record_trace)
         self._feplb_ready = True
+        if self.ep_size > 1 and dist.is_initialized():
+            self._check_ep_group_agrees(config)
         if not config.enabled:
             return
+        refuse_stateful_experts(self.experts.deepspeed_experts[0], self.gate.wg.in_features,
+                                migrating=config.dynamic_experts_per_rank > 0 and self.ep_size > 1)
         if getattr(self.gate, "drop_tokens", False):
             _warn_dropless_once()
         self.gate.drop_tokens = False  # FEPLB is dropless
@@ -85,6 +90,26 @@ class FEPLBMOELayer(MOELayer):
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
                                           hidden=self.gate.wg.in_features, on_error=self.domain.watch.check if self.domain else None,
                                           stage_times=self.stage_times)
+
+    def _check_ep_group_agrees(self, config: FEPLBConfig) -> None:
+        """Collective over the EP group at the first forward: every rank must have built the same
+        layer and ``"feplb"`` section; `FEPLBConfigError` names the first setting that differs
+        (instead of a gloo size error or a hang in a later collective)."""
+        facts = {"num_experts": self.ep_size * self.num_local_experts, "top-k": getattr(self.gate, "k", None),
+                 "hidden size": self.gate.wg.in_features, "feplb.enabled": config.enabled,
+                 "feplb.dynamic_experts_per_rank": config.dynamic_experts_per_rank,
+                 "feplb.nvlink_domain_size": config.nvlink_domain_size, "feplb.transport": config.transport,
+                 "feplb.weight_residency": config.weight_residency}
+        everyone = [None] * self.ep_size
+        dist.all_gather_object(everyone, facts, group=self.ep_group)
+        ranks = dist.get_process_group_ranks(self.ep_group)
+        for key in facts:
+            values = [f[key] for f in everyone]
+            if any(v != values[0] for v in values):
+                raise FEPLBConfigError(
+                    f"MoE layer: {key} differs across the ranks of its expert-parallel group ("
+                    + ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, values))
+                    + "); every rank must build the same layer with the same \"feplb\" section")
 
     # ------------------------------------------------------------------ forward
     def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -139,6 +164,39 @@ class FEPLBMOELayer(MOELayer):
             return params
         aliases = iter(ExpertGradOrder.apply(*flat))
         return [[next(aliases) for _ in group] for group in params]
+
+
+def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: bool) -> None:
+    """Raise `FEPLBConfigError` for experts whose math FEPLB would change.
+
+    FEPLB computes each expert on exactly its rows (DeepSpeed pads every expert to the capacity)
+    and, when migrating, computes moved rows with a helper's copy of the expert: so an expert with
+    batch statistics (BatchNorm) is refused, and, when migrating, one whose forward updates a
+    buffer (found by running a copy of the expert on two rows in training mode)."""
+    import copy
+
+    for name, module in expert.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            raise FEPLBConfigError(
+                f"the MoE expert contains a {type(module).__name__} ({name or 'the expert itself'}): its batch "
+                "statistics depend on which rows it sees together, and FEPLB computes each expert on exactly its "
+                "rows (DeepSpeed pads them to the capacity) and may split them over ranks; use LayerNorm or RMSNorm "
+                "in the expert, or set feplb.enabled to false")
+    buffers = dict(expert.named_buffers())
+    if not migrating or not buffers:
+        return
+    probe = copy.deepcopy(expert).train()
+    param = next(probe.parameters(), None)
+    x = torch.randn(2, hidden, dtype=param.dtype if param is not None else torch.float32,
+                    device=param.device if param is not None else "cpu")
+    with torch.no_grad():
+        probe(x)
+    changed = sorted(n for n, b in probe.named_buffers() if not torch.equal(b, buffers[n]))
+    if changed:
+        raise FEPLBConfigError(
+            f"the MoE expert updates buffer(s) {', '.join(changed)} in its forward: FEPLB computes moved rows with "
+            "a helper's copy of the expert, whose buffer updates would not reach the expert's home; set "
+            "feplb.dynamic_experts_per_rank to 0 to keep every expert's rows at home")
 
 
 def _every_micro_batch() -> bool:

@@ -254,15 +254,20 @@ def segments_in_use(prefix: str = SEGMENT_PREFIX) -> dict[str, list[int]]:
     return used
 
 
-def cleanup(prefix: str = SEGMENT_PREFIX, keep_in_use: bool = False) -> list[str]:
+def cleanup(prefix: str = SEGMENT_PREFIX, keep_in_use: bool = False, min_age_s: float = 0.0) -> list[str]:
     """Remove FEPLB segments left behind by killed jobs; returns the removed names.
 
     ``keep_in_use``: skip segments a live process still maps (a running job's). The command
-    line uses it; a domain's own teardown does not (its peers may still be unmapping)."""
+    line and new domains use it; a domain's own teardown does not (its peers may still be
+    unmapping). ``min_age_s``: skip segments younger than this (a job that is starting may not
+    have mapped them yet; a new domain's automatic reclaim uses it). The names are listed before
+    the mappings are read, so a segment created meanwhile is never taken for a leftover."""
     removed = []
+    names = leftover_segments(prefix)
     in_use = segments_in_use(prefix) if keep_in_use else {}
-    for name in leftover_segments(prefix):
-        if name in in_use:
+    now = time.time()
+    for name in names:
+        if name in in_use or now - _changed_at(name) < min_age_s:
             continue
         try:
             os.unlink(os.path.join("/dev/shm", name))
@@ -270,6 +275,13 @@ def cleanup(prefix: str = SEGMENT_PREFIX, keep_in_use: bool = False) -> list[str
         except FileNotFoundError:
             pass
     return removed
+
+
+def _changed_at(name: str) -> float:
+    try:
+        return os.stat(os.path.join("/dev/shm", name)).st_ctime
+    except FileNotFoundError:
+        return time.time()
 
 
 def add_parser(subparsers) -> None:

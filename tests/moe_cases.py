@@ -462,3 +462,36 @@ def checkpointed_case(use_reentrant: bool, ep_size: int = 2, k: int = 2) -> dict
     errors.update({n: relative_error(got_grads[n], ref_grads[n]) for n in ref_grads})
     return {"errors": errors, "migrated": int(ours.feplb_stats["migrated_tokens"]),
             "micro_batches_recorded": len(collector.take())}
+
+
+def misuse_case(kind: str) -> dict:
+    """One misuse on 2 ranks; returns this rank's error message (empty when nothing was raised).
+
+    kind: "experts_differ" (8 experts on rank 0, 16 on rank 1), "batchnorm" (an expert with
+    BatchNorm), "buffer_update" (an expert that counts its rows in a buffer), "plain_buffer" (a
+    constant buffer: allowed)."""
+
+    class Counting(torch.nn.Module):
+        def __init__(self, update: bool):
+            super().__init__()
+            self.linear, self.update = torch.nn.Linear(HIDDEN, HIDDEN), update
+            self.register_buffer("rows", torch.zeros(()))
+
+        def forward(self, x):
+            if self.update and self.training:
+                self.rows += x.shape[0]
+            return self.linear(x)
+
+    experts = 8 if kind != "experts_differ" or dist.get_rank() == 0 else 16
+    expert = {"batchnorm": lambda: torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN)),
+              "buffer_update": lambda: Counting(True), "plain_buffer": lambda: Counting(False)}.get(kind, make_expert)()
+    torch.manual_seed(0)
+    layer = deepspeed_feplb.MoE(hidden_size=HIDDEN, expert=expert, num_experts=experts, ep_size=2, k=2, min_capacity=0,
+                                drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                                feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2})
+    layer.set_deepspeed_parallelism()
+    try:
+        layer(rank_inputs(0)[0])
+    except deepspeed_feplb.FEPLBConfigError as error:
+        return {"error": str(error)}
+    return {"error": ""}

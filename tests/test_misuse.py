@@ -1,0 +1,69 @@
+"""Misuse that used to hang, crash in gloo or lose state silently is refused at the first forward with
+an error that names the cause, on every rank (2 gloo ranks); leftovers of killed jobs are reclaimed."""
+import os
+
+import pytest
+
+import moe_cases
+from deepspeed_feplb.testing import run_distributed
+
+KINDS = ("experts_differ", "batchnorm", "buffer_update", "plain_buffer")
+
+
+def cases() -> dict:
+    return {kind: moe_cases.misuse_case(kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(cases, 2, timeout=300)
+
+
+def test_ranks_that_built_different_layers_are_named(results):
+    for r in results:
+        assert "num_experts differs across the ranks of its expert-parallel group (rank 0: 8, rank 1: 16)" in \
+            r["experts_differ"]["error"], r["experts_differ"]
+
+
+def test_an_expert_with_batch_statistics_is_refused(results):
+    for r in results:
+        assert "BatchNorm1d" in r["batchnorm"]["error"] and "LayerNorm or RMSNorm" in r["batchnorm"]["error"]
+
+
+def test_an_expert_that_updates_a_buffer_is_refused_for_migration_and_a_constant_buffer_is_not(results):
+    for r in results:
+        assert "updates buffer(s) rows" in r["buffer_update"]["error"], r["buffer_update"]
+        assert "dynamic_experts_per_rank to 0" in r["buffer_update"]["error"]
+        assert r["plain_buffer"]["error"] == ""
+
+
+def test_the_next_job_reclaims_what_a_killed_one_left():
+    from multiprocessing import shared_memory
+
+    from deepspeed_feplb.domain import reclaim_leftovers
+    from deepspeed_feplb.segments import open_segment, unlink_quietly
+
+    left = "feplb-testleft-ctl"
+    with open(os.path.join("/dev/shm", left), "wb") as f:  # what a SIGKILLed job leaves: mapped by nobody
+        f.write(b"\0" * 64)
+    live = open_segment("feplb-testlive-ctl", 64, create=True)  # a running job's: this process maps it
+    try:
+        removed = reclaim_leftovers(min_age_s=0.0)  # (a real leftover is older than a starting job's segments)
+        assert left in removed and not os.path.exists(os.path.join("/dev/shm", left))
+        assert os.path.exists(os.path.join("/dev/shm", live.name)), "a live job's segment was removed"
+    finally:
+        live.close()
+        unlink_quietly(live)
+    assert isinstance(live, shared_memory.SharedMemory)
+
+
+def test_a_fresh_segment_is_never_taken_for_a_leftover():
+    from deepspeed_feplb.domain import reclaim_leftovers
+
+    young = "feplb-testyoung-ctl"
+    with open(os.path.join("/dev/shm", young), "wb") as f:  # created, not yet mapped by its starting job
+        f.write(b"\0" * 64)
+    try:
+        assert young not in reclaim_leftovers()
+    finally:
+        os.unlink(os.path.join("/dev/shm", young))
