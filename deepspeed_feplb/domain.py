@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -128,6 +129,21 @@ def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTranspor
             _install_exit_handlers()
             runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls)
         return runtime
+
+
+def dead_peers(wait_s: float = 0.0) -> list[str]:
+    """``"rank R (pid P)"`` of every domain peer of this process that is no longer alive, waiting
+    up to ``wait_s`` for one to be seen dead (a killed peer's sockets close while its process is
+    still being torn down, so a collective can fail a moment before the peer looks dead)."""
+    with _LOCK:
+        watches = [runtime.watch for runtime in _RUNTIMES.values() if not runtime.closed]
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = sorted({f"rank {w.ranks[r]} (pid {w.pids[r]})" for w in watches for r in range(len(w.pids))
+                       if not w.alive(r)})
+        if dead or not watches or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def shutdown() -> None:

@@ -10,7 +10,11 @@ replaces ``sys.excepthook`` so that
   that then ends a rank prints nothing more (the job's shared memory and scheduler processes
   are removed by the exit handlers, `domain.shutdown`, as on any exit).
 
-Every other exception prints as before (the previous hook is called). The exit status stays 1.
+* any other exception prints as before (the previous hook is called), preceded by a line that
+  names the dead ranks of this process's NVLink domains, if any: a collective that a dead peer
+  broke (DeepSpeed's own, outside FEPLB) only says "connection reset" or times out.
+
+The exit status stays 1.
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ def install() -> None:
         if _interrupted or issubclass(kind, KeyboardInterrupt):
             _say_interrupted()
             return
+        if issubclass(kind, Exception):
+            _name_dead_peers()
         previous(kind, value, traceback)
 
     sys.excepthook = hook
@@ -66,6 +72,17 @@ def install() -> None:
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, on_sigint)
+
+
+def _name_dead_peers() -> None:
+    """A collective that fails because a peer died says only "connection reset" (gloo) or times
+    out: name the dead ranks of this process's NVLink domains, which FEPLB watches."""
+    from deepspeed_feplb import domain
+
+    dead = domain.dead_peers(wait_s=1.0)
+    if dead:
+        print(f"deepspeed_feplb: {', '.join(dead)} of this rank's NVLink domain died; the error below is this "
+              "rank's view of it", file=sys.stderr, flush=True)
 
 
 _said = False

@@ -7,6 +7,9 @@ Scenarios:
   die-early    rank 1 SIGKILLs itself at the start of step 2 (rank 0 is then in phase 1)
   die-late     rank 1 SIGKILLs itself right after publishing its counts of step 2 (rank 0 is
                then waiting for it in phase 2)
+  owner-dies   rank 0 (owner of the domain's segments and scheduler) SIGKILLs itself at step 2,
+               right before an all-reduce outside FEPLB (as DeepSpeed's gradient reduction), whose
+               error rank 1 does not catch: FEPLB's excepthook must name rank 0
 rank 0 must stop with an error naming rank 1, well within feplb.scheduler.peer_timeout_s.
 Each rank prints ``READY <segment prefix> <scheduler pid>`` once FEPLB runs, and ``ERROR <message>``
 if a step raised.
@@ -54,6 +57,11 @@ def main(scenario: str) -> int:
                 scheduler.publish = lambda *args: (publish(*args), os.kill(os.getpid(), signal.SIGKILL))
             out, _, _ = layer(x)
             out.sum().backward()
+            if scenario == "owner-dies" and step == 2:
+                if rank == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.all_reduce(torch.ones(1))  # fails on rank 1, outside FEPLB, and is not caught
+                continue
             if step == 0:
                 domain = layer.deepspeed_moe.domain
                 deadline = time.monotonic() + 60
@@ -62,6 +70,8 @@ def main(scenario: str) -> int:
                 print(f"READY {domain.name}- {domain.scheduler.scheduler_pid()}", flush=True)
             step += 1
     except Exception as error:  # what the user sees instead of a hang
+        if scenario == "owner-dies":
+            raise  # to the top level: what the user's program does with DeepSpeed's errors
         print(f"ERROR {type(error).__name__}: {error}", flush=True)
         return 1
 

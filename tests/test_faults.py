@@ -86,6 +86,20 @@ def test_dead_rank_stops_the_others_with_an_error_naming_it(scenario):
             p.wait()
 
 
+def test_a_dead_owner_rank_is_named_by_the_survivor_even_outside_feplb():
+    procs = start_job("owner-dies")
+    try:
+        read_until(procs[1], "READY")
+        out, _ = procs[1].communicate(timeout=120)
+        assert procs[1].returncode not in (0, None)
+        assert "rank 0 (pid" in out and "died" in out, out[-3000:]  # named, not only gloo's "connection reset"
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_scheduler_killed_or_stalled_falls_back_and_recovers():
     results = run_distributed(moe_cases.scheduler_fault_case, 2, timeout=300)
     for rank, case in enumerate(results):
