@@ -183,7 +183,7 @@ def _install_exit_handlers() -> None:
     if _installed:
         return
     _installed = True
-    exits.install()
+    exits.install(dead_peers)
     atexit.register(_at_exit)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         # default SIGTERM kills without running atexit; exit normally instead so segments are removed

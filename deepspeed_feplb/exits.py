@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable, Optional
 
 __all__ = ["install", "interrupted"]
 
@@ -41,9 +42,15 @@ def _env_rank(name: str) -> int:
         return 0
 
 
-def install() -> None:
-    """Install the excepthook (and a SIGINT handler that notes the interruption); idempotent."""
-    global _installed
+_dead_peers: Optional[Callable[[], list]] = None
+
+
+def install(dead_peers: Optional[Callable[[], list]] = None) -> None:
+    """Install the excepthook (and a SIGINT handler that notes the interruption); idempotent.
+    ``dead_peers(wait_s)``: names the dead peer ranks of this process (`domain.dead_peers`)."""
+    global _installed, _dead_peers
+    if dead_peers is not None:
+        _dead_peers = dead_peers
     if _installed:
         return
     _installed = True
@@ -77,9 +84,7 @@ def install() -> None:
 def _name_dead_peers() -> None:
     """A collective that fails because a peer died says only "connection reset" (gloo) or times
     out: name the dead ranks of this process's NVLink domains, which FEPLB watches."""
-    from deepspeed_feplb import domain
-
-    dead = domain.dead_peers(wait_s=1.0)
+    dead = _dead_peers(wait_s=1.0) if _dead_peers is not None else []
     if dead:
         print(f"deepspeed_feplb: {', '.join(dead)} of this rank's NVLink domain died; the error below is this "
               "rank's view of it", file=sys.stderr, flush=True)

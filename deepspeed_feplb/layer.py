@@ -15,6 +15,7 @@ Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move b
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from typing import Optional
 
 import numpy as np
@@ -100,9 +101,17 @@ class FEPLBMOELayer(MOELayer):
                  "feplb.dynamic_experts_per_rank": config.dynamic_experts_per_rank,
                  "feplb.nvlink_domain_size": config.nvlink_domain_size, "feplb.transport": config.transport,
                  "feplb.weight_residency": config.weight_residency}
+        ranks = dist.get_process_group_ranks(self.ep_group)
+        if dist.get_backend(self.ep_group) == "gloo":  # bounded, and it names who is missing
+            timeout_s = config.scheduler.peer_timeout_s
+            try:
+                dist.monitored_barrier(group=self.ep_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+            except RuntimeError as error:
+                raise RuntimeError(f"FEPLB: not every rank of expert-parallel group {ranks} ran this MoE layer's first "
+                                   f"forward within feplb.scheduler.peer_timeout_s={timeout_s:g} s; every rank must run "
+                                   f"the same forwards of the layer ({error})") from None
         everyone = [None] * self.ep_size
         dist.all_gather_object(everyone, facts, group=self.ep_group)
-        ranks = dist.get_process_group_ranks(self.ep_group)
         for key in facts:
             values = [f[key] for f in everyone]
             if any(v != values[0] for v in values):

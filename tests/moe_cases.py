@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -482,16 +483,25 @@ def misuse_case(kind: str) -> dict:
                 self.rows += x.shape[0]
             return self.linear(x)
 
-    experts = 8 if kind != "experts_differ" or dist.get_rank() == 0 else 16
+    rank = dist.get_rank()
+    experts = 8 if kind != "experts_differ" or rank == 0 else 16
     expert = {"batchnorm": lambda: torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN)),
               "buffer_update": lambda: Counting(True), "plain_buffer": lambda: Counting(False)}.get(kind, make_expert)()
     torch.manual_seed(0)
     layer = deepspeed_feplb.MoE(hidden_size=HIDDEN, expert=expert, num_experts=experts, ep_size=2, k=2, min_capacity=0,
                                 drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                                feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2})
+                                feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2,
+                                              "scheduler": {"peer_timeout_s": 3}})
     layer.set_deepspeed_parallelism()
+    x = rank_inputs(0)[0]
     try:
-        layer(rank_inputs(0)[0])
-    except deepspeed_feplb.FEPLBConfigError as error:
+        if kind == "first_forward_missing" and rank == 1:
+            time.sleep(8)  # never runs the layer (keeps the process group up while rank 0 waits)
+            return {"error": ""}
+        if kind == "extra_eval_forward" and rank == 0:
+            with torch.no_grad():
+                layer(x)
+        layer(x)
+    except (deepspeed_feplb.FEPLBConfigError, RuntimeError) as error:
         return {"error": str(error)}
     return {"error": ""}

@@ -7,7 +7,7 @@ import pytest
 import moe_cases
 from deepspeed_feplb.testing import run_distributed
 
-KINDS = ("experts_differ", "batchnorm", "buffer_update", "plain_buffer")
+KINDS = ("experts_differ", "batchnorm", "buffer_update", "plain_buffer", "extra_eval_forward", "first_forward_missing")
 
 
 def cases() -> dict:
@@ -35,6 +35,17 @@ def test_an_expert_that_updates_a_buffer_is_refused_for_migration_and_a_constant
         assert "updates buffer(s) rows" in r["buffer_update"]["error"], r["buffer_update"]
         assert "dynamic_experts_per_rank to 0" in r["buffer_update"]["error"]
         assert r["plain_buffer"]["error"] == ""
+
+
+def test_an_extra_forward_on_one_rank_is_named_instead_of_desynchronising_the_group(results):
+    for r in results:
+        error = r["extra_eval_forward"]["error"]
+        assert "rank 0: forward 0 without gradients, rank 1: forward 0 with gradients" in error, error
+
+
+def test_a_rank_that_never_runs_the_first_forward_is_named_within_the_peer_timeout(results):
+    error = results[0]["first_forward_missing"]["error"]
+    assert "peer_timeout_s=3 s" in error and "1" in error.split("(", 1)[-1], error
 
 
 def test_the_next_job_reclaims_what_a_killed_one_left():

@@ -67,6 +67,7 @@ class TorchDispatcher:
         self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
         self.on_error = on_error  # called when a collective fails; raises if it knows why (a dead peer)
         self.stage_times = stage_times  # a `stats.StageTimes` that backward's all-to-alls report to, or None
+        self.forwards = 0  # dispatches so far: every rank of the group must be at the same one
 
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
         """Send rows to their experts' home ranks.
@@ -89,19 +90,29 @@ class TorchDispatcher:
         route_order = torch.nonzero(valid).squeeze(1)[torch.argsort(experts, stable=True)]
         send_rows = x.index_select(0, route_order % num_tokens)
         send_counts = torch.bincount(experts, minlength=num_experts).view(self.ep_size, self.num_local_experts)
-        # one extra column tells every peer how many bad routes this rank has: all ranks then fail together
-        send_meta = torch.cat([send_counts, send_counts.new_full((self.ep_size, 1), out_of_range)], dim=1)
+        # extra columns tell every peer this rank's bad routes and which forward it is in (its number,
+        # with or without gradients): a misuse then fails on all ranks together, naming itself,
+        # instead of desynchronising the group's later collectives
+        me = [out_of_range, self.forwards, int(torch.is_grad_enabled())]
+        self.forwards += 1
+        send_meta = torch.cat([send_counts, torch.tensor(me, dtype=send_counts.dtype).expand(self.ep_size, 3)], dim=1)
         if self.ep_size > 1:
             recv_meta = torch.empty_like(send_meta)
             _checked(self.on_error, dist.all_to_all_single, recv_meta, send_meta, group=self.group)
         else:
             recv_meta = send_meta
-        bad = recv_meta[:, -1].tolist()
+        bad, forwards, grads = (recv_meta[:, -3 + i].tolist() for i in range(3))
         if any(bad):
             ranks = {self._global_rank(i): n for i, n in enumerate(bad) if n}
             raise ValueError(f"FEPLB: routes to experts outside [-1, {num_experts - 1}] (rank: count {ranks}); "
                              "a custom router must return expert ids in range, or -1 for a route not taken")
-        recv_counts = recv_meta[:, :-1]
+        if len(set(forwards)) > 1 or len(set(grads)) > 1:
+            where = ", ".join(f"rank {self._global_rank(i)}: forward {n} {'with' if g else 'without'} gradients"
+                              for i, (n, g) in enumerate(zip(forwards, grads)))
+            raise RuntimeError(f"FEPLB: the ranks of this MoE layer's expert-parallel group are in different forwards "
+                               f"({where}); every rank must run the same forwards of the layer, in the same grad mode "
+                               "(an evaluation or an extra forward on some ranks only desynchronises the group)")
+        recv_counts = recv_meta[:, :-3]
         recv_np = recv_counts.cpu().numpy()
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_np.sum(1).tolist()
