@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _job(kind: str, runs: int, steps: int) -> float:
+def _job(kind: str, runs: int, steps: int, feplb: dict | None = None) -> float:
     import torch
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -33,7 +33,7 @@ def _job(kind: str, runs: int, steps: int) -> float:
     world = dist.get_world_size()
     config = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-              "feplb": {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 8}}
+              "feplb": {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 8, **(feplb or {})}}
     for run in range(runs):
         torch.manual_seed(run)
         layer_cls = DeepSpeedMoE if kind == "deepspeed" else deepspeed_feplb.MoE
@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3, help="jobs per kind (alternating)")
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--feplb", type=json.loads, default={}, metavar="JSON",
+                        help='keys merged into the "feplb" section, e.g. \'{"stats": {"enabled": false}}\' to see '
+                             "what a feature costs")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from deepspeed_feplb.testing import run_distributed
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
     for _ in range(args.repeat):
         for kind in walls:
             start = time.perf_counter()
-            per_rank = run_distributed(_job, args.ranks, kind, args.runs, args.steps, timeout=1800)
+            per_rank = run_distributed(_job, args.ranks, kind, args.runs, args.steps, args.feplb, timeout=1800)
             walls[kind].append(time.perf_counter() - start)
             inside[kind].append(max(per_rank))
     load_after = os.getloadavg()[0]
