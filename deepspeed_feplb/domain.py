@@ -24,7 +24,7 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
-from deepspeed_feplb.segments import PeerWatch, cleanup, leftover_segments, ranks_per_host
+from deepspeed_feplb.segments import PeerWatch, cleanup, ranks_per_host
 
 _RUNTIMES: dict[tuple, "DomainRuntime"] = {}
 _LOCK = threading.Lock()
@@ -48,7 +48,7 @@ def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:
     and they are older than ``min_age_s``: another job's that is starting up may not map its own
     yet), saying so once; returns their names. A domain's first rank calls it before creating its
     own, so a SIGKILLed job's memory is reclaimed by the next job."""
-    names = cleanup(keep_in_use=True, min_age_s=min_age_s) if leftover_segments() else []
+    names = cleanup(keep_in_use=True, min_age_s=min_age_s)
     if names:
         print(f"deepspeed_feplb: removed {len(names)} shared-memory segment(s) that killed FEPLB jobs left in "
               "/dev/shm", flush=True)

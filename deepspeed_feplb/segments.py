@@ -264,7 +264,7 @@ def cleanup(prefix: str = SEGMENT_PREFIX, keep_in_use: bool = False, min_age_s: 
     the mappings are read, so a segment created meanwhile is never taken for a leftover."""
     removed = []
     names = leftover_segments(prefix)
-    in_use = segments_in_use(prefix) if keep_in_use else {}
+    in_use = segments_in_use(prefix) if keep_in_use and names else {}  # reading every process's maps costs
     now = time.time()
     for name in names:
         if name in in_use or now - _changed_at(name) < min_age_s:

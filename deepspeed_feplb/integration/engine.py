@@ -107,8 +107,8 @@ def _cpu_adam(bound: inspect.BoundArguments, ds_config) -> inspect.BoundArgument
     params = optimizer.get("params") or {}
     if "torch_adam" in params:
         return bound
-    import os
-    if os.environ.get("RANK", "0") == "0":
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"deepspeed_feplb: no CUDA here: optimizer {optimizer['type']!r} uses torch's implementation "
               "(\"torch_adam\": true) instead of compiling DeepSpeed's C++ Adam op, which takes minutes; set "
               "\"torch_adam\" in the optimizer's params to choose", flush=True)

@@ -230,11 +230,14 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
                 tokens, moves = int(st.get("migrated_tokens", 0)), int(st.get("moves", 0))
                 migrated_tokens += tokens
                 passes = 2 if lead.training else 1
-                weights = int(st.get("weight_bytes", moves * lead.expert_bytes))
-                grads = int(st.get("grad_bytes", moves * lead.expert_bytes)) if lead.training else 0
-                migrated_bytes += passes * 2 * tokens * lead.hidden * lead.elem_bytes + weights + grads
+                counted = {key: int(st.get(key, 0)) for key in TRAFFIC}
+                # stats without weight traffic (recorded before residency existed): one copy per move each way
+                counted["weight_bytes"] = int(st.get("weight_bytes", moves * lead.expert_bytes))
+                counted["grad_bytes"] = int(st.get("grad_bytes", moves * lead.expert_bytes)) if lead.training else 0
+                migrated_bytes += (passes * 2 * tokens * lead.hidden * lead.elem_bytes + counted["weight_bytes"]
+                                   + counted["grad_bytes"])
                 for key in TRAFFIC:
-                    traffic[key] += int(st.get(key, 0)) if lead.training or key != "grad_bytes" else 0
+                    traffic[key] += counted[key]
                 if "warm_start_token_straggler" in lead.extra:
                     warm.append(lead.extra["warm_start_token_straggler"])
         entry = {"gemm_straggler_ms": _mean(gemm), "gemm_max_ms": _mean(gemm_max)}

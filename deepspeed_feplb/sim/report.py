@@ -145,33 +145,15 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
                       ncol=-(-len(labels) // rows), loc="upper center", frameon=False, columnspacing=0.9,
                       handlelength=1.2)
 
-    ax = axes[2]
-    for name, run in runs.items():
-        ax.plot(run.token_straggler.mean(axis=1), label=_label(name), **_line(name))
-    ax.set_title("token straggler (max − mean over ranks),\nmean over layers", fontsize=10)
-    ax.set_xlabel("micro-batch of the trace")
-    ax.set_ylabel("tokens (log scale above 10)")
-    ax.set_yscale("symlog", linthresh=10)
-    ax.legend(fontsize=8)
-
-    ax = axes[3]
-    for name, run in runs.items():
-        ax.plot(run.gemm_straggler.mean(axis=1), label=_label(name), **_line(name))
-    ax.set_title("GEMM straggler (cost model, max − mean over ranks),\nmean over layers", fontsize=10)
-    ax.set_xlabel("micro-batch of the trace")
-    ax.set_ylabel("µs")
-    ax.legend(fontsize=8)
-
-    ax = axes[4]
+    _policy_panel(axes[2], {name: run.token_straggler.mean(axis=1) for name, run in runs.items()},
+                  "token straggler (max − mean over ranks),\nmean over layers", "tokens (log scale above 10)")
+    axes[2].set_yscale("symlog", linthresh=10)
+    _policy_panel(axes[3], {name: run.gemm_straggler.mean(axis=1) for name, run in runs.items()},
+                  "GEMM straggler (cost model, max − mean over ranks),\nmean over layers", "µs")
     expert = {name: run.expert_us.mean(axis=1) for name, run in runs.items() if run.expert_us is not None}
     scale, unit = (1e3, "ms") if expert and max(v.max() for v in expert.values()) >= 1e3 else (1.0, "µs")
-    for name, values in expert.items():
-        ax.plot(values / scale, label=_label(name), **_line(name))
-    ax.set_title("expert time, forward + backward with copies\n(slowest rank), mean over layers", fontsize=10)
-    ax.set_xlabel("micro-batch of the trace")
-    ax.set_ylabel(unit)
-    if expert:
-        ax.legend(fontsize=8)
+    _policy_panel(axes[4], {name: values / scale for name, values in expert.items()},
+                  "expert time, forward + backward with copies\n(slowest rank), mean over layers", unit)
 
     if d_sweep:
         ax = axes[5]
@@ -188,6 +170,17 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _policy_panel(ax, series: dict, title: str, ylabel: str) -> None:
+    """One line per policy over the trace's micro-batches: ``series`` {policy: float [steps]}."""
+    for name, values in series.items():
+        ax.plot(values, label=_label(name), **_line(name))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("micro-batch of the trace")
+    ax.set_ylabel(ylabel)
+    if series:
+        ax.legend(fontsize=8)
 
 
 def plot(path: str, runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: str = "") -> None:
