@@ -261,38 +261,41 @@ def _exchange_counting_host_waits() -> dict:
     from deepspeed_feplb.migrate.backend import HostBackend
 
     class Counting(HostBackend):
-        syncs = recorded = 0
+        syncs = 0
 
         def event_synchronize(self, event):
             Counting.syncs += 1
             super().event_synchronize(event)
 
-        def record_stream(self, tensor, stream):
-            Counting.recorded += 1
+        def event_query(self, event):
+            return True  # the host executes in order: complete
 
     rank = dist.get_rank()
     backend, t = _transport_pair(Counting)
-    ok = True
+    ok, held = True, []
     for r in range(5):
-        future = t.send(1 - rank, r, [torch.full((64, 8), float(r + rank)), torch.arange(3)])
+        sent = [torch.full((64, 8), float(r + rank)), torch.arange(3)]
+        future = t.send(1 - rank, r, sent)
         got = t.recv(1 - rank, r)
         future.result(timeout=20)
         ok &= torch.equal(got[0], torch.full((64, 8), float(r + 1 - rank)))
-    during = (Counting.syncs, Counting.recorded)
+        # what the copy thread still holds: this message's tensors, the earlier ones released
+        held.append([[x.data_ptr() == y.data_ptr() for x, y in zip(tensors, sent)] for _, tensors in t._in_flight[1 - rank]])
+    during = Counting.syncs
     dist.barrier()
     t.close()
-    return {"ok": bool(ok), "syncs_during": during[0], "recorded": during[1]}
+    return {"ok": bool(ok), "held": held, "syncs_during": during}
 
 
 def test_sends_never_wait_for_the_device_and_keep_their_memory():
     """A send's future completes once its copies are queued (no event synchronisation per message,
-    which serialised messages and blocked the host), and every sent tensor is kept from reuse by
-    the allocator until its copy ran (record_stream on the copy stream)."""
+    which serialised messages and blocked the host), and the copy thread keeps every sent tensor
+    from reuse by the allocator until its copy ran, then lets it go."""
     from deepspeed_feplb.testing import run_distributed
     for result in run_distributed(_exchange_counting_host_waits, 2, timeout=120):
         assert result["ok"]
+        assert result["held"] == [[[True, True]]] * 5, "sent tensors are held until their copies ran, then released"
         assert result["syncs_during"] == 0, "the copy thread synchronised on an event per message"
-        assert result["recorded"] == 10
 
 
 def test_events_let_a_waiting_host_thread_sleep():

@@ -95,7 +95,7 @@ class TorchDispatcher:
         # instead of desynchronising the group's later collectives
         me = [out_of_range, self.forwards, int(torch.is_grad_enabled())]
         self.forwards += 1
-        send_meta = torch.cat([send_counts, torch.tensor(me, dtype=send_counts.dtype).expand(self.ep_size, 3)], dim=1)
+        send_meta = torch.cat([send_counts, torch.tensor(me, dtype=send_counts.dtype, device=send_counts.device).expand(self.ep_size, 3)], dim=1)
         if self.ep_size > 1:
             recv_meta = torch.empty_like(send_meta)
             _checked(self.on_error, dist.all_to_all_single, recv_meta, send_meta, group=self.group)

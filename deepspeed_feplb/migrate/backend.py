@@ -86,6 +86,10 @@ class CudaBackend:
     def event_synchronize(self, event: int) -> None:
         self._rt.eventSynchronize(event)
 
+    def event_query(self, event: int) -> bool:
+        """True once the work before the event's last record has run (never blocks)."""
+        return self._rt.eventQuery(event) == 0  # cudaSuccess; cudaErrorNotReady (600) while pending
+
     def stream_create(self) -> int:
         return int(self._rt.streamCreateWithFlags(self._rt.streamNonBlocking))
 
@@ -97,10 +101,6 @@ class CudaBackend:
 
     def current_stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
-
-    def record_stream(self, tensor: torch.Tensor, stream: int) -> None:
-        """Keep ``tensor``'s memory from reuse until work queued on ``stream`` so far is done."""
-        tensor.record_stream(torch.cuda.ExternalStream(stream, device=self.device))
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """One ``cudaMemcpyAsync(kind=Default)``: a Copy-Engine copy when dst and src are on different GPUs."""
@@ -234,6 +234,10 @@ class HostBackend:
         if event not in self._events:
             raise ValueError(f"unknown event {event}")
 
+    def event_query(self, event: int) -> bool:
+        self.event_synchronize(event)
+        return True
+
     def stream_create(self) -> int:
         return self._new(self._streams)
 
@@ -245,9 +249,6 @@ class HostBackend:
 
     def current_stream(self) -> int:
         return 0
-
-    def record_stream(self, tensor: torch.Tensor, stream: int) -> None:
-        pass
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:

@@ -22,8 +22,14 @@ Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md):
   tensors there (not on the compute stream, which only waits for the copy), records its
   *consumed* event and publishes ``ack``; the sender's copy stream waits on the consumed event
   before it overwrites the slot with the next message. No host thread waits for the device on
-  this path: a send's future completes once its copies are queued (``record_stream`` keeps the
-  sent tensors' memory until they ran), and events are created with ``BlockingSync``.
+  this path: a send's future completes once its copies are queued, and events are created with
+  ``BlockingSync``.
+* **Memory of sent tensors** stays referenced by the copy thread, with an event recorded after
+  their copies, until a later send (or `close`) finds that event complete: the caching allocator
+  cannot hand it out while a copy still reads it. (``Tensor.record_stream`` on the copy stream
+  would do the same, but the allocator then records events on that stream whenever the tensor is
+  freed, which fails once `close` destroyed the stream.) The receiver's copy-out waits for the
+  caller's stream first, since the caller allocated the destination tensors on it.
 * **Growing a slot** needs the receiver (it owns the memory): the sender closes its mapping and
   asks for ``want`` bytes; the receiver, inside the `recv` that waits for that very message,
   frees the slot (after its last read finished), allocates ``max(want, 2 * capacity)`` and
@@ -36,6 +42,7 @@ identical protocol on host shared memory, which is how CPU machines test this mo
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -124,6 +131,8 @@ class CudaCETransport:
         for dst in self._peers:
             _put_handle(self._control[local_rank, dst], READY_H, backend.event_handle(self._ready[dst]))
         self._mapped: dict[int, tuple[int, int]] = {}  # dst -> (peer slot ptr, generation); copy thread only
+        self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors); copy thread only
+        self._caller_at = {src: backend.event_create() for src in self._peers}  # recv: the caller's stream, now
         self._done_peer: dict[int, int] = {}  # dst -> the receiver's consumed event, opened; copy thread only
         self._jobs = {dst: queue.Queue() for dst in self._peers}
         self._threads = {dst: threading.Thread(target=self._copy_loop, args=(dst, ), name=f"feplb-ce-{dst}", daemon=True)
@@ -165,8 +174,8 @@ class CudaCETransport:
 
         The copies start when the caller's current stream reaches this call (an event), so the
         tensors may come straight from the compute stream; the host never waits for them. Their
-        memory is kept from reuse until the copies completed (``record_stream`` on the copy
-        stream); they must not be modified afterwards on another stream.
+        memory is kept from reuse until the copies completed (the copy thread holds them); they must
+        not be modified afterwards on another stream.
         """
         if dst == self.local_rank:
             raise ValueError("a rank does not send to itself")
@@ -203,6 +212,7 @@ class CudaCETransport:
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor], ready: int) -> None:
         backend, stream = self.backend, self._streams[dst]
         channel = self._control[self.local_rank, dst]
+        self._release_copied(dst, wait=False)
         me, check = self.local_rank, peer_check(self.watch, dst)
         wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
                    f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message", check,
@@ -228,7 +238,9 @@ class CudaCETransport:
             if t.numel() == 0:
                 continue  # an empty tensor (e.g. phase 2's chunk flags) travels in its description only
             backend.memcpy_async(peer + offset, t.data_ptr(), t.numel() * t.element_size(), stream)
-            backend.record_stream(t, stream)  # the allocator must not hand t's memory out before the copy ran
+        copied = backend.event_create()
+        backend.event_record(copied, stream)
+        self._in_flight[dst].append((copied, tensors))  # memory kept from the allocator until the copies ran
         backend.event_record(self._ready[dst], stream)
         meta = channel[META:META + len(tensors) * wire.FIELDS].reshape(len(tensors), wire.FIELDS)
         for row, t, offset in zip(meta, tensors, offsets):
@@ -236,6 +248,18 @@ class CudaCETransport:
         channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
         channel[SEQ] += 1  # publish last: the receiver waits on seq
         self._notify(me, dst, SEQ)
+
+    def _release_copied(self, dst: int, wait: bool) -> None:
+        """Drop the sent tensors whose copies to ``dst`` ran (all of them, waiting, with ``wait``)."""
+        in_flight = self._in_flight[dst]
+        while in_flight:
+            copied = in_flight[0][0]
+            if wait:
+                self.backend.event_synchronize(copied)
+            elif not self.backend.event_query(copied):
+                return
+            in_flight.popleft()
+            self.backend.event_destroy(copied)
 
     def _map(self, dst: int, channel: np.ndarray) -> int:
         generation = int(channel[GEN])
@@ -270,6 +294,9 @@ class CudaCETransport:
                    peer_check(self.watch, src), word=self._word(src, self.local_rank, SEQ))
         wire.check_tag(tag, channel[TAG], src)
         backend, stream = self.backend, self._recv_streams[src]
+        # the tensors below are allocated on the caller's stream, whose earlier work may still use that memory
+        backend.event_record(self._caller_at[src], backend.current_stream())
+        backend.stream_wait_event(stream, self._caller_at[src])
         if src not in self._ready_peer:
             self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
         backend.stream_wait_event(stream, self._ready_peer[src])
@@ -310,6 +337,7 @@ class CudaCETransport:
         backend = self.backend
         for dst in self._peers:  # copies still running into a peer's slot must end before we unmap it
             backend.event_synchronize(self._ready[dst])
+            self._release_copied(dst, wait=True)
         for dst in list(self._mapped):
             self._unmap(dst)
         for event in [*self._done_peer.values(), *self._ready_peer.values()]:
@@ -335,7 +363,7 @@ class CudaCETransport:
         for src, (ptr, _) in self._slots.items():
             backend.event_synchronize(self._done[src])
             backend.free(ptr)
-        for event in [*self._done.values(), *self._ready.values()]:
+        for event in [*self._done.values(), *self._ready.values(), *self._caller_at.values()]:
             backend.event_destroy(event)
         self._slots.clear()
         self._streams.clear()

@@ -107,6 +107,7 @@ def _worker(payload, rank, world_size, port, store, results, stack_file, environ
     # the parent sends SIGUSR1 to a rank that hangs: every thread's Python stack goes to stack_file
     stacks = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a crash in native code (CUDA, gloo) still shows where Python was
     import torch
     torch.set_num_threads(1)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

@@ -339,6 +339,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="dry run on the CPU (what CI runs)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for device_checks.json")
+    parser.add_argument("--stages", default="", help="comma-separated subset of the stages after preflight "
+                        "(default: all), e.g. to rerun the failed ones inside a short device lease")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
@@ -349,11 +351,15 @@ def main(argv=None) -> int:
     from deepspeed_feplb.segments import leftover_segments
     baseline = 0 if args.cpu else torch.cuda.memory_allocated(0)
     segments_before = set(leftover_segments())
-    for name, fn in (("kernels", kernels), ("copy", copy), ("overlap", overlap), ("transport", transport),
-                     ("layer", layer), ("deepep", deepep)):
-        check.stage(name, lambda fn=fn: fn(check))
-    check.stage("leaks", lambda: leaks(check, baseline, segments_before))
-    check.stage("gpu_tests", lambda: gpu_tests(check))
+    stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport, "layer": layer,
+              "deepep": deepep, "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
+    chosen = [name.strip() for name in args.stages.split(",") if name.strip()] or list(stages)
+    unknown = sorted(set(chosen) - set(stages))
+    if unknown:
+        parser.error(f"unknown stage(s) {unknown}; choose from {list(stages)}")
+    for name in stages:
+        if name in chosen:
+            check.stage(name, lambda fn=stages[name]: fn(check))
     print(json.dumps({name: s["ok"] for name, s in check.result["stages"].items()}))
     return 0 if check.result["ok"] else 1
 
