@@ -1,6 +1,5 @@
 """Bad configuration, bad routing and odd data: a correct result or a clear error, never a hang."""
 import pytest
-import torch
 
 import deepspeed_feplb
 from deepspeed_feplb import FEPLBConfigError, load_config

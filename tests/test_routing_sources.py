@@ -2,11 +2,10 @@
 import numpy as np
 import pytest
 import torch
-from deepspeed.moe import sharded_moe
 from deepspeed.moe.sharded_moe import TopKGate
 
 from deepspeed_feplb.gate.sigmoid import SigmoidTopKGate
-from deepspeed_feplb.trace.format import Trace, load_trace
+from deepspeed_feplb.trace.format import load_trace
 from deepspeed_feplb.testing import (RouteRequest, RoutedGate, TraceRouting, assign_counts, dirichlet_routing,
                                      example_trace_path, one_hot_expert_routing, scale_counts, uniform_routing,
                                      zipf_routing)
