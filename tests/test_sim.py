@@ -96,6 +96,27 @@ def test_gemm_cost_model_tiles():
     assert gemm_us(np.array([0, 1, 4, 5]), shape, prof).tolist() == [0.0, 513.0, 513.0, 1025.0]
 
 
+def test_fit_profile_recovers_tile_rate_and_overhead():
+    """The calibration fit on times made by a known profile finds that profile's tile, rate and
+    overhead (the tiles 1, 2 and 4 fit these times worse, so the check can fail)."""
+    from deepspeed_feplb.sim.calibrate import fit_profile
+    shape = ExpertShape(hidden=64, ffn_hidden=128)
+    truth = GemmProfile("t", tflops=2e-3, tile_m=8, overhead_us=5.0, ce_gbps=1.0, net_gbps=1.0)
+    rows = [1, 3, 8, 9, 17, 24, 31, 64, 100]
+    fitted = fit_profile("fit", shape, rows, gemm_us(np.array(rows), shape, truth), (1, 2, 4, 8, 16), 1.0, 1.0)
+    assert fitted.tile_m == 8
+    assert fitted.tflops == pytest.approx(2e-3, rel=1e-6) and fitted.overhead_us == pytest.approx(5.0, rel=1e-6)
+
+
+def test_gpu_profile_needs_a_device():
+    import torch
+    from deepspeed_feplb.sim.calibrate import get_profile
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the gpu profile would be measured")
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        get_profile("gpu")
+
+
 def _independent_vanilla(counts, ranks):
     """Straight from the metric definitions: contiguous homes, T_r, max - mean."""
     S, L, _, E = counts.shape

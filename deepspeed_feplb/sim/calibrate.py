@@ -8,16 +8,22 @@ import numpy as np
 
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile
 
-__all__ = ["get_profile", "calibrate_cpu"]
+__all__ = ["get_profile", "calibrate", "calibrate_cpu"]
+
+_CPU_ROWS = (1, 8, 16, 24, 32, 64, 96, 128, 256, 512)
+# GPU row counts: below, around and above the tile sizes grouped GEMMs use, up to a large micro-batch
+_GPU_ROWS = (16, 64, 96, 128, 192, 256, 384, 512, 640, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def get_profile(name: str, shape: ExpertShape | None = None) -> GemmProfile:
-    """A named profile; ``cpu`` is measured now (needs torch)."""
+    """A named profile; ``cpu`` and ``gpu`` are measured now (need torch; ``gpu`` a CUDA device)."""
     if name in PROFILES:
         return PROFILES[name]
     if name == "cpu":
         return calibrate_cpu(shape or ExpertShape(hidden=512, ffn_hidden=1024))
-    raise ValueError(f"unknown cost profile {name!r} (one of {sorted(PROFILES) + ['cpu']})")
+    if name == "gpu":
+        return calibrate(shape or ExpertShape(), device="cuda")
+    raise ValueError(f"unknown cost profile {name!r} (one of {sorted(PROFILES) + ['cpu', 'gpu']})")
 
 
 def _best_time(fn, repeat: int) -> float:
@@ -29,21 +35,40 @@ def _best_time(fn, repeat: int) -> float:
     return best
 
 
-def calibrate_cpu(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024),
-                  rows=(1, 8, 16, 24, 32, 64, 96, 128, 256, 512), repeat: int = 5) -> GemmProfile:
-    """Measure real torch expert GEMMs on this machine's CPU and fit the cost model.
-
-    For each row count ``n`` it times the forward of one expert of ``shape`` in fp32 (``mats``
-    matmuls), then fits ``t(n) = overhead + ceil(n / tile) * tile * flops_per_row / rate`` by least
-    squares for each candidate tile in {1, 2, 4, 8, 16, 32} and keeps the best. The "copy engine"
-    rate is the measured bandwidth of a large tensor copy."""
+def _best_time_cuda(fn, repeat: int, inner: int = 10) -> float:
+    """Best over ``repeat`` of the mean of ``inner`` back-to-back calls, timed with CUDA events (s)."""
     import torch
+    best = float("inf")
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / inner)
+    return best
 
-    w = [torch.randn(shape.hidden, shape.ffn_hidden) for _ in range(shape.mats - 1)]
-    w.append(torch.randn(shape.ffn_hidden, shape.hidden))
+
+def calibrate_cpu(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024), rows=_CPU_ROWS,
+                  repeat: int = 5) -> GemmProfile:
+    """`calibrate` on this machine's CPU in fp32."""
+    return calibrate(shape, "cpu", rows, repeat)
+
+
+def expert_times_us(shape: ExpertShape, device: str = "cpu", rows=_CPU_ROWS, repeat: int = 5) -> list[float]:
+    """Forward time (µs) of one expert of ``shape`` (``mats`` matmuls, gated when 3) for each row
+    count in ``rows``: fp32 on the CPU, bf16 on a CUDA device (timed with CUDA events)."""
+    import torch
+    cuda = device != "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    w = [torch.randn(shape.hidden, shape.ffn_hidden, generator=g, device=device, dtype=dtype)
+         for _ in range(shape.mats - 1)]
+    w.append(torch.randn(shape.ffn_hidden, shape.hidden, generator=g, device=device, dtype=dtype))
     times = []
     for n in rows:
-        x = torch.randn(n, shape.hidden)
+        x = torch.randn(n, shape.hidden, generator=g, device=device, dtype=dtype)
 
         def run():
             h = x @ w[0]
@@ -52,11 +77,17 @@ def calibrate_cpu(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024),
             return h @ w[-1]
 
         run()
-        times.append(_best_time(run, repeat) * 1e6)
+        times.append((_best_time_cuda(run, repeat) if cuda else _best_time(run, repeat)) * 1e6)
+    return times
+
+
+def fit_profile(name: str, shape: ExpertShape, rows, times_us, tiles, ce_gbps: float, net_gbps: float) -> GemmProfile:
+    """Least-squares fit of ``t(n) = overhead + ceil(n / tile) * tile * flops_per_row / rate`` to
+    measured ``times_us`` for each candidate tile; the tile with the smallest squared error wins."""
     rows_a = np.asarray(rows, dtype=np.float64)
-    t_a = np.asarray(times)
+    t_a = np.asarray(times_us, dtype=np.float64)
     best = None
-    for tile in (1, 2, 4, 8, 16, 32):
+    for tile in tiles:
         padded = np.ceil(rows_a / tile) * tile * shape.flops_per_row
         A = np.stack([np.ones_like(padded), padded], axis=1)
         (c0, c1), *_ = np.linalg.lstsq(A, t_a, rcond=None)
@@ -67,8 +98,28 @@ def calibrate_cpu(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024),
             best = (err, tile, max(0.0, float(c0)), 1.0 / (float(c1) * 1e6))
     if best is None:  # timings too noisy to fit: fall back to the largest size's average rate
         best = (0.0, 1, 0.0, rows_a[-1] * shape.flops_per_row / (t_a[-1] * 1e6))
-    src = torch.empty(1 << 23)
-    dst = torch.empty_like(src)
-    copy_s = _best_time(lambda: dst.copy_(src), repeat)
-    gbps = src.numel() * 4 / copy_s / 1e9
-    return GemmProfile("cpu", tflops=best[3], tile_m=best[1], overhead_us=best[2], ce_gbps=gbps, net_gbps=gbps / 4)
+    return GemmProfile(name, tflops=best[3], tile_m=int(best[1]), overhead_us=best[2], ce_gbps=ce_gbps,
+                       net_gbps=net_gbps)
+
+
+def calibrate(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024), device: str = "cpu", rows=None,
+              repeat: int = 5) -> GemmProfile:
+    """Measure real torch expert GEMMs on ``device`` and fit the cost model (`fit_profile`).
+
+    CPU: fp32, tiles {1, ..., 32}; the "copy engine" rate is a large tensor copy's bandwidth.
+    CUDA (profile ``gpu``): bf16, tiles {1, ..., 256}; one GPU has no peer link to measure, so the
+    copy rates are the ``h200`` profile's (NVLink Copy Engine, cross-node NIC)."""
+    import torch
+    if device == "cpu":
+        rows = rows or _CPU_ROWS
+        times = expert_times_us(shape, device, rows, repeat)
+        src = torch.empty(1 << 23)
+        dst = torch.empty_like(src)
+        gbps = src.numel() * 4 / _best_time(lambda: dst.copy_(src), repeat) / 1e9
+        return fit_profile("cpu", shape, rows, times, (1, 2, 4, 8, 16, 32), gbps, gbps / 4)
+    if not torch.cuda.is_available():
+        raise RuntimeError("the gpu cost profile measures a CUDA device, and torch sees none here")
+    rows = rows or _GPU_ROWS
+    times = expert_times_us(shape, device, rows, repeat)
+    link = PROFILES["h200"]
+    return fit_profile("gpu", shape, rows, times, (1, 2, 4, 8, 16, 32, 64, 128, 256), link.ce_gbps, link.net_gbps)

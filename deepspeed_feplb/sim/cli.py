@@ -112,9 +112,10 @@ def add_parser(subparsers) -> None:
                         "micro-batch (default: %(default)s)")
     p.add_argument("--max-resident", type=whole_number(0), default=8, metavar="COPIES",
                    help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
-    p.add_argument("--profile", default="h100", choices=("h100", "h200", "cpu"),
-                   help="GEMM and copy cost profile: h100, h200, or cpu (measured now on this machine's CPU, "
-                        "for a trace recorded on CPU) (default: %(default)s)")
+    p.add_argument("--profile", default="h100", choices=("h100", "h200", "cpu", "gpu"),
+                   help="GEMM and copy cost profile: h100, h200, cpu (measured now on this machine's CPU, "
+                        "for a trace recorded on CPU) or gpu (expert GEMMs measured now on this machine's "
+                        "CUDA device in bf16, copy rates of h200) (default: %(default)s)")
     p.add_argument("--hidden", type=whole_number(1),
                    help="expert hidden size for the cost model (default: the trace's hidden, else 6144)")
     p.add_argument("--ffn-hidden", type=whole_number(1),
