@@ -258,13 +258,19 @@ class CrossNodePlacer:
         R = self.num_nodes * self.ranks_per_node
         self.expert_to_rank = np.arange(self.experts, dtype=np.int64) // (self.experts // R)
 
-    def observe(self, loads: np.ndarray) -> None:
-        """Feed one step's per-expert loads (int [E]); re-place at the end of every interval."""
+    def observe(self, loads: np.ndarray, refresh: bool = True) -> None:
+        """Feed one step's per-expert loads (int [E]); re-place at the end of every interval
+        (``refresh=False``: the caller calls `refresh` when `due`, e.g. at an optimizer step)."""
         loads = np.asarray(loads, dtype=np.float64)
         self.ema = loads.copy() if self.ema is None else (1 - self.decay) * self.ema + self.decay * loads
         self.seen += 1
-        if self.seen % self.interval == 0:
+        if refresh and self.due:
             self.refresh()
+
+    @property
+    def due(self) -> bool:
+        """Whether the last observation ended an interval."""
+        return self.seen > 0 and self.seen % self.interval == 0
 
     def refresh(self) -> bool:
         """Re-place from the moving average if the gain over the next interval pays for the
