@@ -24,7 +24,7 @@ from typing import Annotated, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["FEPLBConfig", "SchedulerConfig", "GatingConfig", "StatsConfig", "FEPLBConfigError", "load_config", "schema"]
+__all__ = ["FEPLBConfig", "SchedulerConfig", "PlacementConfig", "GatingConfig", "StatsConfig", "FEPLBConfigError", "load_config", "schema"]
 
 SECTION = "feplb"
 SCHEMA_COMMAND = "python -m deepspeed_feplb schema --output config_schemas/feplb.schema.json"
@@ -131,6 +131,25 @@ class StatsConfig(FEPLBConfigModel):
     """Path of an .npz routing trace to record (counts int64 [steps, layers, src_ranks, experts]), replayable by `python -m deepspeed_feplb simulate`; null: do not record."""
 
 
+class PlacementConfig(FEPLBConfigModel):
+    """Cross-node expert placement: which rank is each expert's home, re-decided at optimizer steps from the load history."""
+
+    enabled: bool = False
+    """Every interval_steps optimizer steps, re-place the experts of each MoE layer over the ranks of its expert-parallel group so that every node (nvlink_domain_size ranks) carries the same expected load and each node's hot experts are spread over its ranks; an expert moves with its parameters and optimizer state, only when the expected gain over the next interval exceeds the time the move costs. Checkpoints keep DeepSpeed's layout (experts in their original order)."""
+
+    interval_steps: int = Field(50, ge=1)
+    """Optimizer steps between placement decisions."""
+
+    history_decay: float = Field(0.1, gt=0, le=1)
+    """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
+
+    redundant_experts_per_rank: int = Field(0, ge=0, le=0)
+    """Redundant replicas of hot experts per rank (EPLB-style); must be 0: replicas are not built yet."""
+
+    network_gbps: float = Field(50.0, gt=0)
+    """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""
+
+
 class FEPLBConfig(FEPLBConfigModel):
     """The "feplb" section of ds_config.json: per-micro-batch MoE load balancing over the NVLink copy engine."""
 
@@ -168,6 +187,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """'step' residency: expert copies one rank keeps per MoE layer; more are used for their micro-batch only. Memory per MoE layer and rank: up to max_resident_experts x (expert weight bytes + its weight-gradient, kept in fp32: 2 x the weight bytes for bf16/fp16 parameters, 1 x for fp32), e.g. 8 x 3 x 75.5 MB = 1.8 GB for a 6144 x 2048 SwiGLU expert in bf16."""
 
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     gating: GatingConfig = Field(default_factory=GatingConfig)
     stats: StatsConfig = Field(default_factory=StatsConfig)
 

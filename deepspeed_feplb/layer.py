@@ -32,6 +32,7 @@ from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -56,6 +57,7 @@ class FEPLBMOELayer(MOELayer):
         self.compute_times = ComputeTimes()
         self.stage_times = StageTimes()  # host time per stage (forward and backward), see `stats.StageTimes`
         self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
+        self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
 
@@ -88,6 +90,8 @@ class FEPLBMOELayer(MOELayer):
         self.domain = get_runtime(self.ep_group, config, transport) if balance else None
         if self.domain is not None:
             self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, config)
+        if config.placement.enabled and self.ep_size > 1:
+            self.placement = _make_placement(self, config, expert_params)
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
                                           hidden=self.gate.wg.in_features, on_error=self.domain.watch.check if self.domain else None,
                                           stage_times=self.stage_times)
@@ -140,10 +144,14 @@ class FEPLBMOELayer(MOELayer):
         timed = self.stage_times.measure
         with timed("gate"):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
+        if self.recorder is not None and not recomputing():
+            self.recorder.record(self, expert_ids)  # logical experts: a trace replays under any placement
+        if self.placement is not None:
+            if self.training and torch.is_grad_enabled() and not recomputing():
+                self.placement.record(expert_ids)
+            expert_ids = self.placement.route(expert_ids)
         with timed("dispatch"):
             rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
-        if self.recorder is not None and not recomputing():
-            self.recorder.record(self, expert_ids)
         out = self._experts(rows, counts_by_source.sum(0))
         with timed("combine"):
             return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
@@ -153,8 +161,12 @@ class FEPLBMOELayer(MOELayer):
         experts = self.experts.deepspeed_experts
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         if self.domain is None:
+            clock = self.compute_times.clock(rows.device)
+            begin = clock()
             with self.stage_times.measure("static experts"):
                 outs = [_call(experts[e], rows[starts[e]:starts[e + 1]]) for e in range(len(experts))]
+            end = clock()
+            self.compute_times.finish(begin, end, end, int(counts.sum()))  # the placement's time per token
             self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
                 if self.feplb_config.stats.enabled else {}
             return torch.cat(outs) if outs else rows
@@ -173,6 +185,23 @@ class FEPLBMOELayer(MOELayer):
             return params
         aliases = iter(ExpertGradOrder.apply(*flat))
         return [[next(aliases) for _ in group] for group in params]
+
+
+def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params) -> ExpertPlacement:
+    """The layer's `ExpertPlacement` over its EP group (nodes of ``nvlink_domain_size`` ranks) and its
+    expert-data-parallel replicas."""
+    from deepspeed.utils import groups
+    dp_group = None
+    try:
+        dp_group = groups._get_expert_data_parallel_group(f"ep_size_{layer.ep_size}")
+    except (KeyError, AssertionError, RuntimeError):
+        pass  # the layer's groups were made outside DeepSpeed's registry: no replicas to agree with
+    placement = config.placement
+    return ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
+                           domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
+                           placement.network_gbps, state_bytes_per_expert(expert_params),
+                           dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
+                           dp_group=dp_group, device=layer.gate.wg.weight.device)
 
 
 def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: bool) -> None:
@@ -283,6 +312,9 @@ class MoE(ds_layer.MoE):
             self.deepspeed_moe.step_ends = seams.step_ends(engine)
         if self.deepspeed_moe.feplb_config is None and engine is not None:
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
+        if engine is not None and self.deepspeed_moe.feplb_config.placement.enabled:
+            from deepspeed_feplb.integration.placement import install as install_placement
+            install_placement(engine)
 
     @classmethod
     def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":

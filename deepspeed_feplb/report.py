@@ -28,10 +28,10 @@ STRAGGLER_METRICS = ("token_straggler_before", "token_straggler_after", "gemm_st
 MIGRATION_METRICS = ("migrated_tokens", "migrated_bytes", "plan_latency_us", "fallbacks")
 # What the monitor logs besides those (integration/monitor.py, METRICS and the pipeline's warm start).
 OTHER_METRICS = ("gemm_max_ms", "warm_start_token_straggler", "weight_bytes", "weight_copies", "resident_hits",
-                 "flushed_copies", "grad_bytes")
+                 "flushed_copies", "grad_bytes", "placement_refreshes", "placement_moved_experts", "placement_bytes")
 # Metrics whose per-step value is a sum over the step's micro-batches: summary.json also gives their total.
 SUMMED = ("migrated_tokens", "migrated_bytes", "fallbacks", "weight_bytes", "weight_copies", "resident_hits",
-          "flushed_copies", "grad_bytes")
+          "flushed_copies", "grad_bytes", "placement_refreshes", "placement_moved_experts", "placement_bytes")
 
 # metric -> (readable name, unit, what it is). Used for legends, table headers and summary.md.
 METRIC_INFO = {
@@ -61,6 +61,12 @@ METRIC_INFO = {
                      "that kept a copy from earlier in the optimizer step)"),
     "grad_bytes": ("weight-gradients sent home", "bytes", "weight-gradients of copies, sent to the expert's home"),
     "weight_copies": ("weight copies", "copies", "expert weight copies sent to helpers"),
+    "placement_refreshes": ("placement refreshes", "refreshes", "cross-node re-placements of the layer's experts "
+                            "(feplb.placement) at the step's end"),
+    "placement_moved_experts": ("experts moved by placement", "experts", "experts that changed rank at a "
+                                "re-placement, with their parameters and optimizer state"),
+    "placement_bytes": ("placement bytes", "bytes", "bytes the moved experts carried: parameters, fp32 master "
+                        "copies and optimizer state"),
     "resident_hits": ("chunks from kept copies", "chunks", "chunks a helper computed with a copy kept from "
                       "earlier in the optimizer step (no copy needed)"),
     "flushed_copies": ("kept copies flushed", "copies", "kept copies whose accumulated gradients went home at "

@@ -10,6 +10,7 @@ import copy
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -108,6 +109,15 @@ class TinyMoEModel(torch.nn.Module):
         return self.out(y), l_aux
 
 
+def train_step(engine, x: torch.Tensor, target: torch.Tensor) -> float:
+    """One micro-batch of TinyMoEModel through ``engine``: forward, backward, step; the loss."""
+    prediction, l_aux = engine(x)
+    loss = ((prediction - target)**2).mean() + 0.01 * l_aux
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 def ds_config(zero_stage: int, feplb: dict) -> dict:
     world = dist.get_world_size()
     # eps 1e-6, not Adam's 1e-8: an expert's first non-zero gradient moves each weight by about
@@ -151,11 +161,7 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     for step in range(steps):
         x, target = rank_inputs(100 + step)
         for name, engine in (("reference", reference), ("feplb", ours)):
-            prediction, l_aux = engine(x)
-            loss = ((prediction - target)**2).mean() + 0.01 * l_aux
-            engine.backward(loss)
-            engine.step()
-            losses[name].append(loss.item())
+            losses[name].append(train_step(engine, x, target))
         migrated += ours.module.moe.feplb_stats["migrated_tokens"]
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
@@ -221,11 +227,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
             if step == 1 and micro == 2:
                 perturb(0.97)  # inside a step: kept copies of the changed experts are stale now
             for name, engine in engines.items():
-                prediction, l_aux = engine(x)
-                loss = ((prediction - target)**2).mean() + 0.01 * l_aux
-                engine.backward(loss)
-                engine.step()
-                losses[name].append(loss.item())
+                losses[name].append(train_step(engine, x, target))
             stats = ours.module.moe.feplb_stats
             for key in traffic:
                 traffic[key] += stats[key]
@@ -505,3 +507,117 @@ def misuse_case(kind: str) -> dict:
     except (deepspeed_feplb.FEPLBConfigError, RuntimeError) as error:
         return {"error": str(error)}
     return {"error": ""}
+
+
+def _placed_model(num_experts: int, ep_size: int):
+    """TinyMoEModel whose gate sends most routes to the experts of the first node (the first half of
+    the ranks), several of them about equally hot (so that moving experts can balance the nodes)."""
+    torch.manual_seed(11)
+    model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
+                                      ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
+                                      top2_2nd_expert_sampling=False))
+    with torch.no_grad():
+        weight = model.moe.deepspeed_moe.gate.wg.weight
+        hot = (torch.arange(num_experts) < num_experts // 2).float() * (1.0 + 0.15 * (torch.arange(num_experts) % 3))
+        weight.mul_(0.2)
+        weight += 2.0 / HIDDEN * hot[:, None]
+    # a router that does not learn: its loads are stationary, so "balanced after placement" is
+    # measurable on the steps that follow (drifting loads are the simulator's subject)
+    weight.requires_grad_(False)
+    diversify_experts(model.moe)
+    return model
+
+
+def _placed_inputs(seed: int, tokens: int = 768):
+    g = torch.Generator().manual_seed(5000 + seed * 97 + dist.get_rank())
+    return torch.randn(tokens, HIDDEN, generator=g) + 1.0, torch.randn(tokens, HIDDEN, generator=g)
+
+
+def _train(engines: dict, steps, on_step=None) -> dict:
+    losses = {name: [] for name in engines}
+    for step in steps:
+        x, target = _placed_inputs(step)
+        for name, engine in engines.items():
+            losses[name].append(train_step(engine, x, target))
+        if on_step is not None:
+            on_step(step)
+    return losses
+
+
+def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6) -> dict:
+    """Cross-node placement on ``world`` ranks as nodes of ``domain`` (4 experts per rank, the hot ones
+    on the first node): FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical
+    experts, trained side by side. Returns both loss curves, the parameter errors with FEPLB's
+    experts back in DeepSpeed's layout, the node loads of the last ``settled`` steps under
+    DeepSpeed's placement and under FEPLB's final one, and the placement counters."""
+    import deepspeed
+
+    from deepspeed_feplb.integration.placement import placed_layers
+    world = dist.get_world_size()
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+             "placement": {"enabled": True, "interval_steps": interval, "history_decay": 0.5}}
+    config = ds_config(zero_stage, feplb)
+    models = {"reference": _placed_model(4 * world, world), "feplb": _placed_model(4 * world, world)}
+    engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
+        model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
+    ours = engines["feplb"]
+    recent, placed, used = [], [], [np.arange(4 * world)]  # node loads under the table each step used
+
+    monitored = dict.fromkeys(("placement_refreshes", "placement_moved_experts", "placement_bytes"), 0)
+
+    def on_step(step):
+        placement = placed_layers(ours.module)[0].placement
+        for key in monitored:
+            monitored[key] += ours.feplb_monitor.last.get(key, 0)
+        if step >= steps - settled:
+            recent.append(placement.last_loads.sum(0))
+            placed.append(placement.node_loads(recent[-1], used[0]))
+        used[0] = placement.expert_at.copy()
+
+    losses = _train(engines, range(steps), on_step)
+    layer = placed_layers(ours.module)[0]
+    placement = layer.placement
+    loads = np.sum(recent, axis=0)
+    nodes = world // domain
+    identity_nodes = np.bincount(np.arange(len(loads)) // (len(loads) // nodes), weights=loads, minlength=nodes)
+    counters = {"refreshes": placement.refreshes, "moved_experts": placement.moved_experts,
+                "moved_bytes": placement.moved_bytes, "expert_at": placement.expert_at.tolist()}
+    params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
+    reference = dict(engines["reference"].module.named_parameters())
+    with placement.canonical(params, ours.optimizer):
+        errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
+    return {"losses": losses, "param_errors": errors, "identity_node_loads": identity_nodes.tolist(),
+            "placed_node_loads": np.sum(placed, axis=0).tolist(), "expert_loads": loads.tolist(),
+            **counters, "monitored": monitored, "bundle_bytes": placement.bundle_bytes}
+
+
+def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, save_at: int = 6) -> dict:
+    """Save a FEPLB run with a non-trivial placement at step ``save_at``, then load the checkpoint into
+    a fresh FEPLB run and into plain DeepSpeed MoE: all three continue with the same losses."""
+    import deepspeed
+
+    world = dist.get_world_size()
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+             "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5}}
+    config = ds_config(zero_stage, feplb)
+
+    def engine(kind: str):
+        model = _placed_model(4 * world, world)
+        init = deepspeed_feplb.initialize if kind == "feplb" else deepspeed.initialize
+        return init(model=model, model_parameters=param_groups(model), config=config)[0]
+
+    from deepspeed_feplb.integration.placement import placed_layers
+    first = engine("feplb")
+    losses = _train({"first": first}, range(save_at))
+    placement = placed_layers(first.module)[0].placement
+    placed_at_save = placement.expert_at.tolist()
+    first.save_checkpoint(tmp, tag="mid")
+    still_placed = placement.expert_at.tolist()
+    after = _train({"first": first}, range(save_at, steps))["first"]
+    resumed = {}
+    for kind in ("feplb", "deepspeed"):
+        e = engine(kind)
+        e.load_checkpoint(tmp, tag="mid")
+        resumed[kind] = _train({kind: e}, range(save_at, steps))[kind]
+    return {"placed_at_save": placed_at_save, "placed_after_save": still_placed, "first": losses["first"] + after,
+            "continued": after, "resumed": resumed}

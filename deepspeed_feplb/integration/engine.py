@@ -76,6 +76,8 @@ def initialize(*args, **kwargs):
 
     from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    if config.enabled and config.placement.enabled:
+        _check_placement(model, _as_dict(ds_config))
     if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
         from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
         _prepare_pipeline(model, _as_dict(ds_config))
@@ -85,6 +87,9 @@ def initialize(*args, **kwargs):
             result[0].feplb_monitor.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    if config.placement.enabled:
+        from deepspeed_feplb.integration.placement import install as install_placement
+        install_placement(result[0])
     from deepspeed_feplb.integration.autoep import install as install_autoep
     install_autoep(result[0].module, config, result[0])  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
     if config.stats.enabled:
@@ -158,6 +163,19 @@ def check_consistency(model, config: FEPLBConfig) -> None:
         transport_class(config, params)
         make_dispatcher(config, None, module.ep_size, module.num_local_experts, params,
                         hidden=module.deepspeed_moe.gate.wg.in_features)
+
+
+def _check_placement(model, ds_config: dict) -> None:
+    """feplb.placement moves experts with their optimizer state after ``engine.step()``: ZeRO stage 3
+    (experts partitioned across ranks) and pipelines (whose engine steps internally) are refused."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage > 2:
+        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with ZeRO stage {stage}; use stage 0, 1 or 2, "
+                               "or set feplb.placement.enabled to false")
+    if isinstance(model, PipelineModule):
+        raise FEPLBConfigError("feplb.placement.enabled: not supported with pipeline parallelism yet; set "
+                               "feplb.placement.enabled to false")
 
 
 def _as_dict(ds_config) -> dict:

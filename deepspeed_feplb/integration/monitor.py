@@ -31,6 +31,9 @@ monitor (TensorBoard, CSV, W&B, Comet: whatever ``ds_config["monitor"...]`` enab
   ``grad_bytes`` the weight-gradients sent home (per chunk, or once per kept copy); sums;
 * ``plan_latency_us``: mean planning time; ``fallbacks``: micro-batches planned in-process
   because the scheduler process was late or dead (summed);
+* ``placement_refreshes``, ``placement_moved_experts``, ``placement_bytes`` (``feplb.placement``):
+  re-placements made at this step's end, the experts they moved between ranks and the bytes
+  those carried (parameters, fp32 master copies, optimizer state), over the layer's EP group;
 * ``warm_start_token_straggler`` (pipeline engine only): the token straggler the plan computed
   ahead of time from the previous micro-batch's counts would have left on this micro-batch.
 
@@ -55,6 +58,8 @@ EVENT_PREFIX = "FEPLB"
 METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms", "gemm_max_ms", "migrated_tokens",
            "migrated_bytes", "weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes",
            "plan_latency_us", "fallbacks")
+# and, for layers with feplb.placement, per step (summed over layers in the totals):
+PLACEMENT = ("placement_refreshes", "placement_moved_experts", "placement_bytes")
 TRAFFIC = ("weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")  # summed stats
 
 
@@ -143,6 +148,18 @@ class StatsCollector:
             self.latest[name] = record
         return hook
 
+    def _add_placement(self, summary: dict) -> None:
+        """Each placed layer's refreshes, experts moved and their bytes since the last flush (the same
+        on every rank of its EP group), and their totals."""
+        for name, layer in self.layers.items():
+            placement = getattr(layer, "placement", None)
+            if placement is not None:
+                summary["layers"].setdefault(name, {}).update(placement.take_report())
+        for key in PLACEMENT:
+            values = [entry[key] for entry in summary["layers"].values() if key in entry]
+            if values:
+                summary[key] = int(sum(values))
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -165,6 +182,7 @@ class StatsCollector:
         else:
             everyone = [mine]
         self.last = summarize(everyone, step)
+        self._add_placement(self.last)
         if monitor is not None and getattr(monitor, "enabled", False) and self.last["layers"]:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 monitor.write_events(events(self.last))

@@ -14,6 +14,10 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `pipeline_engine_class`: make ``deepspeed.initialize`` build our `PipelineEngine` subclass
   (it looks the class up as ``deepspeed.PipelineEngine`` at call time and takes no argument).
 * `after_step`: run a callback after every ``engine.step()`` (DeepSpeed has no step hook).
+* `relink_optimizer_fragments`: make DeepSpeed's per-parameter views of the optimizer state
+  current (cross-node placement reads and writes one expert's state through them).
+* `around_checkpoints`: run code around ``engine.save_checkpoint`` and after
+  ``engine.load_checkpoint`` (cross-node placement keeps checkpoints in DeepSpeed's layout).
 * `without_cpu_shm_op`: initialise DeepSpeed's process group on CPU without building its
   shared-memory allreduce op (DeepSpeed has no switch for it).
 """
@@ -139,6 +143,37 @@ def after_step(engine, callback: Callable[[bool], None]) -> None:
         return result
 
     engine.step = step_then_callback
+
+
+def relink_optimizer_fragments(optimizer) -> None:
+    """Point every parameter's ``_hp_mapping`` at the optimizer state tensors that exist now.
+
+    Relies on ZeRO 1/2's and the bf16 optimizer's ``_lazy_init_hp_params_optimizer_state``, which
+    links the fragments once, after the first step: a parameter group whose state the torch
+    optimizer had not created by then (an expert group at its first step), or state that
+    ``load_checkpoint`` replaced, leaves views that are missing or stale.
+    """
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def around_checkpoints(engine, saving: Callable[[], contextlib.AbstractContextManager],
+                       loaded: Callable[[], None]) -> None:
+    """``engine.save_checkpoint(...)`` runs inside the context ``saving()`` returns;
+    ``loaded()`` runs after ``engine.load_checkpoint(...)`` (both collective, as the wrapped calls)."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        with saving():
+            return save(*args, **kwargs)
+
+    def load_checkpoint(*args, **kwargs):
+        result = load(*args, **kwargs)
+        loaded()
+        return result
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
 
 
 @contextlib.contextmanager

@@ -16,13 +16,14 @@ All functions are pure numpy and deterministic.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 __all__ = ["balanced_packing", "replicate_experts", "rebalance_experts", "place_experts",
-           "node_loads", "CrossNodePlacer"]
+           "node_loads", "holdings", "slot_holdings", "transfer_us", "placement_rows", "improve_placement", "CrossNodePlacer"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,17 +227,217 @@ def place_experts(history: np.ndarray, num_nodes: int, ranks_per_node: int,
     return out
 
 
+def holdings(expert_to_rank: np.ndarray, ranks: int) -> np.ndarray:
+    """expert_to_rank int64 [E] -> bool [ranks, E]: which rank holds which expert (EPLB's slots:
+    :func:`slot_holdings`)."""
+    e2r = np.asarray(expert_to_rank, dtype=np.int64)
+    out = np.zeros((ranks, e2r.shape[0]), dtype=bool)
+    out[e2r, np.arange(e2r.shape[0])] = True
+    return out
+
+
+def slot_holdings(phy2log: np.ndarray, ranks: int, experts: int) -> np.ndarray:
+    """EPLB's phy2log int64 [P] (slot ``i`` on rank ``i // (P / ranks)``) -> bool [ranks, experts]."""
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    out = np.zeros((ranks, experts), dtype=bool)
+    out[np.arange(phy2log.shape[0]) // (phy2log.shape[0] // ranks), phy2log] = True
+    return out
+
+
+def transfer_us(old: np.ndarray, new: np.ndarray, ranks_per_node: int, state_bytes: float,
+                net_gbps: float, intra_gbps: float = math.inf) -> float:
+    """Wall time (µs) of the expert-state transfers that turn placement ``old`` into ``new``.
+
+    old, new: bool [R, E]: which rank holds which expert before and after. Every expert a rank
+    newly holds arrives with ``state_bytes`` (weights and the optimizer state that lives with
+    them) from a rank that held it before: one of the receiver's node if any (the lowest id;
+    intra-node link, ``intra_gbps``), else the lowest-id holder (inter-node link, ``net_gbps``);
+    an expert nobody held costs nothing. Every rank has its own links, used in parallel: a rank's
+    time is ``max(max(cross in, cross out) * state_bytes / net, max(intra in, intra out) *
+    state_bytes / intra)`` and the transfer takes the slowest rank's time (the inter-node and the
+    intra-node links of a rank also work side by side). GB/s are 1e9 bytes/s."""
+    old = np.asarray(old, dtype=bool)
+    new = np.asarray(new, dtype=bool)
+    R = old.shape[0]
+    node = np.arange(R) // ranks_per_node
+    cross_in = np.zeros(R)
+    cross_out = np.zeros(R)
+    intra_in = np.zeros(R)
+    intra_out = np.zeros(R)
+    for r, e in zip(*np.nonzero(new & ~old)):
+        holders = np.flatnonzero(old[:, e])
+        if holders.size == 0:
+            continue
+        near = holders[node[holders] == node[r]]
+        if near.size:
+            intra_in[r] += 1
+            intra_out[near[0]] += 1
+        else:
+            cross_in[r] += 1
+            cross_out[holders[0]] += 1
+    per_us = lambda gbps: 0.0 if math.isinf(gbps) else state_bytes / (gbps * 1e3)  # noqa: E731
+    t = np.maximum(np.maximum(cross_in, cross_out) * per_us(net_gbps),
+                   np.maximum(intra_in, intra_out) * per_us(intra_gbps))
+    return float(t.max()) if R else 0.0
+
+
+def _rank_terms(w: np.ndarray, expert_to_rank: np.ndarray, ranks: int, dynamic_experts: int) -> np.ndarray:
+    """float [R]: each rank's load minus its D largest expert loads (what its dynamic experts
+    cannot shed), under loads w [E]."""
+    order = np.lexsort((-w, expert_to_rank))  # by rank, then heaviest first
+    per = w.shape[0] // ranks
+    sw = w[order].reshape(ranks, per)
+    return sw[:, min(dynamic_experts, per):].sum(axis=1)
+
+
+def placement_rows(w: np.ndarray, expert_to_rank: np.ndarray, num_nodes: int, ranks_per_node: int,
+                   dynamic_experts: int = 0) -> float:
+    """The predicted busiest rank's rows of one micro-batch under placement ``expert_to_rank``
+    int64 [E] and expected loads ``w`` float [E]: the lower bound of intra-node balancing
+    (`plan.policy.lower_bound`) taken over the nodes, ``max_n max(mean rank load of node n,
+    max_{r in n} (load_r - its D largest expert loads))``. D = 0: node mean only."""
+    w = np.asarray(w, dtype=np.float64)
+    R = num_nodes * ranks_per_node
+    node = node_loads(w, expert_to_rank, num_nodes, ranks_per_node).max() / ranks_per_node
+    if dynamic_experts <= 0:
+        return float(node)
+    return float(max(node, _rank_terms(w, expert_to_rank, R, dynamic_experts).max()))
+
+
+def _swap_sequence(w: np.ndarray, e2r: np.ndarray, num_nodes: int, G: int, D: int,
+                   max_swaps: int) -> list:
+    """Greedy expert swaps from placement e2r int64 [E]: first between the heaviest and the
+    lightest node (the pair that lowers the heavier of the two most), then inside a node between
+    the rank with the largest ``load - D largest`` and another rank of its node (while that lowers
+    it). Returns the placements after 1, 2, ... swaps (a list of int64 [E])."""
+    out = []
+    e2r = e2r.copy()
+    E = w.shape[0]
+    R = num_nodes * G
+    for _ in range(max_swaps if num_nodes > 1 else 0):
+        tot = node_loads(w, e2r, num_nodes, G)
+        hi, lo = int(np.argmax(tot)), int(np.argmin(tot))
+        a = np.flatnonzero(e2r // G == hi)
+        b = np.flatnonzero(e2r // G == lo)
+        d = w[a][:, None] - w[b][None, :]
+        new_max = np.where(d > 0, np.maximum(tot[hi] - d, tot[lo] + d), np.inf)
+        i, j = divmod(int(np.argmin(new_max)), len(b))
+        if not new_max[i, j] < tot[hi] - 1e-9:
+            break
+        e2r[a[i]], e2r[b[j]] = e2r[b[j]], e2r[a[i]]
+        out.append(e2r.copy())
+    if D <= 0:
+        return out
+    per = E // R
+    keep = per - min(D, per)  # the coldest experts of a rank that stay home
+    for _ in range(max_swaps):
+        terms = _rank_terms(w, e2r, R, D)
+        mean = np.repeat(node_loads(w, e2r, num_nodes, G) / G, G)
+        score = np.maximum(terms, mean)
+        p = int(np.argmax(score))
+        if terms[p] <= mean[p] + 1e-9:
+            break  # the worst rank is bounded by its node's mean: nothing inside the node helps
+        xp = np.flatnonzero(e2r == p)
+        best = (terms[p], None)
+        for q in range(p // G * G, p // G * G + G):
+            if q == p:
+                continue
+            xq = np.flatnonzero(e2r == q)
+            # rank p gives xp[i] and takes xq[j]; q the reverse: [per, per, per] loads after the swap
+            lp = np.broadcast_to(w[xp], (per, per, per)).copy()
+            lq = np.broadcast_to(w[xq], (per, per, per)).copy()
+            ii, jj = np.meshgrid(np.arange(per), np.arange(per), indexing="ij")
+            lp[ii, jj, ii] = w[xq][jj]
+            lq[ii, jj, jj] = w[xp][ii]
+            tp = np.sort(lp, axis=-1)[..., :keep].sum(-1)
+            tq = np.sort(lq, axis=-1)[..., :keep].sum(-1)
+            worst = np.maximum(tp, tq)
+            k = int(np.argmin(worst))
+            if worst.flat[k] < best[0] - 1e-9:
+                best = (worst.flat[k], (xp[k // per], xq[k % per]))
+        if best[1] is None:
+            break
+        x, y = best[1]
+        e2r[x], e2r[y] = e2r[y], e2r[x]
+        out.append(e2r.copy())
+    return out
+
+
+def _candidates(w: np.ndarray, cur: np.ndarray, N: int, G: int, D: int,
+                max_swaps: Optional[int] = None) -> list:
+    """[(expert_to_rank int64 [E], placement_rows)] of the re-placements `improve_placement`
+    weighs (those that differ from ``cur``)."""
+    cands = _swap_sequence(w, cur, N, G, D, w.shape[0] if max_swaps is None else max_swaps)
+    cands.append(place_experts(w, N, G, cur))
+    return [(c, placement_rows(w, c, N, G, D)) for c in cands if not np.array_equal(c, cur)]
+
+
+def improve_placement(w: np.ndarray, expert_to_rank: np.ndarray, num_nodes: int, ranks_per_node: int,
+                      dynamic_experts: int, us_per_token: float, horizon: float, state_bytes: float,
+                      net_gbps: float, intra_gbps: float = math.inf,
+                      max_swaps: Optional[int] = None) -> tuple[np.ndarray, float, float]:
+    """The re-placement with the largest net gain over ``horizon`` micro-batches.
+
+    w float [E]: expected per-expert loads (rows per micro-batch); expert_to_rank int64 [E]: the
+    current placement. Candidates: every prefix of the greedy swap sequence (:func:`_swap_sequence`:
+    node-balancing swaps across nodes, then swaps inside a node that spread its hot experts so that
+    the D dynamic experts of every rank can take its excess) and the full re-packing
+    :func:`place_experts`. A candidate's gain is ``(placement_rows(current) - placement_rows(it))
+    * us_per_token * horizon`` (µs over the horizon), its cost :func:`transfer_us`. Returns
+    ``(expert_to_rank int64 [E], gain_us, cost_us)`` of the best candidate with ``gain > cost``,
+    or the current placement with ``(0, 0)`` when none pays."""
+    w = np.asarray(w, dtype=np.float64)
+    cur = np.asarray(expert_to_rank, dtype=np.int64)
+    G, N = ranks_per_node, num_nodes
+    R = G * N
+    D = dynamic_experts
+    base = placement_rows(w, cur, N, G, D)
+    old = holdings(cur, R)
+    best = (cur, 0.0, 0.0)
+    best_net = 0.0
+    for c, rows in _candidates(w, cur, N, G, D, max_swaps):
+        gain = (base - rows) * us_per_token * horizon
+        if gain <= best_net:
+            continue
+        cost = transfer_us(old, holdings(c, R), G, state_bytes, net_gbps, intra_gbps)
+        if gain - cost > best_net:
+            best, best_net = (c, float(gain), float(cost)), gain - cost
+    return best
+
+
 @dataclass
 class CrossNodePlacer:
     """Periodic, cost-accounted cross-node re-placement for one MoE layer.
 
     experts, num_nodes, ranks_per_node: the EP group.
-    interval:        steps between re-placement decisions.
-    decay:           weight of the newest step in the exponential moving average of loads.
-    expert_state_bytes: bytes that move with an expert that changes node (weights, gradients
-                     buffers and optimizer state that live with it).
-    net_gbps:        cross-node bandwidth per GPU (GB/s); intra-node moves are not charged.
+    interval:        observations (micro-batches) between re-placement decisions.
+    decay:           weight of the newest observation in the exponential moving average of loads.
+    expert_state_bytes: bytes that move with an expert that changes rank (weights and the
+                     optimizer state that lives with them).
+    net_gbps:        cross-node bandwidth per GPU (GB/s).
     us_per_token:    expert time per token-expert pair (forward + backward), for the gain.
+    dynamic_experts: D of the intra-node planner: the gain is judged by `placement_rows` (the
+                     bound of intra-node balancing with D dynamic experts per rank); 0: by the
+                     node loads alone (each node's mean rank load).
+    horizon:         micro-batches over which a re-placement's gain is counted against its cost;
+                     None: measured, ``interval / (1 - retention)`` (``interval`` until a retention
+                     is known; at most ``max_retention`` in it), see below.
+    intra_gbps:      intra-node bandwidth per GPU (GB/s) for experts that change rank inside a
+                     node (inf: free).
+    warmup:          observations before the first decision (None: ``interval``).
+
+    A decision (`refresh`) takes the candidate of `improve_placement` with the largest
+    ``gain - cost`` (none when nothing pays); ``last_cost_us`` is the transfer time of the last
+    decision (0 when nothing moved), ``migration_us`` their sum.
+
+    Retention: how much of a gain predicted from the moving average the following micro-batches
+    actually show (their loads are noisy and drift). Every decision also keeps its largest-gain
+    candidate (adopted or not) and the gain predicted for it; each later observation evaluates
+    that pair on its own loads (`placement_rows` of both), and the next decision averages those
+    (``realised / predicted``, clipped to [0, 1]) into ``retention`` (equal weights with the
+    previous value). A gain that keeps a fraction ``rho``
+    per interval is worth ``interval * (1 + rho + rho^2 + ...) = interval / (1 - rho)``
+    micro-batches: persistent skew (a fixed router bias) earns long horizons, fast drift short ones.
     """
 
     experts: int
@@ -247,46 +448,95 @@ class CrossNodePlacer:
     expert_state_bytes: float = 0.0
     net_gbps: float = 50.0
     us_per_token: float = 0.0
+    dynamic_experts: int = 0
+    horizon: Optional[int] = None
+    intra_gbps: float = math.inf
+    warmup: Optional[int] = None
+    max_retention: float = 0.95
     expert_to_rank: np.ndarray = field(init=False)
     ema: Optional[np.ndarray] = field(init=False, default=None)
     seen: int = field(init=False, default=0)
     migrated_experts: int = field(init=False, default=0)
     migration_us: float = field(init=False, default=0.0)
     refreshes: int = field(init=False, default=0)
+    decisions: int = field(init=False, default=0)
+    last_cost_us: float = field(init=False, default=0.0)
+    retention: Optional[float] = field(init=False, default=None)
+    _decided_at: int = field(init=False, default=0, repr=False)
+    _probe: Optional[tuple] = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         R = self.num_nodes * self.ranks_per_node
         self.expert_to_rank = np.arange(self.experts, dtype=np.int64) // (self.experts // R)
 
     def observe(self, loads: np.ndarray, refresh: bool = True) -> None:
-        """Feed one step's per-expert loads (int [E]); re-place at the end of every interval
+        """Feed one micro-batch's per-expert loads (int [E]); re-place when `due`
         (``refresh=False``: the caller calls `refresh` when `due`, e.g. at an optimizer step)."""
         loads = np.asarray(loads, dtype=np.float64)
         self.ema = loads.copy() if self.ema is None else (1 - self.decay) * self.ema + self.decay * loads
         self.seen += 1
+        if self._probe is not None:
+            old, cand, _, acc = self._probe
+            G, N, D = self.ranks_per_node, self.num_nodes, self.dynamic_experts
+            acc[0] += placement_rows(loads, old, N, G, D) - placement_rows(loads, cand, N, G, D)
+            acc[1] += 1
         if refresh and self.due:
             self.refresh()
 
     @property
     def due(self) -> bool:
-        """Whether the last observation ended an interval."""
-        return self.seen > 0 and self.seen % self.interval == 0
+        """Whether a decision is due: ``warmup`` observations before the first, ``interval`` since
+        the last one (it stays due until `refresh` is called, so a caller may wait for its
+        optimizer step)."""
+        if self.seen == 0:
+            return False
+        if self.decisions == 0:
+            return self.seen >= (self.interval if self.warmup is None else max(1, self.warmup))
+        return self.seen - self._decided_at >= self.interval
 
     def refresh(self) -> bool:
-        """Re-place from the moving average if the gain over the next interval pays for the
-        cross-node moves. Returns whether the placement changed."""
+        """Re-place from the moving average if the predicted gain over the next ``horizon``
+        micro-batches pays for the moves (`improve_placement`). Returns whether the placement
+        changed; ``last_cost_us`` is what the moves take (µs)."""
+        self.last_cost_us = 0.0
         if self.ema is None:
             return False
-        new = place_experts(self.ema, self.num_nodes, self.ranks_per_node, self.expert_to_rank)
-        old_max = node_loads(self.ema, self.expert_to_rank, self.num_nodes, self.ranks_per_node).max()
-        new_max = node_loads(self.ema, new, self.num_nodes, self.ranks_per_node).max()
-        cross = int(np.sum(new // self.ranks_per_node != self.expert_to_rank // self.ranks_per_node))
-        cost_us = cross * self.expert_state_bytes / (self.net_gbps * 1e3)
-        gain_us = (old_max - new_max) * self.us_per_token * self.interval
-        if np.array_equal(new, self.expert_to_rank) or (cross and gain_us <= cost_us):
+        self.decisions += 1
+        self._decided_at = self.seen
+        self._measure_retention()
+        horizon = self.effective_horizon
+        new, gain_us, cost_us = improve_placement(
+            self.ema, self.expert_to_rank, self.num_nodes, self.ranks_per_node, self.dynamic_experts,
+            self.us_per_token, horizon, self.expert_state_bytes, self.net_gbps, self.intra_gbps)
+        if np.array_equal(new, self.expert_to_rank):
             return False
-        self.migrated_experts += cross
+        self.migrated_experts += int(np.sum(new != self.expert_to_rank))
         self.migration_us += cost_us
+        self.last_cost_us = cost_us
         self.refreshes += 1
         self.expert_to_rank = new
         return True
+
+    @property
+    def effective_horizon(self) -> float:
+        """Micro-batches the next decision counts a gain over (``horizon`` or the measured one)."""
+        if self.horizon is not None:
+            return float(self.horizon)
+        rho = min(self.retention or 0.0, self.max_retention)
+        return self.interval / (1.0 - rho)
+
+    def _measure_retention(self) -> None:
+        """Turn the gain the previous decision's largest-gain candidate showed on the micro-batches
+        observed since into ``retention``, and keep this decision's candidate for the next one."""
+        G, N, D = self.ranks_per_node, self.num_nodes, self.dynamic_experts
+        if self._probe is not None and self._probe[3][1] > 0:
+            _, _, predicted, (realised, n) = self._probe
+            r = float(np.clip(realised / n / predicted, 0.0, 1.0))
+            self.retention = r if self.retention is None else 0.5 * (self.retention + r)
+        self._probe = None
+        base = placement_rows(self.ema, self.expert_to_rank, N, G, D)
+        cands = _candidates(self.ema, self.expert_to_rank, N, G, D)
+        if cands:
+            c, rows = min(cands, key=lambda cr: cr[1])
+            if base - rows > 1e-9:
+                self._probe = (self.expert_to_rank.copy(), c, base - rows, [0.0, 0])

@@ -132,9 +132,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--placement-interval", type=whole_number(1), default=20, metavar="MICRO_BATCHES",
                    help="micro-batches between re-placements of experts across nodes by feplb's placement layer "
                         "(default: %(default)s)")
+    p.add_argument("--placement-horizon", type=whole_number(1), metavar="MICRO_BATCHES",
+                   help="micro-batches over which the placement layer counts a re-placement's gain against the "
+                        "time its expert transfers take (default: measured: --placement-interval / (1 - the share of "
+                        "predicted gains that later micro-batches showed))")
+    p.add_argument("--placement-warmup", type=whole_number(1), metavar="MICRO_BATCHES",
+                   help="micro-batches before the first re-placement decision of EPLB and of feplb's placement "
+                        "layer, taken at the end of the optimizer step that reaches it (default: one step, "
+                        "--micro-batches-per-step)")
     p.add_argument("--sweep-d", type=_d_list, metavar="LIST",
                    help="comma list of D for the token-straggler-vs-D figure and the d_sweep of OUT.json "
                         "(default with --plot: 0, 1, 2, 4, ... up to the experts per rank)")
+    p.add_argument("--merge-sources", action="store_true",
+                   help="sum the trace's source ranks into one before replaying, so that it fits any number of "
+                        "ranks that divides its experts (e.g. an 8-rank recording on 16 ranks: rows per rank halve); "
+                        "drops which rank sent which row, which only fastermoe uses")
     p.add_argument("--steps", type=whole_number(1), metavar="STEPS",
                    help="replay only the first STEPS micro-batches of the trace (default: all)")
     p.add_argument("--no-progress", action="store_true",
@@ -174,6 +186,8 @@ def _load_fitting_trace(args):
         _fail(f"cannot read trace {path}: {e} (expected an .npz with counts int64 [steps, layers, src_ranks, experts])")
     if args.steps:
         trace = trace.with_counts(trace.counts[: args.steps])
+    if getattr(args, "merge_sources", False):
+        trace = trace.with_counts(trace.counts.sum(axis=2, keepdims=True))
     G, N = args.ranks_per_node, args.nodes
     ranks, S, E = G * N, trace.src_ranks, trace.experts
 
@@ -246,6 +260,7 @@ def _setup(args, trace, D):
                     shape=shape, profile=profile, ce_budget=args.ce_budget,
                     eplb_redundant=args.eplb_redundant, eplb_interval=args.eplb_interval,
                     placement=args.placement, placement_interval=args.placement_interval,
+                    placement_horizon=args.placement_horizon, placement_warmup=args.placement_warmup,
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
                     max_resident=args.max_resident)
 

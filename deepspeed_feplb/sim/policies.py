@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts
+from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile, PROFILES, gemm_us
@@ -48,6 +48,20 @@ class SimSetup:
     micro_batches_per_step: M: consecutive micro-batches of the trace form one optimizer step.
     residency: ``feplb``'s weight residency, "step" or "micro_batch" (``feplb.weight_residency``);
                max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``).
+
+    Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
+    a runtime does them: at the end of the first step that is at least ``placement_warmup``
+    micro-batches (None: one step) into the trace, then at the end of the first step at least
+    ``eplb_interval`` / ``placement_interval`` micro-batches after the previous decision. Each
+    costs the transfer of the experts' state (``expert_state_bytes``, default bf16 weights + fp32
+    master, Adam m and v: 14 bytes per parameter) to the ranks that newly hold them, over the
+    inter-node link (``profile.net_gbps``) or, inside a node, the copy engine (``profile.ce_gbps``),
+    every rank's links in parallel (`plan.placement.transfer_us`); that time is **added to the
+    expert time of the micro-batch that ends the step** (the next step starts that much later),
+    so ``expert_time_us`` (a mean over micro-batches) carries it amortised.
+    placement_horizon: micro-batches over which ``feplb``'s cross-node layer counts a
+    re-placement's gain against its cost (None: measured from how much of a predicted gain
+    the following micro-batches show, `plan.placement.CrossNodePlacer`).
     """
 
     ranks_per_node: int
@@ -64,6 +78,8 @@ class SimSetup:
     eplb_decay: float = 0.1
     placement: str = "auto"
     placement_interval: int = 20
+    placement_horizon: Optional[int] = None
+    placement_warmup: Optional[int] = None
     expert_state_bytes: Optional[float] = None
     oracle_time_limit: float = 10.0
     micro_batches_per_step: int = 1
@@ -90,6 +106,23 @@ class SimSetup:
     def step_ends(self, step: int) -> bool:
         """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""
         return (step + 1) % self.micro_batches_per_step == 0
+
+    @property
+    def warmup(self) -> int:
+        """Micro-batches before the first re-placement decision."""
+        return self.micro_batches_per_step if self.placement_warmup is None else self.placement_warmup
+
+    @cached_property
+    def state_bytes(self) -> float:
+        """Bytes that move with an expert that changes rank (``expert_state_bytes``)."""
+        if self.expert_state_bytes is not None:
+            return float(self.expert_state_bytes)
+        return self.shape.weight_bytes / self.shape.dtype_bytes * 14  # bf16 + fp32 master, Adam m, v
+
+    def replacement_us(self, old: np.ndarray, new: np.ndarray) -> float:
+        """Transfer time (µs) of a re-placement; old, new bool [R, E]: which rank holds which expert."""
+        return transfer_us(old, new, self.ranks_per_node, self.state_bytes, self.profile.net_gbps,
+                           self.profile.ce_gbps)
 
     @property
     def experts_per_rank(self) -> int:
@@ -208,8 +241,11 @@ class FasterMoE:
 
 class EPLB:
     """EPLB redundant experts from an exponential moving average of past per-expert loads,
-    re-placed every ``eplb_interval`` steps (hierarchical over nodes when nodes > 1). Before any
-    history exists the placement is computed from uniform loads."""
+    re-placed at optimizer steps every ``eplb_interval`` micro-batches (hierarchical over nodes
+    when nodes > 1; the schedule of `SimSetup`). Before any history exists the placement is
+    computed from uniform loads. A re-placement costs the transfer of the state of every expert a
+    rank newly holds (`SimSetup.replacement_us`), added to the expert time of the micro-batch that
+    ends the step."""
 
     name = "eplb"
 
@@ -222,7 +258,11 @@ class EPLB:
             raise ValueError(f"EPLB needs experts + redundant ({self.num_phy}) divisible by ranks ({R})")
         self.ema = [None] * layers
         self.seen = [0] * layers
+        self.decided_at = [None] * layers
         self.phy2log = [self._place(np.ones(setup.experts)) for _ in range(layers)]
+        self.refreshes = 0
+        self.moved = 0
+        self.refresh_us = 0.0
 
     def _place(self, weight: np.ndarray) -> np.ndarray:
         s = self.setup
@@ -248,12 +288,28 @@ class EPLB:
         d = self.setup.eplb_decay
         self.ema[layer] = f if self.ema[layer] is None else (1 - d) * self.ema[layer] + d * f
         self.seen[layer] += 1
-        if self.seen[layer] % self.setup.eplb_interval == 0:
-            self.phy2log[layer] = self._place(self.ema[layer])
-        return StepResult(slot_rank, tokens)
+        s = self.setup
+        last = self.decided_at[layer]
+        due = self.seen[layer] >= (s.warmup if last is None else last + s.eplb_interval)
+        cost = 0.0
+        if due and s.step_ends(step):
+            self.decided_at[layer] = self.seen[layer]
+            new = self._place(self.ema[layer])
+            old_h = slot_holdings(phy2log, s.ranks, s.experts)
+            new_h = slot_holdings(new, s.ranks, s.experts)
+            if not np.array_equal(old_h, new_h):
+                cost = s.replacement_us(old_h, new_h)
+                self.refreshes += 1
+                self.moved += int((new_h & ~old_h).sum())
+                self.refresh_us += cost
+            self.phy2log[layer] = new
+        busy = pieces_us(slot_rank, tokens, s.ranks, s.time_model)
+        timing = {"expert_us": float(busy.max()) + cost, "placement_us": cost}
+        return StepResult(slot_rank, tokens, timing=timing)
 
     def summary(self) -> dict:
-        return {"redundant_experts": self.redundant}
+        return {"redundant_experts": self.redundant, "placement_refreshes": self.refreshes,
+                "placement_migrated_experts": self.moved, "placement_migration_us": self.refresh_us}
 
 
 def pieces_us(piece_rank: np.ndarray, piece_tokens: np.ndarray, R: int, model: TimeModel) -> np.ndarray:
@@ -294,13 +350,12 @@ class _NodePolicy:
         use = setup.placement == "on" or (setup.placement == "auto" and setup.nodes > 1)
         self.placers = None
         if use and self.uses_placement:
-            state = setup.expert_state_bytes
-            if state is None:  # bf16 weights + fp32 master, Adam m and v: 2 + 12 bytes per parameter
-                state = setup.shape.weight_bytes / setup.shape.dtype_bytes * 14
-            us_tok = 3 * setup.shape.flops_per_row / (setup.profile.tflops * 1e6)
+            us_tok = 3 * setup.shape.flops_per_row / (setup.profile.tflops * 1e6)  # fwd + bwd per row
             self.placers = [CrossNodePlacer(setup.experts, setup.nodes, setup.ranks_per_node,
-                                            setup.placement_interval, setup.eplb_decay, state,
-                                            setup.profile.net_gbps, us_tok) for _ in range(layers)]
+                                            setup.placement_interval, setup.eplb_decay, setup.state_bytes,
+                                            setup.profile.net_gbps, us_tok, dynamic_experts=setup.dynamic_experts,
+                                            horizon=setup.placement_horizon, intra_gbps=setup.profile.ce_gbps,
+                                            warmup=setup.warmup) for _ in range(layers)]
         self.budget_copies = []
         keep = setup.max_resident if setup.residency == "step" and self.uses_residency else 0
         G, E = setup.ranks_per_node, setup.experts_per_rank
@@ -365,7 +420,12 @@ class _NodePolicy:
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
         if self.placers is not None:
-            self.placers[layer].observe(loads)
+            placer = self.placers[layer]
+            placer.observe(loads, refresh=False)
+            if placer.due and ends:  # re-place at the optimizer step; the transfer delays the next one
+                placer.refresh()
+                timing["expert_us"] += placer.last_cost_us
+                timing["placement_us"] = placer.last_cost_us
         moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
         return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce, timing=timing)
 
@@ -388,6 +448,7 @@ class _NodePolicy:
         if self.placers is None:
             return {}
         return {"placement_refreshes": sum(p.refreshes for p in self.placers),
+                "placement_decisions": sum(p.decisions for p in self.placers),
                 "placement_migrated_experts": sum(p.migrated_experts for p in self.placers),
                 "placement_migration_us": sum(p.migration_us for p in self.placers)}
 

@@ -42,6 +42,9 @@ _COLUMNS = [
     ("weight_bytes_per_step", "weight MB / step", lambda v: _number(v / 1e6)),
     ("ce_us", "CE time (µs)", _number),
     ("static_us", "static time (µs)", _number),
+    ("placement_us", "re-placement (µs per mb, in expert time)", _number),
+    ("placement_refreshes", "re-placements", "{:,.0f}"),
+    ("placement_migrated_experts", "experts moved", "{:,.0f}"),
 ]
 
 

@@ -8,7 +8,9 @@ Time (`plan.timeline`, forward + backward): ``expert_time_us`` is the makespan o
 stage, the slowest rank's finish with every weight and row copy, arrival and gradient return the
 policy causes; ``copy_exposed_us`` what the copies add to it; ``weight_bytes_per_step`` and
 ``grad_bytes_per_step`` the expert weights and weight-gradients copied per optimizer step
-(``SimSetup.micro_batches_per_step`` micro-batches) and layer.
+(``SimSetup.micro_batches_per_step`` micro-batches) and layer. ``expert_time_us`` includes the
+transfer time of re-placements (EPLB's, feplb's cross-node layer), added to the micro-batch that
+ends the step where they happen; ``placement_us`` is that time alone (mean per micro-batch).
 
 Averages: every "mean" is over all (step, layer) micro-batches; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
@@ -48,6 +50,7 @@ class PolicyRun:
     copy_exposed_us: Optional[np.ndarray] = None  # float [steps, layers]
     weight_bytes: Optional[np.ndarray] = None  # int64 [steps, layers]: weights copied
     grad_bytes: Optional[np.ndarray] = None  # int64 [steps, layers]: weight-gradients copied
+    placement_us: Optional[np.ndarray] = None  # float [steps, layers]: re-placement transfers (in expert_us)
     micro_batches_per_step: int = 1
 
     @property
@@ -85,6 +88,8 @@ class PolicyRun:
             out["copy_exposed_us"] = float(self.copy_exposed_us.mean())
             out["weight_bytes_per_step"] = float(self.weight_bytes.sum() / (steps * L))
             out["grad_bytes_per_step"] = float(self.grad_bytes.sum() / (steps * L))
+            if self.placement_us is not None:
+                out["placement_us"] = float(self.placement_us.mean())
         if not np.all(np.isnan(self.ce_us)):
             out["ce_us"] = float(np.nanmean(self.ce_us))
             out["static_us"] = float(np.nanmean(self.static_us))
@@ -118,7 +123,7 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
     shape = (S, L, R)
     data = {n: {"tok": np.zeros(shape, np.int64), "gemm": np.zeros(shape), "lb": np.full((S, L), np.nan),
                 "ce": np.full((S, L), np.nan), "exp": np.full((S, L), np.nan), "st": np.full((S, L), np.nan),
-                "moves": [], "time": np.zeros((4, S, L))} for n in names}
+                "moves": [], "time": np.zeros((5, S, L))} for n in names}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -133,7 +138,8 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
                 d["gemm"][s, l] = rank_gemm_us(res.piece_rank, res.piece_tokens, R, setup.shape, setup.profile)
                 timing = res.timing or {"expert_us": float(pieces_us(res.piece_rank, res.piece_tokens, R,
                                                                         setup.time_model).max())}
-                d["time"][:, s, l] = [timing.get(k, 0) for k in ("expert_us", "exposed_us", "weight_bytes", "grad_bytes")]
+                d["time"][:, s, l] = [timing.get(k, 0) for k in ("expert_us", "exposed_us", "weight_bytes", "grad_bytes",
+                                                                  "placement_us")]
                 if res.lower_bound is not None:
                     d["lb"][s, l] = res.lower_bound
                 if res.ce is not None:
@@ -154,5 +160,5 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
         t = d["time"]
         runs[n] = PolicyRun(n, d["tok"], d["gemm"], d["lb"], d["ce"], d["exp"], d["st"],
                             moves if keep_moves else None, objs[n].summary(), t[0], t[1],
-                            t[2].astype(np.int64), t[3].astype(np.int64), setup.micro_batches_per_step)
+                            t[2].astype(np.int64), t[3].astype(np.int64), t[4], setup.micro_batches_per_step)
     return SimResult(setup, runs)
