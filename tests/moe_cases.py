@@ -593,7 +593,8 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
 
 def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, save_at: int = 6) -> dict:
     """Save a FEPLB run with a non-trivial placement at step ``save_at``, then load the checkpoint into
-    a fresh FEPLB run and into plain DeepSpeed MoE: all three continue with the same losses."""
+    a fresh FEPLB run and into plain DeepSpeed MoE: all three continue with the same losses; and
+    into DeepSpeed's MoE at half the EP size (model states only): the same first loss."""
     import deepspeed
 
     world = dist.get_world_size()
@@ -601,8 +602,8 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
              "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5}}
     config = ds_config(zero_stage, feplb)
 
-    def engine(kind: str):
-        model = _placed_model(4 * world, world)
+    def engine(kind: str, ep_size: int = world):
+        model = _placed_model(4 * world, ep_size)
         init = deepspeed_feplb.initialize if kind == "feplb" else deepspeed.initialize
         return init(model=model, model_parameters=param_groups(model), config=config)[0]
 
@@ -619,5 +620,46 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
         e = engine(kind)
         e.load_checkpoint(tmp, tag="mid")
         resumed[kind] = _train({kind: e}, range(save_at, steps))[kind]
+    # DeepSpeed loads experts by their global id at another EP size too (not the optimizer state,
+    # which is laid out per EP rank): the first loss after loading must be the saved run's
+    other = engine("deepspeed", ep_size=world // 2)
+    other.load_checkpoint(tmp, tag="mid", load_optimizer_states=False)
+    resumed["deepspeed, half the EP size"] = _train({"other": other}, range(save_at, save_at + 1))["other"]
     return {"placed_at_save": placed_at_save, "placed_after_save": still_placed, "first": losses["first"] + after,
             "continued": after, "resumed": resumed}
+
+
+def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3) -> dict:
+    """Replay a routing trace (exact counts) through FEPLB with feplb.placement, ``gas`` micro-batches per
+    step. Returns, per micro-batch, the rows each rank received per local expert before balancing
+    (this rank's domain: ``ranks``, ``tokens_before``), and after each optimizer step the placement
+    (expert -> rank) and the bytes per expert move the policy priced."""
+    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.testing import TraceRouting, override_routing
+
+    world = dist.get_world_size()
+    routing = TraceRouting(trace_path)
+    trace = routing.trace
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+             "copy_engine_gbps": 1e6,
+             "placement": {"enabled": True, "interval_steps": interval, "history_decay": decay, "network_gbps": 1e6}}
+    config = {**ds_config(0, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
+    torch.manual_seed(3)
+    model = TinyMoEModel(deepspeed_feplb.MoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=trace.experts,
+                                             ep_size=world, k=trace.top_k, min_capacity=0, drop_tokens=False,
+                                             use_rts=False, top2_2nd_expert_sampling=False))
+    override_routing(model, routing)
+    engine = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
+    tokens = routing.tokens_needed(world)
+    micro, placements, us_per_token = [], [], []  # us_per_token: the measured time the policy priced gains with
+    for step in range(trace.steps // gas):
+        for m in range(gas):
+            x, target = _placed_inputs(step * gas + m, tokens)
+            train_step(engine, x, target)
+            stats = engine.module.moe.feplb_stats
+            micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
+        placement = placed_layers(engine.module)[0].placement
+        placements.append(placement.placer.expert_to_rank.tolist())
+        us_per_token.append(placement.placer.us_per_token)
+    return {"micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
+            "refreshes": placement.refreshes, "us_per_token": us_per_token}

@@ -193,9 +193,9 @@ class ExpertPlacement:
         for row in loads:
             self.placer.observe(row, refresh=False)
         self.steps += 1
+        self.placer.us_per_token = float(both[0, -1]) / ranks
         if not self.placer.due:
             return False
-        self.placer.us_per_token = float(both[0, -1]) / ranks
         if not self.placer.refresh():
             return False
         moved = self.moved_experts
