@@ -88,3 +88,18 @@ def test_runtime_placement_equals_the_simulators(tmp_path):
             per_rank.update(zip(x["micro"][mb]["ranks"], x["micro"][mb]["tokens_before"]))
         runtime_rows.append([per_rank[rank] for rank in range(4)])
     assert runtime_rows == rows
+
+
+@pytest.mark.parametrize("ds_config,problem", [({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+                                               ({}, "pipeline parallelism")])
+def test_placement_refuses_what_it_cannot_move(ds_config, problem):
+    import torch
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from deepspeed_feplb.config import FEPLBConfigError
+    from deepspeed_feplb.integration.engine import _check_placement
+    model = torch.nn.Linear(2, 2)
+    if problem == "pipeline parallelism":
+        model = PipelineModule.__new__(PipelineModule)  # only its type matters here
+    with pytest.raises(FEPLBConfigError, match=f"feplb.placement.enabled: not supported with {problem}"):
+        _check_placement(model, ds_config)
