@@ -84,6 +84,13 @@ def test_a_plan_crosses_as_a_plan_only_for_its_own_step_and_never_torn(mailbox):
     assert mailbox.read_plan(5) is None
 
 
+def test_a_plan_too_large_for_the_mailbox_is_published_as_none(mailbox):
+    from deepspeed_feplb.scheduler.mailbox import max_moves
+    moves = np.tile(np.array([[0, 1, 2, 1]], dtype=np.int64), (max_moves(RANKS) + 1, 1))
+    mailbox.write_plan(3, Plan(moves, np.zeros(RANKS, np.int64)), plan_ns=99)
+    assert mailbox.read_plan(3) == (None, 99)  # readers plan themselves at once instead of waiting
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 40)), min_size=1, max_size=25))
 def test_transport_messages_arrive_intact_in_order(sends):

@@ -130,6 +130,21 @@ def test_alignment_costs_less_than_one_chunk(inst):
         assert plan.rank_tokens.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
 
 
+def test_dynamic_candidates_is_the_compiled_passes_rule():
+    """The ranks pick their static experts with numpy, the planning pass its candidates with the
+    compiled `hottest`: both must choose the same experts, ties included."""
+    from deepspeed_feplb.plan.hottest import hottest
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        G, E = rng.integers(1, 9), rng.integers(1, 17)
+        counts = rng.integers(0, 5, size=(G, E)).astype(np.int64)  # small values: many ties
+        D = int(rng.integers(0, E + 1))
+        top_e, top_n = np.zeros((G, D), np.int64), np.zeros((G, D), np.int64)
+        for r in range(G if D else 0):
+            hottest(counts, r, top_e, top_n)
+        assert dynamic_candidates(counts, D).tolist() == top_e.tolist()
+
+
 def test_dynamic_candidates_ties_and_shapes():
     counts = np.array([[5, 7, 7, 1], [0, 0, 0, 0], [3, 9, 2, 9]])
     assert dynamic_candidates(counts, 2).tolist() == [[1, 2], [0, 1], [1, 3]]

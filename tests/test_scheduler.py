@@ -126,3 +126,46 @@ def test_the_first_compile_of_the_planner_is_announced_only_without_a_cache(tmp_
     cache.mkdir(parents=True)
     (cache / "passes.plan_pass-321.py311.nbi").touch()
     assert domain.planner_cached()
+
+
+def _short_run_domain(steps: int) -> dict:
+    import sys
+
+    import torch.distributed as dist
+
+    from deepspeed_feplb.segments import PeerWatch  # noqa: F401  (what a domain would pass; none here)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    names = [f"feplb-test-{secrets.token_hex(4)}-mbox"]
+    dist.broadcast_object_list(names, 0)
+    before = "numba" in sys.modules
+    if rank == 0:
+        client = ProcessScheduler(names[0], 0, ranks, plan_timeout_s=0.02, peer_timeout_s=30.0, restart=True,
+                                  create=True, start_after_steps=1000)
+    dist.barrier()
+    if rank:
+        client = ProcessScheduler(names[0], rank, ranks, plan_timeout_s=0.02, peer_timeout_s=30.0, restart=True,
+                                  create=False, start_after_steps=1000)
+    same = True
+    for seq in range(steps):
+        x = (np.random.default_rng(seq).pareto(1.0, (ranks, EXPERTS)) * 50).astype(np.int64)
+        client.publish(seq, x[rank], CONSTRAINTS)
+        planned = client.plan(seq)
+        same &= np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves) if rank == 0 else True
+        moves = [None] * ranks
+        dist.all_gather_object(moves, planned.plan.moves.tolist())
+        same &= all(m == moves[0] for m in moves) and not planned.fallback
+    loaded = "numba" in sys.modules
+    dist.barrier()
+    client.close()
+    return {"numba_before": before, "numba_after": loaded, "same": bool(same)}
+
+
+def test_before_the_process_is_up_only_the_first_rank_plans():
+    """A short run never starts the scheduler process: the domain's first rank plans for all and
+    writes the plan where the process would, so the other ranks never load numba (~0.4 s each)."""
+    from deepspeed_feplb.testing import run_distributed
+    results = run_distributed(_short_run_domain, 3, 6, timeout=120)
+    assert all(r["same"] for r in results), "the ranks did not all get the planner's plan"
+    assert not any(r["numba_before"] for r in results), "numba was loaded before any plan: the test shows nothing"
+    assert results[0]["numba_after"]
+    assert not any(r["numba_after"] for r in results[1:]), "a rank that only reads plans loaded numba"

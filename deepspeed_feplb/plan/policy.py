@@ -44,7 +44,6 @@ from typing import Optional
 
 import numpy as np
 
-from deepspeed_feplb.plan.hottest import hottest
 from deepspeed_feplb.plan.timeline import TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents"]
@@ -116,15 +115,12 @@ def empty_plan(counts: np.ndarray) -> Plan:
 
 def dynamic_candidates(counts: np.ndarray, D: int) -> np.ndarray:
     """counts int64 [G, E_local] -> int64 [G, min(D, E_local)]: each rank's D hottest local
-    experts, hottest first, ties to the lower expert id (`hottest.hottest`, the rule the planning
-    pass uses too)."""
-    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    experts, hottest first, ties to the lower expert id. The compiled planning pass applies the
+    same rule (`hottest.hottest`; a test keeps the two equal); this one is numpy, so that a rank
+    whose plans come from elsewhere never loads numba."""
+    counts = np.asarray(counts, dtype=np.int64)
     d = max(0, min(int(D), counts.shape[1]))
-    top_e = np.zeros((counts.shape[0], d), dtype=np.int64)
-    top_n = np.zeros_like(top_e)
-    for r in range(counts.shape[0] if d else 0):
-        hottest(counts, r, top_e, top_n)
-    return top_e
+    return np.ascontiguousarray(np.argsort(-counts, axis=1, kind="stable")[:, :d], dtype=np.int64)
 
 
 def lower_bound(counts: np.ndarray, D: int) -> int:

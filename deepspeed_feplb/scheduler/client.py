@@ -143,14 +143,34 @@ class ProcessScheduler(InlineScheduler):
         got = self._scheduler_plan(seq)
         if got is not None:
             self.late_in_a_row = 0
+            if got[0] is None:  # too large for the mailbox: the same plan, computed here
+                return self._plan_here(counts, constraints, resident, fallback=False)
             return DomainPlan(got[0], counts, got[1] * 1e-9, False)
         if self.process is None and self.mailbox.owner and seq + 1 >= self.start_after_steps:
             self._start_process()  # this job runs long enough to be worth a process
         elif not self.mailbox.header[STARTING] or (self.process is not None and self.process.poll() is not None):
             self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
+        if self.mailbox.header[STARTING] and not self.mailbox.header[SERVED]:
+            return self._leader_plan(seq, counts, constraints, resident)
         # a fallback once a process has served this domain (also while a restarted one comes up);
         # every rank reads the same word, so they agree
         return self._plan_here(counts, constraints, resident, fallback=bool(self.mailbox.header[SERVED]))
+
+    def _leader_plan(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
+                     resident: np.ndarray) -> DomainPlan:
+        """Before a scheduler process first came up, the domain's first rank (the mailbox owner)
+        plans for all and writes the plan where the process would; the others wait for it like for
+        a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
+        process per domain loads numba and the compiled planner, instead of every rank."""
+        if self.mailbox.owner:
+            planned = self._plan_here(counts, constraints, resident, fallback=False)
+            self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
+            return planned
+        plan, plan_ns = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,
+                                  "the plan of the domain's first rank", self.watch.check if self.watch else None)
+        if plan is None:  # too large for the mailbox: the same plan, computed here
+            return self._plan_here(counts, constraints, resident, fallback=False)
+        return DomainPlan(plan, counts, plan_ns * 1e-9, False)
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is

@@ -148,28 +148,33 @@ class Mailbox:
 
     # ---------------------------------------------------------------- plans
     def write_plan(self, seq: int, plan: Plan, plan_ns: int) -> None:
-        """Publish ``plan`` for ``seq`` and how long it took to compute (ns)."""
+        """Publish ``plan`` for ``seq`` and how long it took to compute (ns). A plan with more moves
+        than an entry holds (not within the documented bounds) is published as "none": readers
+        then compute it themselves at once instead of waiting for it."""
         moves = plan.moves.reshape(-1)
-        if moves.size > 4 * max_moves(self.ranks):
-            return  # cannot happen within the documented bounds; ranks then plan in-process
+        fits = moves.size <= 4 * max_moves(self.ranks)
         G = self.ranks
         entry = self.plans[seq % RING]
         entry[0] = -1
-        entry[2], entry[3] = plan.moves.shape[0], plan_ns
-        entry[_PLAN_META:_PLAN_META + G] = plan.rank_tokens
-        entry[_PLAN_META + G:_PLAN_META + G + moves.size] = moves
+        entry[2], entry[3] = (plan.moves.shape[0] if fits else -1), plan_ns
+        if fits:
+            entry[_PLAN_META:_PLAN_META + G] = plan.rank_tokens
+            entry[_PLAN_META + G:_PLAN_META + G + moves.size] = moves
         entry[1] = seq
         entry[0] = seq
         self.header[PLAN_BELL] = seq
         self.plan_bell.notify()
 
-    def read_plan(self, seq: int) -> tuple[Plan, int] | None:
-        """The scheduler's `Plan` for ``seq`` and its planning time (ns), or None if not (yet) there."""
+    def read_plan(self, seq: int) -> tuple[Plan | None, int] | None:
+        """The published `Plan` for ``seq`` and its planning time (ns), or None if not (yet) there;
+        the plan is None when it was too large to publish (`write_plan`)."""
         entry = self.plans[seq % RING]
         if entry[0] != seq or entry[1] != seq:
             return None
         G = self.ranks
         count, plan_ns = int(entry[2]), int(entry[3])
+        if count < 0:
+            return None, plan_ns
         rank_tokens = entry[_PLAN_META:_PLAN_META + G].copy()
         moves = entry[_PLAN_META + G:_PLAN_META + G + 4 * count].copy().reshape(count, 4)
         if entry[0] != seq or entry[1] != seq:
