@@ -544,7 +544,8 @@ def _train(engines: dict, steps, on_step=None) -> dict:
     return losses
 
 
-def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6) -> dict:
+def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6,
+                   ep_size: int | None = None) -> dict:
     """Cross-node placement on ``world`` ranks as nodes of ``domain`` (4 experts per rank, the hot ones
     on the first node): FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical
     experts, trained side by side. Returns both loss curves, the parameter errors with FEPLB's
@@ -554,10 +555,11 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
 
     from deepspeed_feplb.integration.placement import placed_layers
     world = dist.get_world_size()
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+    ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
              "placement": {"enabled": True, "interval_steps": interval, "history_decay": 0.5}}
     config = ds_config(zero_stage, feplb)
-    models = {"reference": _placed_model(4 * world, world), "feplb": _placed_model(4 * world, world)}
+    models = {"reference": _placed_model(4 * world, ep_size), "feplb": _placed_model(4 * world, ep_size)}
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
         model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
     ours = engines["feplb"]
@@ -578,7 +580,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     layer = placed_layers(ours.module)[0]
     placement = layer.placement
     loads = np.sum(recent, axis=0)
-    nodes = world // domain
+    nodes = ep_size // domain
     identity_nodes = np.bincount(np.arange(len(loads)) // (len(loads) // nodes), weights=loads, minlength=nodes)
     counters = {"refreshes": placement.refreshes, "moved_experts": placement.moved_experts,
                 "moved_bytes": placement.moved_bytes, "expert_at": placement.expert_at.tolist()}

@@ -8,16 +8,21 @@ import moe_cases
 from deepspeed_feplb.testing import run_distributed
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_placement_balances_nodes_and_trains_exactly(zero_stage):
-    results = run_distributed(moe_cases.placement_case, 4, zero_stage, timeout=600)
+@pytest.mark.parametrize("zero_stage,ep_size", [(0, 4), (1, 4), (2, 4), (2, 2)],
+                         ids=["zero0", "zero1", "zero2", "zero2-ep2-replicas"])
+def test_placement_balances_nodes_and_trains_exactly(zero_stage, ep_size):
+    """EP 4 as 2 nodes of 2; and EP 2 (nodes of 1 rank) twice, whose expert-data-parallel replicas
+    reduce gradients and, under ZeRO 2, partition the experts' optimizer state between them."""
+    domain = 2 if ep_size == 4 else 1
+    results = run_distributed(moe_cases.placement_case, 4, zero_stage, 20, domain, ep_size=ep_size, timeout=600)
     r = results[0]
     assert all(x["expert_at"] == r["expert_at"] for x in results), "ranks disagree on the placement"
     assert r["refreshes"] >= 1 and r["moved_experts"] > 0
-    assert sum(x["moved_bytes"] for x in results) > 0
-    # the monitor reports every refresh and the bytes the moved experts carried (what the ranks sent)
+    sent = sum(x["moved_bytes"] for x in results[:ep_size])  # one EP group (consecutive ranks); replicas alike
+    assert sent > 0
+    # the monitor reports every refresh and the bytes the moved experts carried (what an EP group's ranks sent)
     assert r["monitored"] == {"placement_refreshes": r["refreshes"], "placement_moved_experts": r["moved_experts"],
-                              "placement_bytes": sum(x["moved_bytes"] for x in results)}
+                              "placement_bytes": sent}
     identity, placed = np.array(r["identity_node_loads"]), np.array(r["placed_node_loads"])
     assert identity.max() / identity.mean() > 1.2, "the router does not load node 0 more: the test shows nothing"
     assert placed.max() / placed.min() <= 1.05, f"node loads after placement {placed} are not within 5%"
