@@ -1,0 +1,102 @@
+"""What one phase-2 message costs on a GPU: `CudaCETransport` ping-pong between two processes.
+
+    python tests/gpu/bench_transport.py OUT.json          # on a GPU machine (two ranks share GPU 0)
+    python tests/gpu/bench_transport.py --cpu OUT.json    # the same protocol on host memory (dry run)
+
+For each message size (one tensor, 4 KiB to 64 MiB) rank 0 sends, rank 1 receives and sends the
+same bytes back, ``rounds`` times after a warm-up; the clock stops once rank 0's received tensor
+is on the device (``torch.cuda.synchronize``). Reported per size: the median round trip, half of
+it as the one-way time of a message, the bandwidth that implies, and the CPU time rank 0's process
+spends per round trip (one ``send`` and one ``recv``: Python, events, the control block and its
+copy thread; waiting sleeps and costs none). On one GPU the copies are device-to-device, not the NVLink copy engine between two
+GPUs; the fixed cost per message (small sizes) is what the planner's time model does not price.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+
+
+def _ping_pong(rounds: int, cpu: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.backend import CudaBackend, HostBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+    if not cpu:
+        torch.cuda.set_device(0)
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    rank = dist.get_rank()
+    names = [f"feplb-benchtransport-{os.getpid()}-{time.monotonic_ns()}"]
+    dist.broadcast_object_list(names, 0)
+
+    def make(create: bool):
+        backend = HostBackend(prefix=f"{names[0]}-mem") if cpu else CudaBackend()
+        return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, capacity_bytes=max(SIZES) + (1 << 20))
+
+    if rank == 0:
+        t = make(True)
+    dist.barrier()
+    if rank:
+        t = make(False)
+    out = {}
+    tag = 0
+    for size in SIZES:
+        x = torch.full((size // 4, ), float(rank + 1), device="cpu" if cpu else "cuda")
+        trips, cpu_s = [], []
+        for i in range(rounds + 5):
+            dist.barrier()
+            sync()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            if rank == 0:
+                future = t.send(1, tag, [x])
+                got = t.recv(1, tag)
+                sync()
+                trips.append(time.perf_counter() - start)
+                cpu_s.append(time.process_time() - start_cpu)
+                future.result(timeout=60)
+                assert float(got[0][0]) == 2.0 and got[0].numel() == x.numel()
+            else:
+                got = t.recv(0, tag)
+                t.send(0, tag, [torch.full_like(got[0], 2.0)]).result(timeout=60)
+            tag += 1
+        if rank == 0:
+            trips, cpu_s = sorted(trips[5:]), sorted(cpu_s[5:])
+            rtt = trips[len(trips) // 2]
+            out[str(size)] = {"round_trip_us": round(rtt * 1e6, 1), "one_way_us": round(rtt * 5e5, 1),
+                              "gbps": round(size / (rtt / 2) / 1e9, 2),
+                              "cpu_us_per_round_trip": round(cpu_s[len(cpu_s) // 2] * 1e6, 1)}
+    dist.barrier()
+    t.close()
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cpu = "--cpu" in argv
+    paths = [a for a in argv if a != "--cpu"]
+    out_path = Path(paths[0]) if paths else Path("transport_speed.json")
+    import torch
+    if not cpu and not torch.cuda.is_available():
+        print("bench_transport: needs a CUDA device (or --cpu for the dry run)", file=sys.stderr)
+        return 2
+    from deepspeed_feplb.testing import run_distributed
+    rounds = 5 if cpu else 50
+    results = run_distributed(_ping_pong, 2, rounds, cpu, timeout=300)
+    figures = {"device": "cpu (HostBackend)" if cpu else torch.cuda.get_device_name(0), "rounds": rounds,
+               "sizes": results[0], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out_path.write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
