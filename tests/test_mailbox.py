@@ -15,7 +15,7 @@ from deepspeed_feplb.scheduler.mailbox import RING, Mailbox
 
 RANKS, EXPERTS = 3, 5
 CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=4, ce_budget_bytes=3e6, expert_bytes=10**6,
-                              model=TimeModel(128, 0.5, 6.0, 203.1, 203.1, 0.033), keep_copies=True)
+                              model=TimeModel(128, 0.5, 6.0, 203.1, 203.1, 0.033, 310.0), keep_copies=True)
 
 
 @pytest.fixture

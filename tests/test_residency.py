@@ -39,6 +39,21 @@ def test_finish_times_by_hand():
     assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).tolist() == pytest.approx([6 + 6 + 10])
 
 
+def test_message_latency_delays_arrivals_and_returns():
+    """Each message arrives ``message_us`` after its copy ends: with 30 µs the chunk of the hand
+    example arrives at 44 µs, its 40 rows end at 84 µs on the helper, the outputs reach the home
+    at 84 + 4 + 30 = 118 µs and the weight-gradient at 84 + 10 + 30 = 124 µs; and a planner that
+    knows a message costs more than any move saves moves nothing."""
+    from dataclasses import replace
+    counts = np.array([[100, 20], [10, 0]])
+    moves = np.array([[0, 0, 1, 40]])
+    slow = replace(MODEL, message_us=30.0)
+    assert rank_finish_us(counts, moves, slow).tolist() == pytest.approx([124.0, 84.0])
+    skewed = np.array([[400, 100], [100, 100]])
+    assert len(plan_domain(skewed, PlanConstraints(2, 2, 1, model=MODEL)).moves) > 0
+    assert len(plan_domain(skewed, PlanConstraints(2, 2, 1, model=replace(MODEL, message_us=1e4))).moves) == 0
+
+
 def random_domains(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     for _ in range(n):

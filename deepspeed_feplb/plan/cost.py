@@ -36,7 +36,8 @@ __all__ = ["GemmProfile", "PROFILES", "ExpertShape", "gemm_us", "rank_gemm_us", 
 class GemmProfile:
     """name; tflops: sustained expert-GEMM rate; tile_m: row tile; overhead_us: fixed cost per
     expert piece; ce_gbps: Copy-Engine bandwidth one way per GPU (GB/s); net_gbps: cross-node
-    bandwidth per GPU (GB/s)."""
+    bandwidth per GPU (GB/s); message_us: fixed latency of one phase-2 message (0: an ideal
+    transport; the Python transports measured about 300 µs one way, docs/GPU.md)."""
 
     name: str
     tflops: float
@@ -44,6 +45,7 @@ class GemmProfile:
     overhead_us: float
     ce_gbps: float
     net_gbps: float
+    message_us: float = 0.0
 
 
 PROFILES = {

@@ -370,11 +370,11 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
-    whose accumulated gradients go home at the end of this micro-batch; model float64 [6]
+    whose accumulated gradients go home at the end of this micro-batch; model float64 [7]
     (`timeline.TimeModel.as_array`). Returns float64 [G]. The model is described in `timeline`."""
     G, E = counts.shape
     M = moves.shape[0]
-    wcopy, gcopy, rcopy = model[3], model[4], model[5]
+    wcopy, gcopy, rcopy, latency = model[3], model[4], model[5], model[6]
     kept = counts.copy()
     for m in range(M):
         kept[moves[m, 0], moves[m, 1]] -= moves[m, 3]
@@ -391,7 +391,7 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
         end = start + (wcopy if fresh[m] else 0.0) + moves[m, 3] * rcopy
         out_free[h] = end
         in_free[j] = end
-        arrive[m] = end
+        arrive[m] = end + latency
     done = np.empty(M)
     for m in np.argsort(arrive, kind="mergesort"):
         j = moves[m, 2]
@@ -401,14 +401,14 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
     back_free = t.copy()  # a helper's outgoing link sends gradients once its rows are computed
     for m in np.argsort(done, kind="mergesort"):
         h, j = moves[m, 0], moves[m, 2]
-        finish[h] = max(finish[h], done[m] + moves[m, 3] * rcopy)
+        finish[h] = max(finish[h], done[m] + moves[m, 3] * rcopy + latency)
         if grads_back[m]:
             back_free[j] = max(back_free[j], done[m]) + gcopy
-            finish[h] = max(finish[h], back_free[j])
+            finish[h] = max(finish[h], back_free[j] + latency)
     for f in range(flush.shape[0]):
         h, j = flush[f, 0], flush[f, 1]
         back_free[j] = max(back_free[j], t[j]) + gcopy
-        finish[h] = max(finish[h], back_free[j])
+        finish[h] = max(finish[h], back_free[j] + latency)
     return finish
 
 

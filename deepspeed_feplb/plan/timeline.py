@@ -12,7 +12,10 @@ Per micro-batch and rank of a domain (all times µs, forward and backward togeth
   chunks in arrival order;
 * the chunk's outputs go home (``n * row_copy_us``), and, unless the helper keeps the weight copy
   for later micro-batches of the step, its weight-gradients too (``grad_copy_us``, one at a time
-  on the helper's outgoing link); the home finishes when both are back. At the step's last
+  on the helper's outgoing link); the home finishes when both are back;
+* every message (a chunk there, its outputs back, gradients back) also arrives ``message_us``
+  after its copy ends: the transport's fixed latency per message, which does not occupy the link
+  (measured: about 300 µs one way for the Python transports, docs/GPU.md; 0 in the named profiles). At the step's last
   micro-batch every weight copy a helper kept sends its accumulated gradients home the same way
   (``flush``).
 
@@ -42,7 +45,8 @@ class TimeModel:
     piece_us:        fixed cost of one expert piece (forward + backward);
     weight_copy_us:  one expert's weights over one copy-engine link;
     grad_copy_us:    one expert's weight-gradients over one link;
-    row_copy_us:     one row's activations over one link.
+    row_copy_us:     one row's activations over one link;
+    message_us:      fixed latency of one message, on top of its copy.
     """
 
     tile_rows: int
@@ -51,6 +55,7 @@ class TimeModel:
     weight_copy_us: float
     grad_copy_us: float
     row_copy_us: float
+    message_us: float = 0.0
 
     @classmethod
     def of(cls, shape, profile) -> "TimeModel":
@@ -58,7 +63,7 @@ class TimeModel:
         bw = profile.ce_gbps * 1e3  # bytes per µs
         return cls(int(profile.tile_m), FWD_BWD_GEMMS * shape.flops_per_row / (profile.tflops * 1e6),
                    FWD_BWD_GEMMS * profile.overhead_us, shape.weight_bytes / bw, shape.weight_bytes / bw,
-                   shape.row_bytes / bw)
+                   shape.row_bytes / bw, profile.message_us)
 
     @classmethod
     def measured(cls, expert_seconds: float, rows: int, expert_bytes: int, row_bytes: int,
@@ -73,9 +78,9 @@ class TimeModel:
                    row_bytes / bw)
 
     def as_array(self) -> np.ndarray:
-        """float64 [6], the order `passes.finish_us` takes."""
+        """float64 [7], the order `passes.finish_us` takes."""
         return np.array([self.tile_rows, self.row_us, self.piece_us, self.weight_copy_us, self.grad_copy_us,
-                         self.row_copy_us], dtype=np.float64)
+                         self.row_copy_us, self.message_us], dtype=np.float64)
 
     @property
     def finite(self) -> bool:

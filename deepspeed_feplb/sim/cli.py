@@ -116,6 +116,9 @@ def add_parser(subparsers) -> None:
                    help="GEMM and copy cost profile: h100, h200, cpu (measured now on this machine's CPU, "
                         "for a trace recorded on CPU) or gpu (expert GEMMs measured now on this machine's "
                         "CUDA device in bf16, copy rates of h200) (default: %(default)s)")
+    p.add_argument("--message-us", type=float, default=None, metavar="US",
+                   help="fixed latency of one phase-2 message in the time model, in µs (default: the profile's, 0; "
+                        "the Python transports measured about 300 on an H200 machine)")
     p.add_argument("--hidden", type=whole_number(1),
                    help="expert hidden size for the cost model (default: the trace's hidden, else 6144)")
     p.add_argument("--ffn-hidden", type=whole_number(1),
@@ -255,6 +258,11 @@ def _setup(args, trace, D):
     ffn = args.ffn_hidden or trace.ffn_hidden or 2048
     shape = ExpertShape(hidden=hidden, ffn_hidden=ffn, mats=args.expert_mats)
     profile = get_profile(args.profile, shape if args.profile != "cpu" else None)
+    if args.message_us is not None:
+        if args.message_us < 0:
+            raise SystemExit(f"simulate: --message-us must be >= 0 (got {args.message_us:g})")
+        from deepspeed_feplb.plan.cost import scaled
+        profile = scaled(profile, message_us=args.message_us)
     return SimSetup(ranks_per_node=args.ranks_per_node, nodes=args.nodes, experts=trace.experts,
                     dynamic_experts=D, max_helpers=args.max_helpers, chunk_align=args.chunk_align,
                     shape=shape, profile=profile, ce_budget=args.ce_budget,
