@@ -108,3 +108,14 @@ def test_placement_refuses_what_it_cannot_move(ds_config, problem):
         model = PipelineModule.__new__(PipelineModule)  # only its type matters here
     with pytest.raises(FEPLBConfigError, match=f"feplb.placement.enabled: not supported with {problem}"):
         _check_placement(model, ds_config)
+
+
+def test_placement_refuses_autoep_layers(monkeypatch):
+    import torch
+
+    from deepspeed_feplb.config import FEPLBConfigError, load_config
+    from deepspeed_feplb.integration import autoep
+    monkeypatch.setattr(autoep, "autoep_layers", lambda model: {"model.layers.0.mlp": object()})
+    config = load_config({"feplb": {"placement": {"enabled": True}}})
+    with pytest.raises(FEPLBConfigError, match="feplb.placement.enabled: .*AutoEP layers .*model.layers.0.mlp"):
+        autoep.install(torch.nn.Linear(2, 2), config)

@@ -149,6 +149,9 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
     layers = autoep_layers(model)
     if not config.enabled:
         return {}
+    if layers and config.placement.enabled:
+        raise FEPLBConfigError(f"feplb.placement.enabled: cross-node placement does not cover AutoEP layers yet "
+                               f"({', '.join(sorted(layers))}); set feplb.placement.enabled to false")
     installed = {}
     for name, layer in layers.items():
         experts = layer.experts
