@@ -15,6 +15,8 @@ Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md):
   current (compute) stream; the destination's copy stream waits for it, so copies start exactly
   when the data is ready and overlap whatever the compute stream does next. Per-destination
   threads mean a channel that waits for its receiver never delays messages to other ranks.
+  When nothing is queued for a destination and the receiver has read the previous message, the
+  sender enqueues the copies itself (nothing to wait for), sparing the copy thread's wake-up.
 * **Ordering across processes with IPC events**, and host-side sequence numbers in a per-domain
   shared-memory control block (as in `ShmTransport`): the sender records its *ready* event after
   the copies, then publishes ``seq``; the receiver, having seen ``seq``, makes its receive stream
@@ -135,6 +137,10 @@ class CudaCETransport:
         self._caller_at = {src: backend.event_create() for src in self._peers}  # recv: the caller's stream, now
         self._done_peer: dict[int, int] = {}  # dst -> the receiver's consumed event, opened; copy thread only
         self._jobs = {dst: queue.Queue() for dst in self._peers}
+        # a message is written by whoever holds its link: the copy thread, or the sender inline
+        self._link = {dst: threading.Lock() for dst in self._peers}
+        self._queued = dict.fromkeys(self._peers, 0)  # jobs queued or being written by the copy thread
+        self._queued_lock = threading.Lock()
         self._threads = {dst: threading.Thread(target=self._copy_loop, args=(dst, ), name=f"feplb-ce-{dst}", daemon=True)
                          for dst in self._peers}
         for thread in self._threads.values():
@@ -188,8 +194,43 @@ class CudaCETransport:
         ready = self.backend.event_create()
         self.backend.event_record(ready, self.backend.current_stream())
         future: Future = Future()
-        self._jobs[dst].put((tag, tensors, ready, future))
+        job = (tag, tensors, ready, future)
+        if self._send_inline(dst, job):
+            return future
+        with self._queued_lock:
+            self._queued[dst] += 1
+        self._jobs[dst].put(job)
         return future
+
+    def _send_inline(self, dst: int, job) -> bool:
+        """Write the message from the caller's thread when that cannot wait: nothing queued or being
+        written for ``dst``, the receiver has read the previous message and the slot is large
+        enough. The copies are asynchronous either way; this saves the copy thread's wake-up, most
+        of a small message's latency (docs/GPU.md). Returns whether it did."""
+        link = self._link[dst]
+        if not link.acquire(blocking=False):
+            return False
+        try:
+            channel = self._control[self.local_rank, dst]
+            _, tensors, _, _ = job
+            nbytes = message_layout([(t.dtype, t.shape) for t in tensors])[1]
+            if (self._queued[dst] or channel[ACK] != channel[SEQ] or channel[GEN] < 1 or nbytes > channel[CAP]
+                    or channel[WANT]):
+                return False
+            self._run(dst, job)
+            return True
+        finally:
+            link.release()
+
+    def _run(self, dst: int, job) -> None:
+        tag, tensors, ready, future = job
+        try:
+            self._write(dst, tag, tensors, ready)
+            future.set_result(None)  # enqueued: the receiver orders itself after _ready[dst]
+        except BaseException as exc:  # the waiting caller re-raises it
+            future.set_exception(exc)
+        finally:
+            self.backend.event_destroy(ready)
 
     def _copy_loop(self, dst: int) -> None:
         bound = False
@@ -197,17 +238,13 @@ class CudaCETransport:
             job = self._jobs[dst].get()
             if job is None:
                 return
-            tag, tensors, ready, future = job
-            try:
-                if not bound:
-                    self.backend.bind_thread()
-                    bound = True
-                self._write(dst, tag, tensors, ready)
-                future.set_result(None)  # enqueued: the receiver orders itself after _ready[dst]
-            except BaseException as exc:  # the waiting caller re-raises it
-                future.set_exception(exc)
-            finally:
-                self.backend.event_destroy(ready)
+            if not bound:
+                self.backend.bind_thread()
+                bound = True
+            with self._link[dst]:
+                self._run(dst, job)
+            with self._queued_lock:
+                self._queued[dst] -= 1
 
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor], ready: int) -> None:
         backend, stream = self.backend, self._streams[dst]
