@@ -3,6 +3,7 @@
 This is the CPU analogue of the GPU transport (`cuda_ce`): every local rank maps the same
 shared memory ("peer pointers"), and a dedicated copy thread ("the Copy Engine") writes a
 rank's outgoing messages straight into the receiver's buffers while the main thread computes.
+A small message whose channel is free is written by the sender itself (no thread wake-up).
 
 Layout. One control segment per NVLink domain holds, for every ordered pair of local ranks
 ``src -> dst``, a channel header ``[seq, ack, generation, nbytes]`` (int64). The payload of a
@@ -33,6 +34,7 @@ from deepspeed_feplb.segments import (PeerWatch, Word, Words, cleanup, describe_
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
 _ALIGN = 64
+INLINE_BYTES = 1 << 20  # larger messages always go to the copy thread, which copies while the sender computes
 
 
 def _pack_layout(tag: int, tensors: list[torch.Tensor]) -> tuple[np.ndarray, list[int], int]:
@@ -79,6 +81,9 @@ class ShmTransport:
         self._expected = np.zeros(size, dtype=np.int64)  # messages received so far, per src
         self._words = Words(self._control)
         self._jobs: queue.Queue = queue.Queue()
+        self._writing = threading.Lock()  # held by whoever writes a message: the copy thread or an inline send
+        self._queued = 0  # jobs queued or being written by the copy thread
+        self._queued_lock = threading.Lock()
         self.closed = False
         self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
         self._copy_thread.start()
@@ -93,20 +98,51 @@ class ShmTransport:
             raise ValueError("a rank does not send to itself")
         wire.check(tensors)
         future: Future = Future()
-        self._jobs.put((dst, tag, [t.detach().contiguous() for t in tensors], future))
+        job = (dst, tag, [t.detach().contiguous() for t in tensors], future)
+        if self._send_inline(job):
+            return future
+        with self._queued_lock:
+            self._queued += 1
+        self._jobs.put(job)
         return future
+
+    def _send_inline(self, job) -> bool:
+        """Write a small message (at most `INLINE_BYTES`) from the caller's thread when that cannot
+        wait: nothing queued or being written, the receiver has read the previous message on this
+        channel, and its segment is large enough. This spares the copy thread's wake-up, most of a
+        small message's latency. Returns whether it did."""
+        dst, tag, tensors, future = job
+        if not self._writing.acquire(blocking=False):
+            return False
+        try:
+            channel = self._control[self.local_rank, dst]
+            segment = self._outgoing.get(dst)
+            nbytes = _pack_layout(tag, tensors)[2]
+            if (self._queued or nbytes > INLINE_BYTES or channel[_ACK] != channel[_SEQ] or segment is None
+                    or segment.size < nbytes):
+                return False
+            self._run(job)
+            return True
+        finally:
+            self._writing.release()
+
+    def _run(self, job) -> None:
+        dst, tag, tensors, future = job
+        try:
+            self._write(dst, tag, tensors)
+            future.set_result(None)
+        except BaseException as exc:  # the waiting main thread re-raises it
+            future.set_exception(exc)
 
     def _copy_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            dst, tag, tensors, future = job
-            try:
-                self._write(dst, tag, tensors)
-                future.set_result(None)
-            except BaseException as exc:  # the waiting main thread re-raises it
-                future.set_exception(exc)
+            with self._writing:
+                self._run(job)
+            with self._queued_lock:
+                self._queued -= 1
 
     def _write(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> None:
         channel = self._control[self.local_rank, dst]

@@ -12,12 +12,13 @@ Per micro-batch and rank of a domain (all times µs, forward and backward togeth
   chunks in arrival order;
 * the chunk's outputs go home (``n * row_copy_us``), and, unless the helper keeps the weight copy
   for later micro-batches of the step, its weight-gradients too (``grad_copy_us``, one at a time
-  on the helper's outgoing link); the home finishes when both are back;
+  on the helper's outgoing link); the home finishes when both are back. At the step's last
+  micro-batch every weight copy a helper kept sends its accumulated gradients home the same way
+  (``flush``);
 * every message (a chunk there, its outputs back, gradients back) also arrives ``message_us``
   after its copy ends: the transport's fixed latency per message, which does not occupy the link
-  (measured: about 300 µs one way for the Python transports, docs/GPU.md; 0 in the named profiles). At the step's last
-  micro-batch every weight copy a helper kept sends its accumulated gradients home the same way
-  (``flush``).
+  (measured: about 230 µs one way for `cuda_ce` on an H200 machine, docs/GPU.md; 0 in the
+  named profiles and, for now, in the runtime's measured model).
 
 The makespan (the slowest rank's finish) is what the planner minimises and what the simulator
 reports as ``expert_time_us``. `TimeModel` holds the constants; the evaluation is compiled with
