@@ -124,6 +124,9 @@ class ExpertPlacement:
         ranks_per_node: consecutive EP ranks that form a node (the NVLink domain).
         interval_steps, decay, network_gbps: `config.PlacementConfig`.
         state_bytes: bytes one expert's move carries (`state_bytes_per_expert`).
+        dynamic_experts: D of the intra-node planner (the policy judges placements by the load left
+            after D dynamic experts per rank are balanced inside a node).
+        intra_gbps: bandwidth of a move inside a node (``copy_engine_gbps``).
         dp_group: the layer's expert-data-parallel group (its replicas must place alike), or None.
         device: where the routing table lives (the gate's device).
     """
@@ -161,6 +164,7 @@ class ExpertPlacement:
 
     @property
     def identity(self) -> bool:
+        """Whether every expert sits in its original slot (routing is then left alone)."""
         return bool(np.array_equal(self.expert_at, np.arange(self.num_experts)))
 
     def record(self, expert_ids: torch.Tensor) -> None:
@@ -180,12 +184,14 @@ class ExpertPlacement:
         self.pending = []
         extra = torch.zeros(local.shape[0], 1, dtype=torch.float64)
         extra[0, 0] = us_per_token
-        both = torch.cat([local.cpu(), extra], dim=1)
+        # on the routing table's device: an NCCL group reduces CUDA tensors only
+        both = torch.cat([local.cpu(), extra], dim=1).to(self.slot_of.device)
         ranks = 1
         for group in (self.ep_group, self.dp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(both, group=group)
                 ranks *= dist.get_world_size(group)
+        both = both.cpu()
         loads = both[:, :-1].numpy()
         self.last_loads = loads
         if self.steps == 0:  # as the simulator: first decision after one step, then every interval_steps steps
