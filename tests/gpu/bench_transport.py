@@ -2,6 +2,7 @@
 
     python tests/gpu/bench_transport.py OUT.json          # on a GPU machine (two ranks share GPU 0)
     python tests/gpu/bench_transport.py --cpu OUT.json    # the same protocol on host memory (dry run)
+    python tests/gpu/bench_transport.py --profile OUT.json  # also rank 0's cProfile (OUT.json.prof.txt)
 
 For each message size (one tensor, 4 KiB to 64 MiB) rank 0 sends, rank 1 receives and sends the
 same bytes back, ``rounds`` times after a warm-up; the clock stops once rank 0's received tensor
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 
-def _ping_pong(rounds: int, cpu: bool) -> dict:
+def _ping_pong(rounds: int, cpu: bool, profile: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -49,6 +50,8 @@ def _ping_pong(rounds: int, cpu: bool) -> dict:
         t = make(False)
     out = {}
     tag = 0
+    import cProfile
+    profiler = cProfile.Profile() if profile and rank == 0 else None
     for size in SIZES:
         x = torch.full((size // 4, ), float(rank + 1), device="cpu" if cpu else "cuda")
         trips, cpu_s = [], []
@@ -57,9 +60,13 @@ def _ping_pong(rounds: int, cpu: bool) -> dict:
             sync()
             start, start_cpu = time.perf_counter(), time.process_time()
             if rank == 0:
+                if profiler is not None and size == SIZES[0] and i >= 5:
+                    profiler.enable()
                 future = t.send(1, tag, [x])
                 got = t.recv(1, tag)
                 sync()
+                if profiler is not None:
+                    profiler.disable()
                 trips.append(time.perf_counter() - start)
                 cpu_s.append(time.process_time() - start_cpu)
                 future.result(timeout=60)
@@ -76,13 +83,19 @@ def _ping_pong(rounds: int, cpu: bool) -> dict:
                               "cpu_us_per_round_trip": round(cpu_s[len(cpu_s) // 2] * 1e6, 1)}
     dist.barrier()
     t.close()
+    if profiler is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        out["profile"] = text.getvalue()
     return out
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    cpu = "--cpu" in argv
-    paths = [a for a in argv if a != "--cpu"]
+    cpu, profile = "--cpu" in argv, "--profile" in argv
+    paths = [a for a in argv if a not in ("--cpu", "--profile")]
     out_path = Path(paths[0]) if paths else Path("transport_speed.json")
     import torch
     if not cpu and not torch.cuda.is_available():
@@ -90,7 +103,10 @@ def main(argv=None) -> int:
         return 2
     from deepspeed_feplb.testing import run_distributed
     rounds = 5 if cpu else 50
-    results = run_distributed(_ping_pong, 2, rounds, cpu, timeout=300)
+    results = run_distributed(_ping_pong, 2, rounds, cpu, profile, timeout=300)
+    text = results[0].pop("profile", None)
+    if text is not None:
+        Path(f"{out_path}.prof.txt").write_text(text)
     figures = {"device": "cpu (HostBackend)" if cpu else torch.cuda.get_device_name(0), "rounds": rounds,
                "sizes": results[0], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     out_path.write_text(json.dumps(figures, indent=1))
