@@ -38,12 +38,13 @@ import torch.distributed as dist
 
 from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads
 
-__all__ = ["ExpertPlacement", "expert_state", "load_expert_state", "state_bytes_per_expert"]
+__all__ = ["ExpertPlacement", "expert_state", "hp_state_keys", "load_expert_state", "state_bytes_per_expert"]
 
 
-def _hp_keys(optimizer) -> list[str]:
+def hp_state_keys(optimizer) -> list[str]:
     """Optimizer-state keys kept in DeepSpeed's flat fp32 partitions (e.g. exp_avg, exp_avg_sq), with
-    every parameter's fragments of them linked (`seams.relink_optimizer_fragments`)."""
+    every parameter's fragments of them linked (`seams.relink_optimizer_fragments`). Once per move:
+    relinking walks every parameter group."""
     from deepspeed_feplb.integration import seams
     seams.relink_optimizer_fragments(optimizer)
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -61,18 +62,17 @@ def _torch_state(optimizer, param: torch.Tensor) -> dict:
     return state
 
 
-def expert_state(params: list[torch.Tensor], optimizer) -> list[torch.Tensor]:
+def expert_state(params: list[torch.Tensor], optimizer, keys: list[str]) -> list[torch.Tensor]:
     """Everything that moves with one expert, in a fixed order: for each parameter its value, then
-    (ZeRO 1/2, bf16 optimizer) its fp32 master and optimizer states, or (ZeRO 0) its torch
-    optimizer state entries in key order. Collective over the expert-data-parallel group under
-    ZeRO 1/2 (DeepSpeed assembles partitioned fragments with an all-reduce)."""
+    (ZeRO 1/2, bf16 optimizer) its fp32 master and optimizer states ``keys`` (`hp_state_keys`), or
+    (ZeRO 0) its torch optimizer state entries in key order. Collective over the
+    expert-data-parallel group under ZeRO 1/2 (DeepSpeed assembles partitioned fragments with an
+    all-reduce)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     out = []
-    keys = None
     for p in params:
         out.append(p.detach().clone())
         if hasattr(p, "_hp_mapping"):
-            keys = _hp_keys(optimizer) if keys is None else keys
             out.append(safe_get_full_fp32_param(p))
             out.extend(safe_get_full_optimizer_state(p, key) for key in keys)
         elif optimizer is not None:
@@ -82,16 +82,14 @@ def expert_state(params: list[torch.Tensor], optimizer) -> list[torch.Tensor]:
     return out
 
 
-def load_expert_state(params: list[torch.Tensor], optimizer, tensors: list[torch.Tensor]) -> None:
+def load_expert_state(params: list[torch.Tensor], optimizer, keys: list[str], tensors: list[torch.Tensor]) -> None:
     """Write what `expert_state` read (of another expert) into ``params`` and their optimizer state."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     values = iter(tensors)
-    keys = None
     with torch.no_grad():
         for p in params:
             p.copy_(next(values))
             if hasattr(p, "_hp_mapping"):
-                keys = _hp_keys(optimizer) if keys is None else keys
                 safe_set_full_fp32_param(p, next(values))
                 for key in keys:
                     safe_set_full_optimizer_state(p, next(values), key)
@@ -283,13 +281,15 @@ class ExpertPlacement:
                 sends.append((dst_rank, source % self.per_rank))
             elif dst_rank == me:
                 recvs.append((src_rank, slot % self.per_rank))
-        if not self.bundle_bytes:  # every rank (collective under ZeRO 1/2, like every expert_state call here)
-            self.bundle_bytes = sum(t.numel() * t.element_size() for t in expert_state(expert_params[0], optimizer))
+        keys = hp_state_keys(optimizer)
+        # what one expert carries (every expert has the same tensors): sizes the receive buffers;
+        # read on every rank, as expert_state is collective under ZeRO 1/2
+        template = expert_state(expert_params[0], optimizer, keys)
+        self.bundle_bytes = sum(t.numel() * t.element_size() for t in template)
         # read every outgoing expert before anything is overwritten (a rank sends and receives)
-        outgoing = [(rank, expert_state(expert_params[j], optimizer)) for rank, j in sends]
-        staying = [(i, expert_state(expert_params[j], optimizer)) for j, i in local]
-        incoming = [(rank, i, [torch.empty_like(t) for t in expert_state(expert_params[i], optimizer)])
-                    for rank, i in recvs]
+        outgoing = [(rank, expert_state(expert_params[j], optimizer, keys)) for rank, j in sends]
+        staying = [(i, expert_state(expert_params[j], optimizer, keys)) for j, i in local]
+        incoming = [(rank, i, [torch.empty_like(t) for t in template]) for rank, i in recvs]
         ops = []
         for rank, tensors in outgoing:
             peer = dist.get_global_rank(self.ep_group, int(rank))
@@ -301,7 +301,7 @@ class ExpertPlacement:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         for i, tensors in [*staying, *((i, tensors) for _, i, tensors in incoming)]:
-            load_expert_state(expert_params[i], optimizer, tensors)
+            load_expert_state(expert_params[i], optimizer, keys, tensors)
         moved = int(np.sum(new_at != self.expert_at))
         self.moved_experts += moved
         self.moved_bytes += sum(t.numel() * t.element_size() for _, tensors in outgoing for t in tensors)
