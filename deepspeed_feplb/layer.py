@@ -161,12 +161,15 @@ class FEPLBMOELayer(MOELayer):
         experts = self.experts.deepspeed_experts
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         if self.domain is None:
-            clock = self.compute_times.clock(rows.device)
-            begin = clock()
+            timed = self.placement is not None  # its only reader without a domain: the time per routed token
+            if timed:
+                clock = self.compute_times.clock(rows.device)
+                begin = clock()
             with self.stage_times.measure("static experts"):
                 outs = [_call(experts[e], rows[starts[e]:starts[e + 1]]) for e in range(len(experts))]
-            end = clock()
-            self.compute_times.finish(begin, end, end, int(counts.sum()))  # the placement's time per token
+            if timed:
+                end = clock()
+                self.compute_times.finish(begin, end, end, int(counts.sum()))
             self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
                 if self.feplb_config.stats.enabled else {}
             return torch.cat(outs) if outs else rows
