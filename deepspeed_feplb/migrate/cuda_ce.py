@@ -55,6 +55,7 @@ import torch
 
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.arena import align_up, message_layout
+from deepspeed_feplb.migrate.link import Link
 from deepspeed_feplb.segments import (PeerTimeoutError, Word, Words, describe_rank, open_segment, peer_check,
                                       unlink_quietly, wait_until)
 
@@ -137,10 +138,7 @@ class CudaCETransport:
         self._caller_at = {src: backend.event_create() for src in self._peers}  # recv: the caller's stream, now
         self._done_peer: dict[int, int] = {}  # dst -> the receiver's consumed event, opened; copy thread only
         self._jobs = {dst: queue.Queue() for dst in self._peers}
-        # a message is written by whoever holds its link: the copy thread, or the sender inline
-        self._link = {dst: threading.Lock() for dst in self._peers}
-        self._queued = dict.fromkeys(self._peers, 0)  # jobs queued or being written by the copy thread
-        self._queued_lock = threading.Lock()
+        self._link = {dst: Link() for dst in self._peers}  # a message is written by the copy thread or inline
         self._threads = {dst: threading.Thread(target=self._copy_loop, args=(dst, ), name=f"feplb-ce-{dst}", daemon=True)
                          for dst in self._peers}
         for thread in self._threads.values():
@@ -194,38 +192,23 @@ class CudaCETransport:
         ready = self.backend.event_create()
         self.backend.event_record(ready, self.backend.current_stream())
         future: Future = Future()
-        job = (tag, tensors, ready, future)
-        if self._send_inline(dst, job):
+        job = (tag, tensors, ready, future, message_layout([(t.dtype, t.shape) for t in tensors]))
+        if self._link[dst].write_inline(lambda: self._slot_free(dst, job[4][1]), lambda: self._run(dst, job)):
             return future
-        with self._queued_lock:
-            self._queued[dst] += 1
+        self._link[dst].enqueued()
         self._jobs[dst].put(job)
         return future
 
-    def _send_inline(self, dst: int, job) -> bool:
-        """Write the message from the caller's thread when that cannot wait: nothing queued or being
-        written for ``dst``, the receiver has read the previous message and the slot is large
-        enough. The copies are asynchronous either way; this saves the copy thread's wake-up, most
-        of a small message's latency (docs/GPU.md). Returns whether it did."""
-        link = self._link[dst]
-        if not link.acquire(blocking=False):
-            return False
-        try:
-            channel = self._control[self.local_rank, dst]
-            _, tensors, _, _ = job
-            nbytes = message_layout([(t.dtype, t.shape) for t in tensors])[1]
-            if (self._queued[dst] or channel[ACK] != channel[SEQ] or channel[GEN] < 1 or nbytes > channel[CAP]
-                    or channel[WANT]):
-                return False
-            self._run(dst, job)
-            return True
-        finally:
-            link.release()
+    def _slot_free(self, dst: int, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` to ``dst`` can be written without waiting: the receiver has
+        read the previous one and its slot is large enough (no growth to ask for)."""
+        channel = self._control[self.local_rank, dst]
+        return channel[ACK] == channel[SEQ] and channel[GEN] >= 1 and nbytes <= channel[CAP] and not channel[WANT]
 
     def _run(self, dst: int, job) -> None:
-        tag, tensors, ready, future = job
+        tag, tensors, ready, future, layout = job
         try:
-            self._write(dst, tag, tensors, ready)
+            self._write(dst, tag, tensors, ready, layout)
             future.set_result(None)  # enqueued: the receiver orders itself after _ready[dst]
         except BaseException as exc:  # the waiting caller re-raises it
             future.set_exception(exc)
@@ -241,12 +224,11 @@ class CudaCETransport:
             if not bound:
                 self.backend.bind_thread()
                 bound = True
-            with self._link[dst]:
+            with self._link[dst].thread_writes():
                 self._run(dst, job)
-            with self._queued_lock:
-                self._queued[dst] -= 1
 
-    def _write(self, dst: int, tag: int, tensors: list[torch.Tensor], ready: int) -> None:
+    def _write(self, dst: int, tag: int, tensors: list[torch.Tensor], ready: int,
+               layout: tuple[list[int], int]) -> None:
         backend, stream = self.backend, self._streams[dst]
         channel = self._control[self.local_rank, dst]
         self._release_copied(dst, wait=False)
@@ -258,7 +240,7 @@ class CudaCETransport:
             if dst not in self._done_peer:
                 self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
             backend.stream_wait_event(stream, self._done_peer[dst])
-        offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
+        offsets, nbytes = layout
         wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"{describe_rank(self.watch, dst)} of domain {self.name} to start",
                    check, word=self._word(me, dst, GEN))
         if nbytes > channel[CAP]:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate import wire
+from deepspeed_feplb.migrate.link import Link
 from deepspeed_feplb.segments import (PeerWatch, Word, Words, cleanup, describe_rank, open_segment, peer_check,
                                       unlink_quietly, wait_until)
 
@@ -81,9 +82,7 @@ class ShmTransport:
         self._expected = np.zeros(size, dtype=np.int64)  # messages received so far, per src
         self._words = Words(self._control)
         self._jobs: queue.Queue = queue.Queue()
-        self._writing = threading.Lock()  # held by whoever writes a message: the copy thread or an inline send
-        self._queued = 0  # jobs queued or being written by the copy thread
-        self._queued_lock = threading.Lock()
+        self._link = Link()  # a message is written by the copy thread or, small and unhindered, inline
         self.closed = False
         self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
         self._copy_thread.start()
@@ -98,38 +97,27 @@ class ShmTransport:
             raise ValueError("a rank does not send to itself")
         wire.check(tensors)
         future: Future = Future()
-        job = (dst, tag, [t.detach().contiguous() for t in tensors], future)
-        if self._send_inline(job):
+        tensors = [t.detach().contiguous() for t in tensors]
+        job = (dst, tag, tensors, future, _pack_layout(tag, tensors))
+        if self._link.write_inline(lambda: self._channel_free(dst, job[4][2]), lambda: self._run(job)):
             return future
-        with self._queued_lock:
-            self._queued += 1
+        self._link.enqueued()
         self._jobs.put(job)
         return future
 
-    def _send_inline(self, job) -> bool:
-        """Write a small message (at most `INLINE_BYTES`) from the caller's thread when that cannot
-        wait: nothing queued or being written, the receiver has read the previous message on this
-        channel, and its segment is large enough. This spares the copy thread's wake-up, most of a
-        small message's latency. Returns whether it did."""
-        dst, tag, tensors, future = job
-        if not self._writing.acquire(blocking=False):
-            return False
-        try:
-            channel = self._control[self.local_rank, dst]
-            segment = self._outgoing.get(dst)
-            nbytes = _pack_layout(tag, tensors)[2]
-            if (self._queued or nbytes > INLINE_BYTES or channel[_ACK] != channel[_SEQ] or segment is None
-                    or segment.size < nbytes):
-                return False
-            self._run(job)
-            return True
-        finally:
-            self._writing.release()
+    def _channel_free(self, dst: int, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` to ``dst`` is small (at most `INLINE_BYTES`: larger ones
+        are copied by the thread while the sender computes) and can be written without waiting: the
+        receiver has read the previous one and the segment is large enough."""
+        channel = self._control[self.local_rank, dst]
+        segment = self._outgoing.get(dst)
+        return (nbytes <= INLINE_BYTES and channel[_ACK] == channel[_SEQ] and segment is not None
+                and segment.size >= nbytes)
 
     def _run(self, job) -> None:
-        dst, tag, tensors, future = job
+        dst, tag, tensors, future, layout = job
         try:
-            self._write(dst, tag, tensors)
+            self._write(dst, tensors, layout)
             future.set_result(None)
         except BaseException as exc:  # the waiting main thread re-raises it
             future.set_exception(exc)
@@ -139,12 +127,10 @@ class ShmTransport:
             job = self._jobs.get()
             if job is None:
                 return
-            with self._writing:
+            with self._link.thread_writes():
                 self._run(job)
-            with self._queued_lock:
-                self._queued -= 1
 
-    def _write(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> None:
+    def _write(self, dst: int, tensors: list[torch.Tensor], layout: tuple[np.ndarray, list[int], int]) -> None:
         channel = self._control[self.local_rank, dst]
         # closing: a peer that is exiting too will never read again, so do not wait out the timeout
         wait_until(lambda: channel[_ACK] == channel[_SEQ] or self.closed, self.timeout_s,
@@ -152,7 +138,7 @@ class ShmTransport:
                    peer_check(self.watch, dst), word=self._word(self.local_rank, dst, _ACK))
         if self.closed:
             raise RuntimeError(f"FEPLB transport {self.name} closed before a message to local rank {dst} was sent")
-        header, offsets, nbytes = _pack_layout(tag, tensors)
+        header, offsets, nbytes = layout
         segment = self._outgoing.get(dst)
         if segment is None or segment.size < nbytes:
             generation = int(channel[_GEN]) + 1
