@@ -563,18 +563,19 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
         model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
     ours = engines["feplb"]
-    recent, placed, used = [], [], [np.arange(4 * world)]  # node loads under the table each step used
-
+    recent, placed = [], []  # loads of the settled steps, and node loads under the table each step used
+    used = np.arange(4 * world)  # the slot -> expert table of the step being trained
     monitored = dict.fromkeys(("placement_refreshes", "placement_moved_experts", "placement_bytes"), 0)
 
     def on_step(step):
+        nonlocal used
         placement = placed_layers(ours.module)[0].placement
         for key in monitored:
             monitored[key] += ours.feplb_monitor.last.get(key, 0)
         if step >= steps - settled:
             recent.append(placement.last_loads.sum(0))
-            placed.append(placement.node_loads(recent[-1], used[0]))
-        used[0] = placement.expert_at.copy()
+            placed.append(placement.node_loads(recent[-1], used))
+        used = placement.expert_at.copy()
 
     losses = _train(engines, range(steps), on_step)
     layer = placed_layers(ours.module)[0]
