@@ -9,8 +9,12 @@
    helpers of the NVLink domain, results and gradients home; weights a helper kept from earlier
    in the step are not copied again, `migrate.resident`).
 
-The plan is judged by a time model (`plan.timeline`) made from this rank's previous micro-batch:
-its forward expert time per row (x 3 for forward + backward) and ``copy_engine_gbps``.
+The plan is judged by a time model (`plan.timeline`) made from this rank's earlier micro-batches:
+its forward expert cost per row and per expert piece, fitted to its timed expert calls
+(`PieceFit`, x 3 for forward + backward), ``copy_engine_gbps`` and the transport's latency per
+message (``feplb.fixed_costs: "ignore"`` drops the two fixed costs). `run_local` computes a
+micro-batch without balancing (timing every expert call for the fit), for a layer whose domain
+cannot gain (`plan.policy.balancing_may_pay`).
 
 The caller says how to run one expert functionally (a module per local expert as template, its
 parameters, an `ExpertSpec`) and may give a faster compute for the static experts (e.g.
@@ -19,7 +23,7 @@ AutoEP's grouped GEMM).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -30,7 +34,7 @@ from deepspeed_feplb.domain import DomainRuntime
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Step
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates
-from deepspeed_feplb.plan.timeline import TimeModel
+from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS, TimeModel
 from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing, residency_stats
 
 # static_fn(rows, counts, static) -> outputs of the experts in ``static`` (local ids, ascending),
@@ -39,27 +43,61 @@ StaticFn = Callable[[torch.Tensor, np.ndarray, list], torch.Tensor]
 
 
 @dataclass
+class PieceFit:
+    """Least squares ``t = k * piece_s + n * row_s`` over timed samples: ``k`` expert pieces of ``n``
+    rows in total took ``t`` seconds (forward). Each micro-batch's samples weigh ``decay`` times
+    the previous one's, so the fit follows a change of speed within a few micro-batches."""
+    decay: float = 0.7
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # kk, kn, nn, kt, nt
+    warm: bool = False  # the first timed micro-batch pays one-time costs (first calls, allocations): dropped
+
+    def add(self, samples: Sequence[tuple[int, int, float]]) -> None:
+        """One micro-batch's samples (k, n, t), ``n > 0``."""
+        if not samples:
+            return
+        if not self.warm:
+            self.warm = True
+            return
+        k, n, t = (np.array(c, dtype=np.float64) for c in zip(*samples))
+        self.sums = self.sums * self.decay + np.array([k @ k, k @ n, n @ n, k @ t, n @ t])
+
+    def solve(self) -> Optional[tuple[float, float]]:
+        """(piece_s, row_s), both >= 0, or None before any sample. Samples that cannot tell the two
+        apart (every sample with the same rows per piece) give the cost per row alone."""
+        kk, kn, nn, kt, nt = self.sums
+        if nn <= 0:
+            return None
+        det = kk * nn - kn * kn
+        if det > 1e-9 * kk * nn:
+            piece, row = (kt * nn - nt * kn) / det, (nt * kk - kt * kn) / det
+            if piece >= 0 and row >= 0:
+                return piece, row
+            if piece < 0:
+                return 0.0, max(nt / nn, 0.0)
+            return max(kt / kk, 0.0), 0.0
+        return 0.0, max(nt / nn, 0.0)
+
+
+@dataclass
 class ComputeTimes:
-    """What the previous micro-batch's expert compute took on this rank (sizes the ``auto`` budget).
+    """What this rank's expert compute took: the last micro-batch (sizes the ``auto`` budget and the
+    placement's gain) and a `PieceFit` over the timed expert calls of recent ones (the time model).
 
     On CUDA the host clock around asynchronous launches would time the launches, not the GEMMs:
-    there the stage boundaries are CUDA events, read when the next micro-batch starts (they have
-    finished by then; if not, the older figures stay). On CPU it is the host clock.
+    there the marks are CUDA events, read when the next micro-batch starts (they have finished by
+    then; if not, the older figures stay). On CPU it is the host clock.
     """
     static_seconds: float = 0.0
     expert_seconds: float = 0.0
     rows: int = 0  # rows this rank computed in the timed micro-batch (before balancing)
-    pending: Optional[tuple] = None  # CUDA events (begin, static done, end) not read yet
+    pending: Optional[tuple] = None  # CUDA marks not read yet: (begin, static done, end, pieces)
+    fit: PieceFit = field(default_factory=PieceFit)
 
     def clock(self, device: torch.device) -> Callable[[], object]:
         """A function that marks "now" on ``device``'s timeline (first reads the last micro-batch's events)."""
         if device.type != "cuda":
             return time.perf_counter
-        if self.pending is not None and self.pending[-1].query():
-            begin, static_done, end = self.pending
-            self.static_seconds = begin.elapsed_time(static_done) / 1e3
-            self.expert_seconds = begin.elapsed_time(end) / 1e3
-            self.pending = None
+        self.resolve()
 
         def mark():
             event = torch.cuda.Event(enable_timing=True)
@@ -67,17 +105,82 @@ class ComputeTimes:
             return event
         return mark
 
-    def finish(self, begin, static_done, end, rows: int) -> None:
-        """The marks of this micro-batch of ``rows`` rows (host seconds, or CUDA events to read next time)."""
+    def resolve(self) -> None:
+        """Read the last micro-batch's CUDA events if they have completed."""
+        if self.pending is not None and self.pending[2].query():
+            begin, static_done, end, pieces = self.pending
+            self.static_seconds = begin.elapsed_time(static_done) / 1e3
+            self.expert_seconds = begin.elapsed_time(end) / 1e3
+            self.fit.add([(k, n, a.elapsed_time(b) / 1e3) for k, n, a, b in pieces])
+            self.pending = None
+
+    def finish(self, begin, static_done, end, rows: int, pieces: Sequence[tuple] = ()) -> None:
+        """The marks of this micro-batch of ``rows`` rows (host seconds, or CUDA events to read next
+        time); ``pieces``: (k expert pieces, n rows, start mark, end mark) of its timed expert calls."""
         self.rows = int(rows)
         if isinstance(begin, float):
             self.static_seconds, self.expert_seconds = static_done - begin, end - begin
+            self.fit.add([(k, n, b - a) for k, n, a, b in pieces])
         else:
-            self.pending = (begin, static_done, end)
+            self.pending = (begin, static_done, end, list(pieces))
 
-    def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int) -> Optional[TimeModel]:
-        """The planner's time model from these times (None before anything was timed)."""
-        return TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
+    def fitted_us(self) -> Optional[tuple[float, float]]:
+        """(piece_us, row_us), forward + backward, from the fit; None before anything was timed."""
+        self.resolve()
+        got = self.fit.solve()
+        return None if got is None else (FWD_BWD_GEMMS * got[0] * 1e6, FWD_BWD_GEMMS * got[1] * 1e6)
+
+    def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int,
+              message_us: float = 0.0) -> Optional[TimeModel]:
+        """The planner's time model from these times (None before anything was timed):
+        ``feplb.fixed_costs`` "measured" prices the fitted cost per piece and ``message_us``."""
+        bw = config.copy_engine_gbps * 1e3  # bytes per µs
+        if config.fixed_costs == "ignore":
+            return TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
+        fitted = self.fitted_us()
+        if fitted is None or fitted[1] <= 0 and fitted[0] <= 0:
+            return None
+        piece_us, row_us = fitted
+        return TimeModel(1, row_us, piece_us, expert_bytes / bw, expert_bytes / bw, row_bytes / bw, message_us)
+
+
+def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int], mark: Callable[[], object],
+                 call: Callable[[int, torch.Tensor], torch.Tensor], static_fn: Optional["StaticFn"] = None,
+                 pieces: Optional[list] = None) -> list[torch.Tensor]:
+    """Outputs of ``experts`` (local ids, ascending) on their rows of ``rows`` (grouped by local
+    expert, ``counts int64 [E_local]``): ``call(e, x)`` each, or ``static_fn`` for all at once;
+    appends (k pieces, n rows, start mark, end mark) per timed call to ``pieces``."""
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    sizes = [int(counts[e]) for e in experts]
+    if static_fn is not None:
+        start = mark()
+        outs = list(static_fn(rows, counts, list(experts)).split(sizes))
+        if pieces is not None and sum(sizes):
+            pieces.append((sum(n > 0 for n in sizes), sum(sizes), start, mark()))
+        return outs
+    outs = []
+    for e, n in zip(experts, sizes):
+        start = mark()
+        outs.append(call(e, rows[starts[e]:starts[e + 1]]))
+        if pieces is not None and n:
+            pieces.append((1, n, start, mark()))
+    return outs
+
+
+def run_local(rows: torch.Tensor, counts: np.ndarray, call: Callable[[int, torch.Tensor], torch.Tensor],
+              times: Optional[ComputeTimes], stage_times: StageTimes) -> torch.Tensor:
+    """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``, every
+    expert computed here (no balancing); ``call(e, x)`` runs local expert e. Each call is timed
+    into ``times`` (None: not timed)."""
+    mark = times.clock(rows.device) if times is not None else (lambda: 0.0)
+    pieces: list = []
+    begin = mark()
+    with stage_times.measure("static experts"):
+        outs = timed_pieces(rows, counts, range(len(counts)), mark, call, pieces=pieces if times else None)
+    if times is not None:
+        end = mark()
+        times.finish(begin, end, end, int(counts.sum()), pieces)
+    return torch.cat(outs) if outs else rows
 
 
 def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.nn.Module],
@@ -104,21 +207,21 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     seq = domain.next_seq()
     row_bytes = rows.shape[1] * rows.element_size()
-    constraints = PlanConstraints.from_config(config, expert_bytes, times.model(config, expert_bytes, row_bytes))
+    model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us)
+    constraints = PlanConstraints.from_config(config, expert_bytes, model)
+    if model is None and config.fixed_costs == "measured":  # nothing timed yet: no move is known to pay
+        constraints = replace(constraints, dynamic_experts=0)
     resident_row = residency.table.resident[domain.local_rank] if residency is not None else None
     domain.scheduler.publish(seq, counts, constraints, resident_row)
 
     dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
     static = [e for e in range(len(modules)) if e not in dynamic]
     outs: list = [None] * len(modules)
+    pieces: list = []
     with stage_times.measure("static experts"):
-        if static_fn is not None:
-            static_y = static_fn(rows, counts, static)
-            for e, y in zip(static, static_y.split([int(counts[e]) for e in static])):
-                outs[e] = y
-        else:
-            for e in static:
-                outs[e] = spec.call(modules[e], params[e], spec.buffers(modules[e]), rows[starts[e]:starts[e + 1]])
+        call = lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)  # noqa: E731
+        for e, y in zip(static, timed_pieces(rows, counts, static, mark, call, static_fn, pieces)):
+            outs[e] = y
     static_done = mark()
 
     with stage_times.measure("plan wait"):
@@ -136,5 +239,5 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         stats = {**layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks),
                  **residency_stats(step.fresh, step.keeps, len(step.flush_entries), expert_bytes),
                  "domain_counts": planned.counts, "seq": seq}
-    times.finish(begin, static_done, mark(), int(counts.sum()))
+    times.finish(begin, static_done, mark(), int(counts.sum()), pieces)
     return torch.cat(outs), stats

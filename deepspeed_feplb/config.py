@@ -186,6 +186,9 @@ class FEPLBConfig(FEPLBConfigModel):
     max_resident_experts: int = Field(8, ge=0)
     """'step' residency: expert copies one rank keeps per MoE layer; more are used for their micro-batch only. Memory per MoE layer and rank: up to max_resident_experts x (expert weight bytes + its weight-gradient, kept in fp32: 2 x the weight bytes for bf16/fp16 parameters, 1 x for fp32), e.g. 8 x 3 x 75.5 MB = 1.8 GB for a 6144 x 2048 SwiGLU expert in bf16."""
 
+    fixed_costs: Literal["measured", "ignore"] = "measured"
+    """What the planner's time model charges besides rows and copied bytes. 'measured': each expert piece's fixed cost (fitted to this rank's timed expert calls) and the transport's latency per message; a layer balances only once its experts were timed, and, with the torch dispatcher, skips planning and phase 2 (and does not even set up its domain) for a micro-batch whose busiest and idlest ranks of the domain differ by less than one expert piece plus one message, since no move could then shorten the busiest rank. 'ignore': rows and bytes only (an ideal GEMM and transport): balances from the first micro-batch, by tokens until it is timed; moves then pay at any size, which is what exactness tests at toy sizes need."""
+
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     gating: GatingConfig = Field(default_factory=GatingConfig)

@@ -8,6 +8,12 @@ Stages of `FEPLBMOELayer.forward` (one micro-batch, tokens ``[S, H]``):
    (`scheduler/`, which runs `plan/`), compute the static experts (all but this rank's D hottest)
    meanwhile, then phase 2: dynamic experts computed where the plan says, weights and rows moved
    inside the NVLink domain (`migrate/`), gradients brought home in backward;
+   or, when the domain cannot gain this micro-batch (``feplb.fixed_costs: "measured"``: nothing
+   timed yet, or a time spread below one expert piece plus one message,
+   `plan.policy.balancing_may_pay`), `balance.run_local`: every expert here, nothing exchanged.
+   Phase 1's count exchange carries each rank's fitted costs, so every rank of the EP group takes
+   that decision alike; the domain runtime (scheduler, transport, shared memory) is set up at the
+   first micro-batch that balances, so a run that never gains never pays for it;
 4. phase 1 in reverse and the gate-weighted combine.
 
 Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move both ways.
@@ -24,7 +30,7 @@ import torch.distributed as dist
 from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer
 
-from deepspeed_feplb.balance import ComputeTimes, run_experts
+from deepspeed_feplb.balance import ComputeTimes, run_experts, run_local
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import domain_size, get_runtime
@@ -34,6 +40,7 @@ from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
 from deepspeed_feplb.migrate.resident import LayerResidency
+from deepspeed_feplb.plan.policy import balancing_may_pay
 from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing
 from deepspeed_feplb.trace.record import get_recorder
 
@@ -85,16 +92,25 @@ class FEPLBMOELayer(MOELayer):
         self.expert_spec = ExpertSpec.of(experts[0])
         self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
         self.row_bytes = self.gate.wg.in_features * expert_params[0].element_size()  # one token row (time model)
-        transport = transport_class(config, expert_params)  # checks the configured backends exist here
-        balance = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, self.ep_size) > 1)
-        self.domain = get_runtime(self.ep_group, config, transport) if balance else None
-        if self.domain is not None:
-            self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, config)
+        self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
+        self.balances = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0
+                         and domain_size(config, self.ep_size) > 1)
+        self.domain = None
         if config.placement.enabled and self.ep_size > 1:
             self.placement = _make_placement(self, config, expert_params)
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
-                                          hidden=self.gate.wg.in_features, on_error=self.domain.watch.check if self.domain else None,
+                                          hidden=self.gate.wg.in_features, on_error=self._check_peers,
                                           stage_times=self.stage_times)
+
+    def _open_domain(self) -> None:
+        """Set up the domain runtime (collective over the EP group: every rank calls it at the same forward)."""
+        self.domain = get_runtime(self.ep_group, self.feplb_config, self.transport_cls)
+        self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.feplb_config)
+
+    def _check_peers(self) -> None:
+        """After a failed collective: raise naming a dead domain peer, if one is known."""
+        if self.domain is not None:
+            self.domain.watch.check()
 
     def _check_ep_group_agrees(self, config: FEPLBConfig) -> None:
         """Collective over the EP group at the first forward: every rank must have built the same
@@ -104,6 +120,7 @@ class FEPLBMOELayer(MOELayer):
                  "hidden size": self.gate.wg.in_features, "feplb.enabled": config.enabled,
                  "feplb.dynamic_experts_per_rank": config.dynamic_experts_per_rank,
                  "feplb.nvlink_domain_size": config.nvlink_domain_size, "feplb.transport": config.transport,
+                 "feplb.fixed_costs": config.fixed_costs,
                  "feplb.weight_residency": config.weight_residency}
         ranks = dist.get_process_group_ranks(self.ep_group)
         if dist.get_backend(self.ep_group) == "gloo":  # bounded, and it names who is missing
@@ -133,8 +150,7 @@ class FEPLBMOELayer(MOELayer):
         try:
             return self._forward(*input)
         except RuntimeError:
-            if self.domain is not None:
-                self.domain.watch.check()  # a collective failed: a dead peer is the likely cause, name it
+            self._check_peers()  # a collective failed: a dead peer is the likely cause, name it
             raise
 
     def _forward(self, *input: torch.Tensor) -> torch.Tensor:
@@ -151,34 +167,78 @@ class FEPLBMOELayer(MOELayer):
                 self.placement.record(expert_ids)
             expert_ids = self.placement.route(expert_ids)
         with timed("dispatch"):
-            rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids)
-        out = self._experts(rows, counts_by_source.sum(0))
+            rows, counts_by_source, handle = self.dispatcher.dispatch(x, expert_ids, self._announce())
+        out = self._experts(rows, counts_by_source.sum(0), handle)
         with timed("combine"):
             return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
 
-    def _experts(self, rows: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    def _announce(self) -> tuple[float, ...]:
+        """What phase 1 tells the EP group for `_balances_now`: this rank's fitted (piece_us, row_us)
+        (NaN before anything was timed) and how long its previous count exchange took (µs)."""
+        if not self.balances or self.feplb_config.fixed_costs == "ignore":
+            return ()
+        exchange_us = getattr(self.dispatcher, "exchange_seconds", float("nan")) * 1e6
+        return (*(self.compute_times.fitted_us() or (float("nan"), float("nan"))), exchange_us)
+
+    def _balances_now(self, handle) -> bool:
+        """Whether this micro-batch goes through the domain (plan and phase 2). Every rank of the EP
+        group decides from the same data: the routes and fitted costs phase 1 gathered. Opens the
+        domain at the first micro-batch that any domain of the group balances."""
+        if not self.balances:
+            return False
+        routes, fits = getattr(handle, "routes", None), getattr(handle, "announced", None)
+        if self.feplb_config.fixed_costs == "ignore" or routes is None or fits is None or fits.shape[1] != 3:
+            if self.domain is None:
+                self._open_domain()
+            return True  # the planner alone decides
+        G = domain_size(self.feplb_config, self.ep_size)
+        loads = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
+        pays = [balancing_may_pay(loads[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]))
+                for d in range(0, self.ep_size, G)]
+        if self.domain is None:
+            if not any(pays):
+                return False
+            self._open_domain()
+        kept = self.residency is not None and bool(self.residency.table.resident.any())  # their gradients go home in phase 2
+        return pays[dist.get_rank(self.ep_group) // G] or kept
+
+    def _message_us(self, exchange_us: np.ndarray) -> float:
+        """One message's latency between ranks of a domain: the transport's figure, or, when larger,
+        the shortest of the ranks' last count exchanges (float64 [G] µs; the rank that arrived last
+        waited for nobody, so its exchange took about the group's latency; on an oversubscribed
+        host this includes waiting for a core, as a phase-2 message would)."""
+        measured = exchange_us[np.isfinite(exchange_us)]
+        return max(self.transport_cls.message_us, float(measured.min()) if measured.size else 0.0)
+
+    def _experts(self, rows: torch.Tensor, counts: np.ndarray, handle=None) -> torch.Tensor:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``."""
         experts = self.experts.deepspeed_experts
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        if self.domain is None:
-            timed = self.placement is not None  # its only reader without a domain: the time per routed token
-            if timed:
-                clock = self.compute_times.clock(rows.device)
-                begin = clock()
-            with self.stage_times.measure("static experts"):
-                outs = [_call(experts[e], rows[starts[e]:starts[e + 1]]) for e in range(len(experts))]
-            if timed:
-                end = clock()
-                self.compute_times.finish(begin, end, end, int(counts.sum()))
-            self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0]) \
-                if self.feplb_config.stats.enabled else {}
-            return torch.cat(outs) if outs else rows
+        if not self._balances_now(handle):
+            call = lambda e, x: _call(experts[e], x)  # noqa: E731
+            timed = self.balances or self.placement is not None  # the fit's, and the placement's time per token
+            out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times)
+            if self.feplb_config.stats.enabled:
+                self.feplb_stats = self._local_stats(counts, handle)
+            return out
         out, stats = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec, self.domain,
                                  self.feplb_config, self.expert_bytes, self.compute_times, self.stage_times,
                                  residency=self.residency, step_ends=self.step_ends())
         if stats is not None:
             self.feplb_stats = stats
         return out
+
+    def _local_stats(self, counts: np.ndarray, handle) -> dict:
+        """Stats of a micro-batch computed without balancing: over the domain when phase 1 told
+        every rank's counts, else over this rank."""
+        routes = getattr(handle, "routes", None)
+        if not self.balances or routes is None:
+            return layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0])
+        G = domain_size(self.feplb_config, self.ep_size)
+        first = dist.get_rank(self.ep_group) // G * G
+        domain_counts = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)[first:first + G]
+        ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
+        return {**layer_stats(domain_counts, np.zeros((0, 4), np.int64), 0.0, False, ranks),
+                "domain_counts": domain_counts}
 
     def _expert_params(self) -> list[list[torch.Tensor]]:
         """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow."""
@@ -276,6 +336,17 @@ class ExpertGradOrder(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return grads
+
+
+def _typical(fits: np.ndarray) -> tuple[float, float]:
+    """A domain's (piece_us, row_us) from its ranks' fits (float64 [G, 2], NaN: a rank that has
+    timed nothing yet, e.g. one that received no rows): the medians over the timed ranks, so that
+    one rank's noisy fit (a timed call that lost its core) does not decide; NaN if none is timed."""
+    timed = fits[np.isfinite(fits).all(axis=1)]
+    if not len(timed):
+        return float("nan"), float("nan")
+    piece_us, row_us = np.median(timed, axis=0)
+    return float(piece_us), float(row_us)
 
 
 def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

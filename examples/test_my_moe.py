@@ -38,7 +38,8 @@ def my_moe(k: int = 2) -> deepspeed_feplb.MoE:
     moe = deepspeed_feplb.MoE(HIDDEN, SwiGLUExpert(HIDDEN, FFN), num_experts=EXPERTS, ep_size=RANKS, k=k,
                               min_capacity=0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                               feplb_config={"nvlink_domain_size": RANKS, "dynamic_experts_per_rank": 1,
-                                            "chunk_align_tokens": 1})
+                                            "chunk_align_tokens": 1,
+                                            "fixed_costs": "ignore"})  # migrate even at toy sizes
     moe.set_deepspeed_parallelism()  # deepspeed.initialize does this for a real model
     distinct_experts(moe)  # DeepSpeed starts all experts as copies of one: make a wrong expert visible
     return moe

@@ -39,7 +39,7 @@ def main(scenario: str) -> int:
     torch.manual_seed(0)
     expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     layer = deepspeed_feplb.MoE(8, expert, num_experts=4, ep_size=2, k=1, min_capacity=0, drop_tokens=False,
-                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
                                                              "scheduler": {"peer_timeout_s": 20,
                                                                            "start_after_steps": 0}})
     with torch.no_grad():

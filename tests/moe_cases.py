@@ -85,7 +85,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, dynamic: int = 2) -> dict:
     """Forward+backward of both layers on this rank; returns errors and FEPLB stats."""
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "max_helpers_per_expert": 4}
     reference, ours = build_pair(num_experts, ep_size, k, feplb, seed=k)
     x, w = rank_inputs(k)
@@ -140,7 +140,7 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     """Train DeepSpeed's MoE and FEPLB (through deepspeed_feplb.initialize) side by side."""
     import deepspeed
 
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1}
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1, "fixed_costs": "ignore"}
 
     def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
         torch.manual_seed(11)
@@ -190,7 +190,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     import deepspeed
 
     world = dist.get_world_size()
-    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "weight_residency": residency, "max_resident_experts": max_resident}
 
     def make_model():
@@ -240,7 +240,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
 def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, residual: bool = False,
                         training: bool = True, feplb: dict | None = None, reference_drop_tokens: bool = False) -> dict:
     """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors."""
-    feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, **(feplb or {})}
+    feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore", **(feplb or {})}
     torch.manual_seed(5)
     kwargs = dict(hidden_size=HIDDEN, num_experts=8, ep_size=ep_size, k=k, min_capacity=0, use_residual=residual,
                   use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=reference_drop_tokens)
@@ -292,7 +292,7 @@ def sigmoid_gating_case() -> dict:
     for dynamic in (2, 0):
         torch.manual_seed(9)
         layer = deepspeed_feplb.MoE(HIDDEN, make_expert(), num_experts=8, ep_size=2, k=2, min_capacity=0,
-                                    feplb_config={"dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
+                                    feplb_config={"dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1, "fixed_costs": "ignore",
                                                   "gating": {"score": "sigmoid", "bias_update_rate": 0.01}})
         skew_gate(layer.deepspeed_moe.gate.wg.weight, spread=False)
         diversify_experts(layer)
@@ -313,7 +313,7 @@ def scheduler_fault_case() -> dict:
     import time
     import warnings
 
-    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
                                            "scheduler": {"start_after_steps": 0}}, seed=2)
     client = None
     result = {"errors": {}, "migrated": 0, "fallback_after_kill": False, "fallback_when_stalled": False,
@@ -405,7 +405,7 @@ def bad_input_case(kind: str):
                   use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=False)
     reference = DeepSpeedMoE(expert=make_expert(hidden), **kwargs)
     ours = deepspeed_feplb.MoE(expert=make_expert(hidden), **kwargs,
-                               feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1})
+                               feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore"})
     skew_gate(reference.deepspeed_moe.gate.wg.weight, strength=6.0, spread=False)
     diversify_experts(reference)
     ours.load_state_dict(reference.state_dict())
@@ -445,7 +445,7 @@ def checkpointed_case(use_reentrant: bool, ep_size: int = 2, k: int = 2) -> dict
     returns the errors and how many layer forwards FEPLB's stats saw."""
     from torch.utils.checkpoint import checkpoint
 
-    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "max_helpers_per_expert": 4}
     from deepspeed_feplb.integration.monitor import StatsCollector
 
@@ -493,7 +493,7 @@ def misuse_case(kind: str) -> dict:
     layer = deepspeed_feplb.MoE(hidden_size=HIDDEN, expert=expert, num_experts=experts, ep_size=2, k=2, min_capacity=0,
                                 drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                                 feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2,
-                                              "scheduler": {"peer_timeout_s": 3}})
+                                              "fixed_costs": "ignore", "scheduler": {"peer_timeout_s": 3}})
     layer.set_deepspeed_parallelism()
     x = rank_inputs(0)[0]
     try:
@@ -556,7 +556,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     from deepspeed_feplb.integration.placement import placed_layers
     world = dist.get_world_size()
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "placement": {"enabled": True, "interval_steps": interval, "history_decay": 0.5}}
     config = ds_config(zero_stage, feplb)
     models = {"reference": _placed_model(4 * world, ep_size), "feplb": _placed_model(4 * world, ep_size)}
@@ -601,7 +601,7 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     import deepspeed
 
     world = dist.get_world_size()
-    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5}}
     config = ds_config(zero_stage, feplb)
 
@@ -643,7 +643,7 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     world = dist.get_world_size()
     routing = TraceRouting(trace_path)
     trace = routing.trace
-    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "copy_engine_gbps": 1e6,
              "placement": {"enabled": True, "interval_steps": interval, "history_decay": decay, "network_gbps": 1e6}}
     config = {**ds_config(0, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
@@ -666,3 +666,59 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
         us_per_token.append(placement.placer.us_per_token)
     return {"micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
             "refreshes": placement.refreshes, "us_per_token": us_per_token}
+
+
+class PacedExpert(torch.nn.Module):
+    """An MLP expert whose forward also sleeps ``piece_s + row_s * rows``: expert time that is
+    known and far above a loaded machine's noise, without using a core."""
+
+    def __init__(self, hidden: int = HIDDEN, piece_s: float = 0.0, row_s: float = 0.0):
+        super().__init__()
+        self.net = make_expert(hidden)
+        self.piece_s, self.row_s = piece_s, row_s
+
+    def forward(self, x):
+        time.sleep(self.piece_s + self.row_s * x.shape[0])
+        return self.net(x)
+
+
+def _round_robin(request) -> torch.Tensor:
+    """Routes ``[S, k]``: token t's j-th route to expert (t k + j) mod E, so every expert gets the same rows."""
+    routes = torch.arange(request.num_tokens * request.k).view(request.num_tokens, request.k)
+    return routes % request.num_experts
+
+
+def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: int = 5) -> dict:
+    """``feplb.fixed_costs: "measured"`` (the default) over 4 ranks, one domain, experts with the
+    given paced costs and the first rank's experts hot by ``skew`` (`skew_gate`; 0: every expert
+    gets the same rows, round robin): per micro-batch, whether this rank had a domain, the moves,
+    the domain's counts and the errors against DeepSpeed's MoE."""
+    from deepspeed_feplb.testing import override_routing
+    torch.manual_seed(3)
+    kwargs = dict(hidden_size=HIDDEN, expert=PacedExpert(HIDDEN, piece_s, row_s), num_experts=8, ep_size=4, k=2,
+                  min_capacity=0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+    reference = DeepSpeedMoE(**kwargs)
+    skew_gate(reference.deepspeed_moe.gate.wg.weight, strength=skew, spread=False)
+    diversify_experts(reference)
+    ours = deepspeed_feplb.MoE(**kwargs, feplb_config={"nvlink_domain_size": 4, "dynamic_experts_per_rank": 1,
+                                                       "chunk_align_tokens": 1})
+    ours.load_state_dict(reference.state_dict())
+    for layer in (reference, ours):
+        layer.set_deepspeed_parallelism()
+        if not skew:
+            override_routing(layer, _round_robin)
+    steps = []
+    for mb in range(micro_batches):
+        x, w = rank_inputs(mb)
+        ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
+        out, dx, grads = run_layer(ours, x, w)
+        errors = [relative_error(out, ref_out), relative_error(dx, ref_dx)]
+        errors += [relative_error(grads[name], ref_grads[name]) for name in ref_grads]
+        for layer in (reference, ours):
+            layer.zero_grad(set_to_none=True)
+        stats = ours.feplb_stats
+        steps.append({"domain": ours.deepspeed_moe.domain is not None, "moves": stats.get("moves"),
+                      "counts": np.asarray(stats["domain_counts"]).tolist() if "domain_counts" in stats else None,
+                      "error": max(errors), "fit": ours.deepspeed_moe.compute_times.fitted_us()})
+    deepspeed_feplb.shutdown()
+    return {"steps": steps, "segments": [n for n in os.listdir("/dev/shm") if n.startswith("feplb-")]}

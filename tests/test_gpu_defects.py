@@ -228,7 +228,7 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
     assert (times.static_seconds, times.expert_seconds) == (0.0, 0.0)  # nothing read yet: the GPU is still busy
     times.clock(torch.device("cuda", 0))
     assert times.pending is not None  # not complete: not read, older figures kept
-    for event in times.pending:
+    for event in times.pending[:3]:
         event.done = True
     times.clock(torch.device("cuda", 0))
     assert times.static_seconds == pytest.approx(0.010) and times.expert_seconds == pytest.approx(0.020)

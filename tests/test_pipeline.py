@@ -22,6 +22,7 @@ def pipeline_on_and_off() -> dict:
     base = json.loads((EXAMPLES / "ds_config_pipe.json").read_text())
     base["train_micro_batch_size_per_gpu"] = 64
     base["feplb"]["scheduler"] = {"mode": "inline"}  # same plans; no scheduler start-up in a short test
+    base["feplb"]["fixed_costs"] = "ignore"  # moves pay at these toy sizes, so the test exercises phase 2
     out = {}
     for enabled in (True, False):
         config = copy.deepcopy(base)

@@ -28,7 +28,7 @@ def _moe(seed, path):
     moe = deepspeed_feplb.MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=WORLD, k=2, min_capacity=0,
                               drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                               feplb_config={"nvlink_domain_size": WORLD, "dynamic_experts_per_rank": 1,
-                                            "chunk_align_tokens": 1, "stats": {"record_trace": path}})
+                                            "chunk_align_tokens": 1, "fixed_costs": "ignore", "stats": {"record_trace": path}})
     moe.set_deepspeed_parallelism()
     return moe
 

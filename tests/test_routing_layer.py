@@ -25,7 +25,7 @@ from deepspeed_feplb.testing import (RoutedGate, TraceRouting, assert_equal_to_u
 
 HIDDEN, TOKENS, WORLD = 8, 32, 4
 EXPERT_COUNTS_KEY = "expert_tokens_before"  # per-expert rows in feplb_stats, once the layer reports them
-FEPLB = {"nvlink_domain_size": 4, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "max_helpers_per_expert": 3}
+FEPLB = {"nvlink_domain_size": 4, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore", "max_helpers_per_expert": 3}
 
 
 def expert(hidden=HIDDEN):

@@ -60,7 +60,7 @@ INNER = textwrap.dedent('''
         from deepspeed_feplb.testing import one_hot_expert_routing, override_routing
         moe = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2, k=1, drop_tokens=False,
                                   use_rts=False, feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1,
-                                                               "chunk_align_tokens": 1,
+                                                               "chunk_align_tokens": 1, "fixed_costs": "ignore",
                                                                "scheduler": {"start_after_steps": 0}})
         moe.set_deepspeed_parallelism()
         override_routing(moe, one_hot_expert_routing(expert=0, fraction=1.0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -21,11 +21,15 @@ from deepspeed_feplb.segments import ranks_per_host
 class Dispatcher(Protocol):
     """Expert-parallel dispatch over an EP group of ``ep_size`` ranks, ``num_local_experts`` each."""
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, Any]:
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor,
+                 announce: Sequence[float] = ()) -> tuple[torch.Tensor, np.ndarray, Any]:
         """x ``[S, H]`` tokens, expert_ids ``[k, S]`` global expert per route (-1: not taken) ->
         (rows ``[N, H]`` grouped by local expert, then by source rank; counts int64
         ``[ep_size, E_local]`` (numpy): rows from each source rank per local expert; a handle for
-        `combine`). Differentiable in ``x``."""
+        `combine`). Differentiable in ``x``. The handle's ``routes`` (int64 ``[ep_size, E]``, every
+        rank's routes per expert) and ``announced`` (float64 ``[ep_size, len(announce)]``, every
+        rank's ``announce``) are the same on every rank, or None where a backend does not exchange
+        them."""
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: Any) -> torch.Tensor:
         """The exact inverse of `dispatch`, then the gate-weighted sum over routes (fp32 products):

@@ -229,6 +229,8 @@ class _Permute(torch.autograd.Function):
 class DeepEPHandle:
     """What `DeepEPDispatcher.combine` needs: DeepEP's handle and the grouping permutation."""
 
+    routes = announced = None  # not exchanged: DeepEP's layout gives a rank its own receive counts only
+
     def __init__(self, deepep_handle, position: torch.Tensor, grouped_from: torch.Tensor, k: int, num_tokens: int):
         self.deepep_handle, self.position, self.grouped_from = deepep_handle, position, grouped_from
         self.k, self.num_tokens = k, num_tokens
@@ -265,10 +267,11 @@ class DeepEPDispatcher:
             raise TypeError(f"DeepEP dispatches bf16 tokens; got {x.dtype} (use ep_backend \"torch\" for other dtypes)")
         return self.buffer
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce=()):
         """As `TorchDispatcher.dispatch`: x ``[S, H]``, expert_ids ``[k, S]`` (-1: not taken) ->
         (rows ``[N, H]`` grouped by local expert then source rank, counts int64 ``[ep_size, E_local]``
-        numpy, handle)."""
+        numpy, handle). ``announce`` is not exchanged (the handle's ``routes`` and ``announced``
+        are None)."""
         buffer = self._buffer(x)
         k, num_tokens = expert_ids.shape
         routes = expert_ids.reshape(-1, 1).long().contiguous()  # route j * S + t

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -50,7 +51,9 @@ class DispatchHandle:
     """What `combine` needs to undo `dispatch`.
 
     route_order: int64 [N_send] routes sorted by expert; regroup: int64 [N_recv] rows of the
-    received buffer in (local expert, source) order; send/recv splits per rank.
+    received buffer in (local expert, source) order; send/recv splits per rank. And what every
+    rank of the group now knows alike: routes int64 [ep_size, E] (routes each rank sent to each
+    expert) and announced float64 [ep_size, A] (each rank's ``announce`` values).
     """
     num_routes: int
     valid: torch.Tensor
@@ -58,6 +61,8 @@ class DispatchHandle:
     regroup: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    routes: np.ndarray
+    announced: np.ndarray
 
 
 class TorchDispatcher:
@@ -68,13 +73,16 @@ class TorchDispatcher:
         self.on_error = on_error  # called when a collective fails; raises if it knows why (a dead peer)
         self.stage_times = stage_times  # a `stats.StageTimes` that backward's all-to-alls report to, or None
         self.forwards = 0  # dispatches so far: every rank of the group must be at the same one
+        self.exchange_seconds = float("nan")  # host time of the last count exchange (the group's latency, for this rank)
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce: Sequence[float] = ()):
         """Send rows to their experts' home ranks.
 
         Args:
             x: ``[S, H]`` tokens.
             expert_ids: ``[k, S]`` global expert of each route, -1 for a route not taken.
+            announce: values (as many on every rank) that the handle's ``announced`` gives every
+                rank, for decisions the group must take alike; they travel with the counts.
 
         Returns:
             rows ``[N_recv, H]`` grouped by local expert (then by source rank), counts
@@ -90,18 +98,24 @@ class TorchDispatcher:
         route_order = torch.nonzero(valid).squeeze(1)[torch.argsort(experts, stable=True)]
         send_rows = x.index_select(0, route_order % num_tokens)
         send_counts = torch.bincount(experts, minlength=num_experts).view(self.ep_size, self.num_local_experts)
-        # extra columns tell every peer this rank's bad routes and which forward it is in (its number,
-        # with or without gradients): a misuse then fails on all ranks together, naming itself,
-        # instead of desynchronising the group's later collectives
+        # every rank gathers every rank's routes per expert (its own receive counts are a column
+        # block), plus: its bad routes and which forward it is in (its number, with or without
+        # gradients), so that a misuse fails on all ranks together, naming itself, instead of
+        # desynchronising the group's later collectives; and the caller's announced values
         me = [out_of_range, self.forwards, int(torch.is_grad_enabled())]
         self.forwards += 1
-        send_meta = torch.cat([send_counts, torch.tensor(me, dtype=send_counts.dtype, device=send_counts.device).expand(self.ep_size, 3)], dim=1)
+        announce_bits = torch.tensor(list(announce), dtype=torch.float64).view(torch.int64)
+        mine = torch.cat([send_counts.reshape(-1), torch.tensor(me, dtype=torch.int64, device=send_counts.device),
+                          announce_bits.to(send_counts.device)])
         if self.ep_size > 1:
-            recv_meta = torch.empty_like(send_meta)
-            _checked(self.on_error, dist.all_to_all_single, recv_meta, send_meta, group=self.group)
+            gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
+            start = time.perf_counter()
+            _checked(self.on_error, dist.all_gather, gathered, mine, group=self.group)
+            table = torch.stack(gathered).cpu()
+            self.exchange_seconds = time.perf_counter() - start
         else:
-            recv_meta = send_meta
-        bad, forwards, grads = (recv_meta[:, -3 + i].tolist() for i in range(3))
+            table = mine[None].cpu()
+        bad, forwards, grads = (table[:, num_experts + i].tolist() for i in range(3))
         if any(bad):
             ranks = {self._global_rank(i): n for i, n in enumerate(bad) if n}
             raise ValueError(f"FEPLB: routes to experts outside [-1, {num_experts - 1}] (rank: count {ranks}); "
@@ -112,15 +126,20 @@ class TorchDispatcher:
             raise RuntimeError(f"FEPLB: the ranks of this MoE layer's expert-parallel group are in different forwards "
                                f"({where}); every rank must run the same forwards of the layer, in the same grad mode "
                                "(an evaluation or an extra forward on some ranks only desynchronises the group)")
-        recv_counts = recv_meta[:, :-3]
-        recv_np = recv_counts.cpu().numpy()
+        routes = table[:, :num_experts].numpy()
+        first = self._group_rank() * self.num_local_experts
+        recv_np = np.ascontiguousarray(routes[:, first:first + self.num_local_experts])
+        announced = table[:, num_experts + 3:].contiguous().view(torch.float64).numpy()
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_np.sum(1).tolist()
         rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error, self.stage_times) \
             if self.ep_size > 1 else send_rows
         regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
-        handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
+        handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits, routes, announced)
         return rows.index_select(0, regroup), recv_np, handle
+
+    def _group_rank(self) -> int:
+        return dist.get_rank(self.group) if self.ep_size > 1 else 0
 
     def _global_rank(self, ep_rank: int) -> int:
         if self.ep_size > 1:

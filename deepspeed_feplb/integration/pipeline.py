@@ -116,7 +116,8 @@ class FEPLBPipelineEngine(PipelineEngine):
             if previous is None or "domain_counts" not in previous.stats:
                 continue
             counts = np.asarray(previous.stats["domain_counts"])
-            model = layer.compute_times.model(layer.feplb_config, layer.expert_bytes, getattr(layer, "row_bytes", 0))
+            model = layer.compute_times.model(layer.feplb_config, layer.expert_bytes, getattr(layer, "row_bytes", 0),
+                                              domain.transport.message_us)
             constraints = PlanConstraints.from_config(layer.feplb_config, layer.expert_bytes, model)
             jobs.append((name, counts, constraints))
         if jobs:

@@ -35,6 +35,7 @@ class Transport(Protocol):
     """
 
     closed: bool
+    message_us: float  # class attribute: one-way latency of a small message (µs), which the time model prices
 
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
         """Queue ``tensors`` (any of `wire.DTYPES`, at most `wire.MAX_DIMS` dims) for local rank

@@ -98,6 +98,10 @@ class CudaCETransport:
         watch: a `segments.PeerWatch`: waits fail fast, naming the rank, when a peer died.
     """
 
+    # One-way latency of a small message (µs), for the planner's time model: measured on an H200
+    # machine with `tests/gpu/bench_transport.py` (228 µs with inline sends; docs/GPU.md).
+    message_us = 230.0
+
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
                  backend=None, capacity_bytes: int = DEFAULT_CAPACITY, max_tensors: int = DEFAULT_MAX_TENSORS):
         if backend is None:

@@ -67,6 +67,10 @@ class ShmTransport:
     before the others construct theirs; `create_control` / attach order is the caller's barrier.
     """
 
+    # One-way latency of a small message (µs), for the planner's time model: measured on a 2-core
+    # VM with `tests/gpu/bench_transport.py --cpu` (53 µs with inline sends, idle cores).
+    message_us = 50.0
+
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool,
                  watch: PeerWatch | None = None):
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s

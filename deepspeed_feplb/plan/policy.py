@@ -46,7 +46,8 @@ import numpy as np
 
 from deepspeed_feplb.plan.timeline import TimeModel
 
-__all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents"]
+__all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
+           "balancing_may_pay"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,27 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
+def balancing_may_pay(counts: np.ndarray, piece_us: float, row_us: float, message_us: float) -> bool:
+    """Whether balancing a domain's micro-batch could shorten it.
+
+    counts:      int64 [G, E_local]: rows each rank of the domain computes per local expert.
+    piece_us:    fixed cost of one expert piece, forward + backward (the domain's ranks are alike).
+    row_us:      cost of one row, forward + backward.
+    message_us:  the transport's one-way latency per message.
+
+    A rank's own time is ``piece_us * (experts with rows) + row_us * rows``. A chunk moved from the
+    busiest rank to a helper comes back no sooner than the helper's own time plus one more piece
+    and one message (the way there overlaps the helper's own rows at best), while the busiest rank
+    saves only the chunk's rows; so when the busiest and the idlest rank differ by less than
+    ``piece_us + message_us``, no move shortens the busiest rank: False. Also False for fewer than
+    2 ranks or unknown costs (NaN: nothing timed yet)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.shape[0] < 2 or not (np.isfinite(piece_us) and np.isfinite(row_us) and np.isfinite(message_us)):
+        return False
+    own = piece_us * (counts > 0).sum(axis=1) + row_us * counts.sum(axis=1)
+    return bool(own.max() - own.min() > piece_us + message_us)
+
+
 def no_residents(G: int, E: int) -> np.ndarray:
     """The residency masks of a domain where no helper holds any weights: int64 [G, E, ceil(G / 64)]
     zeros (`residency.ResidencyTable.resident`)."""
@@ -176,6 +198,10 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     H = int(constraints.max_helpers)
     copies = constraints.copies_per_rank()
     copies = G * max(D, 0) * max(H, 0) if copies == math.inf else int(copies)
+    if G <= 1 or D <= 0 or H <= 0:
+        if (counts < 0).any():
+            raise ValueError("counts must be non-negative")
+        return empty_plan(counts)  # without loading the compiled planner
     resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
     model = constraints.model.as_array() if constraints.model is not None else _NO_MODEL
     from deepspeed_feplb.plan.passes import plan_timed

@@ -18,7 +18,7 @@ Per micro-batch and rank of a domain (all times µs, forward and backward togeth
 * every message (a chunk there, its outputs back, gradients back) also arrives ``message_us``
   after its copy ends: the transport's fixed latency per message, which does not occupy the link
   (measured: about 230 µs one way for `cuda_ce` on an H200 machine, docs/GPU.md; 0 in the
-  named profiles and, for now, in the runtime's measured model).
+  named profiles; the runtime's model takes its transport's figure, `balance.ComputeTimes.model`).
 
 The makespan (the slowest rank's finish) is what the planner minimises and what the simulator
 reports as ``expert_time_us``. `TimeModel` holds the constants; the evaluation is compiled with
@@ -69,9 +69,9 @@ class TimeModel:
     @classmethod
     def measured(cls, expert_seconds: float, rows: int, expert_bytes: int, row_bytes: int,
                  gbps: float) -> "TimeModel | None":
-        """At runtime: from the previous micro-batch's forward expert time for ``rows`` rows on this
-        rank (x 3 for forward + backward) and the copy-engine bandwidth ``gbps`` (1e9 bytes/s);
-        None before anything was timed."""
+        """At runtime with ``feplb.fixed_costs: "ignore"``: from the previous micro-batch's forward
+        expert time for ``rows`` rows on this rank (x 3 for forward + backward) and the copy-engine
+        bandwidth ``gbps`` (1e9 bytes/s), no fixed costs; None before anything was timed."""
         if expert_seconds <= 0 or rows <= 0:
             return None
         bw = gbps * 1e3

@@ -248,7 +248,7 @@ def _layer_worker(cpu: bool) -> dict:
     if not cpu:
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0}}
     reference, ours = moe_cases.build_pair(16, 2, 2, {**feplb, "max_helpers_per_expert": 4}, seed=2)
     reference, ours = reference.to(dev), ours.to(dev)

@@ -1,0 +1,98 @@
+"""``feplb.fixed_costs: "measured"``: the fitted cost per expert piece and per row, the rule that
+skips balancing a micro-batch that cannot gain, and the domain set up only once one can."""
+import math
+
+import numpy as np
+import pytest
+
+import moe_cases
+from deepspeed_feplb.balance import PieceFit
+from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, plan_domain
+from deepspeed_feplb.plan.timeline import TimeModel
+from deepspeed_feplb.testing import run_distributed
+
+
+def test_the_fit_recovers_piece_and_row_costs_after_dropping_the_warm_up():
+    fit = PieceFit()
+    fit.add([(1, 10, 5.0)])  # the first timed micro-batch (first calls, allocations): dropped
+    assert fit.solve() is None
+    fit.add([(1, 100, 2e-4 + 100 * 1e-6), (1, 10, 2e-4 + 10 * 1e-6)])
+    fit.add([(3, 300, 3 * 2e-4 + 300 * 1e-6)])  # a grouped call: 3 pieces, 300 rows
+    piece, row = fit.solve()
+    assert piece == pytest.approx(2e-4, rel=1e-6) and row == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_samples_that_cannot_tell_pieces_from_rows_give_a_cost_per_row():
+    fit = PieceFit()
+    fit.add([(1, 1, 1.0)])
+    fit.add([(1, 50, 1e-3), (2, 100, 2e-3)])  # 50 rows per piece in both
+    assert fit.solve() == (0.0, pytest.approx(2e-5))
+    fit = PieceFit()
+    fit.add([(1, 1, 1.0)])
+    fit.add([(1, 10, 1e-3), (1, 100, 1e-4)])  # more rows took less time: no negative cost per row
+    piece, row = fit.solve()
+    assert row == 0.0 and piece > 0
+
+
+@pytest.mark.parametrize("spread_rows,expected", [(0, False), (27, False), (29, True)])
+def test_balancing_may_pay_compares_the_time_spread_with_a_piece_and_a_message(spread_rows, expected):
+    counts = np.array([[100 + spread_rows, 50], [100, 50], [100, 50]])
+    # spread = 5 µs x rows; threshold = 40 + 100 = 140 µs = 28 rows
+    assert balancing_may_pay(counts, piece_us=40.0, row_us=5.0, message_us=100.0) is expected
+
+
+def test_balancing_may_not_pay_without_costs_or_peers():
+    counts = np.array([[500, 0], [0, 0]])
+    assert not balancing_may_pay(counts, math.nan, 1.0, 0.0)
+    assert not balancing_may_pay(counts[:1], 0.0, 1.0, 0.0)
+    assert balancing_may_pay(counts, 0.0, 1.0, 0.0)
+
+
+def test_when_the_rule_skips_the_planner_finds_no_move_either():
+    """The cut-off never skips a micro-batch that the planner, under the same time model, would
+    have balanced (random domains of 4 ranks, costs of toy to GPU size)."""
+    rng = np.random.default_rng(0)
+    skipped = 0
+    for _ in range(300):
+        counts = rng.integers(0, rng.choice([8, 64, 512]), size=(4, 4))
+        piece, row, message = rng.choice([1.0, 20.0, 100.0]), rng.choice([0.05, 0.5, 5.0]), rng.choice([0.0, 50.0, 230.0])
+        if balancing_may_pay(counts, piece, row, message):
+            continue
+        skipped += 1
+        model = TimeModel(1, row, piece, 0.0, 0.0, 0.0, message)  # free copies: the planner's best case
+        plan = plan_domain(counts, PlanConstraints(dynamic_experts=2, max_helpers=2, model=model))
+        assert plan.moves.shape[0] == 0, (counts, piece, row, message, plan.moves)
+    assert skipped > 50
+
+
+@pytest.fixture(scope="module")
+def paced_results():
+    return {name: run_distributed(moe_cases.fixed_costs_case, 4, *costs, timeout=300)
+            for name, costs in {"cannot gain": (0.004, 0.0, 0.0), "gains": (0.0, 0.0004, 6.0)}.items()}
+
+
+def test_a_domain_that_cannot_gain_is_never_set_up(paced_results):
+    """4 ms per expert call and every expert the same rows (round robin): the ranks' times are
+    equal, so no move can pay; no scheduler, transport or shared memory, and DeepSpeed's results."""
+    for rank, result in enumerate(paced_results["cannot gain"]):
+        assert not any(step["domain"] for step in result["steps"]), (rank, result["steps"])
+        assert all(step["moves"] == 0 and step["error"] <= 1e-5 for step in result["steps"]), (rank, result["steps"])
+        assert result["steps"][-1]["counts"] is not None and len(result["steps"][-1]["counts"]) == 4
+        assert not result["segments"], result["segments"]
+    piece_us, row_us = paced_results["cannot gain"][0]["steps"][-1]["fit"]
+    # every call had 48 rows, so the fit cannot split a call's cost; it explains it per row
+    assert piece_us == 0 and row_us * 48 == pytest.approx(3 * 4000, rel=0.5)
+
+
+def test_a_domain_that_gains_is_set_up_on_every_rank_at_once_and_stays_exact(paced_results):
+    """0.4 ms per row and the first rank hot (the last ranks receive no rows, so they time
+    nothing): after the untimed micro-batch and the warm-up one, every rank opens the domain at
+    the same micro-batch, moves happen, results stay DeepSpeed's."""
+    results = paced_results["gains"]
+    opened = [[step["domain"] for step in result["steps"]] for result in results]
+    assert all(o == opened[0] for o in opened), opened
+    assert opened[0][:2] == [False, False] and all(opened[0][2:]), opened[0]
+    assert sum(step["moves"] for result in results for step in result["steps"]) > 0
+    assert max(step["error"] for result in results for step in result["steps"]) <= 1e-5
+    counts = [[step["counts"] for step in result["steps"]] for result in results]
+    assert all(c == counts[0] for c in counts), "every rank reports the domain's counts alike"
