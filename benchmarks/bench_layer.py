@@ -92,12 +92,12 @@ def _worker(opts: dict) -> dict:
     gemm, gemm_max, straggle_after = ({name: [] for name in layers} for _ in range(3))
     cpu_ranks, cpu_sched = ({name: [] for name in layers} for _ in range(2))
     stages = {name: [] for name in layers}
-    sched_pid = 0
-    if dist.get_rank() == 0:  # the scheduler process of the FEPLB layer's domain is rank 0's child
-        layers["feplb"](torch.randn(8, hidden))  # attach the runtime now: its scheduler pid is known
-        sched_pid = layers["feplb"].deepspeed_moe.domain.scheduler.scheduler_pid()
-    else:
-        layers["feplb"](torch.randn(8, hidden))
+
+    def scheduler_pid() -> int:
+        """The FEPLB layer's scheduler process (rank 0's child), once its domain and process are up."""
+        domain = layers["feplb"].deepspeed_moe.domain
+        return domain.scheduler.scheduler_pid() if dist.get_rank() == 0 and domain is not None else 0
+
     for layer in layers.values():
         if hasattr(layer.deepspeed_moe, "stage_times"):
             layer.deepspeed_moe.stage_times.take()
@@ -110,6 +110,7 @@ def _worker(opts: dict) -> dict:
                 dropped[name] = routes[name] = 0
             layer.zero_grad(set_to_none=True)
             dist.barrier()
+            sched_pid = scheduler_pid()
             cpu0, sched0 = time.process_time(), cpu_seconds(sched_pid)
             start = time.perf_counter()
             out = layer(x)[0]
@@ -153,6 +154,9 @@ def _worker(opts: dict) -> dict:
         if stages[name]:  # rank 0's host time per stage, median over steps
             keys = sorted({k for h in stages[name] for k in h})
             result[name]["host_ms"] = {k: 1e3 * float(np.median([h.get(k, 0.0) for h in stages[name]])) for k in keys}
+        fitted = getattr(getattr(layers[name], "deepspeed_moe", None), "compute_times", None)
+        if name == "feplb" and fitted is not None and fitted.fitted_us() is not None:
+            result[name]["fitted_piece_row_us"] = [round(v, 3) for v in fitted.fitted_us()]  # rank 0's, fwd + bwd
         if straggle_after[name]:
             result[name]["token_straggler_before"] = float(np.mean([b for b, _ in straggle_after[name]]))
             result[name]["token_straggler_after"] = float(np.mean([a for _, a in straggle_after[name]]))
@@ -208,6 +212,9 @@ def main(argv=None) -> int:
           f"{100 * (1 - ours['gemm_straggler_ms'] / max(off['gemm_straggler_ms'], 1e-9)):.0f}% lower")
     if "token_straggler_before" in ours:
         print(f"token straggler (FEPLB domain): {ours['token_straggler_before']:.1f} -> {ours['token_straggler_after']:.1f}")
+    if "fitted_piece_row_us" in ours:
+        piece_us, row_us = ours["fitted_piece_row_us"]
+        print(f"FEPLB's time model on rank 0 (forward + backward): {piece_us:.1f} µs per expert piece, {row_us:.3f} µs per row")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": opts, "results": result}, f, indent=2)

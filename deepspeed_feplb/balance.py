@@ -44,11 +44,15 @@ StaticFn = Callable[[torch.Tensor, np.ndarray, list], torch.Tensor]
 
 @dataclass
 class PieceFit:
-    """Least squares ``t = k * piece_s + n * row_s`` over timed samples: ``k`` expert pieces of ``n``
-    rows in total took ``t`` seconds (forward). Each micro-batch's samples weigh ``decay`` times
-    the previous one's, so the fit follows a change of speed within a few micro-batches."""
+    """Expert time ``t = k * piece_s + n * row_s`` for a call of ``k`` expert pieces and ``n`` rows
+    (forward seconds). ``piece_s`` is what a one-row call costs (`ComputeTimes.probe`); ``row_s`` is
+    the least-squares fit of the rest over the timed calls, each micro-batch's calls weighing
+    ``decay`` times the previous one's, so it follows a change of speed within a few micro-batches.
+    (A straight line through calls of a few hundred to a few thousand rows would put the GEMMs'
+    better efficiency at large sizes into the intercept: milliseconds per piece on a CPU where a
+    call costs tens of µs, which would make the planner shun every split.)"""
     decay: float = 0.7
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # kk, kn, nn, kt, nt
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # kn, nn, nt
     warm: bool = False  # the first timed micro-batch pays one-time costs (first calls, allocations): dropped
 
     def add(self, samples: Sequence[tuple[int, int, float]]) -> None:
@@ -59,23 +63,14 @@ class PieceFit:
             self.warm = True
             return
         k, n, t = (np.array(c, dtype=np.float64) for c in zip(*samples))
-        self.sums = self.sums * self.decay + np.array([k @ k, k @ n, n @ n, k @ t, n @ t])
+        self.sums = self.sums * self.decay + np.array([k @ n, n @ n, n @ t])
 
-    def solve(self) -> Optional[tuple[float, float]]:
-        """(piece_s, row_s), both >= 0, or None before any sample. Samples that cannot tell the two
-        apart (every sample with the same rows per piece) give the cost per row alone."""
-        kk, kn, nn, kt, nt = self.sums
+    def solve(self, piece_s: float) -> Optional[float]:
+        """row_s >= 0 given the cost of a piece, or None before any sample."""
+        kn, nn, nt = self.sums
         if nn <= 0:
             return None
-        det = kk * nn - kn * kn
-        if det > 1e-9 * kk * nn:
-            piece, row = (kt * nn - nt * kn) / det, (nt * kk - kt * kn) / det
-            if piece >= 0 and row >= 0:
-                return piece, row
-            if piece < 0:
-                return 0.0, max(nt / nn, 0.0)
-            return max(kt / kk, 0.0), 0.0
-        return 0.0, max(nt / nn, 0.0)
+        return max((nt - piece_s * kn) / nn, 0.0)
 
 
 @dataclass
@@ -92,6 +87,8 @@ class ComputeTimes:
     rows: int = 0  # rows this rank computed in the timed micro-batch (before balancing)
     pending: Optional[tuple] = None  # CUDA marks not read yet: (begin, static done, end, pieces)
     fit: PieceFit = field(default_factory=PieceFit)
+    piece_s: Optional[float] = None  # what a one-row expert call costs, once `probe` was read
+    probe_marks: Optional[list] = None  # its marks (host seconds, or CUDA events not read yet)
 
     def clock(self, device: torch.device) -> Callable[[], object]:
         """A function that marks "now" on ``device``'s timeline (first reads the last micro-batch's events)."""
@@ -105,8 +102,34 @@ class ComputeTimes:
             return event
         return mark
 
+    def probe(self, rows: torch.Tensor, counts: np.ndarray, call: Callable[[int, torch.Tensor], torch.Tensor],
+              mark: Callable[[], object]) -> None:
+        """Once: time one-row calls of the first expert with rows (after one untimed call), the fixed
+        cost of an expert piece. Without gradients, and the random state is restored, so an expert
+        with dropout computes what it would have."""
+        if self.probe_marks is not None or not counts.any():
+            return
+        e = int(np.flatnonzero(counts)[0])
+        x = rows[int(counts[:e].sum()):][:1].detach()
+        devices = [rows.device] if rows.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            call(e, x)
+            marks = [mark()]
+            for _ in range(3):
+                call(e, x)
+                marks.append(mark())
+        self.probe_marks = marks
+        self.resolve()
+
     def resolve(self) -> None:
-        """Read the last micro-batch's CUDA events if they have completed."""
+        """Read the marks of the last micro-batch and of the probe once they are there (CUDA events
+        that have completed; host seconds at once)."""
+        if self.piece_s is None and self.probe_marks is not None:
+            marks = self.probe_marks
+            if isinstance(marks[0], float):
+                self.piece_s = min(b - a for a, b in zip(marks, marks[1:]))
+            elif marks[-1].query():
+                self.piece_s = min(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) / 1e3
         if self.pending is not None and self.pending[2].query():
             begin, static_done, end, pieces = self.pending
             self.static_seconds = begin.elapsed_time(static_done) / 1e3
@@ -125,23 +148,28 @@ class ComputeTimes:
             self.pending = (begin, static_done, end, list(pieces))
 
     def fitted_us(self) -> Optional[tuple[float, float]]:
-        """(piece_us, row_us), forward + backward, from the fit; None before anything was timed."""
+        """(piece_us, row_us), forward + backward; None before the probe and a micro-batch were timed."""
         self.resolve()
-        got = self.fit.solve()
-        return None if got is None else (FWD_BWD_GEMMS * got[0] * 1e6, FWD_BWD_GEMMS * got[1] * 1e6)
+        row_s = self.fit.solve(self.piece_s) if self.piece_s is not None else None
+        return None if row_s is None else (FWD_BWD_GEMMS * self.piece_s * 1e6, FWD_BWD_GEMMS * row_s * 1e6)
 
     def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int,
               message_us: float = 0.0) -> Optional[TimeModel]:
         """The planner's time model from these times (None before anything was timed):
-        ``feplb.fixed_costs`` "measured" prices the fitted cost per piece and ``message_us``."""
+        ``feplb.fixed_costs`` "measured" prices the fitted cost per row and ``message_us``.
+
+        It charges no fixed cost per piece: what makes a one-row call expensive is mostly reading
+        the expert's weights, which a large call overlaps with its GEMMs, so the one-row cost would
+        overstate what splitting a large piece costs (measured: with it, bench_layer at hidden 256 /
+        ffn 2048 balanced less and ran 0.75x of balancing off instead of 0.68-0.70x). The one-row
+        cost decides where no move can pay at all (`plan.policy.balancing_may_pay`)."""
         bw = config.copy_engine_gbps * 1e3  # bytes per µs
         if config.fixed_costs == "ignore":
             return TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
         fitted = self.fitted_us()
-        if fitted is None or fitted[1] <= 0 and fitted[0] <= 0:
+        if fitted is None or fitted[1] <= 0:
             return None
-        piece_us, row_us = fitted
-        return TimeModel(1, row_us, piece_us, expert_bytes / bw, expert_bytes / bw, row_bytes / bw, message_us)
+        return TimeModel(1, fitted[1], 0.0, expert_bytes / bw, expert_bytes / bw, row_bytes / bw, message_us)
 
 
 def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int], mark: Callable[[], object],
@@ -174,6 +202,8 @@ def run_local(rows: torch.Tensor, counts: np.ndarray, call: Callable[[int, torch
     into ``times`` (None: not timed)."""
     mark = times.clock(rows.device) if times is not None else (lambda: 0.0)
     pieces: list = []
+    if times is not None:
+        times.probe(rows, counts, call, mark)
     begin = mark()
     with stage_times.measure("static experts"):
         outs = timed_pieces(rows, counts, range(len(counts)), mark, call, pieces=pieces if times else None)
@@ -203,6 +233,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if recompute:  # activation checkpointing re-runs this forward in backward: not a new micro-batch
         residency, step_ends = None, True
     mark = times.clock(rows.device)
+    call = lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)  # noqa: E731
+    times.probe(rows, counts, call, mark)
     begin = mark()
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     seq = domain.next_seq()
@@ -219,7 +251,6 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     outs: list = [None] * len(modules)
     pieces: list = []
     with stage_times.measure("static experts"):
-        call = lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)  # noqa: E731
         for e, y in zip(static, timed_pieces(rows, counts, static, mark, call, static_fn, pieces)):
             outs[e] = y
     static_done = mark()

@@ -28,12 +28,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.moe import layer as ds_layer
-from deepspeed.moe.sharded_moe import MOELayer
+from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
 from deepspeed_feplb.balance import ComputeTimes, run_experts, run_local
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
-from deepspeed_feplb.domain import domain_size, get_runtime
+from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
@@ -63,6 +63,7 @@ class FEPLBMOELayer(MOELayer):
         self._feplb_ready = False
         self.compute_times = ComputeTimes()
         self.stage_times = StageTimes()  # host time per stage (forward and backward), see `stats.StageTimes`
+        self.domain: Optional[DomainRuntime] = None  # set up at the first micro-batch that balances
         self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
         self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
         if not hasattr(self, "step_ends"):
@@ -95,7 +96,6 @@ class FEPLBMOELayer(MOELayer):
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
         self.balances = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0
                          and domain_size(config, self.ep_size) > 1)
-        self.domain = None
         if config.placement.enabled and self.ep_size > 1:
             self.placement = _make_placement(self, config, expert_params)
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
@@ -159,7 +159,7 @@ class FEPLBMOELayer(MOELayer):
         used_token = input[1] if len(input) > 1 else None
         timed = self.stage_times.measure
         with timed("gate"):
-            self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self.gate(x, used_token, True, False)
+            self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
         if self.recorder is not None and not recomputing():
             self.recorder.record(self, expert_ids)  # logical experts: a trace replays under any placement
         if self.placement is not None:
@@ -171,6 +171,20 @@ class FEPLBMOELayer(MOELayer):
         out = self._experts(rows, counts_by_source.sum(0), handle)
         with timed("combine"):
             return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
+
+    def _route(self, x: torch.Tensor, used_token: Optional[torch.Tensor]):
+        """The gate's sparse routes. DeepSpeed's dropless `TopKGate` all-reduces its largest expert
+        count over the EP group, to size the dense dispatch of DeepSpeed's own layer; FEPLB sends
+        exact splits and never reads it, so the gate runs without its EP group here: one collective
+        less per forward, the same routes, gates and aux loss."""
+        gate = self.gate
+        if type(gate) is not TopKGate:
+            return gate(x, used_token, True, False)
+        group, gate.ep_group = gate.ep_group, None
+        try:
+            return gate(x, used_token, True, False)
+        finally:
+            gate.ep_group = group
 
     def _announce(self) -> tuple[float, ...]:
         """What phase 1 tells the EP group for `_balances_now`: this rank's fitted (piece_us, row_us)
