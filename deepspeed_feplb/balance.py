@@ -10,11 +10,12 @@
    in the step are not copied again, `migrate.resident`).
 
 The plan is judged by a time model (`plan.timeline`) made from this rank's earlier micro-batches:
-its forward expert cost per row and per expert piece, fitted to its timed expert calls
-(`PieceFit`, x 3 for forward + backward), ``copy_engine_gbps`` and the transport's latency per
-message (``feplb.fixed_costs: "ignore"`` drops the two fixed costs). `run_local` computes a
-micro-batch without balancing (timing every expert call for the fit), for a layer whose domain
-cannot gain (`plan.policy.balancing_may_pay`).
+its forward expert cost per row, fitted to its timed expert calls (`PieceFit`, x 3 for forward +
+backward), ``copy_engine_gbps`` and the transport's latency per message (``feplb.fixed_costs:
+"ignore"``: the last micro-batch's expert time per row, no message latency). The cost of one
+expert piece (a one-row call, `ComputeTimes.probe`) decides where no move can pay at all
+(`plan.policy.balancing_may_pay`); there `run_local` computes the micro-batch without balancing,
+timing every expert call for the fit.
 
 The caller says how to run one expert functionally (a module per local expert as template, its
 parameters, an `ExpertSpec`) and may give a faster compute for the static experts (e.g.
@@ -110,7 +111,7 @@ class ComputeTimes:
         if self.probe_marks is not None or not counts.any():
             return
         e = int(np.flatnonzero(counts)[0])
-        x = rows[int(counts[:e].sum()):][:1].detach()
+        x = rows[int(counts[:e].sum()):][:1].detach().clone()  # an expert may work on its input in place
         devices = [rows.device] if rows.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             call(e, x)
@@ -167,9 +168,13 @@ class ComputeTimes:
         if config.fixed_costs == "ignore":
             return TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
         fitted = self.fitted_us()
-        if fitted is None or fitted[1] <= 0:
+        if fitted is not None and fitted[1] > 0:
+            row_us = fitted[1]
+        elif self.expert_seconds > 0 and self.rows > 0:  # no call timed alone (every expert dynamic): the whole stage
+            row_us = FWD_BWD_GEMMS * self.expert_seconds * 1e6 / self.rows
+        else:
             return None
-        return TimeModel(1, fitted[1], 0.0, expert_bytes / bw, expert_bytes / bw, row_bytes / bw, message_us)
+        return TimeModel(1, row_us, 0.0, expert_bytes / bw, expert_bytes / bw, row_bytes / bw, message_us)
 
 
 def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int], mark: Callable[[], object],
@@ -196,13 +201,13 @@ def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int],
 
 
 def run_local(rows: torch.Tensor, counts: np.ndarray, call: Callable[[int, torch.Tensor], torch.Tensor],
-              times: Optional[ComputeTimes], stage_times: StageTimes) -> torch.Tensor:
+              times: Optional[ComputeTimes], stage_times: StageTimes, probe: bool = False) -> torch.Tensor:
     """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``, every
     expert computed here (no balancing); ``call(e, x)`` runs local expert e. Each call is timed
-    into ``times`` (None: not timed)."""
+    into ``times`` (None: not timed); ``probe``: also time a one-row call once (`ComputeTimes.probe`)."""
     mark = times.clock(rows.device) if times is not None else (lambda: 0.0)
     pieces: list = []
-    if times is not None:
+    if times is not None and probe:
         times.probe(rows, counts, call, mark)
     begin = mark()
     with stage_times.measure("static experts"):
@@ -234,7 +239,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         residency, step_ends = None, True
     mark = times.clock(rows.device)
     call = lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)  # noqa: E731
-    times.probe(rows, counts, call, mark)
+    if config.fixed_costs == "measured":
+        times.probe(rows, counts, call, mark)
     begin = mark()
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     seq = domain.next_seq()
@@ -270,5 +276,6 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         stats = {**layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks),
                  **residency_stats(step.fresh, step.keeps, len(step.flush_entries), expert_bytes),
                  "domain_counts": planned.counts, "seq": seq}
-    times.finish(begin, static_done, mark(), int(counts.sum()), pieces)
+    if not recompute:
+        times.finish(begin, static_done, mark(), int(counts.sum()), pieces)
     return torch.cat(outs), stats

@@ -126,7 +126,7 @@ def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTranspor
     with _LOCK:
         runtime = _RUNTIMES.get(key)
         if runtime is None or runtime.closed:
-            _install_exit_handlers()
+            install_exit_handlers()
             runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls)
         return runtime
 
@@ -178,7 +178,10 @@ def _on_sigterm(signum, frame) -> None:
         sys.exit(128 + signum)
 
 
-def _install_exit_handlers() -> None:
+def install_exit_handlers() -> None:
+    """One line instead of a traceback per rank on a Ctrl-C or a configuration mistake (`exits`),
+    and every domain runtime closed at exit or on SIGTERM; idempotent. A FEPLB layer installs it
+    at its first forward, before it has a domain (it may never need one)."""
     global _installed
     if _installed:
         return

@@ -20,7 +20,9 @@ Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move b
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Optional
 
@@ -33,7 +35,7 @@ from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 from deepspeed_feplb.balance import ComputeTimes, run_experts, run_local
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
-from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
+from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, install_exit_handlers
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
@@ -65,6 +67,7 @@ class FEPLBMOELayer(MOELayer):
         self.stage_times = StageTimes()  # host time per stage (forward and backward), see `stats.StageTimes`
         self.domain: Optional[DomainRuntime] = None  # set up at the first micro-batch that balances
         self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
+        self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # routes digest -> `_balances_now`, for recomputes
         self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
@@ -80,6 +83,7 @@ class FEPLBMOELayer(MOELayer):
             self._check_ep_group_agrees(config)
         if not config.enabled:
             return
+        install_exit_handlers()
         refuse_stateful_experts(self.experts.deepspeed_experts[0], self.gate.wg.in_features,
                                 migrating=config.dynamic_experts_per_rank > 0 and self.ep_size > 1)
         if getattr(self.gate, "drop_tokens", False):
@@ -196,8 +200,10 @@ class FEPLBMOELayer(MOELayer):
 
     def _balances_now(self, handle) -> bool:
         """Whether this micro-batch goes through the domain (plan and phase 2). Every rank of the EP
-        group decides from the same data: the routes and fitted costs phase 1 gathered. Opens the
-        domain at the first micro-batch that any domain of the group balances."""
+        group decides from the same data: the routes and costs phase 1 gathered. Opens the domain at
+        the first micro-batch that any domain of the group balances. A forward that activation
+        checkpointing recomputes takes the decision of its original forward (its routes are the
+        same; its saved tensors must be too), and never opens the domain inside backward."""
         if not self.balances:
             return False
         routes, fits = getattr(handle, "routes", None), getattr(handle, "announced", None)
@@ -205,32 +211,46 @@ class FEPLBMOELayer(MOELayer):
             if self.domain is None:
                 self._open_domain()
             return True  # the planner alone decides
+        key = hashlib.blake2b(routes.tobytes(), digest_size=16).digest()
+        if recomputing():
+            return self._decisions.get(key, False) and self.domain is not None
         G = domain_size(self.feplb_config, self.ep_size)
         loads = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
         pays = [balancing_may_pay(loads[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]))
                 for d in range(0, self.ep_size, G)]
-        if self.domain is None:
-            if not any(pays):
-                return False
+        if self.domain is None and any(pays):
             self._open_domain()
         kept = self.residency is not None and bool(self.residency.table.resident.any())  # their gradients go home in phase 2
-        return pays[dist.get_rank(self.ep_group) // G] or kept
+        decided = self.domain is not None and (pays[dist.get_rank(self.ep_group) // G] or kept)
+        self._decisions[key] = decided
+        while len(self._decisions) > _DECISIONS_KEPT:
+            self._decisions.popitem(last=False)
+        return decided
 
     def _message_us(self, exchange_us: np.ndarray) -> float:
-        """One message's latency between ranks of a domain: the transport's figure, or, when larger,
-        the shortest of the ranks' last count exchanges (float64 [G] µs; the rank that arrived last
-        waited for nobody, so its exchange took about the group's latency; on an oversubscribed
-        host this includes waiting for a core, as a phase-2 message would)."""
+        """One message's latency between ranks of a domain: the transport's figure, or, when larger
+        and the EP group is that one domain, the shortest of the ranks' last count exchanges
+        (float64 [G] µs; the rank that arrived last waited for nobody, so its exchange took about the
+        group's latency; on an oversubscribed host this includes waiting for a core, as a phase-2
+        message would). An exchange over several domains would add the network's latency."""
         measured = exchange_us[np.isfinite(exchange_us)]
-        return max(self.transport_cls.message_us, float(measured.min()) if measured.size else 0.0)
+        if not measured.size or domain_size(self.feplb_config, self.ep_size) != self.ep_size:
+            return self.transport_cls.message_us
+        return max(self.transport_cls.message_us, float(measured.min()))
 
     def _experts(self, rows: torch.Tensor, counts: np.ndarray, handle=None) -> torch.Tensor:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``."""
         experts = self.experts.deepspeed_experts
         if not self._balances_now(handle):
-            call = lambda e, x: _call(experts[e], x)  # noqa: E731
-            timed = self.balances or self.placement is not None  # the fit's, and the placement's time per token
-            out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times)
+            if self.balances:  # the gradients' order must be the balancing path's (`ExpertGradOrder`)
+                params, spec = self._expert_params(), self.expert_spec
+                call = lambda e, x: spec.call(experts[e], params[e], spec.buffers(experts[e]), x)  # noqa: E731
+            else:
+                call = lambda e, x: _call(experts[e], x)  # noqa: E731
+            # timed for the fit and for the placement's time per token; a recompute is not a micro-batch
+            timed = (self.balances or self.placement is not None) and not recomputing()
+            probe = self.balances and self.feplb_config.fixed_costs == "measured"
+            out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times, probe)
             if self.feplb_config.stats.enabled:
                 self.feplb_stats = self._local_stats(counts, handle)
             return out
@@ -350,6 +370,9 @@ class ExpertGradOrder(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return grads
+
+
+_DECISIONS_KEPT = 256  # forwards whose recompute may still come (pipeline schedules keep several in flight)
 
 
 def _typical(fits: np.ndarray) -> tuple[float, float]:

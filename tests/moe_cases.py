@@ -688,11 +688,16 @@ def _round_robin(request) -> torch.Tensor:
     return routes % request.num_experts
 
 
-def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: int = 5) -> dict:
+def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: int = 5,
+                     checkpointed: bool = False) -> dict:
     """``feplb.fixed_costs: "measured"`` (the default) over 4 ranks, one domain, experts with the
     given paced costs and the first rank's experts hot by ``skew`` (`skew_gate`; 0: every expert
     gets the same rows, round robin): per micro-batch, whether this rank had a domain, the moves,
-    the domain's counts and the errors against DeepSpeed's MoE."""
+    the domain's counts and the errors against DeepSpeed's MoE. ``checkpointed``: FEPLB's layer
+    runs inside non-reentrant activation checkpointing (its recompute sees costs timed after the
+    original forward, which would decide otherwise)."""
+    from torch.utils.checkpoint import checkpoint
+
     from deepspeed_feplb.testing import override_routing
     torch.manual_seed(3)
     kwargs = dict(hidden_size=HIDDEN, expert=PacedExpert(HIDDEN, piece_s, row_s), num_experts=8, ep_size=4, k=2,
@@ -711,7 +716,14 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
     for mb in range(micro_batches):
         x, w = rank_inputs(mb)
         ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
-        out, dx, grads = run_layer(ours, x, w)
+        if checkpointed:
+            xi = x.clone().requires_grad_(True)
+            out, l_aux = checkpoint(lambda t: ours(t)[:2], xi, use_reentrant=False)
+            (out * w).sum().add(l_aux).backward()
+            out, dx = out.detach(), xi.grad.clone()
+            grads = {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
+        else:
+            out, dx, grads = run_layer(ours, x, w)
         errors = [relative_error(out, ref_out), relative_error(dx, ref_dx)]
         errors += [relative_error(grads[name], ref_grads[name]) for name in ref_grads]
         for layer in (reference, ours):

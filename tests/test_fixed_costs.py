@@ -73,8 +73,10 @@ def test_when_the_rule_skips_the_planner_finds_no_move_either():
 
 @pytest.fixture(scope="module")
 def paced_results():
-    return {name: run_distributed(moe_cases.fixed_costs_case, 4, *costs, timeout=300)
-            for name, costs in {"cannot gain": (0.004, 0.0, 0.0), "gains": (0.0, 0.0004, 6.0)}.items()}
+    cases = {"cannot gain": (0.004, 0.0, 0.0), "gains": (0.0, 0.0004, 6.0), "gains, checkpointed": (0.0, 0.0004, 6.0)}
+    return {name: run_distributed(moe_cases.fixed_costs_case, 4, *costs, checkpointed="checkpointed" in name,
+                                  timeout=300)
+            for name, costs in cases.items()}
 
 
 def test_a_domain_that_cannot_gain_is_never_set_up(paced_results):
@@ -102,3 +104,13 @@ def test_a_domain_that_gains_is_set_up_on_every_rank_at_once_and_stays_exact(pac
     assert max(step["error"] for result in results for step in result["steps"]) <= 1e-5
     counts = [[step["counts"] for step in result["steps"]] for result in results]
     assert all(c == counts[0] for c in counts), "every rank reports the domain's counts alike"
+
+
+def test_a_recompute_takes_its_forwards_decision(paced_results):
+    """Under non-reentrant activation checkpointing the recompute of the second micro-batch sees
+    costs that its forward did not (timed by that forward): it must still run the forward's path
+    (a different one would save other tensors and fail), and never open the domain in backward."""
+    results = paced_results["gains, checkpointed"]
+    assert [step["domain"] for step in results[0]["steps"]] == [step["domain"] for step in paced_results["gains"][0]["steps"]]
+    assert sum(step["moves"] for result in results for step in result["steps"]) > 0
+    assert max(step["error"] for result in results for step in result["steps"]) <= 1e-5
