@@ -242,7 +242,9 @@ class FEPLBMOELayer(MOELayer):
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``."""
         experts = self.experts.deepspeed_experts
         if not self._balances_now(handle):
-            if self.balances:  # the gradients' order must be the balancing path's (`ExpertGradOrder`)
+            if self.balances and dist.get_world_size() > self.ep_size:
+                # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
+                # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
                 params, spec = self._expert_params(), self.expert_spec
                 call = lambda e, x: spec.call(experts[e], params[e], spec.buffers(experts[e]), x)  # noqa: E731
             else:

@@ -734,3 +734,45 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
                       "error": max(errors), "fit": ours.deepspeed_moe.compute_times.fitted_us()})
     deepspeed_feplb.shutdown()
     return {"steps": steps, "segments": [n for n in os.listdir("/dev/shm") if n.startswith("feplb-")]}
+
+
+def replicas_case(steps: int = 5) -> dict:
+    """ZeRO-2, EP=2 on 4 ranks: two EP groups hold replicas of the same experts. Group 0's tokens
+    go round robin (its ranks' times are equal: it never balances); group 1's all go to its first
+    rank's first two experts (it balances once timed). Losses and parameters against DeepSpeed's
+    MoE, and per step whether this rank's layer moved rows."""
+    import deepspeed
+
+    from deepspeed_feplb.testing import override_routing
+
+    def hot(request) -> torch.Tensor:
+        return torch.arange(request.k).repeat(request.num_tokens, 1)  # every token to experts 0..k-1
+
+    routing = _round_robin if dist.get_rank() < 2 else hot
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1}
+
+    def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
+        torch.manual_seed(11)
+        model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=PacedExpert(HIDDEN, 0.0, 0.0004), num_experts=8,
+                                          ep_size=2, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
+                                          top2_2nd_expert_sampling=False))
+        diversify_experts(model.moe)
+        return model
+
+    reference_model, feplb_model = make_model(), make_model()
+    reference, *_ = deepspeed.initialize(model=reference_model, model_parameters=param_groups(reference_model),
+                                         config=ds_config(2, feplb))
+    ours, *_ = deepspeed_feplb.initialize(model=feplb_model, model_parameters=param_groups(feplb_model),
+                                          config=ds_config(2, feplb))
+    for engine in (reference, ours):
+        override_routing(engine.module, routing)
+    losses, moved = {"reference": [], "feplb": []}, []
+    for step in range(steps):
+        x, target = rank_inputs(100 + step)
+        for name, engine in (("reference", reference), ("feplb", ours)):
+            losses[name].append(train_step(engine, x, target))
+        moved.append(int(ours.module.moe.feplb_stats.get("moves", 0)))
+    params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
+              for n, p in ours.module.named_parameters()}
+    deepspeed_feplb.shutdown()
+    return {"losses": losses, "param_errors": params, "moved": moved}

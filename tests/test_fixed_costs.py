@@ -114,3 +114,15 @@ def test_a_recompute_takes_its_forwards_decision(paced_results):
     assert [step["domain"] for step in results[0]["steps"]] == [step["domain"] for step in paced_results["gains"][0]["steps"]]
     assert sum(step["moves"] for result in results for step in result["steps"]) > 0
     assert max(step["error"] for result in results for step in result["steps"]) <= 1e-5
+
+
+def test_replicas_whose_groups_decide_differently_train_exactly():
+    """ZeRO-2 reduces expert gradients over replicas in other EP groups, in the order they become
+    ready: a group that skips must release them in the order of one that balances."""
+    results = run_distributed(moe_cases.replicas_case, 4, timeout=300)
+    assert not any(results[0]["moved"]) and not any(results[1]["moved"]), "group 0 never balances"
+    assert any(results[2]["moved"]), "group 1 balances once timed"
+    for rank, result in enumerate(results):
+        assert result["losses"]["feplb"] == pytest.approx(result["losses"]["reference"], rel=1e-5, abs=1e-7), rank
+        worst = max(result["param_errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-4, (rank, worst)
