@@ -38,6 +38,7 @@ from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, install_exit_handlers
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.monitor import gather_small
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
@@ -127,7 +128,8 @@ class FEPLBMOELayer(MOELayer):
                  "feplb.fixed_costs": config.fixed_costs,
                  "feplb.weight_residency": config.weight_residency}
         ranks = dist.get_process_group_ranks(self.ep_group)
-        if dist.get_backend(self.ep_group) == "gloo":  # bounded, and it names who is missing
+        gloo = dist.get_backend(self.ep_group) == "gloo"
+        if gloo:  # bounded, and it names who is missing
             timeout_s = config.scheduler.peer_timeout_s
             try:
                 dist.monitored_barrier(group=self.ep_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -135,8 +137,11 @@ class FEPLBMOELayer(MOELayer):
                 raise RuntimeError(f"FEPLB: not every rank of expert-parallel group {ranks} ran this MoE layer's first "
                                    f"forward within feplb.scheduler.peer_timeout_s={timeout_s:g} s; every rank must run "
                                    f"the same forwards of the layer ({error})") from None
-        everyone = [None] * self.ep_size
-        dist.all_gather_object(everyone, facts, group=self.ep_group)
+        if gloo:
+            everyone = gather_small(facts, group=self.ep_group)  # one collective where all_gather_object takes two
+        else:
+            everyone = [None] * self.ep_size
+            dist.all_gather_object(everyone, facts, group=self.ep_group)
         for key in facts:
             values = [f[key] for f in everyone]
             if any(v != values[0] for v in values):

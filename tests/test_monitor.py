@@ -89,3 +89,21 @@ def test_report_plots_json_lines_and_csv_monitor_dirs(tmp_path, capsys):
     assert summary["2.moe"] == {"gemm_straggler_ms_mean": 3.0}
     assert "1.moe: token straggler 40.0 -> 5.0" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "plots" / "summary.json"), "--out", str(out)]) == 1  # nothing to plot
+
+
+def _gather_both_sizes() -> list:
+    import torch.distributed as dist
+
+    from deepspeed_feplb.integration.monitor import GATHER_BYTES, gather_small
+    rank = dist.get_rank()
+    small = gather_small({"rank": rank})
+    large = gather_small(b"x" * (GATHER_BYTES + 1000 * rank))  # over the one-collective size: two collectives
+    return [small, [len(x) for x in large]]
+
+
+def test_gather_small_returns_every_ranks_object_whatever_its_size():
+    from deepspeed_feplb.integration.monitor import GATHER_BYTES
+    from deepspeed_feplb.testing import run_distributed
+    for small, large in run_distributed(_gather_both_sizes, 2, timeout=120):
+        assert small == [{"rank": 0}, {"rank": 1}]
+        assert large == [GATHER_BYTES, GATHER_BYTES + 1000]
