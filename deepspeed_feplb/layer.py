@@ -11,7 +11,7 @@ Stages of `FEPLBMOELayer.forward` (one micro-batch, tokens ``[S, H]``):
    or, when the domain cannot gain this micro-batch (``feplb.fixed_costs: "measured"``: nothing
    timed yet, or a time spread below one expert piece plus one message,
    `plan.policy.balancing_may_pay`), `balance.run_local`: every expert here, nothing exchanged.
-   Phase 1's count exchange carries each rank's fitted costs, so every rank of the EP group takes
+   Phase 1's count exchange carries each rank's measured costs, so every rank of the EP group takes
    that decision alike; the domain runtime (scheduler, transport, shared memory) is set up at the
    first micro-batch that balances, so a run that never gains never pays for it;
 4. phase 1 in reverse and the gate-weighted combine.
@@ -196,8 +196,8 @@ class FEPLBMOELayer(MOELayer):
             gate.ep_group = group
 
     def _announce(self) -> tuple[float, ...]:
-        """What phase 1 tells the EP group for `_balances_now`: this rank's fitted (piece_us, row_us)
-        (NaN before anything was timed) and how long its previous count exchange took (µs)."""
+        """What phase 1 tells the EP group for `_balances_now`: this rank's (piece_us, row_us) (a
+        one-row call, and the fitted cost per row; NaN before anything was timed) and how long its previous count exchange took (µs)."""
         if not self.balances or self.feplb_config.fixed_costs == "ignore":
             return ()
         exchange_us = getattr(self.dispatcher, "exchange_seconds", float("nan")) * 1e6
