@@ -197,7 +197,8 @@ class FEPLBMOELayer(MOELayer):
 
     def _announce(self) -> tuple[float, ...]:
         """What phase 1 tells the EP group for `_balances_now`: this rank's (piece_us, row_us) (a
-        one-row call, and the fitted cost per row; NaN before anything was timed) and how long its previous count exchange took (µs)."""
+        one-row call, and the fitted cost per row; NaN before anything was timed) and how long its
+        previous count exchange took (µs)."""
         if not self.balances or self.feplb_config.fixed_costs == "ignore":
             return ()
         exchange_us = getattr(self.dispatcher, "exchange_seconds", float("nan")) * 1e6
