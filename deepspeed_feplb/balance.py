@@ -164,17 +164,18 @@ class ComputeTimes:
         overstate what splitting a large piece costs (measured: with it, bench_layer at hidden 256 /
         ffn 2048 balanced less and ran 0.75x of balancing off instead of 0.68-0.70x). The one-row
         cost decides where no move can pay at all (`plan.policy.balancing_may_pay`)."""
-        bw = config.copy_engine_gbps * 1e3  # bytes per µs
-        if config.fixed_costs == "ignore":
-            return TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
-        fitted = self.fitted_us()
-        if fitted is not None and fitted[1] > 0:
-            row_us = fitted[1]
-        elif self.expert_seconds > 0 and self.rows > 0:  # no call timed alone (every expert dynamic): the whole stage
-            row_us = FWD_BWD_GEMMS * self.expert_seconds * 1e6 / self.rows
-        else:
-            return None
-        return TimeModel(1, row_us, 0.0, expert_bytes / bw, expert_bytes / bw, row_bytes / bw, message_us)
+        stage = TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
+        if config.fixed_costs == "ignore" or stage is None:
+            return stage
+        fitted = self.fitted_us()  # none when no call was timed alone (every expert dynamic): the whole stage's
+        row_us = fitted[1] if fitted is not None and fitted[1] > 0 else stage.row_us
+        return replace(stage, row_us=row_us, message_us=message_us)
+
+
+def functional_calls(modules: Sequence[torch.nn.Module], params: list[list[torch.Tensor]],
+                     spec: ExpertSpec) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """``call(e, x)``: local expert e on rows x, run functionally with ``params[e]`` and its own buffers."""
+    return lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)
 
 
 def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int], mark: Callable[[], object],
@@ -238,7 +239,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if recompute:  # activation checkpointing re-runs this forward in backward: not a new micro-batch
         residency, step_ends = None, True
     mark = times.clock(rows.device)
-    call = lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)  # noqa: E731
+    call = functional_calls(modules, params, spec)
     if config.fixed_costs == "measured":
         times.probe(rows, counts, call, mark)
     begin = mark()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
-from deepspeed_feplb.balance import ComputeTimes, run_experts, run_local
+from deepspeed_feplb.balance import ComputeTimes, functional_calls, run_experts, run_local
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, install_exit_handlers
@@ -128,8 +128,7 @@ class FEPLBMOELayer(MOELayer):
                  "feplb.fixed_costs": config.fixed_costs,
                  "feplb.weight_residency": config.weight_residency}
         ranks = dist.get_process_group_ranks(self.ep_group)
-        gloo = dist.get_backend(self.ep_group) == "gloo"
-        if gloo:  # bounded, and it names who is missing
+        if dist.get_backend(self.ep_group) == "gloo":  # bounded, and it names who is missing
             timeout_s = config.scheduler.peer_timeout_s
             try:
                 dist.monitored_barrier(group=self.ep_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -137,7 +136,6 @@ class FEPLBMOELayer(MOELayer):
                 raise RuntimeError(f"FEPLB: not every rank of expert-parallel group {ranks} ran this MoE layer's first "
                                    f"forward within feplb.scheduler.peer_timeout_s={timeout_s:g} s; every rank must run "
                                    f"the same forwards of the layer ({error})") from None
-        if gloo:
             everyone = gather_small(facts, group=self.ep_group)  # one collective where all_gather_object takes two
         else:
             everyone = [None] * self.ep_size
@@ -221,7 +219,7 @@ class FEPLBMOELayer(MOELayer):
         if recomputing():
             return self._decisions.get(key, False) and self.domain is not None
         G = domain_size(self.feplb_config, self.ep_size)
-        loads = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
+        loads = self._received(routes)
         pays = [balancing_may_pay(loads[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]))
                 for d in range(0, self.ep_size, G)]
         if self.domain is None and any(pays):
@@ -232,6 +230,11 @@ class FEPLBMOELayer(MOELayer):
         while len(self._decisions) > _DECISIONS_KEPT:
             self._decisions.popitem(last=False)
         return decided
+
+    def _received(self, routes: np.ndarray) -> np.ndarray:
+        """Phase 1's gathered routes int64 [ep_size, E] -> rows each rank of the EP group received
+        per local expert, int64 [ep_size, E_local]."""
+        return routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
 
     def _message_us(self, exchange_us: np.ndarray) -> float:
         """One message's latency between ranks of a domain: the transport's figure, or, when larger
@@ -251,8 +254,7 @@ class FEPLBMOELayer(MOELayer):
             if self.balances and dist.get_world_size() > self.ep_size:
                 # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
                 # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
-                params, spec = self._expert_params(), self.expert_spec
-                call = lambda e, x: spec.call(experts[e], params[e], spec.buffers(experts[e]), x)  # noqa: E731
+                call = functional_calls(experts, self._expert_params(), self.expert_spec)
             else:
                 call = lambda e, x: _call(experts[e], x)  # noqa: E731
             # timed for the fit and for the placement's time per token; a recompute is not a micro-batch
@@ -277,7 +279,7 @@ class FEPLBMOELayer(MOELayer):
             return layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [0])
         G = domain_size(self.feplb_config, self.ep_size)
         first = dist.get_rank(self.ep_group) // G * G
-        domain_counts = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)[first:first + G]
+        domain_counts = self._received(routes)[first:first + G]
         ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
         return {**layer_stats(domain_counts, np.zeros((0, 4), np.int64), 0.0, False, ranks),
                 "domain_counts": domain_counts}
