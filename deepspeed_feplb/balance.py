@@ -223,7 +223,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
                 params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
                 expert_bytes: int, times: ComputeTimes, stage_times: Optional[StageTimes] = None,
                 static_fn: Optional[StaticFn] = None, residency: Optional[LayerResidency] = None,
-                step_ends: bool = True) -> tuple[torch.Tensor, Optional[dict]]:
+                step_ends: bool = True, mean_rows: float = 0.0) -> tuple[torch.Tensor, Optional[dict]]:
     """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
     stats or None when ``config.stats`` is off).
 
@@ -231,7 +231,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     own buffers; ``times`` holds the previous micro-batch's compute times and is updated;
     ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later);
     ``residency`` is the layer's weight residency (None: none) and ``step_ends`` says whether this
-    micro-batch is the last of its optimizer step (`migrate.resident`). A forward that activation
+    micro-batch is the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank
+    over the whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean). A forward that activation
     checkpointing recomputes in backward leaves residency alone and returns no stats.
     """
     stage_times = stage_times if stage_times is not None else StageTimes()
@@ -247,9 +248,9 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     seq = domain.next_seq()
     row_bytes = rows.shape[1] * rows.element_size()
     model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us)
-    constraints = PlanConstraints.from_config(config, expert_bytes, model)
-    if model is None and config.fixed_costs == "measured":  # nothing timed yet: no move is known to pay
-        constraints = replace(constraints, dynamic_experts=0)
+    constraints = replace(PlanConstraints.from_config(config, expert_bytes, model), mean_rows=float(mean_rows))
+    if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
+        constraints = replace(constraints, dynamic_experts=0)  # nothing timed yet: no move is known to pay
     resident_row = residency.table.resident[domain.local_rank] if residency is not None else None
     domain.scheduler.publish(seq, counts, constraints, resident_row)
 

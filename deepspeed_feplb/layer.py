@@ -43,7 +43,7 @@ from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
 from deepspeed_feplb.migrate.resident import LayerResidency
-from deepspeed_feplb.plan.policy import balancing_may_pay
+from deepspeed_feplb.plan.policy import balancing_may_pay, rows_bound
 from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing
 from deepspeed_feplb.trace.record import get_recorder
 
@@ -220,7 +220,9 @@ class FEPLBMOELayer(MOELayer):
             return self._decisions.get(key, False) and self.domain is not None
         G = domain_size(self.feplb_config, self.ep_size)
         loads = self._received(routes)
-        pays = [balancing_may_pay(loads[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]))
+        row_cap = rows_bound(self.feplb_config.max_rows_over_mean, self._mean_rows(handle))
+        pays = [balancing_may_pay(loads[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]),
+                                  row_cap)
                 for d in range(0, self.ep_size, G)]
         if self.domain is None and any(pays):
             self._open_domain()
@@ -230,6 +232,12 @@ class FEPLBMOELayer(MOELayer):
         while len(self._decisions) > _DECISIONS_KEPT:
             self._decisions.popitem(last=False)
         return decided
+
+    def _mean_rows(self, handle) -> float:
+        """Rows per rank over the EP group, from phase 1's gathered routes (0: not known, as with
+        the DeepEP dispatcher; the planner then takes its domain's mean)."""
+        routes = getattr(handle, "routes", None)
+        return float(routes.sum()) / self.ep_size if routes is not None else 0.0
 
     def _received(self, routes: np.ndarray) -> np.ndarray:
         """Phase 1's gathered routes int64 [ep_size, E] -> rows each rank of the EP group received
@@ -266,7 +274,8 @@ class FEPLBMOELayer(MOELayer):
             return out
         out, stats = run_experts(rows, counts, experts, self._expert_params(), self.expert_spec, self.domain,
                                  self.feplb_config, self.expert_bytes, self.compute_times, self.stage_times,
-                                 residency=self.residency, step_ends=self.step_ends())
+                                 residency=self.residency, step_ends=self.step_ends(),
+                                 mean_rows=self._mean_rows(handle))
         if stats is not None:
             self.feplb_stats = stats
         return out

@@ -688,14 +688,23 @@ def _round_robin(request) -> torch.Tensor:
     return routes % request.num_experts
 
 
+def _first_rank_heavy(request) -> torch.Tensor:
+    """Routes ``[S, k]``: three tokens in four go to experts 0..k-1 (the first rank's), the rest round
+    robin, so every expert gets rows and the first rank most of them."""
+    t = torch.arange(request.num_tokens)
+    routes = ((t // 4 * request.k)[:, None] + torch.arange(request.k)) % request.num_experts
+    routes[t % 4 != 0] = torch.arange(request.k)
+    return routes
+
+
 def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: int = 5,
-                     checkpointed: bool = False) -> dict:
+                     checkpointed: bool = False, max_rows_over_mean: float | None = None) -> dict:
     """``feplb.fixed_costs: "measured"`` (the default) over 4 ranks, one domain, experts with the
     given paced costs and the first rank's experts hot by ``skew`` (`skew_gate`; 0: every expert
-    gets the same rows, round robin): per micro-batch, whether this rank had a domain, the moves,
+    gets the same rows, round robin; < 0: `_first_rank_heavy`): per micro-batch, whether this rank had a domain, the moves,
     the domain's counts and the errors against DeepSpeed's MoE. ``checkpointed``: FEPLB's layer
     runs inside non-reentrant activation checkpointing (its recompute sees costs timed after the
-    original forward, which would decide otherwise)."""
+    original forward, which would decide otherwise); ``max_rows_over_mean``: that bound on rows."""
     from torch.utils.checkpoint import checkpoint
 
     from deepspeed_feplb.testing import override_routing
@@ -706,12 +715,13 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
     skew_gate(reference.deepspeed_moe.gate.wg.weight, strength=skew, spread=False)
     diversify_experts(reference)
     ours = deepspeed_feplb.MoE(**kwargs, feplb_config={"nvlink_domain_size": 4, "dynamic_experts_per_rank": 1,
-                                                       "chunk_align_tokens": 1})
+                                                       "chunk_align_tokens": 1,
+                                                       "max_rows_over_mean": max_rows_over_mean})
     ours.load_state_dict(reference.state_dict())
     for layer in (reference, ours):
         layer.set_deepspeed_parallelism()
-        if not skew:
-            override_routing(layer, _round_robin)
+        if skew <= 0:
+            override_routing(layer, _round_robin if skew == 0 else _first_rank_heavy)
     steps = []
     for mb in range(micro_batches):
         x, w = rank_inputs(mb)
@@ -731,6 +741,7 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
         stats = ours.feplb_stats
         steps.append({"domain": ours.deepspeed_moe.domain is not None, "moves": stats.get("moves"),
                       "counts": np.asarray(stats["domain_counts"]).tolist() if "domain_counts" in stats else None,
+                      "rows_after": stats.get("tokens_after"),
                       "error": max(errors), "fit": ours.deepspeed_moe.compute_times.fitted_us()})
     deepspeed_feplb.shutdown()
     return {"steps": steps, "segments": [n for n in os.listdir("/dev/shm") if n.startswith("feplb-")]}

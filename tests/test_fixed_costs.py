@@ -7,7 +7,7 @@ import pytest
 
 import moe_cases
 from deepspeed_feplb.balance import PieceFit
-from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, plan_domain
+from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, plan_domain, rows_bound
 from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.testing import run_distributed
 
@@ -47,6 +47,14 @@ def test_balancing_may_pay_compares_the_time_spread_with_a_piece_and_a_message(s
     assert balancing_may_pay(counts, piece_us=40.0, row_us=5.0, message_us=100.0) is expected
 
 
+def test_a_rank_above_the_row_cap_is_reason_enough_to_plan():
+    counts = np.array([[100, 50], [100, 50], [90, 50]])  # spread 10 rows x 5 µs: far below a piece
+    assert not balancing_may_pay(counts, piece_us=40.0, row_us=5.0, message_us=100.0)
+    assert balancing_may_pay(counts, 40.0, 5.0, 100.0, row_cap=149)
+    assert not balancing_may_pay(counts, 40.0, 5.0, 100.0, row_cap=150)
+    assert balancing_may_pay(counts, math.nan, 5.0, 100.0, row_cap=149)  # before anything is timed too
+
+
 def test_balancing_may_not_pay_without_costs_or_peers():
     counts = np.array([[500, 0], [0, 0]])
     assert not balancing_may_pay(counts, math.nan, 1.0, 0.0)
@@ -73,9 +81,10 @@ def test_when_the_rule_skips_the_planner_finds_no_move_either():
 
 @pytest.fixture(scope="module")
 def paced_results():
-    cases = {"cannot gain": (0.004, 0.0, 0.0), "gains": (0.0, 0.0004, 6.0), "gains, checkpointed": (0.0, 0.0004, 6.0)}
+    cases = {"cannot gain": (0.004, 0.0, 0.0), "gains": (0.0, 0.0004, 6.0), "gains, checkpointed": (0.0, 0.0004, 6.0),
+             "rows bounded": (0.004, 0.0, -1)}
     return {name: run_distributed(moe_cases.fixed_costs_case, 4, *costs, checkpointed="checkpointed" in name,
-                                  timeout=300)
+                                  max_rows_over_mean=1.0 if "bounded" in name else None, timeout=300)
             for name, costs in cases.items()}
 
 
@@ -126,3 +135,21 @@ def test_replicas_whose_groups_decide_differently_train_exactly():
         assert result["losses"]["feplb"] == pytest.approx(result["losses"]["reference"], rel=1e-5, abs=1e-7), rank
         worst = max(result["param_errors"].items(), key=lambda item: item[1])
         assert worst[1] <= 1e-4, (rank, worst)
+
+
+def test_a_row_bound_balances_rows_that_time_alone_leaves(paced_results):
+    """4 ms per expert call, rows free, the first rank's experts hot and every expert with rows: no
+    move can shorten the slowest rank, so time alone skips every micro-batch; ``max_rows_over_mean: 1.0`` balances the rows anyway
+    (by rows before anything is timed), from the first micro-batch, on every rank alike, exactly."""
+    results = paced_results["rows bounded"]
+    for rank, result in enumerate(results):
+        assert all(step["domain"] for step in result["steps"]), (rank, result["steps"])
+        assert max(step["error"] for step in result["steps"]) <= 1e-5, rank
+    for step in results[0]["steps"]:
+        counts = np.array(step["counts"])
+        before, after = counts.sum(axis=1), np.array(step["rows_after"])
+        token_plan = plan_domain(counts, PlanConstraints(dynamic_experts=1, max_helpers=2))  # the layer's limits
+        assert step["moves"] > 0 and after.max() <= max(rows_bound(1.0, before.mean()), token_plan.rank_tokens.max()), step
+        assert after.max() < before.max(), step
+    piece_us, row_us = results[0]["steps"][-1]["fit"]
+    assert not balancing_may_pay(np.array(results[0]["steps"][-1]["counts"]), piece_us, row_us, 50.0)

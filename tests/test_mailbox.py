@@ -15,7 +15,8 @@ from deepspeed_feplb.scheduler.mailbox import RING, Mailbox
 
 RANKS, EXPERTS = 3, 5
 CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=4, ce_budget_bytes=3e6, expert_bytes=10**6,
-                              model=TimeModel(128, 0.5, 6.0, 203.1, 203.1, 0.033, 310.0), keep_copies=True)
+                              model=TimeModel(128, 0.5, 6.0, 203.1, 203.1, 0.033, 310.0), keep_copies=True,
+                              max_rows_over_mean=1.05, mean_rows=1234.5)
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def test_counts_are_complete_and_of_the_asked_step_or_absent(mailbox, operations
         assert every_rank_has_it and not_overwritten
         assert np.array_equal(counts, np.stack([counts_for(r, wanted) for r in range(RANKS)]))
         assert np.array_equal(resident, np.stack([masks_for(r, wanted) for r in range(RANKS)]))
-        assert constraints == CONSTRAINTS  # the time model and the residency flag cross too
+        assert constraints == CONSTRAINTS  # the time model, the residency flag and the row bound cross too
         assert set(mailbox.missing_ranks(wanted)) == set()
 
 

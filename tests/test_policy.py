@@ -5,7 +5,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepspeed_feplb.plan.policy import Plan, PlanConstraints, dynamic_candidates, lower_bound, plan_domain
+from dataclasses import replace
+
+from deepspeed_feplb.plan.policy import (Plan, PlanConstraints, dynamic_candidates, lower_bound, no_residents, plan_domain,
+                                         rows_bound)
+from deepspeed_feplb.plan.timeline import TimeModel
 
 
 def check_plan(counts, cons, plan):
@@ -100,6 +104,52 @@ def test_plan_contracts(inst):
     assert plan.rank_tokens.max() <= counts.sum(axis=1).max()
     if counts.shape[0] > 0 and counts.sum() > 0:
         assert plan.rank_tokens.max() >= lower_bound(counts, cons.dynamic_experts)
+
+
+# copies that cost more than most moves save: time alone moves little
+COSTLY_COPIES = TimeModel(tile_rows=128, row_us=0.5, piece_us=6.0, weight_copy_us=400.0, grad_copy_us=400.0,
+                          row_copy_us=0.03, message_us=50.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances(), st.sampled_from([1.0, 1.03, 1.2]), st.sampled_from([0.0, 0.8, 1.0, 1.3]), st.booleans())
+def test_a_row_bound_holds_wherever_the_token_plan_reaches_it(inst, ratio, group_vs_domain, keep):
+    """With ``max_rows_over_mean``, whatever the time model prefers, no rank ends above the row cap
+    (plus the alignment slack) unless the token plan (no time model) cannot get there either; the
+    plan still obeys every limit. ``group_vs_domain``: the EP group's mean rows relative to the
+    domain's (0: not given, the domain's own)."""
+    counts, cons = inst
+    G = counts.shape[0]
+    mean_rows = group_vs_domain * counts.sum() / max(1, G)
+    bounded = replace(cons, model=COSTLY_COPIES, keep_copies=keep, max_rows_over_mean=ratio, mean_rows=mean_rows)
+    plan = plan_domain(counts, bounded)
+    check_plan(counts, bounded, plan)
+    token_plan = plan_domain(counts, cons)
+    cap = rows_bound(ratio, mean_rows if mean_rows > 0 else counts.sum() / max(1, G))
+    assert plan.rank_tokens.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_tokens.max())
+    # a bound that never binds leaves the time model's plan as it is
+    loose = plan_domain(counts, replace(bounded, max_rows_over_mean=1e6))
+    timed = plan_domain(counts, replace(bounded, max_rows_over_mean=0.0))
+    assert np.array_equal(loose.moves, timed.moves)
+
+
+def test_a_row_bound_moves_rows_that_time_alone_keeps():
+    counts = np.array([[300, 200, 100], [100, 100, 100], [100, 100, 0], [50, 50, 50]], np.int64)
+    cons = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=8, expert_bytes=10**6, model=COSTLY_COPIES)
+    assert plan_domain(counts, cons).moves.shape[0] == 0  # no copy pays
+    bounded = plan_domain(counts, replace(cons, max_rows_over_mean=1.05))
+    check_plan(counts, cons, bounded)
+    assert bounded.rank_tokens.max() <= rows_bound(1.05, counts.sum() / 4) + 7
+    # the mean of the whole EP group counts, not the domain's: a lighter group allows less
+    group = plan_domain(counts, replace(cons, max_rows_over_mean=1.05, mean_rows=200.0))
+    assert group.rank_tokens.max() <= max(210, lower_bound(counts, 2)) + 7
+    # copies a helper still holds count against nothing: among the plans within the bound the
+    # fastest wins, and it sends the rows to the holder
+    resident = no_residents(4, 3)
+    resident[0, 0, 0] = 1 << 3
+    held = plan_domain(counts, replace(cons, max_rows_over_mean=1.05), resident)
+    assert held.rank_tokens.max() <= rows_bound(1.05, counts.sum() / 4) + 7
+    assert 3 in held.moves[held.moves[:, 0] == 0, 2].tolist()
 
 
 @settings(max_examples=300, deadline=None)

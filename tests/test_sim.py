@@ -155,6 +155,29 @@ def test_simulator_reproduces_vanilla_and_balances():
             assert ((mv[:, 2] // 4) == mv[:, 3]).all()  # contiguous placement at the start
 
 
+def test_a_row_bound_trades_expert_time_for_row_balance(tmp_path):
+    """At 2k rows per rank a GLM-5-sized weight copy costs more than most of the rows it would move
+    save, so time alone leaves rows unbalanced; ``max_rows_over_mean`` 1.0 balances them (every
+    rank within the bound wherever the token plan reaches it) and pays for it in expert time."""
+    from deepspeed_feplb.__main__ import main
+
+    trace = no_aux_trace(16, 1, ranks=8, experts=64, tokens_per_rank=256, seed=4)
+    save_trace(tmp_path / "t.npz", trace)
+    docs = {}
+    for name, extra in (("time", []), ("rows", ["--max-rows-over-mean", "1.0"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "8", "--dynamic-experts", "4",
+                     "--micro-batches-per-step", "4", "--policies", "feplb", "--json", str(out), "--no-progress",
+                     *extra]) == 0
+        docs[name] = json.loads(out.read_text())["policies"]["feplb"]
+    assert docs["rows"]["token_max_over_mean"] < docs["time"]["token_max_over_mean"] - 0.02
+    assert docs["rows"]["token_max_over_mean"] < 1.02
+    assert docs["rows"]["expert_time_us"] > docs["time"]["expert_time_us"]
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "8", "--json", str(tmp_path / "x.json"),
+              "--max-rows-over-mean", "0.95"])
+
+
 def test_fastermoe_shadow_rule():
     setup = SimSetup(2, 1, 4, shape=ExpertShape(hidden=2, ffn_hidden=2, mats=2, dtype_bytes=1),
                      profile=GemmProfile("t", 1e-12, 1, 0.0, 1e-9, 1e-9))

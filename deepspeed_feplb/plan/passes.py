@@ -290,12 +290,14 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain,
     return out[:sc[_MOVES]], final.copy()
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], boolean)", cache=True)
-def plan_pass(counts, D, H, align, copies, resident, chain):
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], boolean, int64)", cache=True)
+def plan_pass(counts, D, H, align, copies, resident, chain, floor):
     """The token-balancing plan. counts int64 [G, E] (C order); D <= E; copies: weight copies per
     rank (an int; the caller maps "unlimited" to G * D * H); resident int64 [G, E, W]: bit masks of
     the helpers that hold each expert's weights (`holds`); chain: when the limits bind, bisect
-    over chaining passes (False: the one water-filling pass, a cheaper, coarser plan).
+    over chaining passes (False: the one water-filling pass, a cheaper, coarser plan); floor: the
+    level balances no lower than this many rows (a row cap, `policy.PlanConstraints.row_cap`;
+    0: down to the lower bound).
     Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
     local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
     negative counts (the caller raises)."""
@@ -309,7 +311,7 @@ def plan_pass(counts, D, H, align, copies, resident, chain):
     if G <= 1 or D <= 0 or H <= 0 or copies <= 0 and not resident.any():
         return loads
     top_load = loads.max()
-    level = -(-loads.sum() // G)
+    level = max(-(-loads.sum() // G), floor)
     slack = align - 1
     if top_load <= level + slack:  # also all-zero counts
         return loads
@@ -439,31 +441,45 @@ def _most_copies(counts, flat, resident):
     return max(sent.max(), got.max())
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], float64[::1], boolean)", cache=True)
-def plan_timed(counts, D, H, align, copies, resident, model, keep):
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], float64[::1], boolean, int64)", cache=True)
+def plan_timed(counts, D, H, align, copies, resident, model, keep, row_cap):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
-    helpers hold weights: then only they take rows) and no moves at all, judged by the time model (``model`` float64 [6]; empty: tokens only, one pass); returns
-    the one with the smallest makespan, except that a plan with fewer copies wins when it is at
-    most `_FEWER_COPIES_SLACK` slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
+    helpers hold weights: then only they take rows) and no moves at all, judged by the time model
+    (``model`` float64 [7]; empty: tokens only, one pass); returns the one with the smallest
+    makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
+    slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch).
+    ``row_cap`` > 0 bounds rows before time: a plan is a candidate only if its busiest rank stays
+    within the cap (up to ``align - 1`` rows over it, as the token plan's receivers may end), or
+    within what the first, token-balancing pass reached where the cap is out of reach; the pass
+    that balances only down to the cap (its ``floor``: fewer rows move) is one more candidate.
     Returns `plan_pass`'s layout."""
-    best = plan_pass(counts, D, H, align, copies, resident, True)
+    best = plan_pass(counts, D, H, align, copies, resident, True, 0)
     G = counts.shape[0]
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
+    limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
     none = np.zeros((0, 4), np.int64)
     no_moves = finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_), np.zeros((0, 2), np.int64), model)
     best_t = _makespan(counts, best, resident, keep, model)
+    if row_cap > 0:
+        capped = plan_pass(counts, D, H, align, copies, resident, True, row_cap)
+        if capped.shape[0] > G and capped[:G].max() <= limit:
+            t = _makespan(counts, capped, resident, keep, model)
+            if t <= best_t:
+                best, best_t = capped, t
     k = _most_copies(counts, best, resident)
     while k > 1 or k == 1 and resident.any():  # with k = 0 only helpers that hold weights take rows
         k //= 2
-        cand = plan_pass(counts, D, H, align, k, resident, False)
+        cand = plan_pass(counts, D, H, align, k, resident, False, 0)
+        if cand[:G].max() > limit:
+            continue
         t = _makespan(counts, cand, resident, keep, model)
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
         best, best_t = cand, min(t, best_t)
-    if no_moves.max() <= best_t:
+    if no_moves.max() <= best_t and counts.sum(axis=1).max() <= limit:
         out = np.empty(G, np.int64)
         for r in range(G):
             out[r] = counts[r].sum()

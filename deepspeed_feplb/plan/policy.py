@@ -47,7 +47,7 @@ import numpy as np
 from deepspeed_feplb.plan.timeline import TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
-           "balancing_may_pay"]
+           "balancing_may_pay", "rows_bound"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,13 @@ class PlanConstraints:
     keep_copies:      weight copies stay on their helpers until the optimizer step
                       (``feplb.weight_residency: "step"``), so a copy's gradients go home once
                       per step, not with this micro-batch.
+    max_rows_over_mean:  a bound on rows before time (``feplb.max_rows_over_mean``; 0: none):
+                      plans balance rows down to ``row_cap`` (this ratio x ``mean_rows``), and
+                      the time model picks the fastest plan only among those that keep every rank
+                      within it (or, where the D dynamic experts cannot reach it, within what the
+                      token plan reached).
+    mean_rows:        rows per rank averaged over the whole EP group (all its domains), for
+                      ``row_cap``; 0: the domain's own mean.
     """
 
     dynamic_experts: int
@@ -77,6 +84,8 @@ class PlanConstraints:
     expert_bytes: int = 0
     model: Optional[TimeModel] = None
     keep_copies: bool = False
+    max_rows_over_mean: float = 0.0
+    mean_rows: float = 0.0
 
     @classmethod
     def from_config(cls, config, expert_bytes: int, model: Optional[TimeModel] = None) -> "PlanConstraints":
@@ -87,7 +96,15 @@ class PlanConstraints:
         return cls(dynamic_experts=config.dynamic_experts_per_rank, max_helpers=config.max_helpers_per_expert,
                    chunk_align=config.chunk_align_tokens, ce_budget_bytes=budget, expert_bytes=int(expert_bytes),
                    model=model if model is not None and model.finite else None,
-                   keep_copies=config.weight_residency == "step")
+                   keep_copies=config.weight_residency == "step",
+                   max_rows_over_mean=config.max_rows_over_mean or 0.0)
+
+    def row_cap(self, counts: np.ndarray) -> int:
+        """The most rows a rank should compute (``max_rows_over_mean`` x the mean rows per rank,
+        rounded down), 0 without a bound. counts int64 [G, E_local]: the domain, whose own mean
+        serves when ``mean_rows`` is 0."""
+        mean = self.mean_rows if self.mean_rows > 0 else float(np.asarray(counts).sum()) / max(1, len(counts))
+        return rows_bound(self.max_rows_over_mean, mean)
 
     def copies_per_rank(self) -> float:
         """How many expert-weight copies one rank may send (and receive) per micro-batch."""
@@ -137,13 +154,15 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
-def balancing_may_pay(counts: np.ndarray, piece_us: float, row_us: float, message_us: float) -> bool:
-    """Whether balancing a domain's micro-batch could shorten it.
+def balancing_may_pay(counts: np.ndarray, piece_us: float, row_us: float, message_us: float,
+                      row_cap: int = 0) -> bool:
+    """Whether balancing a domain's micro-batch could shorten it, or must bound its rows.
 
     counts:      int64 [G, E_local]: rows each rank of the domain computes per local expert.
     piece_us:    fixed cost of one expert piece, forward + backward (the domain's ranks are alike).
     row_us:      cost of one row, forward + backward.
     message_us:  the transport's one-way latency per message.
+    row_cap:     `PlanConstraints.row_cap` (0: none): a rank above it is reason enough to plan.
 
     A rank's own time is ``piece_us * (experts with rows) + row_us * rows``. A chunk moved from the
     busiest rank to a helper comes back no sooner than the helper's own time plus one more piece
@@ -152,10 +171,20 @@ def balancing_may_pay(counts: np.ndarray, piece_us: float, row_us: float, messag
     ``piece_us + message_us``, no move shortens the busiest rank: False. Also False for fewer than
     2 ranks or unknown costs (NaN: nothing timed yet)."""
     counts = np.asarray(counts, dtype=np.int64)
-    if counts.shape[0] < 2 or not (np.isfinite(piece_us) and np.isfinite(row_us) and np.isfinite(message_us)):
+    if counts.shape[0] < 2:
+        return False
+    if row_cap > 0 and counts.sum(axis=1).max() > row_cap:
+        return True
+    if not (np.isfinite(piece_us) and np.isfinite(row_us) and np.isfinite(message_us)):
         return False
     own = piece_us * (counts > 0).sum(axis=1) + row_us * counts.sum(axis=1)
     return bool(own.max() - own.min() > piece_us + message_us)
+
+
+def rows_bound(max_rows_over_mean: float, mean_rows: float) -> int:
+    """The row cap: ``max_rows_over_mean`` x ``mean_rows`` rounded down; 0 (none) when the ratio is
+    0 or None."""
+    return int(math.floor(max_rows_over_mean * mean_rows)) if max_rows_over_mean else 0
 
 
 def no_residents(G: int, E: int) -> np.ndarray:
@@ -178,10 +207,12 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     more than an expert has, respect ``max_helpers``, ``chunk_align`` and the Copy-Engine cap,
     and are deterministic. Degenerate inputs (G <= 1, D == 0, all-zero counts) give no moves, and
     so does a domain whose largest load is within ``chunk_align - 1`` of the mean.
-    Without a time model the largest per-rank load is the lower bound plus at most
+    Without a time model the largest per-rank load is the lower bound (or the row cap, where
+    that is higher) plus at most
     ``chunk_align - 1`` whenever the helper and Copy-Engine limits allow it. With one
     (``constraints.model``), the token plans for the cap and for fewer copies per rank, and no
-    moves at all, are judged by their makespan (`timeline`), and the fastest is returned.
+    moves at all, are judged by their makespan (`timeline`), and the fastest is returned; with
+    ``constraints.max_rows_over_mean`` only those that keep within its row cap are candidates.
 
     Cost: one compiled call: the row sums, the D hottest experts of each rank above the mean, one
     water-filling pass, and a bisection over chaining passes only when the helper or Copy-Engine
@@ -206,7 +237,7 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     model = constraints.model.as_array() if constraints.model is not None else _NO_MODEL
     from deepspeed_feplb.plan.passes import plan_timed
     out = plan_timed(counts, D, H, max(1, int(constraints.chunk_align)), copies, resident, model,
-                     bool(constraints.keep_copies))
+                     bool(constraints.keep_copies), constraints.row_cap(counts))
     if out.shape[0] < G:
         raise ValueError("counts must be non-negative")
     return Plan(out[G:].reshape(-1, 4), out[:G])

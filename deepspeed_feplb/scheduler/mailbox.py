@@ -15,7 +15,8 @@ after writing a plan (`segments.Word`: waiters sleep in the kernel until the wor
 Layout (int64 words): a header ``[shutdown, scheduler_pid, heartbeat, starting, counts_bell,
 plan_bell, served (1 once a scheduler process was ever up), ...]`` (`HEADER` words); per rank
 and ring entry a slot ``[begin, end, E_local, D, max_helpers, chunk_align, expert_bytes,
-ce_budget (float64 bits), keep_copies, has_model, model[7] (float64 bits), counts[E_MAX],
+ce_budget (float64 bits), keep_copies, has_model, model[7] (float64 bits), max_rows_over_mean,
+mean_rows (float64 bits), counts[E_MAX],
 resident[E_MAX, W]]`` (``resident``: the rank's row of the residency masks, W = ceil(G / 64));
 per ring entry a plan ``[begin, end, M, plan_ns, rank_tokens[G], moves[M_max, 4]]``.
 """
@@ -33,8 +34,9 @@ RING = 4
 E_MAX = 1024
 HEADER = 8
 SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  # header words
-_SLOT_META = 17
+_SLOT_META = 19
 _MODEL = 10  # first word of the time model in a slot (7 words, `TimeModel.as_array`)
+_ROWS = 17  # max_rows_over_mean, mean_rows (float64 bits)
 _PLAN_META = 4
 
 
@@ -97,8 +99,9 @@ class Mailbox:
         model = constraints.model
         slot[2:_SLOT_META] = (E, constraints.dynamic_experts, constraints.max_helpers, constraints.chunk_align,
                               constraints.expert_bytes, 0, int(constraints.keep_copies), int(model is not None),
-                              0, 0, 0, 0, 0, 0, 0)
+                              0, 0, 0, 0, 0, 0, 0, 0, 0)
         slot[7:8].view(np.float64)[0] = constraints.ce_budget_bytes
+        slot[_ROWS:_ROWS + 2].view(np.float64)[:] = (constraints.max_rows_over_mean, constraints.mean_rows)
         if model is not None:
             slot[_MODEL:_MODEL + 7].view(np.float64)[:] = model.as_array()
         slot[_SLOT_META:_SLOT_META + E] = counts
@@ -129,7 +132,9 @@ class Mailbox:
             if has_model:
                 tile, *rest = np.array(meta[_MODEL - 2:_MODEL + 5], np.int64).view(np.float64).tolist()
                 model = TimeModel(int(tile), *rest)
-            self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes, model, bool(keep))
+            ratio, mean_rows = np.array(meta[_ROWS - 2:_ROWS], np.int64).view(np.float64).tolist()
+            self._constraints = PlanConstraints(D, helpers, align, budget, expert_bytes, model, bool(keep), ratio,
+                                                mean_rows)
             self._meta = meta
         return counts, self._constraints, resident
 

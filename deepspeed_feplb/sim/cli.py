@@ -55,6 +55,17 @@ def _budget(text: str):
     return "inf" if math.isinf(value) else value
 
 
+def _ratio(text: str) -> float:
+    """argparse type of --max-rows-over-mean: a finite number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 1 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 1 (1.0: balance rows as far as possible)")
+    return value
+
+
 def _d_list(text: str) -> list:
     """argparse type of --sweep-d: comma list of whole numbers >= 0."""
     try:
@@ -112,6 +123,11 @@ def add_parser(subparsers) -> None:
                         "micro-batch (default: %(default)s)")
     p.add_argument("--max-resident", type=whole_number(0), default=8, metavar="COPIES",
                    help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
+    p.add_argument("--max-rows-over-mean", type=_ratio, default=None, metavar="RATIO",
+                   help="feplb's bound on rows before time (feplb.max_rows_over_mean): no rank computes more than "
+                        "RATIO x the mean rows per rank of all G x N ranks where the dynamic experts can reach "
+                        "it; the time model picks the fastest plan among those within it (default: none, time "
+                        "alone)")
     p.add_argument("--profile", default="h100", choices=("h100", "h200", "cpu", "gpu"),
                    help="GEMM and copy cost profile: h100, h200, cpu (measured now on this machine's CPU, "
                         "for a trace recorded on CPU) or gpu (expert GEMMs measured now on this machine's "
@@ -270,7 +286,7 @@ def _setup(args, trace, D):
                     placement=args.placement, placement_interval=args.placement_interval,
                     placement_horizon=args.placement_horizon, placement_warmup=args.placement_warmup,
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
-                    max_resident=args.max_resident)
+                    max_resident=args.max_resident, max_rows_over_mean=args.max_rows_over_mean)
 
 
 def run_simulate(args) -> int:

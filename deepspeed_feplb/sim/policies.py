@@ -48,6 +48,8 @@ class SimSetup:
     micro_batches_per_step: M: consecutive micro-batches of the trace form one optimizer step.
     residency: ``feplb``'s weight residency, "step" or "micro_batch" (``feplb.weight_residency``);
                max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``).
+    max_rows_over_mean: ``feplb``'s bound on rows before time (``feplb.max_rows_over_mean``; None:
+               time alone), relative to the mean over all G x N ranks.
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
     a runtime does them: at the end of the first step that is at least ``placement_warmup``
@@ -85,6 +87,7 @@ class SimSetup:
     micro_batches_per_step: int = 1
     residency: str = "step"
     max_resident: int = 8
+    max_rows_over_mean: Optional[float] = None
 
     @property
     def ranks(self) -> int:
@@ -96,7 +99,8 @@ class SimSetup:
         budget = math.inf if self.ce_budget == "inf" else self.ce_budget
         return FEPLBConfig(dynamic_experts_per_rank=self.dynamic_experts, max_helpers_per_expert=self.max_helpers,
                            chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps,
-                           weight_residency=self.residency, max_resident_experts=self.max_resident)
+                           weight_residency=self.residency, max_resident_experts=self.max_resident,
+                           max_rows_over_mean=self.max_rows_over_mean)
 
     @cached_property
     def time_model(self) -> TimeModel:
@@ -319,24 +323,28 @@ def pieces_us(piece_rank: np.ndarray, piece_tokens: np.ndarray, R: int, model: T
     return np.bincount(np.asarray(piece_rank, np.int64), weights=per_piece, minlength=R)
 
 
-def _ce_figures(node_counts: np.ndarray, moves: np.ndarray, static_us: np.ndarray, setup: SimSetup) -> dict:
+def _ce_figures(node_counts: np.ndarray, moves: np.ndarray, static_us: np.ndarray, setup: SimSetup,
+                fresh: Optional[np.ndarray] = None) -> dict:
     """Copy-Engine time of one node's plan (forward phase 2), against the static GEMM time it must
-    hide behind. node_counts int64 [G, E_local]; moves int64 [M, 4] node-local; static_us [G]."""
+    hide behind. node_counts int64 [G, E_local]; moves int64 [M, 4] node-local; static_us [G];
+    fresh bool [M]: the move carries the expert's weights (None: every move does; a helper that
+    kept a copy from earlier in the step gets rows only)."""
     G = node_counts.shape[0]
     w = setup.shape.weight_bytes
     row = setup.shape.row_bytes
     bw = setup.profile.ce_gbps * 1e3  # bytes per µs
     if len(moves) == 0:
         return {"ce_us": 0.0, "exposed_us": 0.0, "static_us": float(static_us.mean()), "copies": 0}
-    copies_out = np.bincount(moves[:, 0], minlength=G)
-    copies_in = np.bincount(moves[:, 2], minlength=G)
+    carries = np.ones(len(moves)) if fresh is None else np.asarray(fresh, np.float64)
+    copies_out = np.bincount(moves[:, 0], weights=carries, minlength=G)
+    copies_in = np.bincount(moves[:, 2], weights=carries, minlength=G)
     tok_out = np.bincount(moves[:, 0], weights=moves[:, 3], minlength=G)
     tok_in = np.bincount(moves[:, 2], weights=moves[:, 3], minlength=G)
     in_us = (copies_in * w + tok_in * row) / bw
     out_us = (copies_out * w + tok_out * row) / bw
     ce_us = float(np.maximum(in_us, out_us).max())
     exposed = float(np.maximum(in_us - static_us, 0.0).max())
-    return {"ce_us": ce_us, "exposed_us": exposed, "static_us": float(static_us.mean()), "copies": int(len(moves))}
+    return {"ce_us": ce_us, "exposed_us": exposed, "static_us": float(static_us.mean()), "copies": int(carries.sum())}
 
 
 class _NodePolicy:
@@ -373,7 +381,9 @@ class _NodePolicy:
         order = np.lexsort((np.arange(s.experts), e2r))
         return order.reshape(s.ranks, s.experts_per_rank).astype(np.int64)
 
-    def constraints(self, node_counts: np.ndarray) -> tuple[PlanConstraints, np.ndarray]:
+    def constraints(self, node_counts: np.ndarray, mean_rows: float = 0.0) -> tuple[PlanConstraints, np.ndarray]:
+        """The plan's constraints for one node and its ranks' static GEMM time float64 [G];
+        ``mean_rows``: rows per rank over the whole group (for the row bound)."""
         s = self.setup
         D = min(s.dynamic_experts, node_counts.shape[1])
         cand = dynamic_candidates(node_counts, D)
@@ -381,7 +391,7 @@ class _NodePolicy:
         static_us = t.sum(axis=1) - np.take_along_axis(t, cand, axis=1).sum(axis=1)
         # the runtime's rule with the modelled instead of the measured time model
         cons = PlanConstraints.from_config(s.feplb_config, s.shape.weight_bytes, s.time_model)
-        return cons, static_us
+        return replace(cons, mean_rows=float(mean_rows)), static_us
 
     def plan(self, node_counts: np.ndarray, cons: PlanConstraints, resident: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -399,10 +409,10 @@ class _NodePolicy:
         ends = s.step_ends(step)
         for n in range(s.nodes):
             nc = counts[n * G:(n + 1) * G]
-            cons, static_us = self.constraints(nc)
+            cons, static_us = self.constraints(nc, counts.sum() / s.ranks)
             table = self.residency[layer][n]
             moves = self.plan(nc, cons, table.resident.copy())
-            self._time(nc, moves, table, ends, timing)
+            fresh = self._time(nc, moves, table, ends, timing)
             lb = max(lb, lower_bound(nc, cons.dynamic_experts))
             kept = nc.copy()
             if len(moves):
@@ -414,7 +424,7 @@ class _NodePolicy:
                                            n * G + moves[:, 2], moves[:, 3]], axis=1))
             ranks.append(np.repeat(np.arange(n * G, (n + 1) * G, dtype=np.int64), nc.shape[1]))
             tokens.append(kept.reshape(-1))
-            f = _ce_figures(nc, moves, static_us, s)
+            f = _ce_figures(nc, moves, static_us, s, fresh)
             ce["ce_us"] = max(ce["ce_us"], f["ce_us"])
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
             ce["static_us"] += f["static_us"] / s.nodes
@@ -429,9 +439,10 @@ class _NodePolicy:
         moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
         return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce, timing=timing)
 
-    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict) -> None:
+    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict) -> np.ndarray:
         """Add one node's micro-batch to ``timing`` (the slowest node sets the makespan); update
-        its residency table (copies kept until the step ends, whose gradients go home then)."""
+        its residency table (copies kept until the step ends, whose gradients go home then).
+        Returns which moves carry weights, bool [M]."""
         model = self.setup.time_model
         fresh, kept = table.admit(moves, keep_new=not ends)
         flush = table.flush()[:, [0, 2]] if ends else None
@@ -443,6 +454,7 @@ class _NodePolicy:
         w = self.setup.shape.weight_bytes
         timing["weight_bytes"] += int(fresh.sum()) * w
         timing["grad_bytes"] += (int(grads_back.sum()) + (0 if flush is None else len(flush))) * w
+        return fresh
 
     def summary(self) -> dict:
         if self.placers is None:
@@ -469,8 +481,8 @@ class FEPLBPaper(_NodePolicy):
 
     name = "feplb-paper"
 
-    def constraints(self, node_counts):
-        cons, static_us = super().constraints(node_counts)
+    def constraints(self, node_counts, mean_rows=0.0):
+        cons, static_us = super().constraints(node_counts, mean_rows)
         s = self.setup
         window_us = float(static_us.mean()) or 0.5 * float(gemm_us(node_counts, s.shape, s.profile).sum(axis=1).mean())
         budget = min(cons.ce_budget_bytes, s.profile.ce_gbps * 1e3 * window_us) if window_us > 0 else cons.ce_budget_bytes
