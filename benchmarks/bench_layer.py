@@ -10,7 +10,9 @@ experts are the hottest), stepped round-robin so machine noise hits all alike:
 * ``deepspeed cap1.0``:   `deepspeed.moe.layer.MoE(drop_tokens=True, capacity_factor=1.0)`;
 * ``feplb off (D=0)``:    `deepspeed_feplb.MoE` with balancing off (dropless, no padding);
 * ``feplb``:              `deepspeed_feplb.MoE` with ``dynamic_experts_per_rank`` = D, the
-  scheduler process and the shared-memory transport.
+  scheduler process and the shared-memory transport;
+* ``feplb, rows bounded`` (with ``--max-rows-over-mean R`` only): the same with
+  ``feplb.max_rows_over_mean`` = R.
 
 Per layer: median step time (forward + backward, the slower rank of each step), measured GEMM
 straggler (max - mean over the 2 ranks of the wall time spent inside expert modules in forward,
@@ -39,6 +41,9 @@ STAGES = ("gate", "dispatch", "static experts", "plan wait", "phase-2 compute", 
           "forward total", "all-to-all bwd", "phase-2 bwd compute", "phase-2 bwd comm", "backward total")
 
 
+ROWS_BOUNDED = "feplb, rows bounded"
+
+
 def _worker(opts: dict) -> dict:
     import numpy as np
     import torch
@@ -62,6 +67,9 @@ def _worker(opts: dict) -> dict:
         "feplb off (D=0)": deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config={**feplb, "dynamic_experts_per_rank": 0}),
         "feplb": deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config=feplb),
     }
+    if opts["max_rows_over_mean"]:
+        bounded = {**feplb, "max_rows_over_mean": opts["max_rows_over_mean"]}
+        layers[ROWS_BOUNDED] = deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config=bounded)
     reference = layers["deepspeed dropless"]
     with torch.no_grad():  # no-aux skew: popularity falls with the expert id, so rank 0 holds the hot experts
         wg = reference.deepspeed_moe.gate.wg.weight
@@ -93,9 +101,9 @@ def _worker(opts: dict) -> dict:
     cpu_ranks, cpu_sched = ({name: [] for name in layers} for _ in range(2))
     stages = {name: [] for name in layers}
 
-    def scheduler_pid() -> int:
-        """The FEPLB layer's scheduler process (rank 0's child), once its domain and process are up."""
-        domain = layers["feplb"].deepspeed_moe.domain
+    def scheduler_pid(name: str) -> int:
+        """A FEPLB layer's scheduler process (rank 0's child), once its domain and process are up."""
+        domain = getattr(layers[name].deepspeed_moe, "domain", None)
         return domain.scheduler.scheduler_pid() if dist.get_rank() == 0 and domain is not None else 0
 
     for layer in layers.values():
@@ -110,7 +118,7 @@ def _worker(opts: dict) -> dict:
                 dropped[name] = routes[name] = 0
             layer.zero_grad(set_to_none=True)
             dist.barrier()
-            sched_pid = scheduler_pid()
+            sched_pid = scheduler_pid(name)
             cpu0, sched0 = time.process_time(), cpu_seconds(sched_pid)
             start = time.perf_counter()
             out = layer(x)[0]
@@ -118,7 +126,7 @@ def _worker(opts: dict) -> dict:
             (out * w).sum().backward()
             end = time.perf_counter()
             elapsed = torch.tensor([end - start])
-            used = torch.tensor([time.process_time() - cpu0, cpu_seconds(sched_pid) - sched0 if name == "feplb" else 0.0],
+            used = torch.tensor([time.process_time() - cpu0, cpu_seconds(sched_pid) - sched0 if sched_pid else 0.0],
                                 dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             dist.all_reduce(used)
@@ -138,7 +146,7 @@ def _worker(opts: dict) -> dict:
                     stages[name].append(host)
                 gemm[name].append(summary["gemm_straggler_ms"])
                 gemm_max[name].append(summary["gemm_max_ms"])
-                if name == "feplb":  # the only layer with an NVLink domain (D=0 has none)
+                if name in ("feplb", ROWS_BOUNDED):  # the layers with an NVLink domain (D=0 has none)
                     straggle_after[name].append((summary["token_straggler_before"], summary["token_straggler_after"]))
     totals = torch.tensor([[dropped[n], routes[n]] for n in layers], dtype=torch.float64)
     dist.all_reduce(totals)
@@ -155,7 +163,7 @@ def _worker(opts: dict) -> dict:
             keys = sorted({k for h in stages[name] for k in h})
             result[name]["host_ms"] = {k: 1e3 * float(np.median([h.get(k, 0.0) for h in stages[name]])) for k in keys}
         fitted = getattr(getattr(layers[name], "deepspeed_moe", None), "compute_times", None)
-        if name == "feplb" and fitted is not None and fitted.fitted_us() is not None:
+        if name in ("feplb", ROWS_BOUNDED) and fitted is not None and fitted.fitted_us() is not None:
             result[name]["fitted_piece_row_us"] = [round(v, 3) for v in fitted.fitted_us()]  # rank 0's, fwd + bwd
         if straggle_after[name]:
             result[name]["token_straggler_before"] = float(np.mean([b for b, _ in straggle_after[name]]))
@@ -172,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--dynamic", type=int, default=2, help="FEPLB dynamic experts per rank (D)")
     parser.add_argument("--skew", type=float, default=3.0, help="gate skew strength (no auxiliary loss)")
+    parser.add_argument("--max-rows-over-mean", type=float, default=None, metavar="RATIO",
+                        help=f"also run a FEPLB layer with this bound on rows ({ROWS_BOUNDED!r})")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
@@ -196,12 +206,13 @@ def main(argv=None) -> int:
     header = (f"{'layer':<20}{'step ms (median)':>18}{'ranks CPU ms/step':>19}{'sched CPU ms/step':>19}{'GEMM straggler ms':>19}"
               f"{'slowest expert ms':>19}{'routes dropped':>16}")
     print(header)
-    for name in VARIANTS:
+    variants = [n for n in (*VARIANTS, ROWS_BOUNDED) if n in result]
+    for name in variants:
         r = result[name]
         print(f"{name:<20}{r['median_step_ms']:>18.1f}{r['ranks_cpu_ms']:>19.1f}{r['scheduler_cpu_ms']:>19.2f}"
               f"{r['gemm_straggler_ms']:>19.2f}{r['gemm_max_ms']:>19.2f}{r['routes_dropped']:>9} / {r['routes']}")
     print("\nhost ms per stage on rank 0 (median over steps):")
-    staged = [n for n in VARIANTS if "host_ms" in result[n]]
+    staged = [n for n in variants if "host_ms" in result[n]]
     stages = [k for k in STAGES if any(k in result[n]["host_ms"] for n in staged)]
     print(f"{'stage':<24}" + "".join(f"{n:>18}" for n in staged))
     for k in stages:
@@ -212,6 +223,11 @@ def main(argv=None) -> int:
           f"{100 * (1 - ours['gemm_straggler_ms'] / max(off['gemm_straggler_ms'], 1e-9)):.0f}% lower")
     if "token_straggler_before" in ours:
         print(f"token straggler (FEPLB domain): {ours['token_straggler_before']:.1f} -> {ours['token_straggler_after']:.1f}")
+    if ROWS_BOUNDED in result and "token_straggler_after" in result[ROWS_BOUNDED]:
+        bounded = result[ROWS_BOUNDED]
+        print(f"with max_rows_over_mean {args.max_rows_over_mean:g}: token straggler {bounded['token_straggler_before']:.1f} -> "
+              f"{bounded['token_straggler_after']:.1f}, step {bounded['median_step_ms'] / ours['median_step_ms']:.2f}x "
+              "FEPLB's without it")
     if "fitted_piece_row_us" in ours:
         piece_us, row_us = ours["fitted_piece_row_us"]
         print(f"FEPLB's time model on rank 0 (forward + backward): {piece_us:.1f} µs per expert piece, {row_us:.3f} µs per row")
