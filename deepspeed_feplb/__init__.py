@@ -6,12 +6,12 @@ helpers (which import DeepSpeed) load on first use.
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
 
 __all__ = ["FEPLBConfig", "FEPLBConfigError", "load_config", "MoE", "convert", "initialize", "init_distributed",
-           "shutdown"]
+           "shutdown", "canonical_experts"]
 __version__ = "0.1.0"
 
 _LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.integration.engine",
          "initialize": "deepspeed_feplb.integration.engine", "init_distributed": "deepspeed_feplb.integration.engine",
-         "shutdown": "deepspeed_feplb.domain"}
+         "shutdown": "deepspeed_feplb.domain", "canonical_experts": "deepspeed_feplb.integration.placement"}
 
 
 def __getattr__(name):

@@ -39,6 +39,7 @@ from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, inst
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.monitor import gather_small
+from deepspeed_feplb.integration.placement import reset_after_load, warn_placed_state_dict
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
@@ -70,6 +71,8 @@ class FEPLBMOELayer(MOELayer):
         self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
         self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # routes digest -> `_balances_now`, for recomputes
         self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
+        self.register_state_dict_post_hook(warn_placed_state_dict)
+        self.register_load_state_dict_post_hook(reset_after_load)
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
 

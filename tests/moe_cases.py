@@ -6,9 +6,11 @@ all gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -597,7 +599,9 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
 def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, save_at: int = 6) -> dict:
     """Save a FEPLB run with a non-trivial placement at step ``save_at``, then load the checkpoint into
     a fresh FEPLB run and into plain DeepSpeed MoE: all three continue with the same losses; and
-    into DeepSpeed's MoE at half the EP size (model states only): the same first loss."""
+    into DeepSpeed's MoE at half the EP size (model states only): the same first loss. A state
+    dict taken directly warns; one taken in `canonical_experts` equals what the checkpoint loads,
+    and loaded into a re-placed run gives the saved run's next loss."""
     import deepspeed
 
     world = dist.get_world_size()
@@ -617,19 +621,41 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     placed_at_save = placement.expert_at.tolist()
     first.save_checkpoint(tmp, tag="mid")
     still_placed = placement.expert_at.tolist()
+    warned, canonical = {}, {}
+    for where in ("outside", "inside"):  # a state dict taken directly, and in canonical_experts
+        with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
+            warnings.simplefilter("always")
+            if where == "inside":
+                stack.enter_context(deepspeed_feplb.canonical_experts(first))
+            canonical[where] = {k: v.detach().clone() for k, v in first.module.state_dict().items()}
+        warned[where] = any("re-placed" in str(w.message) for w in caught)
+    placed_after_canonical = placement.expert_at.tolist()
     after = _train({"first": first}, range(save_at, steps))["first"]
-    resumed = {}
+    resumed, state_errors = {}, {}
     for kind in ("feplb", "deepspeed"):
         e = engine(kind)
         e.load_checkpoint(tmp, tag="mid")
+        loaded = e.module.state_dict()
+        state_errors[kind] = max(float((loaded[k] - v).abs().max()) for k, v in canonical["inside"].items())
         resumed[kind] = _train({kind: e}, range(save_at, steps))[kind]
+    # the canonical state dict loaded straight into a run whose experts are re-placed: its table
+    # goes back to the identity with the weights, and its next loss is the saved run's
+    direct = engine("feplb")
+    _train({"direct": direct}, range(save_at))
+    direct_placement = placed_layers(direct.module)[0].placement
+    placed_before_load = not direct_placement.identity
+    direct.module.load_state_dict(canonical["inside"])
+    identity_after_load = direct_placement.identity
+    resumed["state dict into a placed run"] = _train({"direct": direct}, range(save_at, save_at + 1))["direct"]
     # DeepSpeed loads experts by their global id at another EP size too (not the optimizer state,
     # which is laid out per EP rank): the first loss after loading must be the saved run's
     other = engine("deepspeed", ep_size=world // 2)
     other.load_checkpoint(tmp, tag="mid", load_optimizer_states=False)
     resumed["deepspeed, half the EP size"] = _train({"other": other}, range(save_at, save_at + 1))["other"]
     return {"placed_at_save": placed_at_save, "placed_after_save": still_placed, "first": losses["first"] + after,
-            "continued": after, "resumed": resumed}
+            "continued": after, "resumed": resumed, "warned": warned, "state_errors": state_errors,
+            "placed_after_canonical": placed_after_canonical, "placed_before_load": placed_before_load,
+            "identity_after_load": identity_after_load}
 
 
 def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3) -> dict:

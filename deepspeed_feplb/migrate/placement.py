@@ -150,6 +150,7 @@ class ExpertPlacement:
         self.bundle_bytes = 0  # bytes one expert's move carries (parameters, master copy, optimizer state)
         self._report = {"placement_refreshes": 0, "placement_moved_experts": 0, "placement_bytes": 0}
         self.last_loads: Optional[np.ndarray] = None  # the agreed loads of the last step, float64 [M, E]
+        self._canonical_blocks = 0  # `canonical` blocks now open
 
     # ---------------------------------------------------------------- every forward
     def route(self, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -164,6 +165,12 @@ class ExpertPlacement:
     def identity(self) -> bool:
         """Whether every expert sits in its original slot (routing is then left alone)."""
         return bool(np.array_equal(self.expert_at, np.arange(self.num_experts)))
+
+    @property
+    def canonical_now(self) -> bool:
+        """Whether the slots hold the experts in DeepSpeed's order now: no re-placement yet, or
+        inside `canonical` (what a state dict taken now must see)."""
+        return self._canonical_blocks > 0 or self.identity
 
     def record(self, expert_ids: torch.Tensor) -> None:
         """Add one training micro-batch's routes (logical ids, -1 = none) to the step's history."""
@@ -227,14 +234,18 @@ class ExpertPlacement:
         """Within the block every expert sits in its original slot (DeepSpeed's layout, for saving);
         afterwards they return. Collective."""
         placed = self.expert_at.copy()
-        if self.identity:
-            yield
-            return
-        self._move_slots(np.arange(self.num_experts), expert_params, optimizer)
+        self._canonical_blocks += 1
         try:
-            yield
+            if self.identity:
+                yield
+                return
+            self._move_slots(np.arange(self.num_experts), expert_params, optimizer)
+            try:
+                yield
+            finally:
+                self._move_slots(placed, expert_params, optimizer)
         finally:
-            self._move_slots(placed, expert_params, optimizer)
+            self._canonical_blocks -= 1
 
     def reset(self) -> None:
         """The slots hold the experts in their original order again (a canonical checkpoint was
