@@ -39,7 +39,7 @@ from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, inst
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.monitor import gather_small
-from deepspeed_feplb.integration.placement import reset_after_load, warn_placed_state_dict
+from deepspeed_feplb.integration.placement import check_expert_order, record_expert_order
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
@@ -71,8 +71,10 @@ class FEPLBMOELayer(MOELayer):
         self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
         self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # routes digest -> `_balances_now`, for recomputes
         self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
-        self.register_state_dict_post_hook(warn_placed_state_dict)
-        self.register_load_state_dict_post_hook(reset_after_load)
+        if not getattr(self, "_feplb_state_hooks", False):  # feplb_setup may run twice (MoE, then convert)
+            self._feplb_state_hooks = True
+            self.register_state_dict_post_hook(record_expert_order)
+            self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
 
@@ -129,7 +131,8 @@ class FEPLBMOELayer(MOELayer):
                  "feplb.dynamic_experts_per_rank": config.dynamic_experts_per_rank,
                  "feplb.nvlink_domain_size": config.nvlink_domain_size, "feplb.transport": config.transport,
                  "feplb.fixed_costs": config.fixed_costs,
-                 "feplb.weight_residency": config.weight_residency}
+                 "feplb.weight_residency": config.weight_residency,
+                 "feplb.max_rows_over_mean": config.max_rows_over_mean}
         ranks = dist.get_process_group_ranks(self.ep_group)
         if dist.get_backend(self.ep_group) == "gloo":  # bounded, and it names who is missing
             timeout_s = config.scheduler.peer_timeout_s
@@ -224,6 +227,8 @@ class FEPLBMOELayer(MOELayer):
         G = domain_size(self.feplb_config, self.ep_size)
         loads = self._received(routes)
         row_cap = rows_bound(self.feplb_config.max_rows_over_mean, self._mean_rows(handle))
+        if row_cap:  # the planner leaves a rank up to one chunk less a row over the cap
+            row_cap += self.feplb_config.chunk_align_tokens - 1
         pays = [balancing_may_pay(loads[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]),
                                   row_cap)
                 for d in range(0, self.ep_size, G)]

@@ -472,7 +472,8 @@ def checkpointed_case(use_reentrant: bool, ep_size: int = 2, k: int = 2) -> dict
 def misuse_case(kind: str) -> dict:
     """One misuse on 2 ranks; returns this rank's error message (empty when nothing was raised).
 
-    kind: "experts_differ" (8 experts on rank 0, 16 on rank 1), "batchnorm" (an expert with
+    kind: "experts_differ" (8 experts on rank 0, 16 on rank 1), "row_bound_differs" (a
+    ``max_rows_over_mean`` on rank 0 only, whose skip decisions would then differ), "batchnorm" (an expert with
     BatchNorm), "buffer_update" (an expert that counts its rows in a buffer), "plain_buffer" (a
     constant buffer: allowed)."""
 
@@ -494,8 +495,14 @@ def misuse_case(kind: str) -> dict:
     torch.manual_seed(0)
     layer = deepspeed_feplb.MoE(hidden_size=HIDDEN, expert=expert, num_experts=experts, ep_size=2, k=2, min_capacity=0,
                                 drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                                # fixed costs measured (the default): nothing is timed at the first
+                                # forward, so nothing plans; a rank compiling the planner (cold numba
+                                # cache) would outlast the short peer timeout and leave the next kind's
+                                # collectives out of step
                                 feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2,
-                                              "fixed_costs": "ignore", "scheduler": {"peer_timeout_s": 3}})
+                                              "scheduler": {"peer_timeout_s": 3},
+                                              "max_rows_over_mean": 1.05 if kind == "row_bound_differs" and rank == 0
+                                              else None})
     layer.set_deepspeed_parallelism()
     x = rank_inputs(0)[0]
     try:
@@ -601,7 +608,8 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     a fresh FEPLB run and into plain DeepSpeed MoE: all three continue with the same losses; and
     into DeepSpeed's MoE at half the EP size (model states only): the same first loss. A state
     dict taken directly warns; one taken in `canonical_experts` equals what the checkpoint loads,
-    and loaded into a re-placed run gives the saved run's next loss."""
+    is refused by a re-placed run outside that block and, loaded inside it, gives the saved run's
+    next loss."""
     import deepspeed
 
     world = dist.get_world_size()
@@ -638,14 +646,22 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
         loaded = e.module.state_dict()
         state_errors[kind] = max(float((loaded[k] - v).abs().max()) for k, v in canonical["inside"].items())
         resumed[kind] = _train({kind: e}, range(save_at, steps))[kind]
-    # the canonical state dict loaded straight into a run whose experts are re-placed: its table
-    # goes back to the identity with the weights, and its next loss is the saved run's
+    # the canonical state dict into a run whose experts are re-placed: refused outside
+    # canonical_experts, loaded inside it, and the run continues with the saved run's loss
     direct = engine("feplb")
     _train({"direct": direct}, range(save_at))
     direct_placement = placed_layers(direct.module)[0].placement
-    placed_before_load = not direct_placement.identity
-    direct.module.load_state_dict(canonical["inside"])
-    identity_after_load = direct_placement.identity
+    placed_before_load = direct_placement.expert_at.tolist()
+    try:
+        direct.module.load_state_dict(canonical["inside"])
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    placed_own = direct.module.state_dict()  # placement order, recorded: loads back while nothing moved
+    direct.module.load_state_dict(placed_own)
+    with deepspeed_feplb.canonical_experts(direct):
+        direct.module.load_state_dict(canonical["inside"])
+    placed_after_load = direct_placement.expert_at.tolist()
     resumed["state dict into a placed run"] = _train({"direct": direct}, range(save_at, save_at + 1))["direct"]
     # DeepSpeed loads experts by their global id at another EP size too (not the optimizer state,
     # which is laid out per EP rank): the first loss after loading must be the saved run's
@@ -655,7 +671,7 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     return {"placed_at_save": placed_at_save, "placed_after_save": still_placed, "first": losses["first"] + after,
             "continued": after, "resumed": resumed, "warned": warned, "state_errors": state_errors,
             "placed_after_canonical": placed_after_canonical, "placed_before_load": placed_before_load,
-            "identity_after_load": identity_after_load}
+            "placed_after_load": placed_after_load, "refused": refused}
 
 
 def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3) -> dict:

@@ -132,6 +132,7 @@ BAD_VALUES = [
     ("max_resident_experts", -1),
     ("max_rows_over_mean", 0.9),
     ("max_rows_over_mean", "tight"),
+    ("max_rows_over_mean", float("inf")),
     ("fixed_costs", "none"),
     ("scheduler", 3),
     ("scheduler.mode", "thread"),

@@ -7,7 +7,7 @@ import pytest
 import moe_cases
 from deepspeed_feplb.testing import run_distributed
 
-KINDS = ("experts_differ", "batchnorm", "buffer_update", "plain_buffer", "extra_eval_forward", "first_forward_missing")
+KINDS = ("experts_differ", "row_bound_differs", "batchnorm", "buffer_update", "plain_buffer", "extra_eval_forward", "first_forward_missing")
 
 
 def cases() -> dict:
@@ -23,6 +23,13 @@ def test_ranks_that_built_different_layers_are_named(results):
     for r in results:
         assert "num_experts differs across the ranks of its expert-parallel group (rank 0: 8, rank 1: 16)" in \
             r["experts_differ"]["error"], r["experts_differ"]
+
+
+def test_ranks_with_different_row_bounds_are_named(results):
+    """The bound changes which micro-batches a domain plans: ranks that disagree would hang."""
+    for r in results:
+        assert "feplb.max_rows_over_mean differs across the ranks of its expert-parallel group (rank 0: 1.05, " \
+            "rank 1: None)" in r["row_bound_differs"]["error"], r["row_bound_differs"]
 
 
 def test_an_expert_with_batch_statistics_is_refused(results):

@@ -44,11 +44,13 @@ def test_placement_checkpoints_stay_canonical(tmp_path, zero_stage):
     half = r["resumed"]["deepspeed, half the EP size"]
     assert np.allclose(half, r["continued"][:1], rtol=1e-5, atol=1e-6), (half, r["continued"][:1])
     # a state dict outside save_checkpoint: taken directly it warns, in canonical_experts it is the
-    # checkpoint's layout and loads into a re-placed run, whose table then goes back to the identity
+    # checkpoint's layout; a re-placed run refuses it outside that block and loads it inside
     assert r["warned"] == {"outside": True, "inside": False}, r["warned"]
     assert r["placed_after_canonical"] == r["placed_at_save"]
     assert max(r["state_errors"].values()) <= 1e-6, r["state_errors"]
-    assert r["placed_before_load"] and r["identity_after_load"]
+    assert r["placed_before_load"] != sorted(r["placed_before_load"]), "the run to load into is not re-placed"
+    assert "canonical_experts" in r["refused"], r["refused"]
+    assert r["placed_after_load"] == r["placed_before_load"]
     direct = r["resumed"]["state dict into a placed run"]
     assert np.allclose(direct, r["continued"][:1], rtol=1e-5, atol=1e-6), (direct, r["continued"][:1])
 

@@ -127,6 +127,10 @@ def test_a_row_bound_holds_wherever_the_token_plan_reaches_it(inst, ratio, group
     token_plan = plan_domain(counts, cons)
     cap = rows_bound(ratio, mean_rows if mean_rows > 0 else counts.sum() / max(1, G))
     assert plan.rank_tokens.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_tokens.max())
+    # without a time model the plan balances down to the bound, not further
+    tokens_only = plan_domain(counts, replace(bounded, model=None))
+    check_plan(counts, bounded, tokens_only)
+    assert tokens_only.rank_tokens.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_tokens.max())
     # a bound that never binds leaves the time model's plan as it is
     loose = plan_domain(counts, replace(bounded, max_rows_over_mean=1e6))
     timed = plan_domain(counts, replace(bounded, max_rows_over_mean=0.0))

@@ -5,9 +5,9 @@
 `ExpertPlacement.end_step` (agree on the step's loads, re-place every ``interval_steps`` steps), and
 keeps checkpoints in DeepSpeed's layout: ``save_checkpoint`` runs with every expert back in its
 original slot (`canonical_experts`), and after ``load_checkpoint`` the table is the identity.
-Idempotent per engine. A state dict taken outside `canonical_experts` while experts are re-placed
-warns (`warn_placed_state_dict`); loading a state dict into a layer resets its table, since every
-state dict FEPLB writes is canonical.
+Idempotent per engine. A layer's state dict records the order its slots hold the experts in
+(`record_expert_order`; taken while experts are re-placed outside `canonical_experts`, it warns),
+and loading one in another order than the slots' now fails (`check_expert_order`).
 """
 from __future__ import annotations
 
@@ -40,31 +40,46 @@ def install(engine) -> None:
             us_per_token = 3e6 * times.expert_seconds / times.rows if times.rows else 0.0  # forward + backward
             layer.placement.end_step(_expert_params(layer), engine.optimizer, us_per_token)
 
-    def loaded() -> None:
-        for layer in placed_layers(engine.module):
+    @contextlib.contextmanager
+    def loading():
+        with contextlib.ExitStack() as stack:
+            layers = placed_layers(engine.module)
+            for layer in layers:
+                stack.enter_context(layer.placement.expecting_canonical())
+            yield
+        for layer in layers:  # the checkpoint put every expert and its optimizer state in its own slot
             layer.placement.reset()
 
     seams.after_step(engine, after_step)
-    seams.around_checkpoints(engine, lambda: canonical_experts(engine), loaded)
+    seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
 
 
 @contextlib.contextmanager
 def canonical_experts(engine):
     """Within the block every re-placed expert of ``engine``'s model (a DeepSpeed engine) sits in
     its original slot, with its optimizer state: ``engine.module.state_dict()`` taken there is in
-    DeepSpeed MoE's layout, which plain DeepSpeed and FEPLB under any placement load. Collective
-    over the expert-parallel groups (every rank enters it); ``save_checkpoint`` uses it itself."""
+    DeepSpeed MoE's layout, which plain DeepSpeed and FEPLB under any placement load, and a state
+    dict in that layout loads there (leaving the block moves the loaded experts, with their
+    optimizer state, back to their placed slots). Collective over the expert-parallel groups (every
+    rank enters it); ``save_checkpoint`` uses it itself."""
     with contextlib.ExitStack() as stack:
         for layer in placed_layers(engine.module):
             stack.enter_context(layer.placement.canonical(_expert_params(layer), engine.optimizer))
         yield
 
 
-def warn_placed_state_dict(layer, state_dict, prefix, local_metadata) -> None:
-    """State-dict post-hook of a FEPLB MoE layer: a state dict of re-placed experts holds them in
-    placement order, which only this job's table can read back: say so."""
+ORDER_KEY = "feplb_expert_order"  # in a layer's state-dict metadata: slot -> logical expert
+
+
+def record_expert_order(layer, state_dict, prefix, local_metadata) -> None:
+    """State-dict post-hook of a FEPLB MoE layer: record which logical expert each slot holds in the
+    layer's metadata (kept by ``torch.save``), and warn when that is not DeepSpeed's order."""
     placement = getattr(layer, "placement", None)
-    if placement is not None and not placement.canonical_now:
+    if placement is None:
+        return
+    order = placement.slot_order()
+    local_metadata[ORDER_KEY] = order
+    if order != sorted(order):
         warnings.warn(f"FEPLB: the experts of MoE layer {prefix.rstrip('.') or 'moe'} are re-placed across ranks "
                       "(feplb.placement), so this state dict holds them in placement order, which plain DeepSpeed and "
                       "another FEPLB job would load into the wrong experts; save with engine.save_checkpoint, or take "
@@ -72,8 +87,18 @@ def warn_placed_state_dict(layer, state_dict, prefix, local_metadata) -> None:
                       stacklevel=3)
 
 
-def reset_after_load(layer, incompatible_keys) -> None:
-    """Load-state-dict post-hook of a FEPLB MoE layer: the experts loaded are in canonical order."""
+def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+    """Load-state-dict pre-hook of a FEPLB MoE layer: a state dict that holds this layer's experts
+    must hold them in the order the slots do now (DeepSpeed's when it records none); loading them
+    in another order would give every re-placed expert another's weights."""
     placement = getattr(layer, "placement", None)
-    if placement is not None:
-        placement.reset()
+    if placement is None or not any(k.startswith(prefix + "experts.") for k in state_dict):
+        return
+    recorded = list(local_metadata.get(ORDER_KEY, range(placement.num_experts)))
+    if recorded != placement.slot_order():
+        raise RuntimeError(
+            f"FEPLB: the state dict holds the experts of MoE layer {prefix.rstrip('.') or 'moe'} in "
+            f"{'placement' if recorded != sorted(recorded) else 'DeepSpeed'}'s order, but this job has re-placed them "
+            "since (feplb.placement); load a checkpoint with engine.load_checkpoint, or load the state dict inside "
+            "`with deepspeed_feplb.canonical_experts(engine):` (collective) when it was taken in DeepSpeed's order")

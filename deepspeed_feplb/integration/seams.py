@@ -16,7 +16,7 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `after_step`: run a callback after every ``engine.step()`` (DeepSpeed has no step hook).
 * `relink_optimizer_fragments`: make DeepSpeed's per-parameter views of the optimizer state
   current (cross-node placement reads and writes one expert's state through them).
-* `around_checkpoints`: run code around ``engine.save_checkpoint`` and after
+* `around_checkpoints`: run code around ``engine.save_checkpoint`` and
   ``engine.load_checkpoint`` (cross-node placement keeps checkpoints in DeepSpeed's layout).
 * `without_cpu_shm_op`: initialise DeepSpeed's process group on CPU without building its
   shared-memory allreduce op (DeepSpeed has no switch for it).
@@ -159,9 +159,10 @@ def relink_optimizer_fragments(optimizer) -> None:
 
 
 def around_checkpoints(engine, saving: Callable[[], contextlib.AbstractContextManager],
-                       loaded: Callable[[], None]) -> None:
-    """``engine.save_checkpoint(...)`` runs inside the context ``saving()`` returns;
-    ``loaded()`` runs after ``engine.load_checkpoint(...)`` (both collective, as the wrapped calls)."""
+                       loading: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """``engine.save_checkpoint(...)`` runs inside the context ``saving()`` returns,
+    ``engine.load_checkpoint(...)`` inside the one ``loading()`` returns (both collective, as the
+    wrapped calls)."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(*args, **kwargs):
@@ -169,9 +170,8 @@ def around_checkpoints(engine, saving: Callable[[], contextlib.AbstractContextMa
             return save(*args, **kwargs)
 
     def load_checkpoint(*args, **kwargs):
-        result = load(*args, **kwargs)
-        loaded()
-        return result
+        with loading():
+            return load(*args, **kwargs)
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
 

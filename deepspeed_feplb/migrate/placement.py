@@ -166,11 +166,22 @@ class ExpertPlacement:
         """Whether every expert sits in its original slot (routing is then left alone)."""
         return bool(np.array_equal(self.expert_at, np.arange(self.num_experts)))
 
-    @property
-    def canonical_now(self) -> bool:
-        """Whether the slots hold the experts in DeepSpeed's order now: no re-placement yet, or
-        inside `canonical` (what a state dict taken now must see)."""
-        return self._canonical_blocks > 0 or self.identity
+    def slot_order(self) -> list[int]:
+        """slot -> logical expert as the slots hold them now: DeepSpeed's order (the identity)
+        inside `canonical` or `expecting_canonical`, else the placement's. What a state dict taken
+        now holds, and what one loaded now must hold."""
+        return list(range(self.num_experts)) if self._canonical_blocks else self.expert_at.tolist()
+
+    @contextlib.contextmanager
+    def expecting_canonical(self):
+        """Within the block `slot_order` says DeepSpeed's order without moving anything: for
+        ``load_checkpoint``, which loads canonical experts and optimizer state into every slot (the
+        table is `reset` after it)."""
+        self._canonical_blocks += 1
+        try:
+            yield
+        finally:
+            self._canonical_blocks -= 1
 
     def record(self, expert_ids: torch.Tensor) -> None:
         """Add one training micro-batch's routes (logical ids, -1 = none) to the step's history."""

@@ -454,9 +454,14 @@ def plan_timed(counts, D, H, align, copies, resident, model, keep, row_cap):
     within the cap (up to ``align - 1`` rows over it, as the token plan's receivers may end), or
     within what the first, token-balancing pass reached where the cap is out of reach; the pass
     that balances only down to the cap (its ``floor``: fewer rows move) is one more candidate.
-    Returns `plan_pass`'s layout."""
-    best = plan_pass(counts, D, H, align, copies, resident, True, 0)
+    Without a time model the plan balances down to the cap where that pass gets within it, else as
+    far as the limits allow. Returns `plan_pass`'s layout."""
     G = counts.shape[0]
+    if model.shape[0] == 0 and row_cap > 0:  # tokens only: balance down to the cap where that gets there
+        capped = plan_pass(counts, D, H, align, copies, resident, True, row_cap)
+        if capped.shape[0] < G or capped[:G].max() <= row_cap + align - 1:
+            return capped
+    best = plan_pass(counts, D, H, align, copies, resident, True, 0)
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max

@@ -182,9 +182,11 @@ def balancing_may_pay(counts: np.ndarray, piece_us: float, row_us: float, messag
 
 
 def rows_bound(max_rows_over_mean: float, mean_rows: float) -> int:
-    """The row cap: ``max_rows_over_mean`` x ``mean_rows`` rounded down; 0 (none) when the ratio is
-    0 or None."""
-    return int(math.floor(max_rows_over_mean * mean_rows)) if max_rows_over_mean else 0
+    """The row cap: ``max_rows_over_mean`` x ``mean_rows`` rounded down (at most `_NO_CAP`, which no
+    count reaches); 0 (none) when the ratio is 0 or None."""
+    if not max_rows_over_mean:
+        return 0
+    return int(min(math.floor(max_rows_over_mean * mean_rows), _NO_CAP))
 
 
 def no_residents(G: int, E: int) -> np.ndarray:
@@ -244,3 +246,4 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
 
 
 _NO_MODEL = np.zeros(0, np.float64)
+_NO_CAP = 1 << 60  # a row cap that no domain reaches (and that int64 arithmetic on it cannot overflow)
