@@ -120,15 +120,21 @@ def train_step(engine, x: torch.Tensor, target: torch.Tensor) -> float:
     return loss.item()
 
 
-def ds_config(zero_stage: int, feplb: dict) -> dict:
+OPTIMIZERS = {"adam": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
+              "sgd-momentum": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}},
+              "sgd": {"type": "SGD", "params": {"lr": 1e-2}}}
+
+
+def ds_config(zero_stage: int, feplb: dict, optimizer: str = "adam") -> dict:
+    """``optimizer``: "adam" (torch's), "sgd-momentum" or "sgd" (stateless)."""
     world = dist.get_world_size()
     # eps 1e-6, not Adam's 1e-8: an expert's first non-zero gradient moves each weight by about
     # lr * g / (|g| + eps), so with eps 1e-8 a gradient entry near 1e-9 turns fp32 rounding (a
     # split expert sums its weight-gradient in another order than one GEMM does) into a 1e-4
     # relative weight difference; the gradients themselves agree to ~1e-7 (see the one-step tests)
     return {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
-            "zero_optimization": {"stage": zero_stage}, "feplb": feplb}
+            "optimizer": OPTIMIZERS[optimizer],
+            "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True, "feplb": feplb}
 
 
 def param_groups(model):
@@ -518,9 +524,10 @@ def misuse_case(kind: str) -> dict:
     return {"error": ""}
 
 
-def _placed_model(num_experts: int, ep_size: int):
+def _placed_model(num_experts: int, ep_size: int, learn_gate: bool = False):
     """TinyMoEModel whose gate sends most routes to the experts of the first node (the first half of
-    the ranks), several of them about equally hot (so that moving experts can balance the nodes)."""
+    the ranks), several of them about equally hot (so that moving experts can balance the nodes);
+    the gate learns with ``learn_gate``, else its loads are stationary."""
     torch.manual_seed(11)
     model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
                                       ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
@@ -532,7 +539,7 @@ def _placed_model(num_experts: int, ep_size: int):
         weight += 2.0 / HIDDEN * hot[:, None]
     # a router that does not learn: its loads are stationary, so "balanced after placement" is
     # measurable on the steps that follow (drifting loads are the simulator's subject)
-    weight.requires_grad_(False)
+    weight.requires_grad_(learn_gate)
     diversify_experts(model.moe)
     return model
 
@@ -554,9 +561,10 @@ def _train(engines: dict, steps, on_step=None) -> dict:
 
 
 def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6,
-                   ep_size: int | None = None) -> dict:
-    """Cross-node placement on ``world`` ranks as nodes of ``domain`` (4 experts per rank, the hot ones
-    on the first node): FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical
+                   ep_size: int | None = None, experts_per_rank: int = 4, learn_gate: bool = False,
+                   optimizer: str = "adam", gradient_clipping: float = 1.0) -> dict:
+    """Cross-node placement on ``world`` ranks as nodes of ``domain`` (``experts_per_rank``, the hot ones
+    on the first node; a learning gate with ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`): FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical
     experts, trained side by side. Returns both loss curves, the parameter errors with FEPLB's
     experts back in DeepSpeed's layout, the node loads of the last ``settled`` steps under
     DeepSpeed's placement and under FEPLB's final one, and the placement counters."""
@@ -567,13 +575,14 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "placement": {"enabled": True, "interval_steps": interval, "history_decay": 0.5}}
-    config = ds_config(zero_stage, feplb)
-    models = {"reference": _placed_model(4 * world, ep_size), "feplb": _placed_model(4 * world, ep_size)}
+    config = {**ds_config(zero_stage, feplb, optimizer), "gradient_clipping": gradient_clipping}
+    num_experts = experts_per_rank * world
+    models = {name: _placed_model(num_experts, ep_size, learn_gate) for name in ("reference", "feplb")}
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
         model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
     ours = engines["feplb"]
     recent, placed = [], []  # loads of the settled steps, and node loads under the table each step used
-    used = np.arange(4 * world)  # the slot -> expert table of the step being trained
+    used = np.arange(num_experts)  # the slot -> expert table of the step being trained
     monitored = dict.fromkeys(("placement_refreshes", "placement_moved_experts", "placement_bytes"), 0)
 
     def on_step(step):

@@ -52,6 +52,40 @@ def install(engine) -> None:
 
     seams.after_step(engine, after_step)
     seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
+    seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
+
+
+def canonical_grad_norms(module, params: list) -> list:
+    """The gradient norm (0-dim float32) of each of ``params`` as DeepSpeed's layout would give it on
+    this rank: a re-placed layer's expert parameter in local slot ``i`` counts with the norm of the
+    same parameter of the expert that slot ``i`` of this rank holds in DeepSpeed's layout, wherever
+    that expert lives now (per-parameter norms all-gathered over the EP group).
+
+    DeepSpeed's ZeRO 0 clipping averages per-rank norms over the data-parallel group, so a rank's
+    norm must not depend on which experts placement put there: with each rank's own experts the
+    clip coefficient (and every parameter's update) would differ from DeepSpeed's after the first
+    re-placement. Collective over the EP groups of re-placed layers."""
+    import torch
+    import torch.distributed as dist
+    norms = {p: p.grad.data.detach().float().norm(2) for p in params}
+    for layer in placed_layers(module):
+        placement = layer.placement
+        if placement.identity:  # the same on every rank of the EP group: all skip the gather alike
+            continue
+        experts = _expert_params(layer)  # [E_local][n]
+        local = torch.stack([torch.stack([norms[p] if p in norms else p.new_zeros((), dtype=torch.float32)
+                                          for p in expert]) for expert in experts])  # [E_local, n]
+        gathered = [torch.empty_like(local) for _ in range(placement.ep_size)]
+        dist.all_gather(gathered, local, group=placement.ep_group)
+        by_slot = torch.cat(gathered)  # [E, n]
+        me = dist.get_rank(placement.ep_group)
+        mine = me * placement.per_rank + torch.arange(placement.per_rank, device=placement.slot_of.device)
+        canonical = by_slot[placement.slot_of[mine].to(by_slot.device)]
+        for i, expert in enumerate(experts):
+            for j, p in enumerate(expert):
+                if p in norms:
+                    norms[p] = canonical[i, j]
+    return [norms[p] for p in params]
 
 
 @contextlib.contextmanager

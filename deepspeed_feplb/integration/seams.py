@@ -14,6 +14,9 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `pipeline_engine_class`: make ``deepspeed.initialize`` build our `PipelineEngine` subclass
   (it looks the class up as ``deepspeed.PipelineEngine`` at call time and takes no argument).
 * `after_step`: run a callback after every ``engine.step()`` (DeepSpeed has no step hook).
+* `clip_fp32_gradients_with`: ZeRO 0 (fp32) clips by DeepSpeed's formula with per-parameter norms
+  given by the caller (cross-node placement gives each rank the norms of the experts it holds in
+  DeepSpeed's layout).
 * `relink_optimizer_fragments`: make DeepSpeed's per-parameter views of the optimizer state
   current (cross-node placement reads and writes one expert's state through them).
 * `around_checkpoints`: run code around ``engine.save_checkpoint`` and
@@ -143,6 +146,48 @@ def after_step(engine, callback: Callable[[bool], None]) -> None:
         return result
 
     engine.step = step_then_callback
+
+
+def clip_fp32_gradients_with(engine, norms: Callable[[list], list]) -> None:
+    """Make ``engine.step()`` clip fp32 gradients (ZeRO 0 without fp16/bf16) as DeepSpeed does, but
+    with the per-parameter gradient norms ``norms(params)`` returns (0-dim float32 tensors, one per
+    parameter of ``params``) in place of each parameter's own.
+
+    Relies on `DeepSpeedEngine._take_model_step` calling ``self.clip_fp32_gradients()`` exactly in
+    that case, and mirrors `deepspeed.runtime.utils.clip_grad_norm_` (norm type 2): each rank sums
+    the squares of its parameters' norms (with a model-parallel ``mpu``: those of its
+    model-parallel rank 0 or model-parallel parameters, summed over the model-parallel group),
+    takes the root, and the data-parallel group *averages* these per-rank norms; every gradient is
+    scaled by ``min(1, gradient_clipping / (norm + 1e-6))``.
+    """
+    import deepspeed.comm as ds_dist
+    import torch
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils import groups
+
+    def clip_fp32_gradients() -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        mpu = engine.mpu
+        if mpu is not None:
+            counted = [p for p in params if mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)]
+        else:
+            counted = params
+        if counted:
+            total = torch.stack(norms(counted)).pow(2.0).sum().float()
+        else:
+            total = torch.zeros(1, dtype=torch.float32, device=params[0].device if params else "cpu")
+        if mpu is not None:
+            ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+        group = groups._get_data_parallel_group()
+        total = total.pow(0.5) / float(ds_dist.get_world_size(group=group))
+        ds_dist.all_reduce(total, group=group)
+        if not params:
+            return
+        coefficient = torch.clamp(engine.gradient_clipping() / (total.to(params[0].device) + 1e-6), max=1.0)
+        for p in params:
+            p.grad.data.mul_(coefficient)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 def relink_optimizer_fragments(optimizer) -> None:
