@@ -32,13 +32,14 @@ def test_placement_balances_nodes_and_trains_exactly(zero_stage, ep_size):
     assert worst < 1e-4, f"parameters differ from DeepSpeed's MoE by {worst:.2e}"
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd-momentum"])
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("zero_stage,optimizer", [(0, "adam"), (0, "sgd-momentum"), (0, "sgd"), (1, "adam"),
+                                                  (1, "sgd-momentum"), (2, "adam"), (2, "sgd-momentum"), (2, "sgd")])
 def test_placement_trains_exactly_with_a_learning_gate_and_clipping(zero_stage, optimizer):
     """8 experts per rank, a gate that learns (its loads drift) and a
     gradient clip that binds at every step, 30 steps: DeepSpeed's ZeRO 0 clips with the average of
     per-rank norms, which depend on which experts a rank holds, so the clip must see DeepSpeed's
-    layout (`canonical_grad_norms`); before it did, parameters drifted 0.1 (Adam) from DeepSpeed's."""
+    layout (`canonical_grad_norms`); before it did, parameters drifted 0.1 (Adam) from DeepSpeed's.
+    SGD without momentum keeps no optimizer state: its experts move with their values alone."""
     results = run_distributed(moe_cases.placement_case, 4, zero_stage, 30, 2, experts_per_rank=8, learn_gate=True,
                               optimizer=optimizer, gradient_clipping=0.01, timeout=600)
     r = results[0]

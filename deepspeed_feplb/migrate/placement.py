@@ -54,12 +54,17 @@ def hp_state_keys(optimizer) -> list[str]:
 
 
 def _torch_state(optimizer, param: torch.Tensor) -> dict:
-    state = getattr(optimizer, "state", {}).get(param)
-    if state is None:
-        raise RuntimeError(f"FEPLB placement: optimizer {type(optimizer).__name__} keeps no per-parameter state for the "
-                           "expert parameters, so experts cannot move with their optimizer state; placement supports "
-                           "ZeRO stages 0-2 with fp32 or bf16 and the fp16 optimizer only with ZeRO 1 or 2")
-    return state
+    """A torch optimizer's state of ``param``: empty for an optimizer that keeps none for any parameter
+    (SGD without momentum: an expert then moves with its values alone)."""
+    states = getattr(optimizer, "state", None)
+    state = None if states is None else states.get(param)
+    if state is not None:
+        return state
+    if states is not None and not any(states.values()):
+        return {}
+    raise RuntimeError(f"FEPLB placement: optimizer {type(optimizer).__name__} keeps state for some parameters but "
+                       "none for an expert parameter, so experts cannot move with their optimizer state; placement "
+                       "supports ZeRO stages 0-2 with fp32 or bf16 and the fp16 optimizer only with ZeRO 1 or 2")
 
 
 def expert_state(params: list[torch.Tensor], optimizer, keys: list[str]) -> list[torch.Tensor]:
