@@ -188,12 +188,14 @@ class CheckpointedMoEModel(TinyMoEModel):
 
 
 def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 4, steps: int = 3,
-                      max_resident: int = 8, checkpointing: str | None = None) -> dict:
+                      max_resident: int = 8, checkpointing: str | None = None, write: str = "no_grad") -> dict:
     """Train DeepSpeed's MoE and FEPLB side by side with ``gas`` micro-batches per optimizer step.
 
     Between steps, and once between two micro-batches of a step, both models' expert weights are
-    changed in place the same way: a helper that computed with a copy it kept from before the
-    change would make FEPLB's losses and weights differ. Returns the losses, the parameter errors
+    changed in place the same way (in the step: ``write`` says how: "no_grad" in place under
+    ``torch.no_grad()``, "data" through ``p.data``, "load_state_dict" a scaled state dict): a
+    helper that computed with a copy it kept from before the change would make FEPLB's losses and
+    weights differ. Returns the losses, the parameter errors
     and FEPLB's weight traffic summed over every micro-batch (its stats, domain-wide)."""
     import deepspeed
 
@@ -220,12 +222,19 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
                                           config=config)
     engines = {"reference": reference, "feplb": ours}
 
-    def perturb(scale: float):
-        with torch.no_grad():
-            for engine in engines.values():
-                for expert in engine.module.moe.deepspeed_moe.experts.deepspeed_experts:
-                    for p in expert.parameters():
-                        p.mul_(scale)
+    def perturb(scale: float, write: str = "no_grad"):
+        for engine in engines.values():
+            if write == "load_state_dict":
+                state = engine.module.state_dict()
+                engine.module.load_state_dict({k: v * scale if ".experts." in k else v for k, v in state.items()})
+                continue
+            for expert in engine.module.moe.deepspeed_moe.experts.deepspeed_experts:
+                for p in expert.parameters():
+                    if write == "data":
+                        p.data.mul_(scale)
+                    else:
+                        with torch.no_grad():
+                            p.mul_(scale)
 
     losses = {name: [] for name in engines}
     traffic = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "moves": 0}
@@ -233,7 +242,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
         for micro in range(gas):
             x, target = rank_inputs(100 + step * gas + micro)
             if step == 1 and micro == 2:
-                perturb(0.97)  # inside a step: kept copies of the changed experts are stale now
+                perturb(0.97, write)  # inside a step: kept copies of the changed experts are stale now
             for name, engine in engines.items():
                 losses[name].append(train_step(engine, x, target))
             stats = ours.module.moe.feplb_stats

@@ -159,12 +159,22 @@ class Phase2Step:
             extra = sorted({e for h, e, _ in homes_here.tolist() if h == self.local_rank} - set(self.dynamic))
         self.grad_experts = [*self.dynamic, *extra]
 
-    def _carries_weights(self, m: int, expert: int, helper: int, params: list[torch.Tensor]) -> bool:
-        """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights (``params``): unless the
-        helper keeps a copy it received earlier in the step and they did not change since."""
+    def _fingerprints(self, params: list[list[torch.Tensor]]) -> dict:
+        """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
+        copy (one device-to-host read for all of them)."""
+        kept = sorted({i for chunks in self.view.outgoing.values() for i, _, _, m in chunks if self.keeps[m]})
+        if not kept:
+            return {}
+        prints = [fingerprint(params[i]) for i in kept]
+        values = torch.cat(prints).tolist()
+        width = len(prints[0])
+        return {i: tuple(values[k * width:(k + 1) * width]) for k, i in enumerate(kept)}
+
+    def _carries_weights(self, m: int, expert: int, helper: int, now: Optional[tuple]) -> bool:
+        """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights: unless the helper keeps a
+        copy it received earlier in the step and their fingerprint ``now`` did not change since."""
         if not self.keeps[m]:
             return True
-        now = fingerprint(params)
         carry = bool(self.fresh[m]) or self.residency.sent.get((expert, helper)) != now
         self.residency.sent[(expert, helper)] = now
         return carry
@@ -183,8 +193,9 @@ class Phase2Step:
         start = time.perf_counter()
         outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
         sends = []
+        prints = self._fingerprints(params)
         for helper, chunks in outgoing.items():
-            carries = [self._carries_weights(m, self.dynamic[i], helper, params[i]) for i, _, _, m in chunks]
+            carries = [self._carries_weights(m, self.dynamic[i], helper, prints.get(i)) for i, _, _, m in chunks]
             payload = [_flags_tensor(carries, dyn_x)]
             for (i, offset, tokens, _), carry in zip(chunks, carries):
                 expert = self.experts[self.dynamic[i]]

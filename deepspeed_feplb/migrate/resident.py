@@ -6,8 +6,9 @@ which every rank reads); on top of it this rank keeps
 * as a helper, the expert copies it holds (`HeldCopy`: the weights, received once, and the
   weight-gradient accumulated over the step's micro-batches, returned home at the step's end);
 * as a home, the *fingerprint* of each expert's parameters when a helper received them: if the
-  parameters changed since (in place, or replaced), the next chunk carries the weights again, so
-  a helper never computes with a stale copy, whatever changed them.
+  parameters changed since (in place, through ``.data``, by ``load_state_dict``, or replaced), the
+  next chunk carries the weights again, so a helper never computes with a stale copy, whatever
+  changed them.
 
 The step ends in the forward of the step's last micro-batch (the gradient-accumulation
 boundary): the table is cleared there and the copies of the step travel with that micro-batch's
@@ -49,9 +50,30 @@ class HeldCopy:
         return [g.to(p.dtype) for g, p in zip(self.grads, self.params)]
 
 
-def fingerprint(params: list[torch.Tensor]) -> tuple:
-    """What identifies a version of an expert's parameters: storage and in-place version counter."""
-    return tuple((p.data_ptr(), p._version) for p in params)
+def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
+    """What identifies the content of an expert's parameters: int64 ``[3 * len(params)]``, per
+    parameter the sum of its elements' bit patterns and that sum weighted by row index and by
+    column index (rows: the first dimension; columns: the rest, flattened).
+
+    The in-place version counter would be free, but a write through ``p.data`` does not advance it
+    (``.data`` has a counter of its own), so the content is read: two reductions over the weights,
+    on their device, and no copy. Any change of values alters the plain sum unless changes cancel
+    exactly in integer arithmetic; moving values between rows or columns alters a weighted sum."""
+    out = []
+    for p in params:
+        bits = p.detach().reshape(p.shape[0] if p.dim() else 1, -1).view(_INT_OF_SIZE[p.element_size()])
+        rows = bits.sum(dim=1, dtype=torch.int64)  # [R]
+        cols = bits.sum(dim=0, dtype=torch.int64)  # [C]
+        out += [rows.sum(), (rows * _weights(len(rows), rows.device)).sum(), (cols * _weights(len(cols), cols.device)).sum()]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _weights(n: int, device) -> torch.Tensor:
+    """int64 ``[n]``: 1, 2, ..., n (a position weight; small, made per call)."""
+    return torch.arange(1, n + 1, dtype=torch.int64, device=device)
 
 
 @dataclass
@@ -60,7 +82,7 @@ class LayerResidency:
 
     table:   the domain's kept copies (`ResidencyTable`, the same on every rank);
     held:    {(home, local_expert): HeldCopy} this rank holds as a helper;
-    sent:    {(local_expert, helper): fingerprint} of this rank's experts that helpers hold;
+    sent:    {(local_expert, helper): fingerprint as a tuple} of this rank's experts that helpers hold;
     pending: whether some kept copy may hold gradients (every rank of the domain knows it: it
              is set by the plans of micro-batches with gradients), so the step may end only in a
              backward that sends them home.
