@@ -39,7 +39,7 @@ from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, inst
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.monitor import gather_small
-from deepspeed_feplb.integration.placement import check_expert_order, record_expert_order
+from deepspeed_feplb.integration.placement import adopt_loaded_order, check_expert_order, record_expert_order
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
@@ -71,6 +71,7 @@ class FEPLBMOELayer(MOELayer):
         self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
         self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # routes digest -> `_balances_now`, for recomputes
         self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
+        self.loaded_expert_order: Optional[list[int]] = None  # a placement-order state dict's, loaded before attach
         if not getattr(self, "_feplb_state_hooks", False):  # feplb_setup may run twice (MoE, then convert)
             self._feplb_state_hooks = True
             self.register_state_dict_post_hook(record_expert_order)
@@ -88,6 +89,7 @@ class FEPLBMOELayer(MOELayer):
         if self.ep_size > 1 and dist.is_initialized():
             self._check_ep_group_agrees(config)
         if not config.enabled:
+            adopt_loaded_order(self)  # refuses a state dict in placement order
             return
         install_exit_handlers()
         refuse_stateful_experts(self.experts.deepspeed_experts[0], self.gate.wg.in_features,
@@ -108,6 +110,7 @@ class FEPLBMOELayer(MOELayer):
                          and domain_size(config, self.ep_size) > 1)
         if config.placement.enabled and self.ep_size > 1:
             self.placement = _make_placement(self, config, expert_params)
+        adopt_loaded_order(self)
         self.dispatcher = make_dispatcher(config, group, self.ep_size, self.num_local_experts, expert_params,
                                           hidden=self.gate.wg.in_features, on_error=self._check_peers,
                                           stage_times=self.stage_times)
@@ -132,7 +135,8 @@ class FEPLBMOELayer(MOELayer):
                  "feplb.nvlink_domain_size": config.nvlink_domain_size, "feplb.transport": config.transport,
                  "feplb.fixed_costs": config.fixed_costs,
                  "feplb.weight_residency": config.weight_residency,
-                 "feplb.max_rows_over_mean": config.max_rows_over_mean}
+                 "feplb.max_rows_over_mean": config.max_rows_over_mean,
+                 "expert order of the loaded state dict": getattr(self, "loaded_expert_order", None)}
         ranks = dist.get_process_group_ranks(self.ep_group)
         if dist.get_backend(self.ep_group) == "gloo":  # bounded, and it names who is missing
             timeout_s = config.scheduler.peer_timeout_s

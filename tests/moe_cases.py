@@ -635,10 +635,11 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
              "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5}}
     config = ds_config(zero_stage, feplb)
 
-    def engine(kind: str, ep_size: int = world):
+    def engine(kind: str, ep_size: int = world, placement: bool = True):
         model = _placed_model(4 * world, ep_size)
         init = deepspeed_feplb.initialize if kind == "feplb" else deepspeed.initialize
-        return init(model=model, model_parameters=param_groups(model), config=config)[0]
+        settings = config if placement else {**config, "feplb": {**feplb, "placement": {"enabled": False}}}
+        return init(model=model, model_parameters=param_groups(model), config=settings)[0]
 
     from deepspeed_feplb.integration.placement import placed_layers
     first = engine("feplb")
@@ -653,7 +654,9 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
             warnings.simplefilter("always")
             if where == "inside":
                 stack.enter_context(deepspeed_feplb.canonical_experts(first))
-            canonical[where] = {k: v.detach().clone() for k, v in first.module.state_dict().items()}
+            path = os.path.join(tmp, f"state-{where}-{dist.get_rank()}.pt")
+            torch.save(first.module.state_dict(), path)  # keeps the metadata (the recorded expert order)
+            canonical[where] = torch.load(path)
         warned[where] = any("re-placed" in str(w.message) for w in caught)
     placed_after_canonical = placement.expert_at.tolist()
     after = _train({"first": first}, range(save_at, steps))["first"]
@@ -681,6 +684,25 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
         direct.module.load_state_dict(canonical["inside"])
     placed_after_load = direct_placement.expert_at.tolist()
     resumed["state dict into a placed run"] = _train({"direct": direct}, range(save_at, save_at + 1))["direct"]
+    # the state dict taken directly (placement order) into fresh jobs: FEPLB adopts the order before
+    # its first forward (the saved run's next loss); plain DeepSpeed and FEPLB without placement refuse
+    fresh = engine("feplb")
+    fresh.module.load_state_dict(canonical["outside"])
+    with torch.no_grad():
+        fresh.module.eval()
+        fresh(_placed_inputs(save_at)[0])  # the first forward attaches the placement
+        fresh.module.train()
+    fresh_placed = placed_layers(fresh.module)[0].placement.expert_at.tolist()
+    resumed["placement-order state dict into a fresh job"] = _train({"fresh": fresh}, range(save_at, save_at + 1))["fresh"]
+    fresh_refusals = {}
+    for kind, placed in (("deepspeed", True), ("feplb without placement", False)):
+        other = engine("feplb" if placed is False else kind, placement=placed)
+        try:
+            other.module.load_state_dict(canonical["outside"])
+            _train({kind: other}, range(save_at, save_at + 1))
+            fresh_refusals[kind] = ""
+        except (RuntimeError, deepspeed_feplb.FEPLBConfigError) as error:
+            fresh_refusals[kind] = str(error)
     # DeepSpeed loads experts by their global id at another EP size too (not the optimizer state,
     # which is laid out per EP rank): the first loss after loading must be the saved run's
     other = engine("deepspeed", ep_size=world // 2)
@@ -689,7 +711,8 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     return {"placed_at_save": placed_at_save, "placed_after_save": still_placed, "first": losses["first"] + after,
             "continued": after, "resumed": resumed, "warned": warned, "state_errors": state_errors,
             "placed_after_canonical": placed_after_canonical, "placed_before_load": placed_before_load,
-            "placed_after_load": placed_after_load, "refused": refused}
+            "placed_after_load": placed_after_load, "refused": refused, "fresh_placed": fresh_placed,
+            "fresh_refusals": fresh_refusals}
 
 
 def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3) -> dict:

@@ -71,6 +71,13 @@ def test_placement_checkpoints_stay_canonical(tmp_path, zero_stage):
     assert r["placed_after_load"] == r["placed_before_load"]
     direct = r["resumed"]["state dict into a placed run"]
     assert np.allclose(direct, r["continued"][:1], rtol=1e-5, atol=1e-6), (direct, r["continued"][:1])
+    # the state dict taken outside canonical_experts (placement order, warned): a fresh FEPLB job adopts
+    # the order before its first forward; plain DeepSpeed fails on its keys, FEPLB without placement refuses
+    fresh = r["resumed"]["placement-order state dict into a fresh job"]
+    assert r["fresh_placed"] == r["placed_at_save"]
+    assert np.allclose(fresh, r["continued"][:1], rtol=1e-5, atol=1e-6), (fresh, r["continued"][:1])
+    assert "feplb_placed_experts" in r["fresh_refusals"]["deepspeed"], r["fresh_refusals"]
+    assert "feplb.placement.enabled" in r["fresh_refusals"]["feplb without placement"], r["fresh_refusals"]
 
 
 def _simulated_placements(trace, gas: int, interval: int, decay: float, state_bytes: float, us_per_token: list):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from deepspeed_feplb.config import FEPLBConfigError
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate.placement import ExpertPlacement
 
@@ -103,36 +104,80 @@ def canonical_experts(engine):
 
 
 ORDER_KEY = "feplb_expert_order"  # in a layer's state-dict metadata: slot -> logical expert
+_EXPERTS, _PLACED_EXPERTS = "experts.deepspeed_experts.", "experts.feplb_placed_experts."
+
+
+def _rename(state_dict, prefix: str, old: str, new: str) -> bool:
+    """Rename the keys ``prefix + old + rest`` to ``prefix + new + rest`` in place; whether any was."""
+    keys = [k for k in state_dict if k.startswith(prefix + old)]
+    for k in keys:
+        state_dict[prefix + new + k[len(prefix + old):]] = state_dict.pop(k)
+    return bool(keys)
 
 
 def record_expert_order(layer, state_dict, prefix, local_metadata) -> None:
     """State-dict post-hook of a FEPLB MoE layer: record which logical expert each slot holds in the
-    layer's metadata (kept by ``torch.save``), and warn when that is not DeepSpeed's order."""
+    layer's metadata (kept by ``torch.save``). In another order than DeepSpeed's, warn, and name the
+    experts ``...experts.feplb_placed_experts.<slot>...``: a loader that does not know the order
+    (plain DeepSpeed, another framework) then fails on the keys instead of loading every re-placed
+    expert into another's slot; FEPLB loads them (`check_expert_order`)."""
     placement = getattr(layer, "placement", None)
     if placement is None:
         return
     order = placement.slot_order()
     local_metadata[ORDER_KEY] = order
     if order != sorted(order):
+        _rename(state_dict, prefix, _EXPERTS, _PLACED_EXPERTS)
         warnings.warn(f"FEPLB: the experts of MoE layer {prefix.rstrip('.') or 'moe'} are re-placed across ranks "
-                      "(feplb.placement), so this state dict holds them in placement order, which plain DeepSpeed and "
-                      "another FEPLB job would load into the wrong experts; save with engine.save_checkpoint, or take "
-                      "the state dict inside `with deepspeed_feplb.canonical_experts(engine):` (collective)",
-                      stacklevel=3)
+                      "(feplb.placement), so this state dict holds them in placement order, under the keys "
+                      f"{prefix}{_PLACED_EXPERTS}*, which only FEPLB loads; for plain DeepSpeed save with "
+                      "engine.save_checkpoint, or take the state dict inside "
+                      "`with deepspeed_feplb.canonical_experts(engine):` (collective)", stacklevel=3)
 
 
 def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                        error_msgs) -> None:
     """Load-state-dict pre-hook of a FEPLB MoE layer: a state dict that holds this layer's experts
-    must hold them in the order the slots do now (DeepSpeed's when it records none); loading them
-    in another order would give every re-placed expert another's weights."""
-    placement = getattr(layer, "placement", None)
-    if placement is None or not any(k.startswith(prefix + "experts.") for k in state_dict):
+    in placement order (`record_expert_order`) loads into the slots they were saved from.
+
+    * With the placement attached (after the first forward), the slots must hold the experts in
+      that order now; loading them in another would give every re-placed expert another's weights.
+    * Before it (a fresh job), the layer adopts the order: its placement starts from it at the
+      first forward, or that forward refuses when ``feplb.placement`` is off (`adopt_loaded_order`).
+    """
+    renamed = _rename(state_dict, prefix, _PLACED_EXPERTS, _EXPERTS)
+    if not any(k.startswith(prefix + _EXPERTS) for k in state_dict):
         return
-    recorded = list(local_metadata.get(ORDER_KEY, range(placement.num_experts)))
-    if recorded != placement.slot_order():
+    name = prefix.rstrip('.') or 'moe'
+    if renamed and ORDER_KEY not in local_metadata:
+        raise RuntimeError(f"FEPLB: the state dict holds the experts of MoE layer {name} in placement order "
+                           f"({prefix}{_PLACED_EXPERTS}*) but not that order (its metadata was lost), so no expert "
+                           "can be matched to its weights; save with engine.save_checkpoint instead")
+    recorded = [int(e) for e in local_metadata.get(ORDER_KEY, [])]
+    placement = getattr(layer, "placement", None)
+    if placement is None:
+        layer.loaded_expert_order = recorded if recorded != sorted(recorded) else None
+        return
+    if (recorded or list(range(placement.num_experts))) != placement.slot_order():
         raise RuntimeError(
-            f"FEPLB: the state dict holds the experts of MoE layer {prefix.rstrip('.') or 'moe'} in "
+            f"FEPLB: the state dict holds the experts of MoE layer {name} in "
             f"{'placement' if recorded != sorted(recorded) else 'DeepSpeed'}'s order, but this job has re-placed them "
             "since (feplb.placement); load a checkpoint with engine.load_checkpoint, or load the state dict inside "
             "`with deepspeed_feplb.canonical_experts(engine):` (collective) when it was taken in DeepSpeed's order")
+
+
+def adopt_loaded_order(layer) -> None:
+    """At the layer's first forward: a state dict loaded before it that held the experts in placement
+    order (``layer.loaded_expert_order``) becomes the placement's table, or, without a placement
+    (``feplb.placement.enabled`` false, or one EP rank), the forward refuses."""
+    order = getattr(layer, "loaded_expert_order", None)
+    if order is None:
+        return
+    if layer.placement is None:
+        raise FEPLBConfigError(
+            f"feplb.placement.enabled: a state dict loaded into this MoE layer holds its experts in placement order "
+            f"(slot -> expert {order}), which only a job with feplb.placement.enabled and the saved job's expert-parallel "
+            "size can use; enable placement, or save a state dict in DeepSpeed's order (engine.save_checkpoint, or "
+            "`with deepspeed_feplb.canonical_experts(engine):`)")
+    layer.placement.adopt(order)
+    layer.loaded_expert_order = None

@@ -270,6 +270,17 @@ class ExpertPlacement:
         self.slot_of.copy_(torch.arange(self.num_experts))
         self.placer.expert_to_rank = np.arange(self.num_experts, dtype=np.int64) // self.per_rank
 
+    def adopt(self, expert_at) -> None:
+        """The slots hold the experts in the order ``expert_at`` (slot -> logical expert; a state dict
+        saved in placement order was loaded into them before the first forward)."""
+        order = np.asarray(expert_at, dtype=np.int64)
+        if not np.array_equal(np.sort(order), np.arange(self.num_experts)):
+            raise ValueError(f"an expert order must be a permutation of the layer's {self.num_experts} experts, "
+                             f"got {order.tolist()}")
+        self.expert_at = order
+        self.slot_of.copy_(torch.from_numpy(order.argsort()))
+        self.placer.expert_to_rank = order.argsort() // self.per_rank
+
     # ---------------------------------------------------------------- moving
     def _slots_for(self, expert_to_rank: np.ndarray) -> np.ndarray:
         """The new slot -> expert table: experts that stay on their rank keep their slot, the others
