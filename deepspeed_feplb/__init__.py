@@ -3,9 +3,9 @@
 Light to import: the planner, simulator and config need no torch; the layer and the engine
 helpers (which import DeepSpeed) load on first use.
 """
-from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
 
-__all__ = ["FEPLBConfig", "FEPLBConfigError", "load_config", "MoE", "convert", "initialize", "init_distributed",
+__all__ = ["FEPLBConfig", "FEPLBConfigError", "FEPLBModelError", "load_config", "MoE", "convert", "initialize", "init_distributed",
            "shutdown", "canonical_experts"]
 __version__ = "0.1.0"
 

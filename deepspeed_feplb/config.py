@@ -33,6 +33,16 @@ SCHEMA_COMMAND = "python -m deepspeed_feplb schema --output config_schemas/feplb
 class FEPLBConfigError(ValueError):
     """Invalid ``"feplb"`` section; the message names the offending key path (``feplb.scheduler.x``)."""
 
+    what = "invalid ds_config"  # how a job that ends on it says so (`exits`)
+
+
+class FEPLBModelError(FEPLBConfigError):
+    """A model FEPLB cannot run as built (an expert with batch statistics, an ep_size that does not
+    divide the world); the message names the module and the fix. A `FEPLBConfigError`, so that one
+    ``except`` catches every mistake found before training."""
+
+    what = "unsupported model"
+
 
 class FEPLBConfigModel(BaseModel):
     """Base of the FEPLB config models, following ``deepspeed.runtime.config_utils.DeepSpeedConfigModel``.

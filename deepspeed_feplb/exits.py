@@ -5,7 +5,7 @@ uncaught `FEPLBConfigError` or an interruption would print the same long traceba
 rank (for an interrupted collective, gloo's "remote worker crashing" on the others). `install`
 replaces ``sys.excepthook`` so that
 
-* a `FEPLBConfigError` prints its message once, on global rank 0 (the others exit quietly);
+* a `FEPLBConfigError` (or `FEPLBModelError`) prints its message once, on global rank 0 (the others exit quietly);
 * a SIGINT (Ctrl-C) is announced once, on local rank 0, as "interrupted", and every exception
   that then ends a rank prints nothing more (the job's shared memory and scheduler processes
   are removed by the exit handlers, `domain.shutdown`, as on any exit).
@@ -61,7 +61,7 @@ def install(dead_peers: Optional[Callable[[], list]] = None) -> None:
 
         if isinstance(value, FEPLBConfigError):
             if _env_rank("RANK") == 0:
-                print(f"deepspeed_feplb: invalid ds_config:\n{value}", file=sys.stderr)
+                print(f"deepspeed_feplb: {value.what}:\n{value}", file=sys.stderr)
             return
         if _interrupted or issubclass(kind, KeyboardInterrupt):
             _say_interrupted()

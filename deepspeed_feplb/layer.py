@@ -33,7 +33,7 @@ from deepspeed.moe import layer as ds_layer
 from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
 from deepspeed_feplb.balance import ComputeTimes, functional_calls, run_experts, run_local
-from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, install_exit_handlers
 from deepspeed_feplb.gate import SigmoidTopKGate
@@ -343,7 +343,7 @@ def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: boo
 
     for name, module in expert.named_modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-            raise FEPLBConfigError(
+            raise FEPLBModelError(
                 f"the MoE expert contains a {type(module).__name__} ({name or 'the expert itself'}): its batch "
                 "statistics depend on which rows it sees together, and FEPLB computes each expert on exactly its "
                 "rows (DeepSpeed pads them to the capacity) and may split them over ranks; use LayerNorm or RMSNorm "
@@ -359,7 +359,7 @@ def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: boo
         probe(x)
     changed = sorted(n for n, b in probe.named_buffers() if not torch.equal(b, buffers[n]))
     if changed:
-        raise FEPLBConfigError(
+        raise FEPLBModelError(
             f"the MoE expert updates buffer(s) {', '.join(changed)} in its forward: FEPLB computes moved rows with "
             "a helper's copy of the expert, whose buffer updates would not reach the expert's home; set "
             "feplb.dynamic_experts_per_rank to 0 to keep every expert's rows at home")

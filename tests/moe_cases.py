@@ -529,8 +529,8 @@ def misuse_case(kind: str) -> dict:
                 layer(x)
         layer(x)
     except (deepspeed_feplb.FEPLBConfigError, RuntimeError) as error:
-        return {"error": str(error)}
-    return {"error": ""}
+        return {"error": str(error), "kind": type(error).__name__}
+    return {"error": "", "kind": ""}
 
 
 def _placed_model(num_experts: int, ep_size: int, learn_gate: bool = False):
@@ -605,6 +605,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
         used = placement.expert_at.copy()
 
     losses = _train(engines, range(steps), on_step)
+    assert ours.feplb_stats is ours.feplb_monitor  # the collector's earlier name stays
     layer = placed_layers(ours.module)[0]
     placement = layer.placement
     loads = np.sum(recent, axis=0)
@@ -646,6 +647,7 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     losses = _train({"first": first}, range(save_at))
     placement = placed_layers(first.module)[0].placement
     placed_at_save = placement.expert_at.tolist()
+    moved_at_save = placement.moved_experts
     first.save_checkpoint(tmp, tag="mid")
     still_placed = placement.expert_at.tolist()
     warned, canonical = {}, {}
@@ -659,6 +661,7 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
             canonical[where] = torch.load(path)
         warned[where] = any("re-placed" in str(w.message) for w in caught)
     placed_after_canonical = placement.expert_at.tolist()
+    moved_by_saving = placement.moved_experts - moved_at_save  # save_checkpoint and canonical_experts move no expert
     after = _train({"first": first}, range(save_at, steps))["first"]
     resumed, state_errors = {}, {}
     for kind in ("feplb", "deepspeed"):
@@ -712,7 +715,7 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
             "continued": after, "resumed": resumed, "warned": warned, "state_errors": state_errors,
             "placed_after_canonical": placed_after_canonical, "placed_before_load": placed_before_load,
             "placed_after_load": placed_after_load, "refused": refused, "fresh_placed": fresh_placed,
-            "fresh_refusals": fresh_refusals}
+            "fresh_refusals": fresh_refusals, "moved_by_saving": moved_by_saving}
 
 
 def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3) -> dict:

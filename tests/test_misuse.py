@@ -35,6 +35,28 @@ def test_ranks_with_different_row_bounds_are_named(results):
 def test_an_expert_with_batch_statistics_is_refused(results):
     for r in results:
         assert "BatchNorm1d" in r["batchnorm"]["error"] and "LayerNorm or RMSNorm" in r["batchnorm"]["error"]
+        assert r["batchnorm"]["kind"] == "FEPLBModelError", r["batchnorm"]
+
+
+def test_a_job_that_ends_on_a_model_error_says_so_not_invalid_ds_config(capsys, monkeypatch):
+    """The exit line of an uncaught refusal names what is at fault: the "feplb" section or the model."""
+    import signal
+    import sys
+
+    from deepspeed_feplb import FEPLBConfigError, FEPLBModelError, exits
+
+    monkeypatch.setattr(exits, "_installed", False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setenv("RANK", "0")
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        exits.install()
+        for error, line in ((FEPLBModelError("the MoE expert contains a BatchNorm1d"), "unsupported model"),
+                            (FEPLBConfigError("feplb.scheduler.deadline_us: ..."), "invalid ds_config")):
+            sys.excepthook(type(error), error, None)
+            assert f"deepspeed_feplb: {line}:\n{error}" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def test_an_expert_that_updates_a_buffer_is_refused_for_migration_and_a_constant_buffer_is_not(results):

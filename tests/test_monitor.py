@@ -34,6 +34,13 @@ def test_summary_definitions():
     assert layer["plan_latency_us"] == pytest.approx((100 + 100 + 300) / 3)  # the domain leader's value
 
 
+def test_a_fallback_of_any_rank_counts_for_its_domain():
+    """Each rank waits for the scheduler process on its own, so only some ranks of a domain may plan
+    in-process; every rank's summary counts that micro-batch once (not the domain leader's view)."""
+    ranks = [{0: {"moe": rec(0, [0, 1], 0.001, 2.0, 0.0)}}, {0: {"moe": rec(1, [0, 1], 0.001, 2.0, 0.0, fallback=True)}}]
+    assert summarize(ranks, step=0)["layers"]["moe"]["fallbacks"] == 1
+
+
 def test_layers_without_domains_get_gemm_straggler_over_all_ranks():
     # DeepSpeed's own MOELayer (or FEPLB disabled): no feplb_stats
     ranks = [{0: {"moe": Record(r, {}, t, 8, 4, 0, True)}} for r, t in enumerate([0.003, 0.001])]

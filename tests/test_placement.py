@@ -65,6 +65,7 @@ def test_placement_checkpoints_stay_canonical(tmp_path, zero_stage):
     # checkpoint's layout; a re-placed run refuses it outside that block and loads it inside
     assert r["warned"] == {"outside": True, "inside": False}, r["warned"]
     assert r["placed_after_canonical"] == r["placed_at_save"]
+    assert r["moved_by_saving"] == 0, "moves back and forth for a save counted as re-placements"
     assert max(r["state_errors"].values()) <= 1e-6, r["state_errors"]
     assert r["placed_before_load"] != sorted(r["placed_before_load"]), "the run to load into is not re-placed"
     assert "canonical_experts" in r["refused"], r["refused"]

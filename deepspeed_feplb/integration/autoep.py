@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from deepspeed_feplb.balance import ComputeTimes, run_experts
 from deepspeed_feplb.migrate.resident import LayerResidency
-from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
 from deepspeed_feplb.domain import domain_size, get_runtime
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate import transport_class
@@ -156,7 +156,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
     for name, layer in layers.items():
         experts = layer.experts
         if not isinstance(experts, GroupedExperts):
-            raise FEPLBConfigError(f"AutoEP layer {name}: its experts module is a {type(experts).__name__}, "
+            raise FEPLBModelError(f"AutoEP layer {name}: its experts module is a {type(experts).__name__}, "
                                    "not DeepSpeed's GroupedExperts; FEPLB cannot balance it")
         if config.dynamic_experts_per_rank > layer.num_local_experts:
             raise FEPLBConfigError(

@@ -8,7 +8,7 @@ import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 from deepspeed_feplb import exits
-from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, load_config
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.layer import MoE
 
@@ -52,7 +52,8 @@ def initialize(*args, **kwargs):
     lazily on the MoE stages only makes a later ``new_group`` hang), refuses bf16 when some stage
     has no MoE layer (that configuration hangs in DeepSpeed's optimizer, upstream #6714) and
     builds a `deepspeed_feplb.integration.pipeline.FEPLBPipelineEngine`. With ``feplb.stats.enabled`` every
-    engine gets ``engine.feplb_monitor`` (a `deepspeed_feplb.integration.monitor.StatsCollector`): per-layer
+    engine gets ``engine.feplb_monitor`` (a `deepspeed_feplb.integration.monitor.StatsCollector`, also
+    ``engine.feplb_stats``, its earlier name): per-layer
     statistics of each step, written to DeepSpeed's monitor when one is configured. Layers that
     DeepSpeed AutoEP (``"expert_parallel"``) built get FEPLB phase 2 too (`deepspeed_feplb.integration.autoep`).
     """
@@ -149,10 +150,10 @@ def check_consistency(model, config: FEPLBConfig) -> None:
             continue
         where = f"MoE layer {name or '<model>'}"
         if module.ep_size > world or world % module.ep_size:
-            raise FEPLBConfigError(f"{where}: ep_size={module.ep_size} does not divide the world size {world}; "
+            raise FEPLBModelError(f"{where}: ep_size={module.ep_size} does not divide the world size {world}; "
                                    f"use an ep_size that divides {world}")
         if module.num_experts % module.ep_size:
-            raise FEPLBConfigError(f"{where}: {module.num_experts} experts cannot be split over ep_size="
+            raise FEPLBModelError(f"{where}: {module.num_experts} experts cannot be split over ep_size="
                                    f"{module.ep_size}; use a multiple of {module.ep_size} experts")
         domain_size(config, module.ep_size)  # raises naming feplb.nvlink_domain_size
         if config.dynamic_experts_per_rank > module.num_local_experts:
@@ -224,6 +225,7 @@ def _attach_stats(engine, config: FEPLBConfig) -> None:
     from deepspeed_feplb.integration.monitor import StatsCollector
 
     collector = engine.feplb_monitor = StatsCollector(engine.module)
+    engine.feplb_stats = collector  # its name until the layout change; code written then keeps working
     if not collector.layers:
         return
 

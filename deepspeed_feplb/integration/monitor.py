@@ -249,7 +249,9 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
                 s_before.append(st["token_straggler_before"])
                 s_after.append(st["token_straggler_after"])
                 latency.append(st.get("plan_latency_us", 0.0))
-                fallbacks += int(bool(st.get("fallback", False)))
+                # each rank waits for the scheduler on its own: a micro-batch is a fallback of the
+                # domain when any of its ranks planned in-process (every rank sums the same records)
+                fallbacks += int(any(r.stats.get("fallback", False) for r in members))
                 tokens, moves = int(st.get("migrated_tokens", 0)), int(st.get("moves", 0))
                 migrated_tokens += tokens
                 passes = 2 if lead.training else 1

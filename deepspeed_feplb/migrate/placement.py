@@ -225,12 +225,11 @@ class ExpertPlacement:
             return False
         if not self.placer.refresh():
             return False
-        moved = self.moved_experts
-        self._move_to(self.placer.expert_to_rank, expert_params, optimizer)
+        moved = self._move_to(self.placer.expert_to_rank, expert_params, optimizer)
         self.refreshes += 1
         self._report["placement_refreshes"] += 1
-        self._report["placement_moved_experts"] += self.moved_experts - moved
-        self._report["placement_bytes"] += (self.moved_experts - moved) * self.bundle_bytes
+        self._report["placement_moved_experts"] += moved
+        self._report["placement_bytes"] += moved * self.bundle_bytes
         return True
 
     def take_report(self) -> dict:
@@ -298,15 +297,21 @@ class ExpertPlacement:
             new[free] = arriving
         return new
 
-    def _move_to(self, expert_to_rank: np.ndarray, expert_params: list[list[torch.Tensor]], optimizer) -> None:
-        """Move expert contents so that expert e lives on rank ``expert_to_rank[e]`` (`_slots_for`)."""
+    def _move_to(self, expert_to_rank: np.ndarray, expert_params: list[list[torch.Tensor]], optimizer) -> int:
+        """Move expert contents so that expert e lives on rank ``expert_to_rank[e]`` (`_slots_for`): a
+        re-placement, counted in ``moved_experts`` and ``moved_bytes`` (the moves of `canonical` are
+        not). Returns the experts moved."""
         expert_to_rank = np.asarray(expert_to_rank, dtype=np.int64)
-        self._move_slots(self._slots_for(expert_to_rank), expert_params, optimizer)
+        moved, sent_bytes = self._move_slots(self._slots_for(expert_to_rank), expert_params, optimizer)
         self.placer.expert_to_rank = expert_to_rank.copy()
+        self.moved_experts += moved
+        self.moved_bytes += sent_bytes
+        return moved
 
-    def _move_slots(self, new_at: np.ndarray, expert_params: list[list[torch.Tensor]], optimizer) -> None:
+    def _move_slots(self, new_at: np.ndarray, expert_params: list[list[torch.Tensor]], optimizer) -> tuple[int, int]:
         """Move expert contents so that slot s holds expert ``new_at[s]``. Collective over the EP group
-        (point to point) and, under ZeRO 1/2, the expert-data-parallel group."""
+        (point to point) and, under ZeRO 1/2, the expert-data-parallel group. Returns (experts moved in
+        the EP group, bytes this rank sent)."""
         old_slot = self.expert_at.argsort()  # expert -> slot now
         me = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
         sends, recvs, local = [], [], []
@@ -341,7 +346,7 @@ class ExpertPlacement:
         for i, tensors in [*staying, *((i, tensors) for _, i, tensors in incoming)]:
             load_expert_state(expert_params[i], optimizer, keys, tensors)
         moved = int(np.sum(new_at != self.expert_at))
-        self.moved_experts += moved
-        self.moved_bytes += sum(t.numel() * t.element_size() for _, tensors in outgoing for t in tensors)
+        sent_bytes = sum(t.numel() * t.element_size() for _, tensors in outgoing for t in tensors)
         self.expert_at = np.asarray(new_at, dtype=np.int64).copy()
         self.slot_of.copy_(torch.from_numpy(self.expert_at.argsort()))
+        return moved, sent_bytes
