@@ -254,9 +254,28 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     return {"losses": losses, "param_errors": params, "traffic": traffic}
 
 
+def contiguous_expert_inputs(experts) -> None:
+    """Make DeepSpeed's `Experts` module ``experts`` hand each expert its rows as a contiguous tensor.
+
+    DeepSpeed passes each expert a non-contiguous ``[ep_size, capacity, H]`` chunk whenever a rank
+    holds several experts and ``ep_size > 1``; for such an input ``torch.nn.functional.linear`` runs
+    ``matmul`` and then adds the bias (two bf16 roundings) instead of the fused ``addmm`` (one), as
+    DeepSpeed itself does with ``ep_size=1``. FEPLB passes contiguous rows. With this, the two round alike."""
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for chunk, expert in zip(inputs.chunk(experts.num_local_experts, dim=1), experts.deepspeed_experts):
+            out = expert(chunk.contiguous())
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outputs, dim=1)
+    experts.forward = forward
+
+
 def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, residual: bool = False,
-                        training: bool = True, feplb: dict | None = None, reference_drop_tokens: bool = False) -> dict:
-    """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors."""
+                        training: bool = True, feplb: dict | None = None, reference_drop_tokens: bool = False,
+                        contiguous_reference: bool = False) -> dict:
+    """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors (and
+    ``bitwise``: whether output, input gradient and every gradient are bit-equal). With
+    ``contiguous_reference`` DeepSpeed's experts get contiguous rows (`contiguous_expert_inputs`)."""
     feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore", **(feplb or {})}
     torch.manual_seed(5)
     kwargs = dict(hidden_size=HIDDEN, num_experts=8, ep_size=ep_size, k=k, min_capacity=0, use_residual=residual,
@@ -267,10 +286,13 @@ def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, resid
     diversify_experts(reference)
     ours = deepspeed_feplb.MoE(expert=make_expert(), **kwargs, feplb_config=feplb)
     ours.load_state_dict(reference.state_dict())
+    if contiguous_reference:
+        contiguous_expert_inputs(reference.deepspeed_moe.experts)
     for layer in (reference, ours):
         layer.set_deepspeed_parallelism()
         layer.to(dtype).train(training)
     x, w = rank_inputs(3)
+    bitwise = None
     x, w = x.to(dtype), w.to(dtype)
     if training:
         ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
@@ -278,10 +300,12 @@ def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, resid
         errors = {"output": relative_error(out.float(), ref_out.float()),
                   "input_grad": relative_error(dx.float(), ref_dx.float())}
         errors.update({n: relative_error(grads[n].float(), ref_grads[n].float()) for n in ref_grads})
+        bitwise = (torch.equal(out, ref_out) and torch.equal(dx, ref_dx)
+                   and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads))
     else:
         with torch.no_grad():
             errors = {"output": relative_error(ours(x)[0].float(), reference(x)[0].float())}
-    return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats), "keys_equal":
+    return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats), "bitwise": bitwise, "keys_equal":
             list(ours.state_dict()) == list(reference.state_dict())}
 
 
