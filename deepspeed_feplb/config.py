@@ -224,6 +224,11 @@ def load_config(ds_config: Union[dict, str, os.PathLike]) -> FEPLBConfig:
             raise FEPLBConfigError(f"{where}: cannot read the ds_config JSON file: {e}") from e
     if not isinstance(ds_config, dict):
         raise FEPLBConfigError(f"{where}: the ds_config must be a JSON object (got {type(ds_config).__name__})")
+    if SECTION not in ds_config:
+        misspelled = [k for k in ds_config if isinstance(k, str)
+                      and difflib.get_close_matches(SECTION, [k.lower()], n=1, cutoff=0.7)]
+        if misspelled:  # DeepSpeed ignores unknown sections: the run would go on without FEPLB's settings
+            raise FEPLBConfigError(f"{misspelled[0]}: unknown ds_config section, did you mean '{SECTION}'?")
     section = ds_config.get(SECTION, {})
     if not isinstance(section, dict):
         raise FEPLBConfigError(f"{SECTION}: the section must be a JSON object (got {reprlib.repr(section)})")

@@ -215,3 +215,11 @@ def test_deprecated_poll_ms_still_loads_and_warns():
         cfg = load_config({"feplb": {"scheduler": {"poll_ms": 5}}})
     assert cfg.scheduler.mode == "process"
     assert schema()["$defs"]["SchedulerConfig"]["properties"]["poll_ms"]["deprecated"] is True
+
+
+@pytest.mark.parametrize("section", ["fepbl", "FEPLB", "feplb_"])
+def test_a_misspelled_section_is_refused_instead_of_running_on_defaults(section):
+    """DeepSpeed ignores an unknown top-level section: a misspelled one would train without its settings."""
+    with pytest.raises(FEPLBConfigError, match=f"^{section}: unknown ds_config section, did you mean 'feplb'"):
+        load_config({section: {"dynamic_experts_per_rank": 2}, "train_batch_size": 8})
+    assert load_config({"train_batch_size": 8, "fp16": {"enabled": False}}) == load_config({})
