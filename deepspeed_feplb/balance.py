@@ -275,9 +275,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         outs[e] = y
     stats = None
     if config.stats.enabled and not recompute:
-        stats = {**layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks),
-                 **residency_stats(step.fresh, step.keeps, len(step.flush_entries), expert_bytes),
-                 "domain_counts": planned.counts, "seq": seq}
+        stats = layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks,
+                            residency_stats(step.fresh, step.keeps, len(step.flush_entries), expert_bytes), seq)
     if not recompute:
         times.finish(begin, static_done, mark(), int(counts.sum()), pieces)
     return torch.cat(outs), stats

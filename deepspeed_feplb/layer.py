@@ -302,8 +302,7 @@ class FEPLBMOELayer(MOELayer):
         first = dist.get_rank(self.ep_group) // G * G
         domain_counts = self._received(routes)[first:first + G]
         ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
-        return {**layer_stats(domain_counts, np.zeros((0, 4), np.int64), 0.0, False, ranks),
-                "domain_counts": domain_counts}
+        return layer_stats(domain_counts, np.zeros((0, 4), np.int64), 0.0, False, ranks)
 
     def _expert_params(self) -> list[list[torch.Tensor]]:
         """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from typing import Optional, TypedDict
 
 import numpy as np
 
@@ -25,12 +26,42 @@ def straggler(tokens: np.ndarray) -> tuple[float, float]:
     return float(tokens.max() - mean), float(tokens.max() / mean)
 
 
+class MicroBatchStats(TypedDict):
+    """``layer.feplb_stats``: what one FEPLB layer did in its last forward, for the G ranks of its
+    NVLink domain (or this rank alone where it has none). Every key is always present; a forward
+    that moved nothing has zeros (and ``seq`` -1 when it did not run phase 2). All keys but
+    ``fallback`` are the same on every rank of the domain."""
+    ranks: list            # the G global ranks of the domain
+    tokens_before: list    # rows each rank received per local expert, summed: [G]
+    tokens_after: list     # rows each rank computed after balancing: [G]
+    token_straggler_before: float  # max - mean of tokens_before
+    token_straggler_after: float
+    max_over_mean_before: float    # max / mean (1 for an idle domain)
+    max_over_mean_after: float
+    migrated_tokens: int   # rows computed by a helper
+    migrated_experts: int  # distinct (home, expert) pairs that sent rows
+    moves: int             # chunks of the plan
+    plan_latency_us: float
+    fallback: bool         # this rank planned in-process because the scheduler process was late
+    weight_copies: int     # chunks that carried an expert's weights (the rest found them kept)
+    resident_hits: int     # chunks whose helper kept the weights from an earlier micro-batch
+    flushed_copies: int    # kept copies whose gradients went home at the step's end
+    weight_bytes: int      # weight bytes sent, domain-wide
+    grad_bytes: int        # weight-gradient bytes returned, domain-wide
+    seq: int               # the domain's phase-2 micro-batch number, -1 without phase 2
+    domain_counts: np.ndarray  # int64 [G, E_local]: rows each rank received per local expert
+
+
+NO_TRAFFIC = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "weight_bytes": 0, "grad_bytes": 0}
+
+
 def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: float, fallback: bool,
-                ranks: list[int]) -> dict:
-    """What one FEPLB layer did in one forward, for the ranks of its NVLink domain.
+                ranks: list[int], traffic: Optional[dict] = None, seq: int = -1) -> MicroBatchStats:
+    """What one FEPLB layer did in one forward, for the ranks of its NVLink domain (`MicroBatchStats`).
 
     domain_counts ``int64 [G, E_local]`` rows each rank received per local expert; moves
-    ``int64 [M, 4]`` (home, local_expert, helper, tokens); ranks: the G global ranks.
+    ``int64 [M, 4]`` (home, local_expert, helper, tokens); ranks: the G global ranks; traffic:
+    `residency_stats` of the micro-batch (none: zeros); seq: its phase-2 number.
     """
     before = domain_counts.sum(axis=1).astype(np.int64)
     after = before.copy()
@@ -38,20 +69,14 @@ def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: floa
     np.add.at(after, moves[:, 2], moves[:, 3])
     s_before, r_before = straggler(before)
     s_after, r_after = straggler(after)
-    return {
-        "ranks": list(ranks),
-        "tokens_before": before.tolist(),
-        "tokens_after": after.tolist(),
-        "token_straggler_before": s_before,
-        "token_straggler_after": s_after,
-        "max_over_mean_before": r_before,
-        "max_over_mean_after": r_after,
-        "migrated_tokens": int(moves[:, 3].sum()),
-        "migrated_experts": int(len({(h, e) for h, e in moves[:, :2].tolist()})),
-        "moves": int(moves.shape[0]),
-        "plan_latency_us": plan_seconds * 1e6,
-        "fallback": bool(fallback),
-    }
+    return MicroBatchStats(
+        ranks=list(ranks), tokens_before=before.tolist(), tokens_after=after.tolist(),
+        token_straggler_before=s_before, token_straggler_after=s_after,
+        max_over_mean_before=r_before, max_over_mean_after=r_after,
+        migrated_tokens=int(moves[:, 3].sum()),
+        migrated_experts=int(len({(h, e) for h, e in moves[:, :2].tolist()})),
+        moves=int(moves.shape[0]), plan_latency_us=plan_seconds * 1e6, fallback=bool(fallback),
+        **(traffic or NO_TRAFFIC), seq=int(seq), domain_counts=domain_counts)
 
 
 def residency_stats(fresh: np.ndarray, kept: np.ndarray, flushed: int, expert_bytes: int) -> dict:

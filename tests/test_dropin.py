@@ -62,6 +62,17 @@ def test_variant_really_migrates(results, variant):
     assert results[0][variant]["stats"]["migrated_tokens"] > 0
 
 
+@pytest.mark.parametrize("variant", ["fp32", "ep1", "eval", "bf16_contiguous_reference"])
+def test_stats_have_every_key_whether_the_forward_migrated_or_not(results, variant):
+    """`MicroBatchStats` keys are always there: code that reads weight_copies of a forward that moved
+    nothing must not get a KeyError."""
+    from deepspeed_feplb.stats import MicroBatchStats
+    stats = results[0][variant]["stats"]
+    assert set(stats) == set(MicroBatchStats.__annotations__), set(stats) ^ set(MicroBatchStats.__annotations__)
+    if not stats["moves"]:
+        assert stats["weight_copies"] == stats["grad_bytes"] == 0 and stats["seq"] == -1
+
+
 def test_single_rank_ep_does_not_migrate(results):
     assert results[0]["ep1"]["stats"]["migrated_tokens"] == 0
 

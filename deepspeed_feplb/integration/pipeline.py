@@ -113,7 +113,7 @@ class FEPLBPipelineEngine(PipelineEngine):
                 continue
             domain.scheduler.revive()
             previous = self.feplb_monitor.latest.get(name)
-            if previous is None or "domain_counts" not in previous.stats:
+            if previous is None or len(previous.stats["ranks"]) < 2:  # no domain-wide counts to plan ahead on
                 continue
             counts = np.asarray(previous.stats["domain_counts"])
             model = layer.compute_times.model(layer.feplb_config, layer.expert_bytes, getattr(layer, "row_bytes", 0),
@@ -146,7 +146,7 @@ class FEPLBPipelineEngine(PipelineEngine):
         state.records = self.feplb_monitor.records.pop(micro_batch_id, {})
         for name, moves in state.hints.items():
             record = state.records.get(name)
-            if record is not None and "domain_counts" in record.stats:
+            if record is not None and len(record.stats["ranks"]) > 1:
                 record.extra["warm_start_token_straggler"] = warm_start_straggler(record.stats["domain_counts"], moves)
         state.hints = {}
         state.forward_done = True
