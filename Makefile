@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STEPS  ?= 30
+# the rendezvous port of `make run`: give concurrent runs on one machine their own (PORT=29672 make run)
 PORT   ?= 29671
 
 .PHONY: run test install clean-shm device-wheels

@@ -35,7 +35,7 @@ def launch(tmp_path, program: str, ds_config: dict, **popen) -> subprocess.Popen
     (tmp_path / "train.py").write_text(program)
     (tmp_path / "ds_config.json").write_text(json.dumps(ds_config))
     command = readme_block("bash", "and launch with `deepspeed` as usual").strip()
-    assert command == "OMP_NUM_THREADS=1 deepspeed --num_gpus 2 train.py --deepspeed_config ds_config.json"
+    assert command == "OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port 29600 train.py --deepspeed_config ds_config.json"
     argv = [LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "--deepspeed_config",
             "ds_config.json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
