@@ -324,6 +324,12 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params) 
     except (KeyError, AssertionError, RuntimeError):
         pass  # the layer's groups were made outside DeepSpeed's registry: no replicas to agree with
     placement = config.placement
+    if layer.ep_size <= domain_size(config, layer.ep_size) and not _warned.get("one-node placement"):
+        _warned["one-node placement"] = True
+        warnings.warn(f"feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one NVLink domain "
+                      "(feplb.nvlink_domain_size), so placement has no node to balance against another and will not "
+                      "move experts; per-micro-batch balancing inside the domain does the work", UserWarning,
+                      stacklevel=5)
     return ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
                            domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
                            placement.network_gbps, state_bytes_per_expert(expert_params),
@@ -369,14 +375,13 @@ def _every_micro_batch() -> bool:
     return True
 
 
-_warned_dropless = False
+_warned: dict = {}  # warnings said once per process, by topic
 
 
 def _warn_dropless_once() -> None:
-    global _warned_dropless
-    if _warned_dropless:
+    if _warned.get("dropless"):
         return
-    _warned_dropless = True
+    _warned["dropless"] = True
     warnings.warn("FEPLB computes every routed token: a MoE layer built with drop_tokens=True (DeepSpeed's default) "
                   "drops the tokens above its capacity in DeepSpeed's MoE but none with FEPLB enabled, so the two "
                   "compute different outputs. Build the layer with drop_tokens=False to make them agree, or set "

@@ -101,7 +101,7 @@ def dropless_warning() -> dict:
 
     import deepspeed_feplb
     from deepspeed_feplb import layer as feplb_layer
-    feplb_layer._warned_dropless = False
+    feplb_layer._warned.pop("dropless", None)
     seen = {}
     for drop_tokens in (False, True, True):
         layer = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=1, k=1, drop_tokens=drop_tokens,

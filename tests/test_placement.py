@@ -155,3 +155,24 @@ def test_placement_refuses_autoep_layers(monkeypatch):
     config = load_config({"feplb": {"placement": {"enabled": True}}})
     with pytest.raises(FEPLBConfigError, match="feplb.placement.enabled: .*AutoEP layers .*model.layers.0.mlp"):
         autoep.install(torch.nn.Linear(2, 2), config)
+
+
+def one_node_placement_warning() -> list:
+    import warnings
+
+    import torch
+
+    import deepspeed_feplb
+    layer = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2, k=1, drop_tokens=False,
+                                use_rts=False, feplb_config={"nvlink_domain_size": 2,
+                                                             "placement": {"enabled": True}})
+    layer.set_deepspeed_parallelism()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(16, 8))
+    return [str(w.message) for w in caught if "feplb.placement.enabled" in str(w.message)]
+
+
+def test_placement_on_one_node_says_it_will_not_move_experts():
+    for said in run_distributed(one_node_placement_warning, 2, timeout=300):
+        assert len(said) == 1 and "is one NVLink domain" in said[0], said
