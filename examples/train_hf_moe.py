@@ -171,6 +171,13 @@ def train(args, log=print) -> tuple[list[dict], object]:
 
 def main() -> None:
     args = build_parser().parse_args()
+    try:  # before the process group: one line per rank at once, not a traceback per rank after its start
+        import transformers  # noqa: F401
+    except ImportError:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("train_hf_moe.py needs Hugging Face transformers (>=5.0,<5.23): pip install -e '.[hf]'",
+                  file=sys.stderr)
+        sys.exit(1)
     deepspeed_feplb.init_distributed()  # deepspeed.init_distributed, without DeepSpeed's CPU shm op build
     history, engine = train(args, log=lambda line: print(line, flush=True))
     if dist.get_rank() == 0 and history:

@@ -215,6 +215,21 @@ def train_hf_moe_with_config(config_path: str, log_path: str) -> dict:
             "dynamic": [layer.experts.feplb_config.dynamic_experts_per_rank for layer in layers.values()]}
 
 
+def test_train_hf_moe_without_transformers_says_what_to_install_in_one_line(tmp_path):
+    blocked = tmp_path / "transformers"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text("raise ImportError('transformers is not installed here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    done = subprocess.run([sys.executable, str(EXAMPLES / "train_hf_moe.py")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == ("train_hf_moe.py needs Hugging Face transformers (>=5.0,<5.23): "
+                                                     "pip install -e '.[hf]'"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_train_hf_moe_runs_with_a_deepspeed_config_and_report_reads_its_lines(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("deepspeed.module_inject.auto_ep_layer")
