@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import shutil
 import tempfile
 
 import torch
@@ -35,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps before the checkpoint")
     parser.add_argument("--check-steps", type=int, default=2, help="optimizer steps compared after loading")
-    parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "feplb_checkpoint_moe"),
-                        help="where to save (the same path on every rank; default: %(default)s)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where to save and keep the checkpoint (the same path on every rank); default: a new "
+                             "temporary folder, removed at the end")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
@@ -133,7 +135,12 @@ def main() -> None:
     if args.deepspeed_config is None:
         raise SystemExit("checkpoint_moe.py: pass --deepspeed_config PATH (e.g. examples/ds_config.json)")
     deepspeed_feplb.init_distributed()  # deepspeed.init_distributed, without DeepSpeed's CPU shm op build
-    losses = round_trip(args, args.deepspeed_config, args.checkpoint_dir, log=lambda line: print(line, flush=True))
+    checkpoint_dir = args.checkpoint_dir
+    if checkpoint_dir is None:  # rank 0 makes it, every rank uses it, rank 0 removes it at the end
+        where = [tempfile.mkdtemp(prefix="feplb_checkpoint_moe-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(where, src=0)
+        checkpoint_dir = where[0]
+    losses = round_trip(args, args.deepspeed_config, checkpoint_dir, log=lambda line: print(line, flush=True))
     worst = worst_difference(losses)
     if dist.get_rank() == 0:
         print(f"losses after the checkpoint (rank 0), saved engine:  {rounded(losses['saved'])}")
@@ -143,6 +150,8 @@ def main() -> None:
         print(f"{'match' if worst <= TOLERANCE else 'MISMATCH'}: largest relative difference {worst:.2e} "
               f"over all ranks (tolerance {TOLERANCE:.0e})")
     dist.barrier()
+    if args.checkpoint_dir is None and dist.get_rank() == 0:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
     deepspeed_feplb.shutdown()
     dist.destroy_process_group()
     if worst > TOLERANCE:
