@@ -17,14 +17,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import logging
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
 from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
+
+log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnings print as the bare message
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 
@@ -113,6 +115,7 @@ class ProcessScheduler(InlineScheduler):
         self.plan_timeout_s, self.restart, self.start_after_steps = plan_timeout_s, restart, start_after_steps
         self.process: subprocess.Popen | None = None
         self.fallbacks = self.late_in_a_row = 0
+        self._said_gone = False  # a dead process that is not restarted is reported once
         if create:
             # Until the process is up every rank plans in-process, silently (the mailbox says it is
             # starting): it starts after `start_after_steps` steps, so that short runs never pay
@@ -134,7 +137,7 @@ class ProcessScheduler(InlineScheduler):
         """Restart the process now if it died (only its owner, rank 0 of the domain, can), instead of
         after a plan timeout inside the next forward."""
         if self.process is not None and self.restart and self.process.poll() is not None:
-            self._start_process()
+            self._restart(self._exit_reason())
 
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the process's, or, before it first came up or when it is
@@ -193,19 +196,37 @@ class ProcessScheduler(InlineScheduler):
             return None
 
     def _on_late_scheduler(self) -> None:
+        """A micro-batch planned in-process. A late plan alone says nothing (nothing is lost: every
+        rank computes the same plan; it counts as a fallback in the stats); the process's owner says
+        when the process died or stopped answering, and what it did about it."""
         self.fallbacks += 1
         self.late_in_a_row += 1
-        if self.fallbacks == 1:
-            warnings.warn("FEPLB: the scheduler process did not answer in time; ranks plan in-process "
-                          "(same plan on every rank)", RuntimeWarning, stacklevel=4)
-        if self.process is None or not self.restart:
+        if self.process is None:
             return
-        if self.process.poll() is None and self.late_in_a_row >= self.STALLED_AFTER:
+        if self.process.poll() is None and self.restart and self.late_in_a_row >= self.STALLED_AFTER:
             self.process.kill()  # stalled: a fresh one is cheaper than waiting on it every step
             self.process.wait()
-        if self.process.poll() is not None:
-            self._start_process()
-            self.late_in_a_row = 0
+            self._restart(f"missed {self.late_in_a_row} plans in a row (feplb.scheduler.plan_timeout_ms="
+                          f"{self.plan_timeout_s * 1e3:g}) and was stopped")
+        elif self.process.poll() is not None and self.restart:
+            self._restart(self._exit_reason())
+        elif self.process.poll() is not None and not self._said_gone:
+            self._said_gone = True
+            log.warning(f"FEPLB: the scheduler process feplb-sched (pid {self.process.pid}) {self._exit_reason()}; "
+                        "feplb.scheduler.restart is off, so the ranks of its domain plan in-process from now on "
+                        "(the same plan on every rank)")
+
+    def _exit_reason(self) -> str:
+        code = self.process.poll()
+        return f"exited ({f'signal {-code}' if code < 0 else f'exit code {code}'})"
+
+    def _restart(self, why: str) -> None:
+        pid = self.process.pid
+        self._start_process()
+        self.late_in_a_row = 0
+        log.warning(f"FEPLB: the scheduler process feplb-sched (pid {pid}) {why}; restarted it as pid "
+                    f"{self.process.pid}; until it serves, the ranks of its domain plan in-process (the same plan "
+                    "on every rank)")
 
     def close(self) -> None:
         if self.process is not None:
