@@ -255,6 +255,9 @@ def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True, bas
     if "scheduler_cpu_percent" in history[-1]:
         print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
               "(from the step it was up to the end)")
+    else:
+        print("  scheduler process (feplb-sched): not up in this run (feplb.scheduler.mode \"inline\", or the run "
+              "ended before feplb.scheduler.start_after_steps micro-batches); the ranks planned in-process")
     if per_step(history, "weight_copies"):
         mean = {key: np.mean(per_step(history, key, np.sum) or [0]) for key in (
             "weight_copies", "weight_bytes", "resident_hits", "flushed_copies", "grad_bytes")}

@@ -151,6 +151,7 @@ def test_train_moe_summary_uses_the_means_of_report(tmp_path, capsys):
     assert (f"token straggler (max-mean): {means['token_straggler_before_mean']:.1f} -> "
             f"{means['token_straggler_after_mean']:.1f}") in out, out
     assert "(steps 3..4)" in out  # the steps as the lines number them
+    assert "scheduler process (feplb-sched): not up in this run" in out  # said, not left out
 
 
 # ---------------------------------------------------------------- train_hf_moe.py
