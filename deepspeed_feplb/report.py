@@ -4,7 +4,9 @@ Input: the per-step JSON lines that the examples print (``{"step": ..., "loss": 
 "layers": {layer: {metric: value}}}``; other lines of a log are skipped, so a whole
 ``deepspeed ... | tee run.log`` works), and/or a directory written by DeepSpeed's CSV monitor
 (files ``FEPLB_<layer>_<metric>.csv``, as `deepspeed_feplb.integration.monitor` writes them).
-Steps are shown as logged (no renumbering).
+Steps are shown as logged (no renumbering). Several inputs are separate runs (e.g. FEPLB on and
+off), shown side by side: their layers become ``<run>: <layer>`` (run = ``--label`` or the file
+name) and summary.md gets a table of the runs (steps, median step time, loss).
 
 Output, in ``--out``: ``stragglers.png`` (token straggler before/after balancing and measured
 GEMM straggler per layer over steps), ``migration.png`` (migrated tokens and bytes, plan latency,
@@ -85,10 +87,8 @@ AVERAGING = ("Every number is a mean over the logged steps of the per-step value
 PLOT_INSTALL = "pip install -e '.[plot]' in the repository checkout (or pip install matplotlib)"
 
 
-def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
-    """-> (series ``{layer: {metric: [(step, value)]}}``, loss ``{step: value}``) from JSON lines."""
-    series: dict = {}
-    loss: dict = {}
+def _records(path: str | os.PathLike):
+    """The per-step records (JSON objects with a ``step``) of a log; other lines are skipped."""
     with open(path, errors="replace") as f:  # a launcher's log may hold bytes that are not UTF-8
         for line in f:
             line = line.strip()
@@ -98,16 +98,40 @@ def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            step = record["step"]
-            if "loss" in record:
-                loss[step] = record["loss"]
-            for layer, metrics in (record.get("layers") or {}).items():
-                for metric, value in metrics.items():
-                    if isinstance(value, (int, float)):
-                        series.setdefault(layer, {}).setdefault(metric, []).append((step, float(value)))
+            if isinstance(record, dict) and "step" in record:
+                yield record
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
+    """-> (series ``{layer: {metric: [(step, value)]}}``, loss ``{step: value}``) from JSON lines."""
+    series: dict = {}
+    loss: dict = {}
+    for record in _records(path):
+        step = record["step"]
+        if "loss" in record:
+            loss[step] = record["loss"]
+        for layer, metrics in (record.get("layers") or {}).items():
+            for metric, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    series.setdefault(layer, {}).setdefault(metric, []).append((step, float(value)))
     return series, loss
+
+
+def read_step_ms(path: str | os.PathLike) -> dict:
+    """-> ``{step: wall milliseconds}`` of the records that carry ``step_ms`` (the examples' lines)."""
+    return {r["step"]: float(r["step_ms"]) for r in _records(path) if isinstance(r.get("step_ms"), (int, float))}
+
+
+def labels_for(inputs: list, given: list | None) -> list[str]:
+    """One label per input: ``given`` (``--label``, one per input), else the file or folder name
+    (with its position where two inputs share a name)."""
+    if given:
+        if len(given) != len(inputs):
+            raise ValueError(f"--label given {len(given)} times for {len(inputs)} inputs; give one per input, "
+                             "in the inputs' order")
+        return list(given)
+    names = [Path(source).name or str(source) for source in inputs]
+    return [f"{name} ({i + 1})" if names.count(name) > 1 else name for i, name in enumerate(names)]
 
 
 _CSV_NAME = re.compile(r"^FEPLB_(?P<layer>.+)_(?P<metric>" + "|".join(
@@ -183,7 +207,7 @@ MANY_LAYERS = 6  # above this, a panel shows the mean over layers and their min-
 def _layer_lines(series: dict, metric: str):
     """-> [(label, steps, values, band)] of one metric: one line per layer, or with more than
     MANY_LAYERS layers one line of the mean over layers and ``band`` = (min, max) per step."""
-    layers = sorted(series)
+    layers = list(series)  # the order given: a run's layers sorted, runs in the inputs' order
     if len(layers) <= MANY_LAYERS:
         out = []
         for layer in layers:
@@ -209,7 +233,7 @@ def figures(series: dict, loss: dict) -> dict:
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    layers = sorted(series)
+    layers = list(series)  # the order given: a run's layers sorted, runs in the inputs' order
     out = {}
 
     def has(metrics):
@@ -279,8 +303,11 @@ def figures(series: dict, loss: dict) -> dict:
         out["migration.png"] = migration
     if loss:
         fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
-        steps = sorted(loss)
-        ax.plot(steps, [loss[s] for s in steps], marker=".")
+        for label, curve in per_run(loss).items():
+            steps = sorted(curve)
+            ax.plot(steps, [curve[s] for s in steps], marker=".", label=label or None)
+        if len(per_run(loss)) > 1:
+            ax.legend(fontsize=8)
         ax.set_title("training loss", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
@@ -296,11 +323,12 @@ def _format(value: float) -> str:
     return f"{value:.{max(0, 2 - int(math.floor(math.log10(abs(value)))))}f}"
 
 
-def summary_markdown(series: dict, loss: dict, figure_names=(), sources=()) -> str:
-    """The one-page ``summary.md``: per-layer means over steps (one row per metric, one column
-    per layer), what each metric is, and the figures."""
+def summary_markdown(series: dict, loss: dict, figure_names=(), sources=(), runs: dict | None = None) -> str:
+    """The one-page ``summary.md``: with several inputs a table of the runs (steps, median step
+    time, loss); per-layer means over steps (one row per metric, one column per layer, named
+    ``<run>: <layer>`` with several inputs), what each metric is, and the figures."""
     means = summary(series)
-    layers = sorted(series)
+    layers = list(series)  # the order given: a run's layers sorted, runs in the inputs' order
     present = {m for metrics in series.values() for m in metrics}
     metrics = [m for m in METRIC_INFO if m in present] + sorted(present - set(METRIC_INFO))
     scale, byte_unit = _bytes_unit(max([e[f"{m}_mean"] for e in means.values() for m in metrics
@@ -308,6 +336,15 @@ def summary_markdown(series: dict, loss: dict, figure_names=(), sources=()) -> s
     lines = ["# FEPLB training report", ""]
     if sources:
         lines += ["Inputs: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+    if runs and len(runs) > 1:
+        lines += ["## Runs side by side", "", "Each input is one run; its layers' columns below are named "
+                  "`<run>: <layer>`. Step time: median wall time per optimizer step from the second logged step.",
+                  "", "| run | input | steps | step time, median | loss first → last |", "|---|---|---:|---:|---|"]
+        for row in runs.values():
+            ms = "" if row["step_ms_median"] is None else f"{_format(row['step_ms_median'])} ms"
+            first_last = "" if row["loss"] is None else f"{row['loss'][0]:.4g} → {row['loss'][1]:.4g}"
+            lines.append(f"| {row['label']} | `{row['source']}` | {row['steps']} | {ms} | {first_last} |")
+        lines.append("")
     lines += ["## Per-layer means over steps", "", AVERAGING, "",
               "| metric | unit | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
               "|---|---|" + "---:|" * len(layers)]
@@ -337,9 +374,10 @@ def summary_markdown(series: dict, loss: dict, figure_names=(), sources=()) -> s
                 medians.append(f"layer {layer} {_format(values[len(values) // 2])} µs")
         lines += ["", "Plan latency, median over steps (the mean includes the first plan, which also loads the "
                       "compiled planning pass): " + ", ".join(medians) + "."]
-    if loss:
-        steps = sorted(loss)
-        lines += ["", f"Loss: {loss[steps[0]]:.4g} at step {steps[0]}, {loss[steps[-1]]:.4g} at step {steps[-1]}."]
+    for label, curve in per_run(loss).items():
+        steps = sorted(curve)
+        lines += ["", f"Loss{f' ({label})' if label else ''}: {curve[steps[0]]:.4g} at step {steps[0]}, "
+                      f"{curve[steps[-1]]:.4g} at step {steps[-1]}."]
     lines += ["", "## What the numbers mean", ""]
     for m in metrics:
         name, unit, text = METRIC_INFO.get(m, (m, "", "as logged"))
@@ -353,25 +391,43 @@ def summary_markdown(series: dict, loss: dict, figure_names=(), sources=()) -> s
     return "\n".join(lines).rstrip() + "\n"
 
 
-def plot(series: dict, loss: dict, out_dir: str | os.PathLike, sources=()) -> list[str]:
-    """Write the PNGs, summary.json and summary.md into ``out_dir``; returns the written paths."""
-    plt = pyplot()
+def plot(series: dict, loss: dict, out_dir: str | os.PathLike, sources=(), draw: bool = True,
+         runs: dict | None = None) -> list[str]:
+    """Write the PNGs (with ``draw``: needs matplotlib), summary.json and summary.md into
+    ``out_dir``; returns the written paths. ``runs``: `run_table` rows for summary.md."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    drawn = figures(series, loss)
+    drawn = figures(series, loss) if draw else {}
     for name, fig in drawn.items():
         path = out / name
         fig.savefig(path, dpi=110)
-        plt.close(fig)
+        pyplot().close(fig)
         written.append(str(path))
     path = out / "summary.json"
     path.write_text(json.dumps(summary(series), indent=2, sort_keys=True) + "\n")
     written.append(str(path))
     path = out / "summary.md"
-    path.write_text(summary_markdown(series, loss, list(drawn), sources))
+    path.write_text(summary_markdown(series, loss, list(drawn), sources, runs))
     written.append(str(path))
     return written
+
+
+def per_run(loss: dict) -> dict:
+    """``{run label: {step: loss}}`` from one run's ``{step: loss}`` (label "") or several runs'."""
+    if loss and all(isinstance(v, dict) for v in loss.values()):
+        return loss
+    return {"": loss} if loss else {}
+
+
+def run_table(label: str, source: str, loss: dict, step_ms: dict) -> dict:
+    """One input's row of summary.md's run table: steps, median step time (from the second logged
+    step: the first holds start-up), first and last loss."""
+    steps = sorted(set(loss) | set(step_ms))
+    times = sorted(step_ms[s] for s in sorted(step_ms)[1:]) or sorted(step_ms.values())
+    return {"label": label, "source": str(source), "steps": len(steps),
+            "step_ms_median": times[len(times) // 2] if times else None,
+            "loss": (loss[min(loss)], loss[max(loss)]) if loss else None}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -379,10 +435,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "report", help="plot recorded FEPLB training stats (JSON lines or a CSV-monitor directory) as PNGs",
         description="Plot FEPLB per-step stats (token and GEMM stragglers, migration, plan latency, loss) and "
-                    "write summary.json and summary.md with the per-layer means over steps. Needs matplotlib: "
-                    "pip install -e '.[plot]'.")
+                    "write summary.json and summary.md with the per-layer means over steps. The figures need "
+                    "matplotlib (pip install -e '.[plot]'); without it only summary.json and summary.md are written.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="a log with the examples' per-step JSON lines, or a DeepSpeed CSV-monitor directory")
+                        help="a log with the examples' per-step JSON lines, or a DeepSpeed CSV-monitor directory; "
+                             "several inputs are separate runs, compared side by side (e.g. FEPLB on and off): "
+                             "one column per run and layer, one line per run and layer in the figures")
+    parser.add_argument("--label", action="append", metavar="NAME",
+                        help="a run's name in tables and figures, once per input in their order "
+                             "(default: the input's file or folder name)")
     parser.add_argument("--out", default="feplb_report", metavar="DIR", help="output directory (default: %(default)s)")
     parser.set_defaults(func=_report_command)
     return parser
@@ -399,24 +460,42 @@ def _report_command(args) -> int:
     if missing:
         _fail(f"{', '.join(missing)} not found; give a log with the examples' JSON lines or a CSV-monitor directory")
     try:
+        labels = labels_for(args.inputs, args.label)
+    except ValueError as e:
+        _fail(str(e))
+    draw = True
+    try:
         pyplot()
     except ImportError as e:
-        _fail(str(e))
+        draw = False
+        print(f"report: {e}; writing summary.json and summary.md only", file=sys.stderr)
+    several = len(args.inputs) > 1
     series: dict = {}
-    loss: dict = {}
-    for source in args.inputs:
+    losses: dict = {}
+    runs: dict = {}
+    for label, source in zip(labels, args.inputs):
+        found_loss, step_ms = {}, {}
         if os.path.isdir(source):
             found = read_csv_dir(source)
         else:
-            found, found_loss = read_jsonl(source)
-            loss.update(found_loss)
-        for layer, metrics in found.items():
-            series.setdefault(layer, {}).update(metrics)
+            (found, found_loss), step_ms = read_jsonl(source), read_step_ms(source)
+        prefix = f"{label}: " if several else ""  # runs side by side, never merged into one column
+        for layer in sorted(found):
+            series.setdefault(prefix + layer, {}).update(found[layer])
+        if found_loss:
+            losses[label] = found_loss
+        runs[label] = run_table(label, source, found_loss, step_ms)
     if not series:
         print(f"report: no FEPLB stats found in {', '.join(args.inputs)}")
         return 1
-    for path in plot(series, loss, args.out, args.inputs):
+    loss = losses if several else next(iter(losses.values()), {})
+    for path in plot(series, loss, args.out, args.inputs, draw, runs):
         print(path)
+    if several:
+        print("runs (step time: median from the second logged step):")
+        for row in runs.values():
+            ms = "no step times" if row["step_ms_median"] is None else f"step time {row['step_ms_median']:.1f} ms"
+            print(f"{row['label']}: {row['steps']} steps, {ms}")
     print("per-layer means over steps (each step: mean over its micro-batches):")
     for layer, entry in summary(series).items():
         parts = []

@@ -155,9 +155,9 @@ def test_missing_optional_packages_name_the_install(small_trace, tmp_path, capsy
 
     log = tmp_path / "run.log"
     log.write_text(json.dumps({"step": 1, "layers": {"moe": {"gemm_straggler_ms": 1.0}}}) + "\n")
-    with pytest.raises(SystemExit) as exit_:
-        main(["report", str(log), "--out", str(tmp_path / "plots")])
-    assert exit_.value.code == 2 and "pip install -e '.[plot]'" in _error_line(capsys)
+    assert main(["report", str(log), "--out", str(tmp_path / "plots")]) == 0  # the summaries without figures
+    assert "pip install -e '.[plot]'" in _error_line(capsys)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["summary.json", "summary.md"]
 
     monkeypatch.setitem(sys.modules, "highspy", None)
     with pytest.raises(SystemExit) as exit_:
@@ -228,6 +228,33 @@ def test_report_summary_md_states_means_over_steps_as_logged(tmp_path, capsys, f
     summary = json.loads((out / "summary.json").read_text())
     assert summary["1.moe"]["gemm_straggler_ms_mean"] == pytest.approx(2.5)
     assert summary["1.moe"]["migrated_tokens_total"] == 400 and summary["1.moe"]["migrated_tokens_mean"] == 100
+
+
+def test_report_puts_several_runs_side_by_side(tmp_path, capsys):
+    """FEPLB on and off as two inputs: one column per run, never one merged column (which showed the
+    off run's GEMM straggler as the on run's)."""
+    def log(name, gemm, step_ms):
+        lines = [json.dumps({"step": s, "loss": 5.0 - s, "step_ms": step_ms + s, "layers": {"moe": {
+            "gemm_straggler_ms": gemm, "token_straggler_before": 40.0, "token_straggler_after": 4.0}}})
+            for s in range(1, 5)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        return str(tmp_path / name)
+    on, off = log("on.log", 1.31, 40.0), log("off.log", 8.79, 50.0)
+    out = tmp_path / "plots"
+    assert main(["report", on, off, "--out", str(out), "--label", "FEPLB", "--label", "DeepSpeed"]) == 0
+    assert "FEPLB: 4 steps, step time 43.0 ms" in capsys.readouterr().out
+    md = (out / "summary.md").read_text()
+    assert "| metric | unit | layer FEPLB: moe | layer DeepSpeed: moe |" in md
+    assert "| measured GEMM straggler | ms | 1.31 | 8.79 |" in md
+    assert "| FEPLB | `" + on + "` | 4 | 43.0 ms | 4 → 1 |" in md and "| DeepSpeed |" in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["FEPLB: moe"]["gemm_straggler_ms_mean"] == 1.31
+    assert summary["DeepSpeed: moe"]["gemm_straggler_ms_mean"] == 8.79
+    assert main(["report", on, off, "--out", str(out)]) == 0  # labels: the file names
+    assert "layer on.log: moe | layer off.log: moe" in (out / "summary.md").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", on, off, "--out", str(out), "--label", "FEPLB"])
+    assert exit_.value.code == 2 and "--label given 1 times for 2 inputs" in _error_line(capsys)
 
 
 def _integral(values) -> bool:
