@@ -904,3 +904,85 @@ def replicas_case(steps: int = 5) -> dict:
               for n, p in ours.module.named_parameters()}
     deepspeed_feplb.shutdown()
     return {"losses": losses, "param_errors": params, "moved": moved}
+
+
+class ThreeMoEModel(torch.nn.Module):
+    """Dense -> MoE x 3 (EP sizes ``eps``, 2 experts per rank) -> dense, returning (prediction, summed l_aux)."""
+
+    def __init__(self, eps=(2, 4, 2)):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN)
+        self.moes = torch.nn.ModuleList(
+            DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=2 * ep, ep_size=ep, k=2, min_capacity=0,
+                         drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False) for ep in eps)
+
+    def forward(self, x):
+        h, l_total = self.inp(x) + 1.0, 0.0
+        for moe in self.moes:
+            h, l_aux, _ = moe(h)
+            h, l_total = h + 1.0, l_total + l_aux  # a positive mean, so that each skewed gate stays skewed
+        return self.out(h), l_total
+
+
+def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
+    """Three MoE layers at EP 2/4/2 on 4 ranks (the EP 2 layers have expert-data-parallel replicas),
+    FEPLB migrating in each, trained with Adam beside DeepSpeed. Before every step FEPLB's weights
+    are set to DeepSpeed's, so the gradients compared come from the same weights: free-running,
+    Adam turns last-bit weight differences into ~1e-6 gradient drift after a few steps, as it does
+    between DeepSpeed and itself with the tokens permuted. Returns per step the norm-relative
+    gradient difference of each part (``inp``, ``moes.0``..``moes.2``, ``out``; max over this
+    rank) and each layer's migrated rows. ``fault``: helpers' weight-gradients come home scaled by
+    1 + fault (to show that the comparison sees a small error)."""
+    import deepspeed
+
+    from deepspeed_feplb.migrate import phase2
+    if fault:
+        original = phase2.Phase2Step._vjp
+
+        def scaled(self, piece, grad):
+            gx, *gp = original(self, piece, grad)
+            if any(piece is q for pieces in self.served.values() for q in pieces):
+                gp = [g * (1.0 + fault) for g in gp]
+            return [gx, *gp]
+        phase2.Phase2Step._vjp = scaled
+
+    def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
+        torch.manual_seed(11)
+        model = ThreeMoEModel()
+        for moe in model.moes:
+            skew_gate(moe.deepspeed_moe.gate.wg.weight, spread=False)
+            diversify_experts(moe)
+        return model
+
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore"}
+    config = ds_config(0, feplb)
+    engines = {}
+    for name, init in (("reference", deepspeed.initialize), ("feplb", deepspeed_feplb.initialize)):
+        model = make_model()
+        engines[name] = init(model=model, model_parameters=param_groups(model), config=config)[0]
+    reference, ours = engines["reference"], engines["feplb"]
+    parts = ("inp", "moes.0", "moes.1", "moes.2", "out")
+    errors, migrated = [], [0, 0, 0]
+    for step in range(steps):
+        with torch.no_grad():
+            theirs = dict(reference.module.named_parameters())
+            for n, p in ours.module.named_parameters():
+                p.copy_(theirs[n])
+        x, target = rank_inputs(100 + step)
+        grads = {}
+        for name, engine in engines.items():
+            prediction, l_aux = engine(x)
+            engine.backward(((prediction - target) ** 2).mean() + 0.01 * l_aux)
+            grads[name] = {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+            engine.step()
+        assert set(grads["feplb"]) == set(grads["reference"])
+        per_part = {}
+        for part in parts:
+            names = [n for n in grads["reference"] if n.startswith(part + ".")]
+            diff = sum(float((grads["feplb"][n].double() - grads["reference"][n].double()).pow(2).sum()) for n in names)
+            norm = sum(float(grads["reference"][n].double().pow(2).sum()) for n in names)
+            per_part[part] = (diff / max(norm, 1e-30)) ** 0.5
+        errors.append(per_part)
+        for i, moe in enumerate(ours.module.moes):
+            migrated[i] += moe.feplb_stats["migrated_tokens"]
+    return {"errors": errors, "migrated": migrated}
