@@ -15,7 +15,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -23,6 +22,7 @@ from deepspeed_feplb import exits
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
+from deepspeed_feplb.plan import warmup
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
 from deepspeed_feplb.segments import PeerWatch, cleanup, ranks_per_host
 
@@ -55,15 +55,6 @@ def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:
     return names
 
 
-def planner_cached() -> bool:
-    """Whether numba's cache holds the compiled planning pass (`plan/passes.py`): in the package's
-    ``__pycache__``, or under ``NUMBA_CACHE_DIR``."""
-    roots = [Path(__file__).parent / "plan" / "__pycache__"]
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        roots.append(Path(os.environ["NUMBA_CACHE_DIR"]))
-    return any(next(root.rglob("passes.*.nbi"), None) is not None for root in roots if root.is_dir())
-
-
 class DomainRuntime:
     """This rank's view of its domain: ``local_rank`` in ``[0, size)``, ``ranks`` (global ranks),
     ``transport`` (a `migrate.Transport`), ``scheduler`` (a `scheduler.Scheduler`), ``watch``."""
@@ -89,9 +80,10 @@ class DomainRuntime:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts {sorted(hosts)}; "
                                    "set it to the number of ranks per host")
         self.name = f"feplb-{info[first][0]}"
-        if self.local_rank == 0 and not planner_cached():
-            print("deepspeed_feplb: first use on this machine: numba compiles the planner once (about 15 s on a "
-                  "slow 2-core machine); later runs load it from numba's cache", flush=True)
+        if self.local_rank == 0 and not warmup.planner_cached():
+            print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the background "
+                  "(15-40 s on a slow 2-core machine; training goes on unbalanced meanwhile); later runs load it "
+                  "from numba's cache", flush=True)
         sched = config.scheduler
         leader = self.local_rank == 0
         self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)

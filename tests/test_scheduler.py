@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
+from deepspeed_feplb.plan import warmup
 from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
 from deepspeed_feplb.scheduler.client import ProcessScheduler
 from deepspeed_feplb.segments import Word, cpu_seconds, futex_wait, leftover_segments, process_alive
@@ -34,6 +35,7 @@ def client():
     name = f"feplb-test-{secrets.token_hex(4)}"
     c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
                          start_after_steps=3)
+    assert warmup.wait(120), "the compiled planning pass did not load"  # plans are compared with plan_domain's
     yield c
     c.close()
     assert not leftover_segments(name)
@@ -117,15 +119,13 @@ def test_a_word_wakes_its_sleeper_and_a_sleep_ends_at_its_timeout():
 
 
 def test_the_first_compile_of_the_planner_is_announced_only_without_a_cache(tmp_path, monkeypatch):
-    from deepspeed_feplb import domain
-
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(domain, "__file__", str(tmp_path / "domain.py"))
-    assert not domain.planner_cached()  # a fresh machine: the message is printed
+    monkeypatch.setattr(warmup, "__file__", str(tmp_path / "plan" / "warmup.py"))
+    assert not warmup.planner_cached()  # a fresh machine: the message is printed, the compile runs in the background
     cache = tmp_path / "plan" / "__pycache__"
     cache.mkdir(parents=True)
     (cache / "passes.plan_pass-321.py311.nbi").touch()
-    assert domain.planner_cached()
+    assert warmup.planner_cached()
 
 
 def _short_run_domain(steps: int) -> dict:
@@ -141,6 +141,7 @@ def _short_run_domain(steps: int) -> dict:
     if rank == 0:
         client = ProcessScheduler(names[0], 0, ranks, plan_timeout_s=0.02, peer_timeout_s=30.0, restart=True,
                                   create=True, start_after_steps=1000)
+        warmup.wait(120)
     dist.barrier()
     if rank:
         client = ProcessScheduler(names[0], rank, ranks, plan_timeout_s=0.02, peer_timeout_s=30.0, restart=True,
@@ -158,6 +159,25 @@ def _short_run_domain(steps: int) -> dict:
     dist.barrier()
     client.close()
     return {"numba_before": before, "numba_after": loaded, "same": bool(same)}
+
+
+def test_while_the_planner_loads_the_first_rank_hands_out_plans_without_moves(monkeypatch):
+    """No micro-batch waits for numba: until the background load is done, the domain computes at home."""
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
+                         start_after_steps=1000)
+    try:
+        assert warmup.wait(120)
+        monkeypatch.setattr(warmup, "ready", lambda: False)  # as while the thread still compiles
+        x, planned = step(c, 0)
+        assert planned.plan.moves.shape == (0, 4) and np.array_equal(planned.plan.rank_tokens, x.sum(axis=1))
+        assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
+        monkeypatch.undo()
+        x, planned = step(c, 1)
+        assert np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves)
+    finally:
+        c.close()
+    assert not leftover_segments(name)
 
 
 def test_before_the_process_is_up_only_the_first_rank_plans():

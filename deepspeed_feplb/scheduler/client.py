@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_feplb.plan.policy import Plan, PlanConstraints, plan_domain
+from deepspeed_feplb.plan import warmup
+from deepspeed_feplb.plan.policy import Plan, PlanConstraints, empty_plan, plan_domain
 from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
 
 log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnings print as the bare message
@@ -112,6 +113,8 @@ class ProcessScheduler(InlineScheduler):
     def __init__(self, name: str, local_rank: int, ranks: int, *, plan_timeout_s: float, peer_timeout_s: float,
                  restart: bool, create: bool, start_after_steps: int = 0, watch: PeerWatch | None = None):
         super().__init__(name, local_rank, ranks, peer_timeout_s=peer_timeout_s, create=create, watch=watch)
+        if create:
+            warmup.start()  # this rank plans for the domain until the process is up
         self.plan_timeout_s, self.restart, self.start_after_steps = plan_timeout_s, restart, start_after_steps
         self.process: subprocess.Popen | None = None
         self.fallbacks = self.late_in_a_row = 0
@@ -166,7 +169,10 @@ class ProcessScheduler(InlineScheduler):
         a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
         process per domain loads numba and the compiled planner, instead of every rank."""
         if self.mailbox.owner:
-            planned = self._plan_here(counts, constraints, resident, fallback=False)
+            if warmup.ready():
+                planned = self._plan_here(counts, constraints, resident, fallback=False)
+            else:  # the compiled pass is still loading: no moves this micro-batch, rather than a stalled step
+                planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
             self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
             return planned
         plan, plan_ns = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,

@@ -29,6 +29,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from deepspeed_feplb.plan import warmup
+
 __all__ = ["free_port", "run_distributed", "RankFailed", "RankSkipped"]
 
 _SHM_PREFIX = "/dev/shm/feplb-"
@@ -146,7 +148,13 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     its return value travels back with plain pickle. Raises `RankFailed` (an `AssertionError`)
     with the first failing rank's traceback, `RankSkipped` if a rank skipped, or `TimeoutError`
     naming the ranks that did not finish in time, followed by their Python stacks.
+
+    On a machine whose numba cache lacks the compiled planner, this process compiles it first (once):
+    a domain would otherwise compile it in the background and stay unbalanced meanwhile
+    (`plan.warmup`), and a test expects its ranks to plan from their first micro-batch.
     """
+    if not warmup.planner_cached():
+        from deepspeed_feplb.plan import passes  # noqa: F401
     ctx = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="feplb-test-")
     store = os.path.join(workdir, "filestore")
