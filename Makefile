@@ -16,6 +16,8 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python setup.py
 	$(BIN)/pip install --quiet -e ".[test,plot]"
+	# compile the planner into numba's cache now, not in the first run (whose scheduler process would)
+	$(BIN)/python -c "import deepspeed_feplb.plan.passes"
 	touch $@
 
 install: $(VENV)/.installed

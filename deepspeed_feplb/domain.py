@@ -22,7 +22,7 @@ from deepspeed_feplb import exits
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
-from deepspeed_feplb.plan import warmup
+from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
 from deepspeed_feplb.segments import PeerWatch, cleanup, ranks_per_host
 
@@ -80,10 +80,10 @@ class DomainRuntime:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts {sorted(hosts)}; "
                                    "set it to the number of ranks per host")
         self.name = f"feplb-{info[first][0]}"
-        if self.local_rank == 0 and not warmup.planner_cached():
-            print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the background "
-                  "(15-40 s on a slow 2-core machine; training goes on unbalanced meanwhile); later runs load it "
-                  "from numba's cache", flush=True)
+        if self.local_rank == 0 and not planner_cached():
+            print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the scheduler "
+                  "process (15-40 s on a slow 2-core machine; training goes on unbalanced meanwhile); later runs load "
+                  "it from numba's cache", flush=True)
         sched = config.scheduler
         leader = self.local_rank == 0
         self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)

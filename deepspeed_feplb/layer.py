@@ -44,7 +44,6 @@ from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.migrate.placement import ExpertPlacement, state_bytes_per_expert
 from deepspeed_feplb.migrate.resident import LayerResidency
-from deepspeed_feplb.plan import warmup
 from deepspeed_feplb.plan.policy import balancing_may_pay, rows_bound
 from deepspeed_feplb.stats import StageTimes, layer_stats, recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -109,9 +108,6 @@ class FEPLBMOELayer(MOELayer):
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
         self.balances = (self.ep_size > 1 and config.dynamic_experts_per_rank > 0
                          and domain_size(config, self.ep_size) > 1)
-        if (self.balances and config.scheduler.mode == "process"
-                and dist.get_rank(self.ep_group) % domain_size(config, self.ep_size) == 0):
-            warmup.start()  # this rank will plan for its domain: load the compiled pass before it must
         if config.placement.enabled and self.ep_size > 1:
             self.placement = _make_placement(self, config, expert_params)
         adopt_loaded_order(self)

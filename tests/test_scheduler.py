@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from deepspeed_feplb.plan import warmup
+from deepspeed_feplb.plan import cache
+from deepspeed_feplb.scheduler import client as client_module
 from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
 from deepspeed_feplb.scheduler.client import ProcessScheduler
 from deepspeed_feplb.segments import Word, cpu_seconds, futex_wait, leftover_segments, process_alive
@@ -35,7 +36,6 @@ def client():
     name = f"feplb-test-{secrets.token_hex(4)}"
     c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
                          start_after_steps=3)
-    assert warmup.wait(120), "the compiled planning pass did not load"  # plans are compared with plan_domain's
     yield c
     c.close()
     assert not leftover_segments(name)
@@ -120,12 +120,12 @@ def test_a_word_wakes_its_sleeper_and_a_sleep_ends_at_its_timeout():
 
 def test_the_first_compile_of_the_planner_is_announced_only_without_a_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(warmup, "__file__", str(tmp_path / "plan" / "warmup.py"))
-    assert not warmup.planner_cached()  # a fresh machine: the message is printed, the compile runs in the background
-    cache = tmp_path / "plan" / "__pycache__"
-    cache.mkdir(parents=True)
-    (cache / "passes.plan_pass-321.py311.nbi").touch()
-    assert warmup.planner_cached()
+    monkeypatch.setattr(cache, "__file__", str(tmp_path / "plan" / "cache.py"))
+    assert not cache.planner_cached()  # a fresh machine: the message is printed, the process compiles
+    folder = tmp_path / "plan" / "__pycache__"
+    folder.mkdir(parents=True)
+    (folder / "passes.plan_pass-321.py311.nbi").touch()
+    assert cache.planner_cached()
 
 
 def _short_run_domain(steps: int) -> dict:
@@ -141,7 +141,6 @@ def _short_run_domain(steps: int) -> dict:
     if rank == 0:
         client = ProcessScheduler(names[0], 0, ranks, plan_timeout_s=0.02, peer_timeout_s=30.0, restart=True,
                                   create=True, start_after_steps=1000)
-        warmup.wait(120)
     dist.barrier()
     if rank:
         client = ProcessScheduler(names[0], rank, ranks, plan_timeout_s=0.02, peer_timeout_s=30.0, restart=True,
@@ -161,20 +160,25 @@ def _short_run_domain(steps: int) -> dict:
     return {"numba_before": before, "numba_after": loaded, "same": bool(same)}
 
 
-def test_while_the_planner_loads_the_first_rank_hands_out_plans_without_moves(monkeypatch):
-    """No micro-batch waits for numba: until the background load is done, the domain computes at home."""
+def test_with_a_cold_planner_cache_the_process_compiles_and_plans_have_no_moves_until_it_serves(monkeypatch):
+    """No micro-batch waits for numba: on a machine without the compiled planner the domain starts its
+    scheduler process at once (whatever start_after_steps says), which compiles it, and computes at
+    home until the process serves."""
+    import sys
+    monkeypatch.setattr(client_module, "planner_cached", lambda: False)
+    monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)  # as in a fresh rank
+    started = []
+    monkeypatch.setattr(ProcessScheduler, "_start_process", lambda self: started.append(True))  # still compiling
     name = f"feplb-test-{secrets.token_hex(4)}"
-    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
-                         start_after_steps=1000)
+    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=0.05, peer_timeout_s=10.0, restart=True,
+                         create=True, start_after_steps=1000)
     try:
-        assert warmup.wait(120)
-        monkeypatch.setattr(warmup, "ready", lambda: False)  # as while the thread still compiles
-        x, planned = step(c, 0)
-        assert planned.plan.moves.shape == (0, 4) and np.array_equal(planned.plan.rank_tokens, x.sum(axis=1))
-        assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
-        monkeypatch.undo()
-        x, planned = step(c, 1)
-        assert np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves)
+        assert started == [True], "the process was not started with the domain"
+        seen = [step(c, seq) for seq in range(3)]
+        assert "deepspeed_feplb.plan.passes" not in sys.modules, "the rank loaded the planner itself"
+        for x, planned in seen:
+            assert planned.plan.moves.shape == (0, 4) and np.array_equal(planned.plan.rank_tokens, x.sum(axis=1))
+            assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
     finally:
         c.close()
     assert not leftover_segments(name)

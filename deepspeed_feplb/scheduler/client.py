@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_feplb.plan import warmup
+from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints, empty_plan, plan_domain
 from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
 
+_PASSES = "deepspeed_feplb.plan.passes"  # the compiled planning pass, once this process has loaded it
 log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnings print as the bare message
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
@@ -113,18 +114,19 @@ class ProcessScheduler(InlineScheduler):
     def __init__(self, name: str, local_rank: int, ranks: int, *, plan_timeout_s: float, peer_timeout_s: float,
                  restart: bool, create: bool, start_after_steps: int = 0, watch: PeerWatch | None = None):
         super().__init__(name, local_rank, ranks, peer_timeout_s=peer_timeout_s, create=create, watch=watch)
-        if create:
-            warmup.start()  # this rank plans for the domain until the process is up
         self.plan_timeout_s, self.restart, self.start_after_steps = plan_timeout_s, restart, start_after_steps
         self.process: subprocess.Popen | None = None
         self.fallbacks = self.late_in_a_row = 0
         self._said_gone = False  # a dead process that is not restarted is reported once
+        # numba's cache lacks the planner: the process compiles it, not a training step (`plan.cache`)
+        self.compiles_elsewhere = create and not planner_cached()
         if create:
-            # Until the process is up every rank plans in-process, silently (the mailbox says it is
-            # starting): it starts after `start_after_steps` steps, so that short runs never pay
-            # for it, and it is not waited for (a cold Python imports numpy and numba, ~0.5 s).
+            # Until the process is up the domain's first rank plans in-process for all, silently (the
+            # mailbox says it is starting): it starts after `start_after_steps` steps, so that short
+            # runs never pay for it, and it is not waited for (a cold Python imports numpy and numba,
+            # ~0.5 s); at once when it must compile the planner, and until then plans have no moves.
             self.mailbox.header[STARTING] = 1
-            if start_after_steps <= 0:
+            if start_after_steps <= 0 or self.compiles_elsewhere:
                 self._start_process()
 
     def _start_process(self) -> None:
@@ -169,10 +171,11 @@ class ProcessScheduler(InlineScheduler):
         a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
         process per domain loads numba and the compiled planner, instead of every rank."""
         if self.mailbox.owner:
-            if warmup.ready():
-                planned = self._plan_here(counts, constraints, resident, fallback=False)
-            else:  # the compiled pass is still loading: no moves this micro-batch, rather than a stalled step
+            if self.compiles_elsewhere and _PASSES not in sys.modules:
+                # the scheduler process compiles the planner: no moves this micro-batch, rather than a stalled step
                 planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
+            else:
+                planned = self._plan_here(counts, constraints, resident, fallback=False)
             self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
             return planned
         plan, plan_ns = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,

@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from deepspeed_feplb.plan import warmup
+from deepspeed_feplb.plan.cache import planner_cached
 
 __all__ = ["free_port", "run_distributed", "RankFailed", "RankSkipped"]
 
@@ -150,10 +150,10 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     naming the ranks that did not finish in time, followed by their Python stacks.
 
     On a machine whose numba cache lacks the compiled planner, this process compiles it first (once):
-    a domain would otherwise compile it in the background and stay unbalanced meanwhile
-    (`plan.warmup`), and a test expects its ranks to plan from their first micro-batch.
+    a domain would otherwise leave the compile to its scheduler process and stay unbalanced
+    meanwhile (`plan.cache`), and a test expects its ranks to plan from their first micro-batch.
     """
-    if not warmup.planner_cached():
+    if not planner_cached():
         from deepspeed_feplb.plan import passes  # noqa: F401
     ctx = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="feplb-test-")
