@@ -193,3 +193,18 @@ def test_before_the_process_is_up_only_the_first_rank_plans():
     assert not any(r["numba_before"] for r in results), "numba was loaded before any plan: the test shows nothing"
     assert results[0]["numba_after"]
     assert not any(r["numba_after"] for r in results[1:]), "a rank that only reads plans loaded numba"
+
+
+def test_with_a_warm_cache_the_planner_loads_in_the_background_once(monkeypatch):
+    import sys
+    monkeypatch.setattr(cache, "_loading", [])
+    monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)
+    monkeypatch.setattr(cache, "planner_cached", lambda: False)
+    cache.load_in_background()
+    assert cache._loading == [], "a cold cache is the scheduler process's to compile, not a rank's"
+    monkeypatch.setattr(cache, "planner_cached", lambda: True)
+    cache.load_in_background()
+    cache.load_in_background()
+    assert len(cache._loading) == 1
+    cache._loading[0].join(120)
+    assert "deepspeed_feplb.plan.passes" in sys.modules
