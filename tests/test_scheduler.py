@@ -197,8 +197,10 @@ def test_before_the_process_is_up_only_the_first_rank_plans():
 
 def test_with_a_warm_cache_the_planner_loads_in_the_background_once(monkeypatch):
     import sys
+    import deepspeed_feplb.plan
     monkeypatch.setattr(cache, "_loading", [])
-    monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)
+    monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)  # as in a fresh rank
+    monkeypatch.delattr(deepspeed_feplb.plan, "passes", raising=False)
     monkeypatch.setattr(cache, "planner_cached", lambda: False)
     cache.load_in_background()
     assert cache._loading == [], "a cold cache is the scheduler process's to compile, not a rank's"
