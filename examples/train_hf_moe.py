@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=4,
                         help="sequences per rank and micro-batch (a --deepspeed_config's batch size wins)")
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--progress", action="store_true", help="a progress bar over the steps (rank 0; needs tqdm)")
+    parser.add_argument("--progress", action="store_true",
+                        help="a progress bar over the steps instead of the per-step JSON lines (rank 0; needs tqdm)")
     parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
     return deepspeed.add_config_arguments(parser)
 

@@ -10,12 +10,11 @@ global step after it, 1-based like DeepSpeed's monitor), loss, step time, rows p
 summary gives step time, tokens/s, the token straggler before -> after and the scheduler
 process's CPU use. ``--no-feplb`` runs the same training with the ``"feplb"`` section's
 ``enabled: false`` (DeepSpeed's own MoE layer), for an on/off comparison; ``--progress`` draws a
-progress bar (needs ``tqdm``).
+progress bar instead of the per-step JSON lines (needs ``tqdm``).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sysconfig
@@ -86,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "feplb.weight_residency 'step' a helper keeps its expert copies for the M micro-batches")
     parser.add_argument("--no-feplb", action="store_true",
                         help="the same run with FEPLB off (\"feplb\": {\"enabled\": false}: DeepSpeed's own MoE layer)")
-    parser.add_argument("--progress", action="store_true", help="a progress bar over the steps (rank 0; needs tqdm)")
+    parser.add_argument("--progress", action="store_true",
+                        help="a progress bar over the steps instead of the per-step JSON lines (rank 0; needs tqdm)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return deepspeed.add_config_arguments(parser)
 
@@ -104,8 +104,8 @@ def progress_bar(steps: int, enabled: bool):
 
 
 def log_line(log, line: str, bar) -> None:
-    """``log(line)``, above the progress bar if one is drawn."""
-    with bar.external_write_mode() if bar is not None else contextlib.nullcontext():
+    """``log(line)``, unless a progress bar is drawn in its place (``--progress``)."""
+    if bar is None:
         log(line)
 
 

@@ -130,6 +130,17 @@ def test_train_moe_no_feplb_and_its_summary(capsys):
     assert "76,923 tokens/s" in out and "token straggler" not in out
 
 
+def test_progress_bar_replaces_the_json_lines():
+    sys.path.insert(0, str(EXAMPLES))
+    import train_moe
+
+    lines = []
+    train_moe.log_line(lines.append, "{}", bar=object())  # --progress: the bar is drawn instead
+    assert lines == []
+    train_moe.log_line(lines.append, "{}", bar=None)
+    assert lines == ["{}"]
+
+
 def test_train_moe_summary_uses_the_means_of_report(tmp_path, capsys):
     """The end summary prints the token and GEMM stragglers as the mean over steps, the numbers
     `report` computes from the same lines."""
@@ -205,7 +216,7 @@ def train_hf_moe_with_config(config_path: str, log_path: str) -> dict:
     from deepspeed_feplb.integration.autoep import autoep_layers
 
     train_hf_moe = _hf_example()
-    args = _hf_args("--deepspeed_config", config_path, "--steps", "3", "--hidden", "32", "--seq", "16", "--progress")
+    args = _hf_args("--deepspeed_config", config_path, "--steps", "3", "--hidden", "32", "--seq", "16")
     lines = []
     history, engine = train_hf_moe.train(args, log=lines.append)
     if dist.get_rank() == 0:
