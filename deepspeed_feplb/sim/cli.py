@@ -4,7 +4,7 @@
         --dynamic-experts D --policies vanilla,fastermoe,eplb,feplb \\
         [--json OUT.json] [--markdown OUT.md] [--plot OUT.png] [--dump-plans PLANS.npz]
 
-At least one output; bad input (a missing trace, one that does not fit G x N ranks, a missing
+The markdown table is printed; the files are optional. Bad input (a missing trace, one that does not fit G x N ranks, a missing
 optional package) ends in one line on stderr and exit status 2.
 
 OUT.json: ``{"policies": {name: {"token_straggler", "token_max_over_mean", "gemm_straggler_us",
@@ -82,8 +82,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate", help="replay a routing trace through balancing policies",
         description="Replay a routing trace through load-balancing policies (vanilla, FasterMoE, EPLB,\n"
-                    "FEPLB) and measure token and GEMM stragglers, expert time and copies. Writes at least\n"
-                    "one of --json, --markdown, --plot, --dump-plans; the markdown table is also printed.",
+                    "FEPLB) and measure token and GEMM stragglers, expert time and copies. Prints the\n"
+                    "markdown table; --json, --markdown, --plot and --dump-plans also write files.",
         epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, metavar="T.npz",
                    help="routing trace: an .npz with counts int64 [steps, layers, src_ranks, experts] (tokens that "
@@ -231,8 +231,6 @@ def _load_fitting_trace(args):
 def _check_outputs(args, policies: list) -> None:
     """Fail before the simulation, not after it, on what would stop it at the end."""
     outputs = [p for p in (args.json, args.markdown, args.plot, args.dump_plans) if p]
-    if not outputs:
-        _fail("give at least one output: --json OUT.json, --markdown OUT.md, --plot OUT.png or --dump-plans PLANS.npz")
     for path in outputs:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
