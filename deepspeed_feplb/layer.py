@@ -451,6 +451,15 @@ class MoE(ds_layer.MoE):
         """Stats of the last forward: see `deepspeed_feplb.stats.layer_stats`."""
         return self.deepspeed_moe.feplb_stats
 
+    def extra_repr(self) -> str:
+        """``print(model)`` shows a FEPLB layer as such (its class is called MoE, as DeepSpeed's)."""
+        config = self.deepspeed_moe.feplb_config
+        if config is None:
+            return "FEPLB (the engine's \"feplb\" section, or the defaults, at the first forward)"
+        if not config.enabled:
+            return "FEPLB disabled (DeepSpeed's MoE layer)"
+        return f"FEPLB, dynamic_experts_per_rank={config.dynamic_experts_per_rank}"
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         engine = seams.configuring_engine()

@@ -121,3 +121,13 @@ def test_a_layer_built_to_drop_tokens_is_told_once_that_feplb_drops_none():
     assert len(seen[True][0]) == 1 and "feplb.enabled" in seen[True][0][0]
     assert seen[True][1] == [], "warned twice"
     assert seen["dropping"] == [False, False, False]  # FEPLB enabled: dropless, as the warning says
+
+
+def test_print_shows_that_convert_worked():
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    import deepspeed_feplb
+    model = torch.nn.Sequential(DeepSpeedMoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=1, k=1))
+    assert "FEPLB" not in repr(model)
+    deepspeed_feplb.convert(model, {"dynamic_experts_per_rank": 2})
+    assert "FEPLB, dynamic_experts_per_rank=2" in repr(model) and isinstance(model[0], deepspeed_feplb.MoE)

@@ -18,7 +18,9 @@ def convert(model, feplb_config=None):
 
     Weights, parameter objects and names stay as they are (an optimizer built before keeps
     working). ``feplb_config``: a `FEPLBConfig`, a ``"feplb"`` dict or a ds_config; None lets each
-    layer find the engine's section or use the defaults. Returns ``model``.
+    layer find the engine's section or use the defaults. Returns ``model``; ``print(model)``
+    shows each converted layer as ``MoE(FEPLB, ...)``, and ``isinstance(m, deepspeed_feplb.MoE)`` is
+    true for it.
     """
     for module in model.modules():
         if isinstance(module, DeepSpeedMoE) and not isinstance(module, MoE):
