@@ -34,11 +34,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)
+    parser.commands = sub.choices  # {name: its parser}, to name a bad option by the command's usage
     return parser
 
 
 def main(argv=None):
-    args = build_parser(program_name(sys.argv[0])).parse_args(argv)
+    parser = build_parser(program_name(sys.argv[0]))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's own usage (argparse would print the top-level one)
+        parser.commands[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args) or 0
 
 

@@ -306,3 +306,11 @@ def test_simulator_figure_has_rank_legends_and_integer_ticks(small_trace):
     labels = [t.get_text() for t in axes[2].get_legend().get_texts()]
     assert labels == ["vanilla (no balancing)", "feplb"]
     plt.close(fig)
+
+
+def test_a_wrong_option_is_named_with_the_commands_usage(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path / "run.log"), "--outdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "report: error: unrecognized arguments: --outdir" in err, err
+    assert "--out DIR" in err  # report's usage, not the top-level one
