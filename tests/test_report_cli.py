@@ -314,3 +314,10 @@ def test_a_wrong_option_is_named_with_the_commands_usage(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "report: error: unrecognized arguments: --outdir" in err, err
     assert "--out DIR" in err  # report's usage, not the top-level one
+
+
+def test_a_shipped_trace_is_found_by_its_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert _simulate("--trace", "stdlib_moe_ep8_4k.npz", "--ranks-per-node", "8", "--steps", "1",
+                     "--policies", "vanilla") == 0
+    assert "| vanilla |" in capsys.readouterr().out

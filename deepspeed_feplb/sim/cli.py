@@ -33,7 +33,7 @@ SHIPPED_TRACES = Path(__file__).resolve().parents[1] / "trace" / "data"
 
 _EXAMPLE = """example (a trace recorded from real training, 8 ranks and 64 experts, shipped with the package;
 priced as GLM-5-like 6144 x 2048 experts on H100s, since the recording model's own experts are tiny):
-  python -m deepspeed_feplb simulate --trace deepspeed_feplb/trace/data/stdlib_moe_ep8_4k.npz \\
+  python -m deepspeed_feplb simulate --trace stdlib_moe_ep8_4k.npz \\
       --ranks-per-node 8 --hidden 6144 --ffn-hidden 2048 --micro-batches-per-step 8 \\
       --json out.json --markdown out.md --plot out.png
 
@@ -88,7 +88,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--trace", required=True, metavar="T.npz",
                    help="routing trace: an .npz with counts int64 [steps, layers, src_ranks, experts] (tokens that "
                         "each source rank's router sent to each expert, per micro-batch) and optional scalars "
-                        "top_k, hidden, ffn_hidden; real traces ship in deepspeed_feplb/trace/data/, "
+                        "top_k, hidden, ffn_hidden; real traces ship in deepspeed_feplb/trace/data/ (give "
+                        "a shipped one by its file name from any folder), "
                         "`python -m deepspeed_feplb trace` writes synthetic ones")
     p.add_argument("--ranks-per-node", type=whole_number(1), required=True, metavar="G",
                    help="ranks per node (one NVLink / copy-engine domain; migration stays inside it)")
@@ -194,6 +195,8 @@ def _load_fitting_trace(args):
     from deepspeed_feplb.trace.format import load_trace
 
     path = args.trace
+    if not os.path.isfile(path) and (SHIPPED_TRACES / os.path.basename(path)).is_file():
+        path = str(SHIPPED_TRACES / os.path.basename(path))  # a shipped trace by its name, from any folder
     if not os.path.isfile(path):
         _fail(f"trace file {path} not found; shipped traces: {_shipped_traces()}; or write one with "
               "`python -m deepspeed_feplb trace --out T.npz`")
