@@ -7,7 +7,7 @@ STEPS  ?= 30
 # the rendezvous port of `make run`: give concurrent runs on one machine their own (PORT=29672 make run)
 PORT   ?= 29671
 
-.PHONY: run test install clean-shm device-wheels
+.PHONY: run compare test install clean-shm device-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ install: $(VENV)/.installed
 run: install
 	OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus 2 --master_port $(PORT) \
 		examples/train_moe.py --deepspeed_config examples/ds_config.json --steps $(STEPS)
+
+# The same training with FEPLB and without (DeepSpeed's MoE), then both side by side in feplb_report/.
+compare: install
+	OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus 2 --master_port $(PORT) \
+		examples/train_moe.py --deepspeed_config examples/ds_config.json --steps $(STEPS) | tee feplb_on.log
+	OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus 2 --master_port $(PORT) \
+		examples/train_moe.py --deepspeed_config examples/ds_config.json --steps $(STEPS) --no-feplb | tee feplb_off.log
+	$(BIN)/feplb report feplb_on.log feplb_off.log --label FEPLB --label DeepSpeed --out feplb_report
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
