@@ -118,8 +118,10 @@ def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def read_step_ms(path: str | os.PathLike) -> dict:
-    """-> ``{step: wall milliseconds}`` of the records that carry ``step_ms`` (the examples' lines)."""
-    return {r["step"]: float(r["step_ms"]) for r in _records(path) if isinstance(r.get("step_ms"), (int, float))}
+    """-> ``{step: (wall milliseconds, tokens over all ranks or None)}`` of the records that carry
+    ``step_ms`` (the examples' lines; ``tokens`` where they give it)."""
+    return {r["step"]: (float(r["step_ms"]), r.get("tokens")) for r in _records(path)
+            if isinstance(r.get("step_ms"), (int, float))}
 
 
 def labels_for(inputs: list, given: list | None) -> list[str]:
@@ -339,11 +341,13 @@ def summary_markdown(series: dict, loss: dict, figure_names=(), sources=(), runs
     if runs and len(runs) > 1:
         lines += ["## Runs side by side", "", "Each input is one run; its layers' columns below are named "
                   "`<run>: <layer>`. Step time: median wall time per optimizer step from the second logged step.",
-                  "", "| run | input | steps | step time, median | loss first → last |", "|---|---|---:|---:|---|"]
+                  "", "| run | input | steps | step time, median | tokens/s | loss first → last |",
+                  "|---|---|---:|---:|---:|---|"]
         for row in runs.values():
             ms = "" if row["step_ms_median"] is None else f"{_format(row['step_ms_median'])} ms"
+            rate = "" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}"
             first_last = "" if row["loss"] is None else f"{row['loss'][0]:.4g} → {row['loss'][1]:.4g}"
-            lines.append(f"| {row['label']} | `{row['source']}` | {row['steps']} | {ms} | {first_last} |")
+            lines.append(f"| {row['label']} | `{row['source']}` | {row['steps']} | {ms} | {rate} | {first_last} |")
         lines.append("")
     lines += ["## Per-layer means over steps", "", AVERAGING, "",
               "| metric | unit | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
@@ -422,11 +426,15 @@ def per_run(loss: dict) -> dict:
 
 def run_table(label: str, source: str, loss: dict, step_ms: dict) -> dict:
     """One input's row of summary.md's run table: steps, median step time (from the second logged
-    step: the first holds start-up), first and last loss."""
+    step: the first holds start-up), tokens per second at that median (where the lines give their
+    tokens), first and last loss. ``step_ms``: `read_step_ms`."""
     steps = sorted(set(loss) | set(step_ms))
-    times = sorted(step_ms[s] for s in sorted(step_ms)[1:]) or sorted(step_ms.values())
-    return {"label": label, "source": str(source), "steps": len(steps),
-            "step_ms_median": times[len(times) // 2] if times else None,
+    timed = [step_ms[s] for s in sorted(step_ms)[1:]] or list(step_ms.values())
+    times = sorted(ms for ms, _ in timed)
+    median = times[len(times) // 2] if times else None
+    tokens = sorted(t for _, t in timed if isinstance(t, (int, float)))
+    return {"label": label, "source": str(source), "steps": len(steps), "step_ms_median": median,
+            "tokens_per_s": tokens[len(tokens) // 2] / median * 1e3 if tokens and median else None,
             "loss": (loss[min(loss)], loss[max(loss)]) if loss else None}
 
 

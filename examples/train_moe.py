@@ -166,6 +166,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
         collector = getattr(engine, "feplb_monitor", None)
         record = step_record(engine.global_steps, loss.item(), seconds, micro_batch_stats,
                              collector.last if collector is not None else None)
+        record["tokens"] = args.batch * world * engine.gradient_accumulation_steps()  # over all ranks (report: tokens/s)
         history.append(record)
         if rank == 0 and log is not None:
             log_line(log, json.dumps(record), bar)

@@ -231,7 +231,7 @@ def test_report_puts_several_runs_side_by_side(tmp_path, capsys):
     """FEPLB on and off as two inputs: one column per run, never one merged column (which showed the
     off run's GEMM straggler as the on run's)."""
     def log(name, gemm, step_ms):
-        lines = [json.dumps({"step": s, "loss": 5.0 - s, "step_ms": step_ms + s, "layers": {"moe": {
+        lines = [json.dumps({"step": s, "loss": 5.0 - s, "step_ms": step_ms + s, "tokens": 4300, "layers": {"moe": {
             "gemm_straggler_ms": gemm, "token_straggler_before": 40.0, "token_straggler_after": 4.0}}})
             for s in range(1, 5)]
         (tmp_path / name).write_text("\n".join(lines) + "\n")
@@ -243,7 +243,7 @@ def test_report_puts_several_runs_side_by_side(tmp_path, capsys):
     md = (out / "summary.md").read_text()
     assert "| metric | unit | layer FEPLB: moe | layer DeepSpeed: moe |" in md
     assert "| measured GEMM straggler | ms | 1.31 | 8.79 |" in md
-    assert "| FEPLB | `" + on + "` | 4 | 43.0 ms | 4 → 1 |" in md and "| DeepSpeed |" in md
+    assert "| FEPLB | `" + on + "` | 4 | 43.0 ms | 100,000 | 4 → 1 |" in md and "| DeepSpeed |" in md
     summary = json.loads((out / "summary.json").read_text())
     assert summary["FEPLB: moe"]["gemm_straggler_ms_mean"] == 1.31
     assert summary["DeepSpeed: moe"]["gemm_straggler_ms_mean"] == 8.79
