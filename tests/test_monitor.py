@@ -57,7 +57,8 @@ def test_events_and_csv_monitor(tmp_path, monkeypatch):
                          {0: {"3.moe": rec(1, [0, 1], 0.02, 5.0, 1.0, migrated=4, moves=1)}}], step=3)
     out = events(summary)
     assert ("FEPLB/3.moe/token_straggler_before", 5.0, 3) in out
-    assert {name.split("/")[-1] for name, _, _ in out} == set(monitor.METRICS)
+    assert {name.split("/")[-1] for name, _, _ in out} == set(monitor.METRICS) | set(monitor.PLACEMENT)
+    assert set(summary["layers"]["3.moe"]) == set(monitor.LayerStepStats.__annotations__)  # every key, always
     writer = csv_monitor.csvMonitor(CSVConfig(enabled=True, output_path=str(tmp_path), job_name="job"))
     writer.write_events(out)
     assert (tmp_path / "job" / "FEPLB_3.moe_gemm_straggler_ms.csv").read_text().split() == ["step,gemm_straggler_ms",
@@ -89,12 +90,12 @@ def test_report_plots_json_lines_and_csv_monitor_dirs(tmp_path, capsys):
     assert main(["report", str(log), str(tmp_path / "csv"), "--out", str(out)]) == 0
     for name in ("stragglers.png", "migration.png", "loss.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["1.moe"]["token_straggler_after_mean"] == 5.0
-    assert summary["1.moe"]["token_straggler_reduction"] == pytest.approx(1 - 5 / 40)
-    assert summary["1.moe"]["migrated_tokens_total"] == 30
-    assert summary["2.moe"] == {"gemm_straggler_ms_mean": 3.0}
-    assert "1.moe: token straggler 40.0 -> 5.0" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())  # two inputs: two runs, side by side
+    assert summary["run.log: 1.moe"]["token_straggler_after_mean"] == 5.0
+    assert summary["run.log: 1.moe"]["token_straggler_reduction"] == pytest.approx(1 - 5 / 40)
+    assert summary["run.log: 1.moe"]["migrated_tokens_total"] == 30
+    assert summary["csv: 2.moe"] == {"gemm_straggler_ms_mean": 3.0}
+    assert "run.log: 1.moe: token straggler 40.0 -> 5.0" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "plots" / "summary.json"), "--out", str(out)]) == 1  # nothing to plot
 
 

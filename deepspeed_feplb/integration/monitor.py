@@ -45,7 +45,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, TypedDict
 
 import numpy as np
 import torch
@@ -61,6 +61,45 @@ METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms
 # and, for layers with feplb.placement, per step (summed over layers in the totals):
 PLACEMENT = ("placement_refreshes", "placement_moved_experts", "placement_bytes")
 TRAFFIC = ("weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")  # summed stats
+
+
+class LayerStepStats(TypedDict):
+    """One FEPLB layer's entry in `StepStats` ``layers``: every key always present (zeros where
+    nothing happened). A layer without FEPLB stats (DeepSpeed's own `MOELayer`, or
+    ``feplb.stats.enabled`` false) has the two GEMM keys only; the pipeline engine adds
+    ``warm_start_token_straggler``. Definitions: the module docstring."""
+    gemm_straggler_ms: float
+    gemm_max_ms: float
+    token_straggler_before: float
+    token_straggler_after: float
+    migrated_tokens: int
+    migrated_bytes: int
+    plan_latency_us: float
+    fallbacks: int
+    weight_bytes: int
+    weight_copies: int
+    resident_hits: int
+    flushed_copies: int
+    grad_bytes: int
+    placement_refreshes: int
+    placement_moved_experts: int
+    placement_bytes: int
+
+
+class StepStats(TypedDict, total=False):
+    """``collector.last`` (``engine.feplb_monitor.last``): one optimizer step over all its
+    micro-batches. ``step``, ``micro_batches`` and ``layers`` (``{layer name: LayerStepStats}``)
+    are always there; with any FEPLB layer so are the totals over layers: the means of the token
+    and GEMM stragglers and the sums of the summed metrics (`LayerStepStats` keys)."""
+    step: int
+    micro_batches: int
+    layers: dict
+    token_straggler_before: float
+    token_straggler_after: float
+    gemm_straggler_ms: float
+    migrated_tokens: int
+    migrated_bytes: int
+    fallbacks: int
 
 
 @dataclass
@@ -218,7 +257,7 @@ def gather_small(obj, group=None) -> list:
     return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
 
-def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) -> dict:
+def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) -> StepStats:
     """Per-layer metrics of one step from every rank's records (module docstring for definitions).
 
     Returns ``{"step": step, "micro_batches": n, "layers": {layer: {metric: value, ...}}, **totals}``
@@ -269,7 +308,8 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
         if s_before:
             entry.update(token_straggler_before=_mean(s_before), token_straggler_after=_mean(s_after),
                          migrated_tokens=migrated_tokens, migrated_bytes=migrated_bytes,
-                         plan_latency_us=_mean(latency), fallbacks=fallbacks, **traffic)
+                         plan_latency_us=_mean(latency), fallbacks=fallbacks, **traffic,
+                         **dict.fromkeys(PLACEMENT, 0))  # the layer's placement report replaces them
         if warm:
             entry["warm_start_token_straggler"] = _mean(warm)
         layers[name] = entry
