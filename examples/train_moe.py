@@ -119,7 +119,7 @@ def step_record(step: int, loss: float, seconds: float, micro_batch_stats: list[
     """One JSON line of a training step.
 
     ``step``: the engine's global step after the step (1-based, the step DeepSpeed's monitor
-    writes); ``tokens_before`` / ``tokens_after``: rows each rank of this rank's NVLink domain
+    writes); ``tokens`` (set by `train`): the step's tokens over all ranks; ``tokens_before`` / ``tokens_after``: rows each rank of this rank's NVLink domain
     computed in the step (int ``[G]``, summed over its micro-batches; None with FEPLB off), from
     the layer's ``feplb_stats`` of each micro-batch; ``layers``: ``{layer: {metric: value}}`` of
     the monitor summary (``engine.feplb_monitor.last``, floats to 3 decimals), which ``report`` reads.

@@ -73,7 +73,8 @@ def test_train_moe_lines_hold_each_number_once(train_moe_runs):
     """One copy of the stats: ``layers`` (the monitor summary) and the step's rows per rank; no
     per-layer numbers repeated at the top level."""
     for record in train_moe_runs[0][True]:
-        assert set(record) == {"step", "loss", "step_ms", "tokens_before", "tokens_after", "layers"}, sorted(record)
+        assert set(record) == {"step", "loss", "step_ms", "tokens", "tokens_before", "tokens_after", "layers"}, \
+            sorted(record)
         assert set(record["layers"]) == {"moe"}
 
 

@@ -63,9 +63,17 @@ PLACEMENT = ("placement_refreshes", "placement_moved_experts", "placement_bytes"
 TRAFFIC = ("weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")  # summed stats
 
 
-class LayerStepStats(TypedDict):
+class PlacementStepStats(TypedDict, total=False):
+    """The keys a layer with ``feplb.placement`` adds to its `LayerStepStats` (module docstring)."""
+    placement_refreshes: int
+    placement_moved_experts: int
+    placement_bytes: int
+
+
+class LayerStepStats(PlacementStepStats):
     """One FEPLB layer's entry in `StepStats` ``layers``: every key always present (zeros where
-    nothing happened). A layer without FEPLB stats (DeepSpeed's own `MOELayer`, or
+    nothing happened), the placement keys with ``feplb.placement`` (without it they would be
+    zeros in every monitor). A layer without FEPLB stats (DeepSpeed's own `MOELayer`, or
     ``feplb.stats.enabled`` false) has the two GEMM keys only; the pipeline engine adds
     ``warm_start_token_straggler``. Definitions: the module docstring."""
     gemm_straggler_ms: float
@@ -81,9 +89,6 @@ class LayerStepStats(TypedDict):
     resident_hits: int
     flushed_copies: int
     grad_bytes: int
-    placement_refreshes: int
-    placement_moved_experts: int
-    placement_bytes: int
 
 
 class StepStats(TypedDict, total=False):
@@ -308,8 +313,7 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
         if s_before:
             entry.update(token_straggler_before=_mean(s_before), token_straggler_after=_mean(s_after),
                          migrated_tokens=migrated_tokens, migrated_bytes=migrated_bytes,
-                         plan_latency_us=_mean(latency), fallbacks=fallbacks, **traffic,
-                         **dict.fromkeys(PLACEMENT, 0))  # the layer's placement report replaces them
+                         plan_latency_us=_mean(latency), fallbacks=fallbacks, **traffic)
         if warm:
             entry["warm_start_token_straggler"] = _mean(warm)
         layers[name] = entry
