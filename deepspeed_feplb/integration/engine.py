@@ -225,12 +225,12 @@ def _bf16(ds_config: dict) -> bool:
 
 def _load_planner_early(model, config: FEPLBConfig) -> None:
     """On a rank that will plan for its NVLink domain until the scheduler process is up (the domain's
-    first: EP groups are consecutive ranks), load the compiled planner while DeepSpeed initialises
-    (`plan.cache.load_in_background`)."""
+    first: EP groups are consecutive ranks), load the compiled planner now, in ``initialize``,
+    instead of in the first training step that plans (`plan.cache.load_if_cached`)."""
     import torch.distributed as dist
 
     from deepspeed_feplb.domain import domain_size
-    from deepspeed_feplb.plan.cache import load_in_background
+    from deepspeed_feplb.plan.cache import load_if_cached
     if not (config.enabled and config.dynamic_experts_per_rank > 0 and config.scheduler.mode == "process"):
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -238,7 +238,7 @@ def _load_planner_early(model, config: FEPLBConfig) -> None:
         if isinstance(module, MoE) and module.ep_size > 1:
             size = domain_size(config, module.ep_size)
             if size > 1 and rank % module.ep_size % size == 0:
-                load_in_background()
+                load_if_cached()
                 return
 
 

@@ -5,18 +5,14 @@ compiles it (15-40 s on a loaded 2-core machine). So a domain whose first rank f
 cold does not plan in-process: it starts its scheduler process at once, which compiles the pass
 in its own process, and hands out plans without moves until that process serves
 (`scheduler.client.ProcessScheduler`): no training step waits for the compiler. With a warm
-cache, `load_in_background` spares the first plan its second of imports.
+cache, `load_if_cached` moves the first plan's second of imports to ``initialize``.
 """
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from pathlib import Path
 
-__all__ = ["planner_cached", "load_in_background"]
-
-_loading: list = []
+__all__ = ["planner_cached", "load_if_cached"]
 
 
 def planner_cached() -> bool:
@@ -28,17 +24,10 @@ def planner_cached() -> bool:
     return any(next(root.rglob("passes.*.nbi"), None) is not None for root in roots if root.is_dir())
 
 
-def load_in_background() -> None:
-    """Import the compiled planning pass in a daemon thread (once per process) when numba's cache
-    holds it: started while DeepSpeed initialises, it is loaded before the first plan, which would
-    otherwise import numba and the cache inside a training step (about a second). A plan that comes
-    first waits for the import (Python's import lock), as it would have imported it itself."""
-    if _loading or "deepspeed_feplb.plan.passes" in sys.modules or not planner_cached():
-        return
-    thread = threading.Thread(target=_load, name="feplb-planner-load", daemon=True)
-    _loading.append(thread)
-    thread.start()
-
-
-def _load() -> None:
-    from deepspeed_feplb.plan import passes  # noqa: F401
+def load_if_cached() -> None:
+    """Import the compiled planning pass now when numba's cache holds it (about a second), so that
+    the first plan does not import it inside a training step. Not in a thread: one importing numba
+    beside the training kept a Ctrl-C from reaching the main thread's handler in time (the
+    README's one-line exit failed 1 run in 4)."""
+    if planner_cached():
+        from deepspeed_feplb.plan import passes  # noqa: F401
