@@ -75,7 +75,6 @@ def initialize(*args, **kwargs):
         init_distributed(**({"distributed_port": given["distributed_port"]} if "distributed_port" in given else {}))
     convert(model, config)
     check_consistency(model, config)
-    _load_planner_early(model, config)
     bound = _cpu_adam(bound, ds_config)
 
     from deepspeed.runtime.pipe.module import PipelineModule
@@ -221,25 +220,6 @@ def _prepare_pipeline(model, ds_config: dict) -> None:
 def _bf16(ds_config: dict) -> bool:
     section = ds_config.get("bf16", ds_config.get("bfloat16", {}))
     return isinstance(section, dict) and section.get("enabled") is True
-
-
-def _load_planner_early(model, config: FEPLBConfig) -> None:
-    """On a rank that will plan for its NVLink domain until the scheduler process is up (the domain's
-    first: EP groups are consecutive ranks), load the compiled planner now, in ``initialize``,
-    instead of in the first training step that plans (`plan.cache.load_if_cached`)."""
-    import torch.distributed as dist
-
-    from deepspeed_feplb.domain import domain_size
-    from deepspeed_feplb.plan.cache import load_if_cached
-    if not (config.enabled and config.dynamic_experts_per_rank > 0 and config.scheduler.mode == "process"):
-        return
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for module in model.modules():
-        if isinstance(module, MoE) and module.ep_size > 1:
-            size = domain_size(config, module.ep_size)
-            if size > 1 and rank % module.ep_size % size == 0:
-                load_if_cached()
-                return
 
 
 def _attach_stats(engine, config: FEPLBConfig) -> None:

@@ -5,14 +5,16 @@ compiles it (15-40 s on a loaded 2-core machine). So a domain whose first rank f
 cold does not plan in-process: it starts its scheduler process at once, which compiles the pass
 in its own process, and hands out plans without moves until that process serves
 (`scheduler.client.ProcessScheduler`): no training step waits for the compiler. With a warm
-cache, `load_if_cached` moves the first plan's second of imports to ``initialize``.
+cache the first plan still imports numba and the cache (about a second on a loaded 2-core VM):
+loading them earlier, in ``initialize`` or in a thread, made a Ctrl-C early in a run miss its
+one-line exit message in CI, so that is left as it was.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["planner_cached", "load_if_cached"]
+__all__ = ["planner_cached"]
 
 
 def planner_cached() -> bool:
@@ -23,11 +25,3 @@ def planner_cached() -> bool:
         roots.append(Path(os.environ["NUMBA_CACHE_DIR"]))
     return any(next(root.rglob("passes.*.nbi"), None) is not None for root in roots if root.is_dir())
 
-
-def load_if_cached() -> None:
-    """Import the compiled planning pass now when numba's cache holds it (about a second), so that
-    the first plan does not import it inside a training step. Not in a thread: one importing numba
-    beside the training kept a Ctrl-C from reaching the main thread's handler in time (the
-    README's one-line exit failed 1 run in 4)."""
-    if planner_cached():
-        from deepspeed_feplb.plan import passes  # noqa: F401
