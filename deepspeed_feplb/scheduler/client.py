@@ -14,10 +14,10 @@ spent while nothing happens, and the process answers in microseconds when someth
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
-import logging
 import time
 from dataclasses import dataclass
 
@@ -26,10 +26,10 @@ import numpy as np
 from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints, empty_plan, plan_domain
 from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
+from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 _PASSES = "deepspeed_feplb.plan.passes"  # the compiled planning pass, once this process has loaded it
 log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnings print as the bare message
-from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 
 @dataclass(frozen=True)
