@@ -35,7 +35,9 @@ compare: install
 		examples/train_moe.py --deepspeed_config examples/ds_config.json --steps $(STEPS) --no-feplb | tee feplb_off.log
 	$(BIN)/feplb report feplb_on.log feplb_off.log --label FEPLB --label DeepSpeed --out feplb_report
 
+# ruff.toml says what the lint checks; it runs first, in a second, and stops the tests when it fails
 test: install
+	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 # Remove /dev/shm segments that a SIGKILLed FEPLB job left behind.

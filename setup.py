@@ -14,7 +14,8 @@ setup(
     install_requires=["deepspeed>=0.19.8", "torch>=2.4", "pydantic>=2.7", "numpy>=1.24", "numba>=0.60"],
     extras_require={
         # transformers: AutoEP needs 5.x's fused expert weights; >= 5.23 breaks DeepSpeed's presets (docs/AUTOEP.md)
-        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23"],
+        # ruff: `make test` lints first (ruff.toml); a new minor version may add checks, so it is held to one
+        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23", "ruff>=0.17.6,<0.18"],
         "hf": ["transformers>=5.0,<5.23"],
         # one CuPy for torch's CUDA major version; install none if the environment already imports cupy
         "gpu": ["cupy-cuda12x>=13"],

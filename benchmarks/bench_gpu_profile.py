@@ -52,7 +52,8 @@ def measure(hidden: int, ffn: int) -> dict:
 
 def simulate(trace: str, profile: str, out: Path) -> dict:
     path = out / f"sim_{Path(trace).stem}_{profile}.json"
-    cmd = [sys.executable, "-m", "deepspeed_feplb", "simulate", "--trace", str(ROOT / "deepspeed_feplb/trace/data" / trace),
+    cmd = [sys.executable, "-m", "deepspeed_feplb", "simulate",
+           "--trace", str(ROOT / "deepspeed_feplb/trace/data" / trace),
            "--ranks-per-node", "8", "--dynamic-experts", "4", "--micro-batches-per-step", "8", "--residency", "step",
            "--hidden", "6144", "--ffn-hidden", "2048", "--profile", profile, "--policies", "vanilla,eplb,feplb",
            "--json", str(path)]

@@ -64,7 +64,8 @@ def _worker(opts: dict) -> dict:
     layers = {
         "deepspeed dropless": DeepSpeedMoE(**common, drop_tokens=False),
         "deepspeed cap1.0": DeepSpeedMoE(**common, drop_tokens=True, capacity_factor=1.0),
-        "feplb off (D=0)": deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config={**feplb, "dynamic_experts_per_rank": 0}),
+        "feplb off (D=0)": deepspeed_feplb.MoE(**common, drop_tokens=False,
+                                               feplb_config={**feplb, "dynamic_experts_per_rank": 0}),
         "feplb": deepspeed_feplb.MoE(**common, drop_tokens=False, feplb_config=feplb),
     }
     if opts["max_rows_over_mean"]:
@@ -78,7 +79,7 @@ def _worker(opts: dict) -> dict:
             g = torch.Generator().manual_seed(100 + dist.get_rank() * experts + i)
             for p in e.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    for name, layer in layers.items():
+    for layer in layers.values():
         if layer is not reference:
             layer.load_state_dict(reference.state_dict())
         layer.set_deepspeed_parallelism()
@@ -108,7 +109,7 @@ def _worker(opts: dict) -> dict:
 
     for layer in layers.values():
         if hasattr(layer.deepspeed_moe, "stage_times"):
-            layer.deepspeed_moe.stage_times.take()
+            layer.deepspeed_moe.stage.stage_times.take()
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     for step in range(opts["warmup"] + opts["steps"]):
         x = torch.randn(opts["tokens"], hidden, generator=g) + 1.0
@@ -203,8 +204,8 @@ def main(argv=None) -> int:
     print(f"2 CPU ranks (gloo), EP=2, {args.experts} experts, top-{args.k}, hidden {args.hidden}, ffn {args.ffn}, "
           f"{args.tokens} tokens/rank, skew {args.skew}, no aux loss; {args.steps} steps after {args.warmup} warm-up")
     print(f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after, {cores} cores")
-    header = (f"{'layer':<20}{'step ms (median)':>18}{'ranks CPU ms/step':>19}{'sched CPU ms/step':>19}{'GEMM straggler ms':>19}"
-              f"{'slowest expert ms':>19}{'routes dropped':>16}")
+    header = (f"{'layer':<20}{'step ms (median)':>18}{'ranks CPU ms/step':>19}{'sched CPU ms/step':>19}"
+              f"{'GEMM straggler ms':>19}{'slowest expert ms':>19}{'routes dropped':>16}")
     print(header)
     variants = [n for n in (*VARIANTS, ROWS_BOUNDED) if n in result]
     for name in variants:
@@ -222,15 +223,17 @@ def main(argv=None) -> int:
     print(f"GEMM straggler vs the same layer with balancing off: "
           f"{100 * (1 - ours['gemm_straggler_ms'] / max(off['gemm_straggler_ms'], 1e-9)):.0f}% lower")
     if "token_straggler_before" in ours:
-        print(f"token straggler (FEPLB domain): {ours['token_straggler_before']:.1f} -> {ours['token_straggler_after']:.1f}")
+        print(f"token straggler (FEPLB domain): {ours['token_straggler_before']:.1f} -> "
+              f"{ours['token_straggler_after']:.1f}")
     if ROWS_BOUNDED in result and "token_straggler_after" in result[ROWS_BOUNDED]:
         bounded = result[ROWS_BOUNDED]
-        print(f"with max_rows_over_mean {args.max_rows_over_mean:g}: token straggler {bounded['token_straggler_before']:.1f} -> "
-              f"{bounded['token_straggler_after']:.1f}, step {bounded['median_step_ms'] / ours['median_step_ms']:.2f}x "
-              "FEPLB's without it")
+        print(f"with max_rows_over_mean {args.max_rows_over_mean:g}: token straggler "
+              f"{bounded['token_straggler_before']:.1f} -> {bounded['token_straggler_after']:.1f}, "
+              f"step {bounded['median_step_ms'] / ours['median_step_ms']:.2f}x FEPLB's without it")
     if "fitted_piece_row_us" in ours:
         piece_us, row_us = ours["fitted_piece_row_us"]
-        print(f"FEPLB's time model on rank 0 (forward + backward): {piece_us:.1f} µs per expert piece, {row_us:.3f} µs per row")
+        print(f"FEPLB's time model on rank 0 (forward + backward): {piece_us:.1f} µs per expert piece, "
+              f"{row_us:.3f} µs per row")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": opts, "results": result}, f, indent=2)

@@ -35,14 +35,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from deepspeed_feplb.plan.cost import PROFILES, ExpertShape  # noqa: E402
-from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain  # noqa: E402
-from deepspeed_feplb.plan.residency import ResidencyTable  # noqa: E402
-from deepspeed_feplb.plan.timeline import TimeModel  # noqa: E402
-from deepspeed_feplb.trace.generators import no_aux_trace, skewed_trace  # noqa: E402
-from deepspeed_feplb.sim.policies import SimSetup  # noqa: E402
-from deepspeed_feplb.sim.simulate import simulate  # noqa: E402
-from deepspeed_feplb.trace.format import fold_sources  # noqa: E402
+from deepspeed_feplb.plan.cost import PROFILES, ExpertShape
+from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain
+from deepspeed_feplb.plan.residency import ResidencyTable
+from deepspeed_feplb.plan.timeline import TimeModel
+from deepspeed_feplb.sim.policies import SimSetup
+from deepspeed_feplb.sim.simulate import simulate
+from deepspeed_feplb.trace.format import fold_sources
+from deepspeed_feplb.trace.generators import no_aux_trace, skewed_trace
 
 
 def node_counts(trace, ranks, ranks_per_node):
@@ -128,8 +128,10 @@ def bench_time(args):
                 trace = skewed_trace(args.steps, args.layers, 8, 128, tokens_per_rank=tokens, top_k=8, skew=1.0,
                                      hidden=6144, ffn_hidden=2048, seed=32)
             setup = SimSetup(8, 1, 128, dynamic_experts=4, max_helpers=2, chunk_align=8, micro_batches_per_step=8)
-            m = simulate(trace, setup, ["fastermoe", "eplb", "feplb-paper", "feplb"], progress=not args.no_progress).metrics()
-            m["feplb (micro_batch)"] = simulate(trace, replace(setup, residency="micro_batch"), ["feplb"]).metrics()["feplb"]
+            policies = ["fastermoe", "eplb", "feplb-paper", "feplb"]
+            m = simulate(trace, setup, policies, progress=not args.no_progress).metrics()
+            per_micro_batch = replace(setup, residency="micro_batch")
+            m["feplb (micro_batch)"] = simulate(trace, per_micro_batch, ["feplb"]).metrics()["feplb"]
             out[f"{trace_name}_{scale}"] = m
     return out
 
@@ -229,10 +231,11 @@ def bench_oracle(args):
         cons = PlanConstraints(4, 2, 1, math.inf if math.isinf(budget_copies) else budget_copies * eb + 1, eb)
         for x in xs:
             opt = optimal_max_load(x, cons, time_limit=args.oracle_time)
-            greedy = plan_domain(x, cons).rank_tokens.max()
+            greedy = plan_domain(x, cons).rank_rows.max()
             mean = x.sum() / x.shape[0]
             rows.append({"copies": budget_copies, "greedy_gap_pct": 100 * (greedy - opt.max_load) / mean,
-                         "oracle_optimal": opt.optimal, "bound_gap_pct": 100 * (opt.max_load - lower_bound(x, 4)) / mean})
+                         "oracle_optimal": opt.optimal,
+                         "bound_gap_pct": 100 * (opt.max_load - lower_bound(x, 4)) / mean})
     out = {}
     for c in (math.inf, 2):
         g = np.array([r["greedy_gap_pct"] for r in rows if r["copies"] == c])
@@ -276,7 +279,9 @@ def main(argv=None):
             print(f"cold plan_domain {k:14s} p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs")
     if "roundtrip" in sections:
         v = out["roundtrip"] = bench_roundtrip(args)
-        print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, scheduler CPU {v['scheduler_cpu_percent']:.0f}%)  p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
+        print(f"roundtrip 128x8 via feplb-sched (gap {v['gap_us']:g} µs, "
+              f"scheduler CPU {v['scheduler_cpu_percent']:.0f}%)  "
+              f"p50 {v['p50_us']:8.1f} µs  p99 {v['p99_us']:8.1f} µs  "
               f"(planning inside: p50 {v['scheduler_plan_p50_us']:.1f} µs; {v['samples']} plans, "
               f"{v['fallbacks']} fallbacks)")
     for name, (G, N, seed) in {"ep8": (8, 1, 21), "ep16": (8, 2, 22)}.items():
@@ -288,7 +293,8 @@ def main(argv=None):
                 if "lower_bound_gap_pct" in v:
                     extra = f"  bound gap {v['lower_bound_gap_pct']:.3f}%  within 1%: {v['within_1pct_of_bound']:.1%}"
                 if "ce_us" in v:
-                    extra += f"  CE {v['ce_us']:.0f} µs vs static {v['static_us']:.0f} µs (hidden {v['ce_hidden_fraction']:.0%})"
+                    extra += (f"  CE {v['ce_us']:.0f} µs vs static {v['static_us']:.0f} µs "
+                              f"(hidden {v['ce_hidden_fraction']:.0%})")
                 print(f"  {p:12s} straggler {v['token_straggler']:8.0f}  max/mean {v['token_max_over_mean']:.4f}"
                       f"  GEMM {v['gemm_straggler_us']:7.1f} µs  red. {v.get('reduction_vs_vanilla', 0):6.1%}{extra}")
             print(f"  FasterMoE / feplb token straggler: {m['feplb']['fastermoe_over_feplb_straggler']:.1f}x")

@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _job(kind: str, runs: int, steps: int, feplb: dict | None = None) -> float:
+    import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-    import deepspeed
     import deepspeed_feplb
 
     start = time.perf_counter()
@@ -43,7 +43,7 @@ def _job(kind: str, runs: int, steps: int, feplb: dict | None = None) -> float:
                                                       use_rts=False, top2_2nd_expert_sampling=False)})
         init = deepspeed.initialize if kind == "deepspeed" else deepspeed_feplb.initialize
         engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
-        for step in range(steps):
+        for _ in range(steps):
             x = torch.randn(256, 32) * (1 + torch.arange(32) / 8)  # skewed routing
             out, _, _ = engine.module["moe"](x)
             engine.backward(out.square().mean())

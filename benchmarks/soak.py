@@ -19,12 +19,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import moe_cases  # noqa: E402
-from deepspeed_feplb.segments import leftover_segments, process_alive  # noqa: E402
-from deepspeed_feplb.testing import run_distributed  # noqa: E402
+from deepspeed_feplb.segments import leftover_segments, process_alive
+from deepspeed_feplb.testing import run_distributed
+
+import moe_cases
 
 
 def rss_mib() -> float:
@@ -42,8 +43,9 @@ def signal_pid(pid: int, signum: int) -> None:
 
 
 def soak(steps: int, seed: int) -> dict:
-    reference, ours = moe_cases.build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 4,
-                                                     "scheduler": {"plan_timeout_ms": 5, "start_after_steps": 0}}, seed=seed)
+    feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 4,
+             "scheduler": {"plan_timeout_ms": 5, "start_after_steps": 0}}
+    reference, ours = moe_cases.build_pair(8, 2, 2, feplb, seed=seed)
     rng = torch.Generator().manual_seed(seed)
     gate_weights = [layer.deepspeed_moe.gate.wg.weight for layer in (reference, ours)]
     base = gate_weights[0].detach().clone()
@@ -78,7 +80,7 @@ def soak(steps: int, seed: int) -> dict:
         errors += [moe_cases.relative_error(out[2][n], ref[2][n]) for n in ref[2]]
         summary["worst_error"] = max(summary["worst_error"], max(errors))
         summary["mismatches"] += max(errors) > 1e-5
-        client = client or ours.deepspeed_moe.domain.scheduler
+        client = client or ours.deepspeed_moe.stage.domain.scheduler
         stats = ours.feplb_stats
         summary["fallback_steps"] += bool(stats["fallback"])
         summary["migrated_tokens"] += stats["migrated_tokens"]
@@ -91,7 +93,7 @@ def soak(steps: int, seed: int) -> dict:
     pids = summary.pop("scheduler_pids") - {0, -1}
     summary["restarts"] = max(len(pids) - 1, 0)
     summary["scheduler_pids"] = sorted(pids)
-    summary["segment_prefix"] = ours.deepspeed_moe.domain.name + "-" if ours.deepspeed_moe.domain else None
+    summary["segment_prefix"] = ours.deepspeed_moe.stage.domain.name + "-" if ours.deepspeed_moe.stage.domain else None
     dist.barrier()
     return summary
 
@@ -108,8 +110,9 @@ def main() -> None:
     deadline = time.monotonic() + 10  # killed ones are reaped by their rank; the rest see the shutdown flag
     while time.monotonic() < deadline and any(process_alive(pid) for pid in ours):
         time.sleep(0.1)
+    prefix = results[0]["segment_prefix"]
     report = {"steps": args.steps, "seconds": round(time.monotonic() - start, 1), "ranks": results,
-              "leaked_segments": leftover_segments(results[0]["segment_prefix"]) if results[0]["segment_prefix"] else [],
+              "leaked_segments": leftover_segments(prefix) if prefix else [],
               "leaked_schedulers": sorted(pid for pid in ours if process_alive(pid))}
     print(json.dumps(report, indent=1))
     if args.json:

@@ -5,11 +5,11 @@ helpers (which import DeepSpeed) load on first use.
 """
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
 
-__all__ = ["FEPLBConfig", "FEPLBConfigError", "FEPLBModelError", "load_config", "MoE", "convert", "initialize", "init_distributed",
-           "shutdown", "canonical_experts"]
+__all__ = ["FEPLBConfig", "FEPLBConfigError", "FEPLBModelError", "load_config", "MoE", "convert", "initialize",
+           "init_distributed", "shutdown", "canonical_experts"]
 __version__ = "0.1.0"
 
-_LAZY = {"MoE": "deepspeed_feplb.layer", "convert": "deepspeed_feplb.integration.engine",
+_LAZY = {"MoE": "deepspeed_feplb.integration.deepspeed_moe", "convert": "deepspeed_feplb.integration.engine",
          "initialize": "deepspeed_feplb.integration.engine", "init_distributed": "deepspeed_feplb.integration.engine",
          "shutdown": "deepspeed_feplb.domain", "canonical_experts": "deepspeed_feplb.integration.placement"}
 

@@ -145,7 +145,7 @@ class PlacementConfig(FEPLBConfigModel):
     """Cross-node expert placement: which rank is each expert's home, re-decided at optimizer steps from the load history."""
 
     enabled: bool = False
-    """Every interval_steps optimizer steps, re-place the experts of each MoE layer over the ranks of its expert-parallel group so that every node (nvlink_domain_size ranks) carries the same expected load and each node's hot experts are spread over its ranks; an expert moves with its parameters and optimizer state, only when the expected gain over the next interval exceeds the time the move costs. Checkpoints keep DeepSpeed's layout (experts in their original order)."""
+    """Re-place each MoE layer's experts over its EP group every interval_steps optimizer steps, balancing the nodes' loads; an expert moves with its optimizer state, only when the expected gain exceeds the move's time. Checkpoints keep DeepSpeed's layout."""
 
     interval_steps: int = Field(50, ge=1)
     """Optimizer steps between placement decisions."""
@@ -188,19 +188,19 @@ class FEPLBConfig(FEPLBConfigModel):
     """One-way copy-engine bandwidth between two GPUs of a domain, in GB/s (1e9 bytes/s); the planner's time model prices weight and row copies with it."""
 
     ce_budget: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
-    """Hard cap on the expert-weight bytes a rank may send, and a rank may receive, over the copy engine per MoE layer pass (each helper of an offloaded expert receives one copy of its weights, unless it still holds one from earlier in the step; token rows are not counted against it). 'auto': no cap; the planner's time model (forward + backward GEMM time measured on the previous micro-batch, copy time at copy_engine_gbps) keeps only the copies that shorten the slowest rank's expert time."""
+    """Cap on the expert-weight bytes a rank sends, and receives, per MoE layer pass (rows not counted). 'auto': no cap; the planner's time model keeps only the copies that shorten the slowest rank."""
 
     weight_residency: Literal["step", "micro_batch"] = "step"
-    """'step': a helper keeps a received expert copy until the optimizer step, serves that expert again in later micro-batches of the step without a new copy, and returns the copy's accumulated weight-gradient once, in the backward of the step's last micro-batch (the gradient-accumulation boundary), before DeepSpeed reduces gradients. 'micro_batch': every micro-batch copies the weights and returns the gradients (the FEPLB paper's scheme)."""
+    """'step': a helper keeps a received copy until the optimizer step (later micro-batches need no new copy) and returns its accumulated weight-gradient in the step's last backward. 'micro_batch': copy and return every micro-batch (the paper's scheme)."""
 
     max_resident_experts: int = Field(8, ge=0)
-    """'step' residency: expert copies one rank keeps per MoE layer; more are used for their micro-batch only. Memory per MoE layer and rank: up to max_resident_experts x (expert weight bytes + its weight-gradient, kept in fp32: 2 x the weight bytes for bf16/fp16 parameters, 1 x for fp32), e.g. 8 x 3 x 75.5 MB = 1.8 GB for a 6144 x 2048 SwiGLU expert in bf16."""
+    """'step' residency: expert copies a rank keeps per MoE layer; each costs its weights plus an fp32 weight-gradient (docs/GPU.md has the memory formula)."""
 
     max_rows_over_mean: Optional[Annotated[float, Field(ge=1.0, allow_inf_nan=False)]] = None
-    """A bound on the rows any rank computes, before time: at most this multiple of the mean rows per rank of the EP group, wherever the dynamic experts can reach it. null (default): FEPLB minimises expert time alone, which at small micro-batches leaves rows unbalanced where moving them would cost more (a weight copy, a padded GEMM tile) than it saves. With a bound, a domain above it always plans, balances rows down to the bound, and the time model picks the fastest plan only among those that keep within it. Use it to bound the busiest rank's expert activation memory; 1.0 balances rows as far as the limits allow. Measured in simulation at 2k rows per rank (EP=16, GLM-5-sized experts): row max/mean 1.11 -> 1.04 for 6.5% more expert time."""
+    """Bound on any rank's rows, as a multiple of the EP group's mean rows per rank (e.g. to bound activation memory); the fastest plan within the bound wins. null: minimise expert time alone, which at small micro-batches may leave rows unbalanced."""
 
     fixed_costs: Literal["measured", "ignore"] = "measured"
-    """What FEPLB charges besides rows and copied bytes. 'measured': the planner's time model prices the transport's latency per message (its cost per row is fitted to this rank's timed expert calls); a layer balances only once its experts were timed, and, with the torch dispatcher, skips planning and phase 2 (and does not even set up its domain) for a micro-batch whose busiest and idlest ranks of the domain differ by less than one expert piece (what a one-row call costs) plus one message, since no move could then shorten the busiest rank. 'ignore': rows and bytes only (an ideal GEMM and transport): balances from the first micro-batch, by tokens until it is timed; moves then pay at any size, which is what exactness tests at toy sizes need."""
+    """'measured': price each expert piece and message as timed on this rank, and skip micro-batches no move can speed up. 'ignore': rows and bytes only, so moves happen at any size (exactness tests at toy sizes)."""
 
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)

@@ -77,8 +77,8 @@ class DomainRuntime:
         dist.all_gather_object(info, (secrets.token_hex(4), socket.gethostname(), os.getpid()), group=ep_group)
         hosts = {info[first + i][1] for i in range(self.size)}
         if len(hosts) > 1:
-            raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts {sorted(hosts)}; "
-                                   "set it to the number of ranks per host")
+            raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts "
+                                   f"{sorted(hosts)}; set it to the number of ranks per host")
         self.name = f"feplb-{info[first][0]}"
         if self.local_rank == 0 and not planner_cached():
             print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the scheduler "

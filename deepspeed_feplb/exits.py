@@ -71,7 +71,8 @@ def install(dead_peers: Optional[Callable[[], list]] = None) -> None:
         previous(kind, value, traceback)
 
     sys.excepthook = hook
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         def on_sigint(signum, frame):
             global _interrupted
             _interrupted = True

@@ -165,7 +165,8 @@ def summary(series: dict) -> dict:
                 entry[f"{metric}_total"] = sum(values)
             entry[f"{metric}_mean"] = sum(values) / len(values) if values else 0.0
         if entry.get("token_straggler_before_mean") and "token_straggler_after_mean" in entry:
-            entry["token_straggler_reduction"] = 1 - entry["token_straggler_after_mean"] / entry["token_straggler_before_mean"]
+            after, before = entry["token_straggler_after_mean"], entry["token_straggler_before_mean"]
+            entry["token_straggler_reduction"] = 1 - after / before
         out[layer] = entry
     return out
 

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import shutil
+import sys
 import tempfile
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
-import deepspeed
 import deepspeed_feplb
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe import ByteMoELM, as_dict, batches, feplb_off, stdlib_bytes  # noqa: E402
+from train_moe import ByteMoELM, as_dict, batches, feplb_off, stdlib_bytes
 
 TOLERANCE = 1e-5  # relative, fp32: FEPLB on and off compute the same losses up to summation order
 

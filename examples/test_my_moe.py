@@ -14,8 +14,15 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_feplb
-from deepspeed_feplb.testing import (TraceRouting, assert_equal_to_unbalanced, assert_same_on_all_ranks,
-                                     distinct_experts, example_trace_path, override_routing, zipf_routing)
+from deepspeed_feplb.testing import (
+    TraceRouting,
+    assert_equal_to_unbalanced,
+    assert_same_on_all_ranks,
+    distinct_experts,
+    example_trace_path,
+    override_routing,
+    zipf_routing,
+)
 
 HIDDEN, FFN, EXPERTS, RANKS = 16, 32, 8, 4
 

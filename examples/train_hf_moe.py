@@ -1,7 +1,8 @@
 """Train a tiny Hugging Face MoE model (Mixtral or Qwen3-MoE) with DeepSpeed AutoEP + FEPLB.
 
     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_hf_moe.py --model mixtral
-    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_hf_moe.py --deepspeed_config examples/ds_config.json
+    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_hf_moe.py \\
+        --deepspeed_config examples/ds_config.json
 
 The model is built from its config with random weights (no download). AutoEP shards its experts
 over the ranks (``"expert_parallel"``); ``deepspeed_feplb.initialize`` adds FEPLB phase 2 to
@@ -29,16 +30,16 @@ import os
 import sys
 import time
 
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import deepspeed
 import deepspeed_feplb
 from deepspeed_feplb.integration.autoep import autoep_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe import as_dict, feplb_off, log_line, progress_bar, rounded, summarize  # noqa: E402
+from train_moe import as_dict, feplb_off, log_line, progress_bar, rounded, summarize
 
 VOCAB = 128
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
@@ -173,7 +174,7 @@ def train(args, log=print) -> tuple[list[dict], object]:
 def main() -> None:
     args = build_parser().parse_args()
     try:  # before the process group: one line per rank at once, not a traceback per rank after its start
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 - only checks that it is installed
     except ImportError:
         if int(os.environ.get("RANK", "0")) == 0:
             print("train_hf_moe.py needs Hugging Face transformers (>=5.0,<5.23): pip install -e '.[hf]'",

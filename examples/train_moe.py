@@ -21,10 +21,10 @@ import sysconfig
 import time
 from pathlib import Path
 
+import deepspeed
 import numpy as np
 import torch
 
-import deepspeed
 import deepspeed_feplb
 from deepspeed_feplb.segments import cpu_seconds
 from deepspeed_feplb.stats import straggler
@@ -119,8 +119,9 @@ def step_record(step: int, loss: float, seconds: float, micro_batch_stats: list[
     """One JSON line of a training step.
 
     ``step``: the engine's global step after the step (1-based, the step DeepSpeed's monitor
-    writes); ``tokens`` (set by `train`): the step's tokens over all ranks; ``tokens_before`` / ``tokens_after``: rows each rank of this rank's NVLink domain
-    computed in the step (int ``[G]``, summed over its micro-batches; None with FEPLB off), from
+    writes); ``tokens`` (set by `train`): the step's tokens over all ranks; ``tokens_before`` /
+    ``tokens_after``: rows each rank of this rank's NVLink domain computed in the step (int
+    ``[G]``, summed over its micro-batches; None with FEPLB off), from
     the layer's ``feplb_stats`` of each micro-batch; ``layers``: ``{layer: {metric: value}}`` of
     the monitor summary (``engine.feplb_monitor.last``, floats to 3 decimals), which ``report`` reads.
     """
@@ -166,7 +167,8 @@ def train(args, ds_config=None, log=print) -> list[dict]:
         collector = getattr(engine, "feplb_monitor", None)
         record = step_record(engine.global_steps, loss.item(), seconds, micro_batch_stats,
                              collector.last if collector is not None else None)
-        record["tokens"] = args.batch * world * engine.gradient_accumulation_steps()  # over all ranks (report: tokens/s)
+        # over all ranks (report: tokens/s)
+        record["tokens"] = args.batch * world * engine.gradient_accumulation_steps()
         history.append(record)
         if rank == 0 and log is not None:
             log_line(log, json.dumps(record), bar)
@@ -262,9 +264,10 @@ def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True, bas
     if per_step(history, "weight_copies"):
         mean = {key: np.mean(per_step(history, key, np.sum) or [0]) for key in (
             "weight_copies", "weight_bytes", "resident_hits", "flushed_copies", "grad_bytes")}
-        print(f"  expert weights copied per step: {mean['weight_copies']:.1f} copies, {mean['weight_bytes'] / 1e6:.2f} MB; "
-              f"chunks served from kept copies: {mean['resident_hits']:.1f}; copies whose gradients went home at the "
-              f"step's end: {mean['flushed_copies']:.1f}; weight-gradients sent: {mean['grad_bytes'] / 1e6:.2f} MB")
+        print(f"  expert weights copied per step: {mean['weight_copies']:.1f} copies, "
+              f"{mean['weight_bytes'] / 1e6:.2f} MB; chunks served from kept copies: {mean['resident_hits']:.1f}; "
+              f"copies whose gradients went home at the step's end: {mean['flushed_copies']:.1f}; "
+              f"weight-gradients sent: {mean['grad_bytes'] / 1e6:.2f} MB")
     gemm = per_step(history, "gemm_straggler_ms")
     if gemm:
         print(f"  measured GEMM straggler (expert-compute wall time, max-mean over the domain): "

@@ -15,16 +15,15 @@ import json
 import os
 import sys
 
+import deepspeed
 import numpy as np
 import torch
-
-import deepspeed
 from deepspeed.pipe import PipelineModule
 
 import deepspeed_feplb
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe import batches, stdlib_bytes  # noqa: E402
+from train_moe import batches, stdlib_bytes
 
 
 class EmbedMix(torch.nn.Module):
@@ -76,7 +75,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
     stream = batches(data, engine.train_micro_batch_size_per_gpu(), args.context,
                      seed=1000 + engine.grid.get_data_parallel_rank())
     history = []
-    for step in range(args.steps):
+    for _ in range(args.steps):
         loss = engine.train_batch(data_iter=stream)
         summary = engine.feplb_monitor.last or {"layers": {}}
         record = {"step": engine.global_steps, "loss": round(float(loss), 6)}  # 1-based, as DeepSpeed's monitor
@@ -120,9 +119,10 @@ def summarize(history: list[dict]) -> None:
         after = np.mean([r.get("token_straggler_after", 0.0) for r in rows])
         warm = [r["warm_start_token_straggler"] for r in rows if "warm_start_token_straggler" in r]
         gemm = np.median([r["gemm_straggler_ms"] for r in rows])
+        migrated = sum(r.get("migrated_tokens", 0) for r in rows)
         print(f"  layer {name}: token straggler {before:.1f} -> {after:.1f}"
               + (f" (warm-start plan would leave {np.mean(warm):.1f})" if warm else "")
-              + f"   GEMM straggler median {gemm:.2f} ms   migrated tokens {sum(r.get('migrated_tokens', 0) for r in rows)}")
+              + f"   GEMM straggler median {gemm:.2f} ms   migrated tokens {migrated}")
     print(f"  loss {history[0]['loss']} -> {history[-1]['loss']}   OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
 

@@ -38,10 +38,10 @@ def main(scenario: str) -> int:
     rank = dist.get_rank()
     torch.manual_seed(0)
     expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    feplb = {"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "scheduler": {"peer_timeout_s": 20, "start_after_steps": 0}}
     layer = deepspeed_feplb.MoE(8, expert, num_experts=4, ep_size=2, k=1, min_capacity=0, drop_tokens=False,
-                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
-                                                             "scheduler": {"peer_timeout_s": 20,
-                                                                           "start_after_steps": 0}})
+                                use_rts=False, feplb_config=feplb)
     with torch.no_grad():
         layer.deepspeed_moe.gate.wg.weight[0] += 2.0  # expert 0 (on rank 0) hot: moves every step
     layer.set_deepspeed_parallelism()
@@ -52,9 +52,14 @@ def main(scenario: str) -> int:
             if scenario == "die-early" and rank == 1 and step == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             if scenario == "die-late" and rank == 1 and step == 2:
-                scheduler = layer.deepspeed_moe.domain.scheduler
+                scheduler = layer.deepspeed_moe.stage.domain.scheduler
                 publish = scheduler.publish
-                scheduler.publish = lambda *args: (publish(*args), os.kill(os.getpid(), signal.SIGKILL))
+
+                def publish_and_die(*args, publish=publish):
+                    publish(*args)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                scheduler.publish = publish_and_die
             out, _, _ = layer(x)
             out.sum().backward()
             if scenario == "owner-dies" and step == 2:
@@ -63,7 +68,7 @@ def main(scenario: str) -> int:
                 dist.all_reduce(torch.ones(1))  # fails on rank 1, outside FEPLB, and is not caught
                 continue
             if step == 0:
-                domain = layer.deepspeed_moe.domain
+                domain = layer.deepspeed_moe.stage.domain
                 deadline = time.monotonic() + 60
                 while rank == 0 and domain.scheduler.scheduler_pid() <= 0 and time.monotonic() < deadline:
                     time.sleep(0.05)  # the tests signal this pid: never print -1 (kill -1 hits everything)

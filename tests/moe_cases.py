@@ -26,7 +26,8 @@ TOKENS = 48
 
 
 def make_expert(hidden: int = HIDDEN) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(), torch.nn.Linear(2 * hidden, hidden))
+    return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                               torch.nn.Linear(2 * hidden, hidden))
 
 
 def skew_gate(gate_weight: torch.Tensor, strength: float = 3.0, spread: bool = True) -> None:
@@ -88,7 +89,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, dynamic: int = 2) -> dict:
     """Forward+backward of both layers on this rank; returns errors and FEPLB stats."""
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore",
              "max_helpers_per_expert": 4}
     reference, ours = build_pair(num_experts, ep_size, k, feplb, seed=k)
     x, w = rank_inputs(k)
@@ -149,7 +151,8 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     """Train DeepSpeed's MoE and FEPLB (through deepspeed_feplb.initialize) side by side."""
     import deepspeed
 
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1, "fixed_costs": "ignore"}
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore"}
 
     def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
         torch.manual_seed(11)
@@ -201,7 +204,8 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     import deepspeed
 
     world = dist.get_world_size()
-    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore",
              "weight_residency": residency, "max_resident_experts": max_resident}
 
     def make_model():
@@ -334,7 +338,8 @@ def sigmoid_gating_case() -> dict:
     for dynamic in (2, 0):
         torch.manual_seed(9)
         layer = deepspeed_feplb.MoE(HIDDEN, make_expert(), num_experts=8, ep_size=2, k=2, min_capacity=0,
-                                    feplb_config={"dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+                                    feplb_config={"dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
+                                                  "fixed_costs": "ignore",
                                                   "gating": {"score": "sigmoid", "bias_update_rate": 0.01}})
         skew_gate(layer.deepspeed_moe.gate.wg.weight, spread=False)
         diversify_experts(layer)
@@ -355,7 +360,8 @@ def scheduler_fault_case() -> dict:
     import time
     import warnings
 
-    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+    reference, ours = build_pair(8, 2, 2, {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+                                           "fixed_costs": "ignore",
                                            "scheduler": {"start_after_steps": 0}}, seed=2)
     client = None
     result = {"errors": {}, "migrated": 0, "fallback_after_kill": False, "fallback_when_stalled": False,
@@ -379,7 +385,7 @@ def scheduler_fault_case() -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step("warm-up")
-        client = ours.deepspeed_moe.domain.scheduler
+        client = ours.deepspeed_moe.stage.domain.scheduler
         leader = client.process is not None
         first = _serving_pid(client) if leader else 0
         if leader:
@@ -453,7 +459,8 @@ def bad_input_case(kind: str):
                   use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=False)
     reference = DeepSpeedMoE(expert=make_expert(hidden), **kwargs)
     ours = deepspeed_feplb.MoE(expert=make_expert(hidden), **kwargs,
-                               feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore"})
+                               feplb_config={"dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+                                             "fixed_costs": "ignore"})
     skew_gate(reference.deepspeed_moe.gate.wg.weight, strength=6.0, spread=False)
     diversify_experts(reference)
     ours.load_state_dict(reference.state_dict())
@@ -493,7 +500,8 @@ def checkpointed_case(use_reentrant: bool, ep_size: int = 2, k: int = 2) -> dict
     returns the errors and how many layer forwards FEPLB's stats saw."""
     from torch.utils.checkpoint import checkpoint
 
-    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore",
              "max_helpers_per_expert": 4}
     from deepspeed_feplb.integration.monitor import StatsCollector
 
@@ -603,17 +611,19 @@ def _train(engines: dict, steps, on_step=None) -> dict:
 def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6,
                    ep_size: int | None = None, experts_per_rank: int = 4, learn_gate: bool = False,
                    optimizer: str = "adam", gradient_clipping: float = 1.0) -> dict:
-    """Cross-node placement on ``world`` ranks as nodes of ``domain`` (``experts_per_rank``, the hot ones
-    on the first node; a learning gate with ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`): FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical
-    experts, trained side by side. Returns both loss curves, the parameter errors with FEPLB's
-    experts back in DeepSpeed's layout, the node loads of the last ``settled`` steps under
+    """Cross-node placement on ``world`` ranks as nodes of ``domain`` (``experts_per_rank``, the hot
+    ones on the first node; a learning gate with ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`):
+    FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical experts, trained side by
+    side. Returns both loss curves, the parameter errors with FEPLB's experts back in DeepSpeed's
+    layout, the node loads of the last ``settled`` steps under
     DeepSpeed's placement and under FEPLB's final one, and the placement counters."""
     import deepspeed
 
     from deepspeed_feplb.integration.placement import placed_layers
     world = dist.get_world_size()
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
-    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+    feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore",
              "placement": {"enabled": True, "interval_steps": interval, "history_decay": 0.5}}
     config = {**ds_config(zero_stage, feplb, optimizer), "gradient_clipping": gradient_clipping}
     num_experts = experts_per_rank * world
@@ -727,7 +737,8 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
         fresh(_placed_inputs(save_at)[0])  # the first forward attaches the placement
         fresh.module.train()
     fresh_placed = placed_layers(fresh.module)[0].placement.expert_at.tolist()
-    resumed["placement-order state dict into a fresh job"] = _train({"fresh": fresh}, range(save_at, save_at + 1))["fresh"]
+    resumed["placement-order state dict into a fresh job"] = _train({"fresh": fresh}, range(save_at,
+                                                                                            save_at + 1))["fresh"]
     fresh_refusals = {}
     for kind, placed in (("deepspeed", True), ("feplb without placement", False)):
         other = engine("feplb" if placed is False else kind, placement=placed)
@@ -818,8 +829,8 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
                      checkpointed: bool = False, max_rows_over_mean: float | None = None) -> dict:
     """``feplb.fixed_costs: "measured"`` (the default) over 4 ranks, one domain, experts with the
     given paced costs and the first rank's experts hot by ``skew`` (`skew_gate`; 0: every expert
-    gets the same rows, round robin; < 0: `_first_rank_heavy`): per micro-batch, whether this rank had a domain, the moves,
-    the domain's counts and the errors against DeepSpeed's MoE. ``checkpointed``: FEPLB's layer
+    gets the same rows, round robin; < 0: `_first_rank_heavy`): per micro-batch, whether this rank
+    had a domain, the moves, the domain's counts and the errors against DeepSpeed's MoE. ``checkpointed``: FEPLB's layer
     runs inside non-reentrant activation checkpointing (its recompute sees costs timed after the
     original forward, which would decide otherwise); ``max_rows_over_mean``: that bound on rows."""
     from torch.utils.checkpoint import checkpoint
@@ -856,10 +867,10 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
         for layer in (reference, ours):
             layer.zero_grad(set_to_none=True)
         stats = ours.feplb_stats
-        steps.append({"domain": ours.deepspeed_moe.domain is not None, "moves": stats.get("moves"),
+        steps.append({"domain": ours.deepspeed_moe.stage.domain is not None, "moves": stats.get("moves"),
                       "counts": np.asarray(stats["domain_counts"]).tolist() if "domain_counts" in stats else None,
                       "rows_after": stats.get("tokens_after"),
-                      "error": max(errors), "fit": ours.deepspeed_moe.compute_times.fitted_us()})
+                      "error": max(errors), "fit": ours.deepspeed_moe.stage.compute_times.fitted_us()})
     deepspeed_feplb.shutdown()
     return {"steps": steps, "segments": [n for n in os.listdir("/dev/shm") if n.startswith("feplb-")]}
 
@@ -937,14 +948,14 @@ def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
 
     from deepspeed_feplb.migrate import phase2
     if fault:
-        original = phase2.Phase2Step._vjp
+        original = phase2.Phase2MicroBatch._vjp
 
         def scaled(self, piece, grad):
             gx, *gp = original(self, piece, grad)
             if any(piece is q for pieces in self.served.values() for q in pieces):
                 gp = [g * (1.0 + fault) for g in gp]
             return [gx, *gp]
-        phase2.Phase2Step._vjp = scaled
+        phase2.Phase2MicroBatch._vjp = scaled
 
     def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
         torch.manual_seed(11)

@@ -46,7 +46,8 @@ def tiny_model(preset: str, seed: int = 0):
     return model
 
 
-def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False, gas: int = 1) -> dict:
+def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False, gas: int = 1,
+              fixed_costs: str = "ignore", dynamic: int = 2) -> dict:
     return {
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 2,
@@ -54,7 +55,8 @@ def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False, gas: 
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
         "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": preset},
-        "feplb": {"enabled": feplb, "dynamic_experts_per_rank": 2, "fixed_costs": "ignore"},  # moves at toy sizes
+        # fixed_costs "ignore": moves at toy sizes; "measured": the skip rule decides from timed costs
+        "feplb": {"enabled": feplb, "dynamic_experts_per_rank": dynamic, "fixed_costs": fixed_costs},
     }
 
 
@@ -63,7 +65,7 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 1):
+def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 1, fixed_costs: str = "ignore"):
     """FEPLB on vs off on AutoEP layers; with ``gas`` > 1, every engine step is one micro-batch of
     a ``gas``-micro-batch optimizer step (weight residency keeps copies across them)."""
     import torch
@@ -75,7 +77,7 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 
     model = tiny_model(preset)
     reference = copy.deepcopy(model)
     ours, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(preset, True, zero, bf16, gas))
+                                               config=ds_config(preset, True, zero, bf16, gas, fixed_costs))
     ref, _, _, _ = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
                                               config=ds_config(preset, False, zero, bf16, gas))
     swapped = [type(m.experts) for m in ours.module.modules() if hasattr(m, "experts") and hasattr(m, "router")]
@@ -122,7 +124,10 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 
         ids = torch.randint(0, VOCAB, (2, 16), generator=g)
         errors["logits after steps"] = _rel(ours.module(ids).logits, ref.module(ids).logits)
     last = stats_seen[-1]
+    stages = [m.stage for m in ours.module.modules() if isinstance(m, FEPLBGroupedExperts)]
     return {"errors": errors, "migrated": migrated, "losses": losses,
+            "decisions": [list(stage._decisions.values()) for stage in stages],
+            "announced": [stage.announce() for stage in stages],
             "stats": {name: {k: s[k] for k in ("ranks", "tokens_before", "tokens_after", "migrated_tokens", "moves")}
                       for name, s in last.items()},
             "resident_hits": sum(s.get("resident_hits", 0) for seen in stats_seen for s in seen.values())}
@@ -132,7 +137,8 @@ def autoep_cases():
     return {"mixtral": equivalence_case("mixtral"), "qwen3_moe": equivalence_case("qwen3_moe"),
             "mixtral_zero2": equivalence_case("mixtral", zero=2),
             "qwen3_moe_bf16_zero1": equivalence_case("qwen3_moe", zero=1, bf16=True),
-            "mixtral_accumulation": equivalence_case("mixtral", gas=4)}
+            "mixtral_accumulation": equivalence_case("mixtral", gas=4),
+            "mixtral_measured": equivalence_case("mixtral", fixed_costs="measured")}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +146,8 @@ def results():
     return run_distributed(autoep_cases, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "mixtral_zero2", "qwen3_moe_bf16_zero1", "mixtral_accumulation"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "mixtral_zero2", "qwen3_moe_bf16_zero1",
+                                  "mixtral_accumulation", "mixtral_measured"])
 def test_feplb_matches_autoep(results, case):
     tol = 2e-2 if "bf16" in case else TOL  # bf16: dynamic experts run a per-expert loop, static ones grouped GEMM
     for rank, per_rank in enumerate(results):
@@ -149,7 +156,43 @@ def test_feplb_matches_autoep(results, case):
         assert worst[1] <= tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
         if case in ("mixtral", "qwen3_moe"):
             assert any(k.startswith("grad ") and "experts.w1" in k for k in errors), sorted(errors)[:5]
-    assert sum(per_rank[case]["migrated"] for per_rank in results) > 0, "no migration happened: the test is vacuous"
+    if case != "mixtral_measured":  # there the skip rule decides, `test_the_skip_rule_decides_alike_on_every_rank`
+        assert sum(per_rank[case]["migrated"] for per_rank in results) > 0, "no migration happened: the test is vacuous"
+
+
+def test_the_skip_rule_decides_alike_on_every_rank(results):
+    """With measured costs the AutoEP layer runs the same skip rule as the DeepSpeed-MoE layer: both
+    ranks announce their timed costs and take the same decision for every micro-batch."""
+    decisions = [per_rank["mixtral_measured"]["decisions"] for per_rank in results]
+    assert decisions[0] == decisions[1] and all(decisions[0]), decisions  # one list per layer, every micro-batch
+    for per_rank in results:
+        for announced in per_rank["mixtral_measured"]["announced"]:
+            assert len(announced) == 3 and announced[1] == announced[1], announced  # a fitted cost per row (not NaN)
+
+
+def disagreeing_configs() -> str:
+    """Rank 1 builds its AutoEP layers with another feplb.dynamic_experts_per_rank."""
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed_feplb
+    from deepspeed_feplb.config import FEPLBConfigError
+
+    model = tiny_model("mixtral")
+    engine, _, _, _ = deepspeed_feplb.initialize(
+        model=model, model_parameters=model.parameters(),
+        config=ds_config("mixtral", True, dynamic=2 if dist.get_rank() == 0 else 1))
+    try:
+        engine(torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7)))
+    except FEPLBConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_that_built_different_layers_are_refused_naming_the_setting():
+    for message in run_distributed(disagreeing_configs, 2, timeout=120):
+        assert "feplb.dynamic_experts_per_rank differs across the ranks of its expert-parallel group" in message, \
+            message
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])

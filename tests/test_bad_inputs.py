@@ -10,8 +10,8 @@ import moe_cases
 
 
 def model(num_experts=4, ep_size=2):
-    return moe_cases.TinyMoEModel(deepspeed_feplb.MoE(moe_cases.HIDDEN, moe_cases.make_expert(), num_experts=num_experts,
-                                                      ep_size=ep_size))
+    layer = deepspeed_feplb.MoE(moe_cases.HIDDEN, moe_cases.make_expert(), num_experts=num_experts, ep_size=ep_size)
+    return moe_cases.TinyMoEModel(layer)
 
 
 @pytest.mark.parametrize("section,ep_size,world,key", [

@@ -3,8 +3,9 @@ the recompute in backward re-runs phase 1 and phase 2 on every rank; outputs, gr
 training with kept weight copies equal DeepSpeed's MoE, and a recompute is not a micro-batch."""
 import pytest
 
-import moe_cases
 from deepspeed_feplb.testing import run_distributed
+
+import moe_cases
 
 TOLERANCE = 1e-5
 MODES = ("reentrant", "non-reentrant")

@@ -6,8 +6,15 @@ import re
 
 import pytest
 
-from deepspeed_feplb.config import (SCHEMA_COMMAND, FEPLBConfig, FEPLBConfigError, add_parser, load_config, schema,
-                                    schema_text)
+from deepspeed_feplb.config import (
+    SCHEMA_COMMAND,
+    FEPLBConfig,
+    FEPLBConfigError,
+    add_parser,
+    load_config,
+    schema,
+    schema_text,
+)
 
 SCHEMA_FILE = pathlib.Path(__file__).resolve().parents[1] / "config_schemas" / "feplb.schema.json"
 

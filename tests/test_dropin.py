@@ -1,4 +1,5 @@
-"""The drop-in contract (docs/ARCHITECTURE.md, "Contracts"): FEPLB behaves as DeepSpeed's MoE wherever that one works."""
+"""The drop-in contract (docs/ARCHITECTURE.md, "Contracts"): FEPLB behaves as DeepSpeed's MoE
+wherever that one works."""
 import pytest
 import torch
 
@@ -100,7 +101,7 @@ def dropless_warning() -> dict:
     import warnings
 
     import deepspeed_feplb
-    from deepspeed_feplb import layer as feplb_layer
+    from deepspeed_feplb.integration import deepspeed_moe as feplb_layer
     feplb_layer._warned.pop("dropless", None)
     seen = {}
     for drop_tokens in (False, True, True):
@@ -110,7 +111,8 @@ def dropless_warning() -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             layer(torch.randn(16, 8))
-        seen.setdefault(drop_tokens, []).append([str(w.message) for w in caught if "drop_tokens=True" in str(w.message)])
+        messages = [str(w.message) for w in caught]
+        seen.setdefault(drop_tokens, []).append([m for m in messages if "drop_tokens=True" in m])
         seen.setdefault("dropping", []).append(layer.deepspeed_moe.gate.drop_tokens)
     return seen
 

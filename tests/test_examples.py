@@ -146,8 +146,9 @@ def test_train_moe_summary_uses_the_means_of_report(tmp_path, capsys):
     """The end summary prints the token and GEMM stragglers as the mean over steps, the numbers
     `report` computes from the same lines."""
     sys.path.insert(0, str(EXAMPLES))
-    import train_moe
     from deepspeed_feplb.report import read_jsonl, summary
+
+    import train_moe
 
     gemm = [0.5, 0.5, 0.5, 3.5]  # median 0.5, mean 1.25: tells the two apart
     history = [{"step": i + 1, "loss": 2.0, "step_ms": 10.0, "tokens_before": [30, 10], "tokens_after": [20, 20],
@@ -199,7 +200,8 @@ def test_train_hf_moe_reads_the_users_ds_config(tmp_path):
     assert "zero_optimization" not in config  # --zero not given: the file's (none)
     assert train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--zero", "2"), 2)["zero_optimization"] == \
         {"stage": 2}
-    assert train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--no-feplb"), 2)["feplb"]["enabled"] is False
+    without = train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--no-feplb"), 2)
+    assert without["feplb"]["enabled"] is False
 
     path.write_text(json.dumps({"feplb": {"enabled": True}}))  # nothing else: what AutoEP and the example need is added
     config = train_hf_moe.ds_config(_hf_args("--deepspeed_config", str(path), "--batch", "3"), world=2)

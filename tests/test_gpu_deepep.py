@@ -43,8 +43,8 @@ def contract() -> dict:
 
 
 def adapter_vs_torch() -> dict:
-    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher, ReferenceBuffer
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     rank, world = dist.get_rank(), dist.get_world_size()
     x0, ids, gates0 = _inputs(rank, world)
     expert_ids, gates0 = ids.t().contiguous(), gates0.t().contiguous()  # the layer's [k, S] layout
@@ -53,7 +53,7 @@ def adapter_vs_torch() -> dict:
                              ("deepep", DeepEPDispatcher(None, world, E_LOCAL, buffer=ReferenceBuffer(None)))):
         x = x0.clone().requires_grad_(True)
         gates = gates0.clone().requires_grad_(True)
-        rows, counts, handle = dispatcher.dispatch(x, expert_ids)
+        rows, counts, handle, _ = dispatcher.dispatch(x, expert_ids)
         g = torch.Generator().manual_seed(7 + rank)
         weight = torch.randn(rows.shape[0], HIDDEN, generator=g)
         out_rows = torch.tanh(rows * weight)  # a row-wise "expert"
@@ -73,7 +73,7 @@ def results():
 
 
 def test_reference_layout_counts_tokens_once_per_rank(results):
-    for rank, r in enumerate(results):
+    for r in results:
         c = r["contract"]
         ids = c["ids"]
         expect = torch.zeros(TOKENS, 3, dtype=torch.bool)
@@ -91,7 +91,7 @@ def test_reference_receives_by_source_rank_with_local_expert_ids(results):
     for me, r in enumerate(results):
         c = r["contract"]
         want_x, want_idx, want_w, want_src = [], [], [], []
-        for src, s in enumerate(results):  # receive order: source rank, then token
+        for s in results:  # receive order: source rank, then token
             sc = s["contract"]
             for t in range(TOKENS):
                 if sc["in_rank"][t, me]:

@@ -37,9 +37,9 @@ def test_the_adapter_never_waits_on_a_synchronous_event():
     ids = torch.tensor([[0, 1, 2, 0, 1], [2, 0, -1, 1, 2]])
     gates = torch.rand(2, 5)
     ours = DeepEPDispatcher(None, 1, 3, buffer=ReferenceBuffer(None))
-    rows, counts, handle = ours.dispatch(x, ids)
+    rows, counts, handle, _ = ours.dispatch(x, ids)
     out = ours.combine(rows * 2, gates, handle)
-    ref_rows, ref_counts, ref_handle = TorchDispatcher(None, 1, 3).dispatch(x, ids)
+    ref_rows, ref_counts, ref_handle, _ = TorchDispatcher(None, 1, 3).dispatch(x, ids)
     assert torch.equal(rows, ref_rows) and (counts == ref_counts).all()
     out.sum().backward()
     assert torch.allclose(out, TorchDispatcher(None, 1, 3).combine(ref_rows * 2, gates, ref_handle))
@@ -123,7 +123,8 @@ def test_runtime_compile_keeps_subnormals(monkeypatch):
 
     cupy = types.ModuleType("cupy")
     cupy.RawModule = raw_module
-    cupy.cuda = types.SimpleNamespace(Device=Device, compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
+    cupy.cuda = types.SimpleNamespace(Device=Device,
+                                      compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
                                       function=types.SimpleNamespace(Module=Module))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
@@ -201,7 +202,7 @@ def test_a_stuck_copy_thread_keeps_its_buffers(monkeypatch):
 def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatch):
     """Host time around asynchronous launches measures the launches: on CUDA the static-expert and
     expert times that size ce_budget "auto" come from CUDA events, read once they completed."""
-    from deepspeed_feplb.balance import ComputeTimes
+    from deepspeed_feplb.expert_costs import ComputeTimes
 
     class Event:  # a CUDA event on a fake device timeline: the GPU runs 5 ms behind the host
         now = 0.0
@@ -280,7 +281,8 @@ def _exchange_counting_host_waits() -> dict:
         future.result(timeout=20)
         ok &= torch.equal(got[0], torch.full((64, 8), float(r + 1 - rank)))
         # what the copy thread still holds: this message's tensors, the earlier ones released
-        held.append([[x.data_ptr() == y.data_ptr() for x, y in zip(tensors, sent)] for _, tensors in t._in_flight[1 - rank]])
+        held.append([[x.data_ptr() == y.data_ptr() for x, y in zip(tensors, sent)]
+                     for _, tensors in t._in_flight[1 - rank]])
     during = Counting.syncs
     dist.barrier()
     t.close()
@@ -335,7 +337,8 @@ def _recv_streams() -> dict:
     else:
         Recording.log.clear()
         got = t.recv(0, 7)
-        result = {"log": list(Recording.log), "current": backend.current_stream(), "ok": torch.equal(got[0], torch.ones(16))}
+        result = {"log": list(Recording.log), "current": backend.current_stream(),
+                  "ok": torch.equal(got[0], torch.ones(16))}
     dist.barrier()
     t.close()
     return result

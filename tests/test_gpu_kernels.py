@@ -13,8 +13,14 @@ import torch
 
 from deepspeed_feplb.kernels import cuda as kernels
 from deepspeed_feplb.kernels import reference
-from deepspeed_feplb.migrate.arena import (ALIGN, align_up, channel_capacity_hint, message_layout, plan_arena_offsets,
-                                           transport_bytes_per_rank)
+from deepspeed_feplb.migrate.arena import (
+    ALIGN,
+    align_up,
+    channel_capacity_hint,
+    message_layout,
+    plan_arena_offsets,
+    transport_bytes_per_rank,
+)
 
 
 # ------------------------------------------------------------------------------------ compilation
@@ -43,7 +49,7 @@ def test_kernels_compile_for_sm90_with_nvrtc():
     from cupy_backends.cuda.libs import nvrtc
     try:
         nvrtc.getVersion()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure to load libnvrtc means "not available"
         pytest.skip(f"libnvrtc not available ({exc}); pip install nvidia-cuda-nvrtc-cu12")
     program = nvrtc.createProgram(kernels.source(), kernels.SOURCE_NAME, [], [])
     try:
@@ -147,8 +153,8 @@ def test_memory_formula_matches_the_transport_slots():
 # ------------------------------------------------------------------------------------ selection
 def test_selection_on_a_cpu_machine():
     from deepspeed_feplb.config import FEPLBConfigError, load_config
-    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     from deepspeed_feplb.dispatch import make_dispatcher
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     from deepspeed_feplb.migrate import cuda_available, transport_class
     from deepspeed_feplb.migrate.shm import ShmTransport
     params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
@@ -160,3 +166,19 @@ def test_selection_on_a_cpu_machine():
     if not cuda_available():
         with pytest.raises(FEPLBConfigError, match="feplb.transport"):
             transport_class(load_config({"feplb": {"transport": "cuda_ce"}}), params)
+
+
+def test_cuda_experts_never_go_to_the_host_memory_transport():
+    """Experts on CUDA with ``transport: shm``, or with ``auto`` where CuPy is missing, are refused
+    naming the transport and what is missing (the shm transport would crash on a CPU/CUDA concat)."""
+    from types import SimpleNamespace
+
+    from deepspeed_feplb.config import FEPLBConfigError, load_config
+    from deepspeed_feplb.migrate import cuda_available, transport_kind
+    on_cuda = [SimpleNamespace(is_cuda=True)]
+    with pytest.raises(FEPLBConfigError, match="\"shm\" moves host memory and the experts are on CUDA"):
+        transport_kind(load_config({"feplb": {"transport": "shm"}}), on_cuda)
+    if not cuda_available():
+        with pytest.raises(FEPLBConfigError, match="feplb.transport: \"auto\" with experts on CUDA .*needs CuPy"):
+            transport_kind(load_config({"feplb": {}}), on_cuda)
+    assert transport_kind(load_config({"feplb": {}}), [SimpleNamespace(is_cuda=False)]) == "shm"

@@ -16,7 +16,6 @@ from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
 from deepspeed_feplb.segments import PeerTimeoutError, leftover_segments
 from deepspeed_feplb.testing import run_distributed
 
-
 _CASES = iter(range(1 << 30))
 
 
@@ -192,25 +191,27 @@ def test_a_silent_peer_times_out_instead_of_hanging(protocol_results):
 
 def layer_through_ce_protocol() -> dict:
     """The full FEPLB layer vs DeepSpeed's MoE, with phase 2 on `CudaCETransport` (host backend)."""
+    from deepspeed_feplb import domain as runtime
+    from deepspeed_feplb import expert_stage
+
     import moe_cases
 
-    from deepspeed_feplb import domain as runtime
-    from deepspeed_feplb import layer
-
     def transport_factory(name, local_rank, size, timeout_s, create, watch=None):
-        return CudaCETransport(name, local_rank, size, timeout_s, create, watch, backend=HostBackend(prefix=f"{name}-mem"),
+        return CudaCETransport(name, local_rank, size, timeout_s, create, watch,
+                               backend=HostBackend(prefix=f"{name}-mem"),
                                capacity_bytes=4096)  # small: the layer's messages grow the slots
 
-    layer.transport_class = lambda config, expert_params: transport_factory  # what `migrate.transport_class` picks on a GPU
+    # what `migrate.transport_class` picks on a GPU
+    expert_stage.transport_class = lambda config, expert_params: transport_factory
     results = {}
     for k in (1, 2):
         results[k] = moe_cases.equivalence_case(2, 2, k)
-        domain = next(iter(runtime._RUNTIMES.values()))  # noqa: SLF001
+        domain = next(iter(runtime._RUNTIMES.values()))  # noqa: SLF001 - the test inspects the live domain
         assert isinstance(domain.transport, CudaCETransport)
         results[k]["capacities"] = domain.transport.capacities()
     # weight residency through the same protocol: chunks without weights, kept copies, gradients at the step's end
     results["accumulation"] = moe_cases.accumulation_case(0, "step", 2, steps=2)
-    assert all(isinstance(r.transport, CudaCETransport) for r in runtime._RUNTIMES.values())  # noqa: SLF001
+    assert all(isinstance(r.transport, CudaCETransport) for r in runtime._RUNTIMES.values())  # noqa: SLF001 - as above
     return results
 
 

@@ -1,6 +1,7 @@
 """The package's layout rules (docs/ARCHITECTURE.md): an acyclic import graph in which the runtime
-never depends on the simulator, the policy never on torch, and the scheduler process starts
-without torch or DeepSpeed."""
+never depends on the simulator, the core never on the integration with DeepSpeed's engines and
+modules, the policy never on torch, and the scheduler process starts without torch or DeepSpeed;
+DeepSpeed's private names are reached in `integration/seams.py` only."""
 import ast
 from pathlib import Path
 
@@ -108,8 +109,59 @@ def test_the_scheduler_process_starts_without_torch():
     assert not reach & {"torch", "deepspeed"}, sorted(reach)
 
 
+# The core: the micro-batch's path and its policy, usable without a DeepSpeed engine. Outside it:
+# the integration with DeepSpeed (its layers, engines, seams), the simulator, the test harness and
+# the command-line entry points.
+OUTSIDE_CORE = (f"{PACKAGE}.integration", f"{PACKAGE}.sim", f"{PACKAGE}.testing")
+CORE = sorted(m for m in MODULES if not m.startswith(OUTSIDE_CORE)
+              and m not in {PACKAGE, f"{PACKAGE}.__main__", f"{PACKAGE}.report"})
+SEAMS = f"{PACKAGE}.integration.seams"
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_never_imports_the_integration(module):
+    assert not {m for m in GRAPH[module] if m.startswith(f"{PACKAGE}.integration")}, \
+        f"{module} imports the integration package"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_deepspeed_names(source: str) -> list[str]:
+    """Private DeepSpeed names ``source`` reaches: imported from a ``deepspeed`` module, or read as
+    an attribute of a name bound by such an import (``groups._get_data_parallel_group``)."""
+    tree = ast.parse(source)
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "deepspeed")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "deepspeed":
+            found += [f"from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+            bound.update(a.asname or a.name for a in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != SEAMS))
+def test_private_deepspeed_names_only_in_seams(module):
+    assert not private_deepspeed_names(MODULES[module].read_text()), \
+        f"{module} reaches DeepSpeed internals outside integration/seams.py"
+
+
 def test_the_checker_sees_edges():
-    """The rules above are only worth something if the graph is real."""
+    """The rules above are only worth something if the graph and the name check are real."""
     assert f"{PACKAGE}.scheduler.mailbox" in GRAPH[f"{PACKAGE}.scheduler.process"]
     assert f"{PACKAGE}.plan.policy" in GRAPH[f"{PACKAGE}.sim.policies"]
-    assert "torch" in closure(f"{PACKAGE}.layer")
+    assert "torch" in closure(f"{PACKAGE}.integration.deepspeed_moe")
+    assert f"{PACKAGE}.expert_stage" in CORE and f"{PACKAGE}.integration.autoep" not in CORE
+    assert private_deepspeed_names(MODULES[SEAMS].read_text())  # seams does reach them
+    assert private_deepspeed_names("from deepspeed.utils import groups\ngroups._get_data_parallel_group()")
+    assert private_deepspeed_names("from deepspeed.moe.sharded_moe import _capacity")
+    assert not private_deepspeed_names("import torch\ntorch._C._get_tracing_state()")

@@ -4,10 +4,12 @@ import os
 
 import pytest
 
-import moe_cases
 from deepspeed_feplb.testing import run_distributed
 
-KINDS = ("experts_differ", "row_bound_differs", "batchnorm", "buffer_update", "plain_buffer", "extra_eval_forward", "first_forward_missing")
+import moe_cases
+
+KINDS = ("experts_differ", "row_bound_differs", "batchnorm", "buffer_update", "plain_buffer", "extra_eval_forward",
+         "first_forward_missing")
 
 
 def cases() -> dict:

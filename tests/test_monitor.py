@@ -37,7 +37,8 @@ def test_summary_definitions():
 def test_a_fallback_of_any_rank_counts_for_its_domain():
     """Each rank waits for the scheduler process on its own, so only some ranks of a domain may plan
     in-process; every rank's summary counts that micro-batch once (not the domain leader's view)."""
-    ranks = [{0: {"moe": rec(0, [0, 1], 0.001, 2.0, 0.0)}}, {0: {"moe": rec(1, [0, 1], 0.001, 2.0, 0.0, fallback=True)}}]
+    ranks = [{0: {"moe": rec(0, [0, 1], 0.001, 2.0, 0.0)}},
+             {0: {"moe": rec(1, [0, 1], 0.001, 2.0, 0.0, fallback=True)}}]
     assert summarize(ranks, step=0)["layers"]["moe"]["fallbacks"] == 1
 
 
@@ -102,7 +103,7 @@ def test_report_plots_json_lines_and_csv_monitor_dirs(tmp_path, capsys):
 def _gather_both_sizes() -> list:
     import torch.distributed as dist
 
-    from deepspeed_feplb.integration.monitor import GATHER_BYTES, gather_small
+    from deepspeed_feplb.collectives import GATHER_BYTES, gather_small
     rank = dist.get_rank()
     small = gather_small({"rank": rank})
     large = gather_small(b"x" * (GATHER_BYTES + 1000 * rank))  # over the one-collective size: two collectives
@@ -110,7 +111,7 @@ def _gather_both_sizes() -> list:
 
 
 def test_gather_small_returns_every_ranks_object_whatever_its_size():
-    from deepspeed_feplb.integration.monitor import GATHER_BYTES
+    from deepspeed_feplb.collectives import GATHER_BYTES
     from deepspeed_feplb.testing import run_distributed
     for small, large in run_distributed(_gather_both_sizes, 2, timeout=120):
         assert small == [{"rank": 0}, {"rank": 1}]

@@ -15,8 +15,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def pipeline_on_and_off() -> dict:
     sys.path.insert(0, str(EXAMPLES))
     import torch.distributed as dist
-    import train_moe_pipe
+
     from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
+
+    import train_moe_pipe
 
     args = Namespace(steps=2, stages=2, hidden=32, experts=8, top_k=2, context=8)
     base = json.loads((EXAMPLES / "ds_config_pipe.json").read_text())
@@ -24,16 +26,17 @@ def pipeline_on_and_off() -> dict:
     base["feplb"]["scheduler"] = {"mode": "inline"}  # same plans; no scheduler start-up in a short test
     base["feplb"]["fixed_costs"] = "ignore"  # moves pay at these toy sizes, so the test exercises phase 2
     out = {}
+    engines = []
+    original = FEPLBPipelineEngine.__init__
+
+    def spy(self, *a, **k):
+        original(self, *a, **k)
+        engines.append(self)
+
     for enabled in (True, False):
         config = copy.deepcopy(base)
         config["feplb"]["enabled"] = enabled
-        engines = []
-        original = FEPLBPipelineEngine.__init__
-
-        def spy(self, *a, **k):
-            original(self, *a, **k)
-            engines.append(self)
-
+        engines.clear()
         FEPLBPipelineEngine.__init__ = spy
         try:
             history = train_moe_pipe.train(args, config, log=None)

@@ -9,7 +9,12 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_feplb.integration.monitor import StatsCollector, warm_start_straggler
-from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine, FEPLBTrainSchedule, MicroBatchState, PlanMicroBatch
+from deepspeed_feplb.integration.pipeline import (
+    FEPLBPipelineEngine,
+    FEPLBTrainSchedule,
+    MicroBatchState,
+    PlanMicroBatch,
+)
 
 SHAPES = [(mb, stages, stage) for mb in (1, 2, 3, 8) for stages in (1, 2, 4) for stage in range(stages)]
 
@@ -86,7 +91,8 @@ class _Bare(FEPLBPipelineEngine):
 def bare(monkeypatch):
     engine = _Bare()
     monkeypatch.setattr(PipelineEngine, "_exec_forward_pass", lambda self, buffer_id: self.log.append(("F", buffer_id)))
-    monkeypatch.setattr(PipelineEngine, "_exec_backward_pass", lambda self, buffer_id: self.log.append(("B", buffer_id)))
+    monkeypatch.setattr(PipelineEngine, "_exec_backward_pass",
+                        lambda self, buffer_id: self.log.append(("B", buffer_id)))
     monkeypatch.setattr(PipelineEngine, "_exec_reduce_grads", lambda self: self.log.append(("R", None)))
     return engine
 
@@ -99,7 +105,8 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
                 if k in (schedule.ForwardPass, schedule.BackwardPass, schedule.ReduceGrads, PlanMicroBatch)}
     ends = []  # what the layers would read during each forward (weight residency's step end)
     monkeypatch.setattr(PipelineEngine, "_exec_forward_pass",
-                        lambda self, buffer_id: (self.log.append(("F", buffer_id)), ends.append(self.feplb_step_ends())))
+                        lambda self, buffer_id: (self.log.append(("F", buffer_id)),
+                                                 ends.append(self.feplb_step_ends())))
     peak = 0
     for cmd in flat(sched):
         if type(cmd) in handlers:
@@ -110,7 +117,8 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
     assert bare.feplb_in_flight == {} and bare._feplb_done == {}
     assert peak <= sched.num_pipe_buffers() + 1  # in flight: forwarded, not yet backwarded (+1 planned ahead)
     assert [k for k, _ in bare.log].count("F") == micro_batches and bare.log[-1] == ("R", None)
-    assert ends == [False] * (micro_batches - 1) + [True] and bare.feplb_step_ends()  # only the last forward ends the step
+    # only the last forward ends the step
+    assert ends == [False] * (micro_batches - 1) + [True] and bare.feplb_step_ends()
     assert bare.feplb_monitor.last["step"] == 1
 
 

@@ -4,8 +4,9 @@ DeepSpeed's MoE fed the same logical experts, and checkpoints keep DeepSpeed's l
 import numpy as np
 import pytest
 
-import moe_cases
 from deepspeed_feplb.testing import run_distributed
+
+import moe_cases
 
 
 @pytest.mark.parametrize("zero_stage,ep_size", [(0, 4), (1, 4), (2, 4), (2, 2)],

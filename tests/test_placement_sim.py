@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile
-from deepspeed_feplb.plan.placement import (CrossNodePlacer, holdings, improve_placement, node_loads,
-                                            placement_rows, slot_holdings, transfer_us)
+from deepspeed_feplb.plan.placement import (
+    CrossNodePlacer,
+    holdings,
+    improve_placement,
+    node_loads,
+    placement_rows,
+    slot_holdings,
+    transfer_us,
+)
 from deepspeed_feplb.sim.policies import SimSetup
 from deepspeed_feplb.sim.simulate import simulate
 from deepspeed_feplb.trace.format import Trace
@@ -146,7 +153,7 @@ def test_simulator_charges_replacements_in_expert_time():
     # the same run with free transfers: identical plans, expert time lower by exactly the charge
     free = simulate(trace, SimSetup(**base, expert_state_bytes=0.0), ["eplb", "feplb"])
     assert np.allclose(run.expert_us - free.runs["feplb"].expert_us, run.placement_us)
-    assert np.array_equal(run.rank_tokens, free.runs["feplb"].rank_tokens)
+    assert np.array_equal(run.rank_rows, free.runs["feplb"].rank_rows)
     # EPLB is charged the same way for its re-placements
     e = res.runs["eplb"]
     assert m["eplb"]["placement_refreshes"] >= 1 and e.placement_us.sum() > 0

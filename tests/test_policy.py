@@ -1,14 +1,21 @@
 """Property and example tests of the FEPLB planner (deepspeed_feplb/plan/policy.py)."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dataclasses import replace
-
-from deepspeed_feplb.plan.policy import (Plan, PlanConstraints, dynamic_candidates, lower_bound, no_residents, plan_domain,
-                                         rows_bound)
+from deepspeed_feplb.plan.policy import (
+    Plan,
+    PlanConstraints,
+    dynamic_candidates,
+    lower_bound,
+    no_residents,
+    plan_domain,
+    rows_bound,
+)
 from deepspeed_feplb.plan.timeline import TimeModel
 
 
@@ -19,16 +26,16 @@ def check_plan(counts, cons, plan):
     moves = plan.moves
     assert isinstance(plan, Plan)
     assert moves.dtype == np.int64 and moves.ndim == 2 and moves.shape[1] == 4
-    assert plan.rank_tokens.dtype == np.int64 and plan.rank_tokens.shape == (G,)
-    # conservation: rank_tokens is what the moves imply, and no token appears or disappears
+    assert plan.rank_rows.dtype == np.int64 and plan.rank_rows.shape == (G,)
+    # conservation: rank_rows is what the moves imply, and no token appears or disappears
     expect = counts.sum(axis=1).copy()
     for home, e, helper, tok in moves.tolist():
         assert 0 <= home < G and 0 <= helper < G and helper != home and 0 <= e < E
         assert tok > 0
         expect[home] -= tok
         expect[helper] += tok
-    assert np.array_equal(plan.rank_tokens, expect)
-    assert plan.rank_tokens.sum() == counts.sum() and plan.rank_tokens.min() >= 0
+    assert np.array_equal(plan.rank_rows, expect)
+    assert plan.rank_rows.sum() == counts.sum() and plan.rank_rows.min() >= 0
     if len(moves) == 0:
         return
     # sorted by (home, local_expert)
@@ -56,7 +63,7 @@ def check_plan(counts, cons, plan):
         for h in helpers:
             copies_in[h] += 1
         offloaded.setdefault(home, set()).add(e)
-    for home, es in offloaded.items():
+    for es in offloaded.values():
         assert len(es) <= min(cons.dynamic_experts, E)
     budget = cons.copies_per_rank()
     if not math.isinf(budget):
@@ -99,11 +106,11 @@ def test_plan_contracts(inst):
     check_plan(counts, cons, plan)
     # deterministic, and independent of the input's memory layout and dtype
     again = plan_domain(np.asfortranarray(counts.astype(np.int32)), cons)
-    assert np.array_equal(plan.moves, again.moves) and np.array_equal(plan.rank_tokens, again.rank_tokens)
+    assert np.array_equal(plan.moves, again.moves) and np.array_equal(plan.rank_rows, again.rank_rows)
     # never worse than doing nothing, never better than the lower bound
-    assert plan.rank_tokens.max() <= counts.sum(axis=1).max()
+    assert plan.rank_rows.max() <= counts.sum(axis=1).max()
     if counts.shape[0] > 0 and counts.sum() > 0:
-        assert plan.rank_tokens.max() >= lower_bound(counts, cons.dynamic_experts)
+        assert plan.rank_rows.max() >= lower_bound(counts, cons.dynamic_experts)
 
 
 # copies that cost more than most moves save: time alone moves little
@@ -126,11 +133,11 @@ def test_a_row_bound_holds_wherever_the_token_plan_reaches_it(inst, ratio, group
     check_plan(counts, bounded, plan)
     token_plan = plan_domain(counts, cons)
     cap = rows_bound(ratio, mean_rows if mean_rows > 0 else counts.sum() / max(1, G))
-    assert plan.rank_tokens.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_tokens.max())
+    assert plan.rank_rows.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_rows.max())
     # without a time model the plan balances down to the bound, not further
     tokens_only = plan_domain(counts, replace(bounded, model=None))
     check_plan(counts, bounded, tokens_only)
-    assert tokens_only.rank_tokens.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_tokens.max())
+    assert tokens_only.rank_rows.max() <= max(cap + cons.chunk_align - 1, token_plan.rank_rows.max())
     # a bound that never binds leaves the time model's plan as it is
     loose = plan_domain(counts, replace(bounded, max_rows_over_mean=1e6))
     timed = plan_domain(counts, replace(bounded, max_rows_over_mean=0.0))
@@ -143,16 +150,16 @@ def test_a_row_bound_moves_rows_that_time_alone_keeps():
     assert plan_domain(counts, cons).moves.shape[0] == 0  # no copy pays
     bounded = plan_domain(counts, replace(cons, max_rows_over_mean=1.05))
     check_plan(counts, cons, bounded)
-    assert bounded.rank_tokens.max() <= rows_bound(1.05, counts.sum() / 4) + 7
+    assert bounded.rank_rows.max() <= rows_bound(1.05, counts.sum() / 4) + 7
     # the mean of the whole EP group counts, not the domain's: a lighter group allows less
     group = plan_domain(counts, replace(cons, max_rows_over_mean=1.05, mean_rows=200.0))
-    assert group.rank_tokens.max() <= max(210, lower_bound(counts, 2)) + 7
+    assert group.rank_rows.max() <= max(210, lower_bound(counts, 2)) + 7
     # copies a helper still holds count against nothing: among the plans within the bound the
     # fastest wins, and it sends the rows to the holder
     resident = no_residents(4, 3)
     resident[0, 0, 0] = 1 << 3
     held = plan_domain(counts, replace(cons, max_rows_over_mean=1.05), resident)
-    assert held.rank_tokens.max() <= rows_bound(1.05, counts.sum() / 4) + 7
+    assert held.rank_rows.max() <= rows_bound(1.05, counts.sum() / 4) + 7
     assert 3 in held.moves[held.moves[:, 0] == 0, 2].tolist()
 
 
@@ -166,7 +173,7 @@ def test_reaches_lower_bound_without_limits(inst):
     plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
-        assert plan.rank_tokens.max() == lower_bound(counts, cons.dynamic_experts)
+        assert plan.rank_rows.max() == lower_bound(counts, cons.dynamic_experts)
 
 
 @settings(max_examples=300, deadline=None)
@@ -181,7 +188,7 @@ def test_alignment_costs_less_than_one_chunk(inst):
     plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
     if G > 1 and cons.dynamic_experts > 0 and counts.sum() > 0:
-        assert plan.rank_tokens.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
+        assert plan.rank_rows.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
 
 
 def test_dynamic_candidates_is_the_compiled_passes_rule():
@@ -212,7 +219,7 @@ def test_degenerate_inputs_give_empty_plans():
                       (np.zeros((4, 3), dtype=np.int64), 2), (np.zeros((3, 0), dtype=np.int64), 1)]:
         plan = plan_domain(counts, PlanConstraints(D))
         assert plan.moves.shape == (0, 4) and plan.moves.dtype == np.int64
-        assert plan.rank_tokens.tolist() == counts.sum(axis=1).tolist()
+        assert plan.rank_rows.tolist() == counts.sum(axis=1).tolist()
     with pytest.raises(ValueError):
         plan_domain(np.zeros(4, dtype=np.int64), PlanConstraints(1))
     with pytest.raises(ValueError):
@@ -225,22 +232,22 @@ def test_small_example_by_hand():
     plan = plan_domain(counts, PlanConstraints(dynamic_experts=1, max_helpers=2))
     # only expert 0 (the hottest) may move; static part of rank 0 = 100, so the bound is 100
     assert lower_bound(counts, 1) == 100
-    assert plan.rank_tokens.tolist() == [100, 70, 70] or plan.rank_tokens.max() == 100
+    assert plan.rank_rows.tolist() == [100, 70, 70] or plan.rank_rows.max() == 100
     assert plan.moves[:, :2].tolist() == [[0, 0]] * len(plan.moves)
     assert plan.moves[:, 3].sum() == 100
     plan2 = plan_domain(counts, PlanConstraints(dynamic_experts=2, max_helpers=2))
-    assert plan2.rank_tokens.max() == 80  # mean reached: 120 tokens leave rank 0
+    assert plan2.rank_rows.max() == 80  # mean reached: 120 tokens leave rank 0
     check_plan(counts, PlanConstraints(dynamic_experts=2, max_helpers=2), plan2)
 
 
 def test_copy_engine_budget_limits_copies():
     counts = np.array([[400, 300, 200, 100], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
     free = plan_domain(counts, PlanConstraints(4, 3))
-    assert free.rank_tokens.max() == 250
+    assert free.rank_rows.max() == 250
     one = PlanConstraints(4, 3, 1, ce_budget_bytes=1.5e6, expert_bytes=10**6)
     plan = plan_domain(counts, one)
     check_plan(counts, one, plan)
-    assert len(plan.moves) == 1 and plan.rank_tokens.max() == 600  # best single move: 400 away
+    assert len(plan.moves) == 1 and plan.rank_rows.max() == 600  # best single move: 400 away
     none = PlanConstraints(4, 3, 1, ce_budget_bytes=0.5e6, expert_bytes=10**6)
     assert plan_domain(counts, none).moves.shape == (0, 4)
 
@@ -254,7 +261,7 @@ def test_donor_keeps_its_remainder_below_one_chunk():
     assert lower_bound(counts, 1) == 921
     plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
-    assert plan.rank_tokens.max() <= 921 + 7
+    assert plan.rank_rows.max() <= 921 + 7
     assert (plan.moves[:, 3] % 8 == 0).all()
 
 
@@ -264,7 +271,7 @@ def test_row_order_and_tail_chunk():
     cons = PlanConstraints(1, 3, 128)
     plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
-    assert plan.rank_tokens.max() <= lower_bound(counts, 1) + 127
+    assert plan.rank_rows.max() <= lower_bound(counts, 1) + 127
 
 
 def test_rack_scale_domain():
@@ -276,7 +283,7 @@ def test_rack_scale_domain():
         plan = plan_domain(counts, cons)
         check_plan(counts, cons, plan)
         assert len(plan.moves) > 0
-    assert plan.rank_tokens.max() == lower_bound(counts, 2)
+    assert plan.rank_rows.max() == lower_bound(counts, 2)
 
 
 def test_whole_expert_chains_when_copies_bind():
@@ -295,7 +302,7 @@ def test_whole_expert_chains_when_copies_bind():
     check_plan(counts, cons, plan)
     bound, mean = lower_bound(counts, 4), counts.sum() / 8
     assert counts.max() == 9864 and bound == 32768
-    assert plan.rank_tokens.max() - bound <= 0.01 * mean
+    assert plan.rank_rows.max() - bound <= 0.01 * mean
 
 
 def test_chain_through_a_rank_above_the_level():
@@ -306,5 +313,5 @@ def test_chain_through_a_rank_above_the_level():
     cons = PlanConstraints(dynamic_experts=2, max_helpers=2, ce_budget_bytes=2.5, expert_bytes=1)
     plan = plan_domain(counts, cons)
     check_plan(counts, cons, plan)
-    assert plan.rank_tokens.tolist() == [400, 400, 400, 400]
+    assert plan.rank_rows.tolist() == [400, 400, 400, 400]
     assert (plan.moves[:, 2] == 0).sum() == 2  # rank 0 received two copies, no more

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_feplb
-from deepspeed_feplb.trace.record import get_recorder
-from deepspeed_feplb.trace.format import load_trace, rank_loads
 from deepspeed_feplb.testing import run_distributed
+from deepspeed_feplb.trace.format import load_trace, rank_loads
+from deepspeed_feplb.trace.record import get_recorder
 
 HIDDEN, TOKENS, WORLD, EXPERTS = 8, 40, 2, 8
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "deepspeed_feplb", "trace", "data", "stdlib_moe_trace.npz")
@@ -24,11 +24,13 @@ SHIPPED = os.path.join(os.path.dirname(__file__), "..", "deepspeed_feplb", "trac
 
 def _moe(seed, path):
     torch.manual_seed(seed)
-    expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 3 * HIDDEN), torch.nn.GELU(), torch.nn.Linear(3 * HIDDEN, HIDDEN))
+    expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 3 * HIDDEN), torch.nn.GELU(),
+                                 torch.nn.Linear(3 * HIDDEN, HIDDEN))
     moe = deepspeed_feplb.MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=WORLD, k=2, min_capacity=0,
                               drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                               feplb_config={"nvlink_domain_size": WORLD, "dynamic_experts_per_rank": 1,
-                                            "chunk_align_tokens": 1, "fixed_costs": "ignore", "stats": {"record_trace": path}})
+                                            "chunk_align_tokens": 1, "fixed_costs": "ignore",
+                                            "stats": {"record_trace": path}})
     moe.set_deepspeed_parallelism()
     return moe
 

@@ -146,7 +146,8 @@ def test_missing_optional_packages_name_the_install(small_trace, tmp_path, capsy
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     out = tmp_path / "o.json"
     with pytest.raises(SystemExit) as exit_:
-        _simulate("--trace", small_trace, "--ranks-per-node", "4", "--json", str(out), "--plot", str(tmp_path / "o.png"))
+        _simulate("--trace", small_trace, "--ranks-per-node", "4", "--json", str(out),
+                  "--plot", str(tmp_path / "o.png"))
     assert exit_.value.code == 2 and "pip install -e '.[plot]'" in _error_line(capsys)
     assert not out.exists()  # checked before the simulation, not after it
 
@@ -161,8 +162,8 @@ def test_missing_optional_packages_name_the_install(small_trace, tmp_path, capsy
         _simulate("--trace", small_trace, "--ranks-per-node", "4", "--json", str(out), "--policies", "milp")
     line = _error_line(capsys)
     assert exit_.value.code == 2 and "pip install highspy" in line and "'.[test]'" in line
-    from deepspeed_feplb.sim.oracle import optimal_max_load
     from deepspeed_feplb.plan.policy import PlanConstraints
+    from deepspeed_feplb.sim.oracle import optimal_max_load
     with pytest.raises(ImportError, match="pip install highspy"):
         optimal_max_load(np.array([[9, 1], [1, 1]]), PlanConstraints(dynamic_experts=1, max_helpers=1))
 
@@ -279,7 +280,8 @@ def test_report_figures_are_readable(tmp_path):
     tokens = next(ax for title, ax in axes.items() if title.startswith("token straggler"))
     assert {t.get_text() for t in tokens.get_legend().get_texts()} == {
         "layer moe: before balancing", "layer moe: after balancing", "layer moe: warm-start plan (see summary.md)"}
-    assert next(ax for t, ax in axes.items() if t.startswith("plan latency")).get_yscale() == "symlog"  # a latency of 0 stays on the axis
+    latency = next(ax for t, ax in axes.items() if t.startswith("plan latency"))
+    assert latency.get_yscale() == "symlog"  # a latency of 0 stays on the axis
     assert next(ax for t, ax in axes.items() if t.startswith("data moved")).get_ylabel() == "MB"
     assert _integral(next(ax for t, ax in axes.items() if t.startswith("fallbacks")).get_yticks())
     for fig in figs.values():
@@ -287,10 +289,11 @@ def test_report_figures_are_readable(tmp_path):
 
 
 def test_simulator_figure_has_rank_legends_and_integer_ticks(small_trace):
+    import matplotlib.pyplot as plt
+
     from deepspeed_feplb.sim.report import figure
     from deepspeed_feplb.sim.simulate import simulate
     from deepspeed_feplb.trace.format import load_trace
-    import matplotlib.pyplot as plt
 
     trace = load_trace(small_trace)
     result = simulate(trace, SimSetup(4, 1, 8, dynamic_experts=1), ["feplb"])

@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 
-import moe_cases
 from deepspeed_feplb.plan.policy import PlanConstraints, no_residents, plan_domain
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
@@ -15,6 +14,8 @@ from deepspeed_feplb.sim.simulate import simulate
 from deepspeed_feplb.testing import run_distributed
 from deepspeed_feplb.trace.format import Trace
 from deepspeed_feplb.trace.generators import skewed_trace
+
+import moe_cases
 
 TOLERANCE = 1e-5  # relative, fp32 (as the other layer tests)
 MODEL = TimeModel(tile_rows=1, row_us=1.0, piece_us=0.0, weight_copy_us=10.0, grad_copy_us=10.0, row_copy_us=0.1)
@@ -102,9 +103,9 @@ def test_a_helper_that_holds_the_weights_takes_rows_without_a_copy():
     assert plan.moves.tolist() == [[0, 0, 2, 30]]  # only the holder, for free
     # with copies allowed, the holder is chosen first
     plan = plan_domain(counts, PlanConstraints(1, 2, 1), table.resident)
-    assert plan.moves[0].tolist()[:3] == [0, 0, 2] and plan.rank_tokens.max() == 20
-    assert np.array_equal(plan_domain(counts, PlanConstraints(1, 2, 1), no_residents(3, 2)).rank_tokens,
-                          plan_domain(counts, PlanConstraints(1, 2, 1)).rank_tokens)
+    assert plan.moves[0].tolist()[:3] == [0, 0, 2] and plan.rank_rows.max() == 20
+    assert np.array_equal(plan_domain(counts, PlanConstraints(1, 2, 1), no_residents(3, 2)).rank_rows,
+                          plan_domain(counts, PlanConstraints(1, 2, 1)).rank_rows)
 
 
 # ---------------------------------------------------------------- the simulator
@@ -207,11 +208,15 @@ def test_a_fingerprint_sees_every_write_of_the_content():
 
     from deepspeed_feplb.migrate.resident import fingerprint
 
+    def flip_lowest_bit(p):  # the smallest write there is
+        p.data.view(-1)[3:4].view({2: torch.int16, 4: torch.int32}[p.element_size()]).bitwise_xor_(1)
+
+    torch.manual_seed(0)
     params = [torch.randn(8, 4), torch.randn(8), torch.randn(3, 2, 2).bfloat16()]
     writes = {"p.data.mul_": lambda p: p.data.mul_(0.98), "no_grad copy_": lambda p: p.copy_(p * 1.01),
               "rows swapped": lambda p: p.data.copy_(p.data.flip(0)),
               "columns swapped": lambda p: p.data.copy_(p.data.flip(-1)),
-              "one element": lambda p: p.data.view(-1)[3].add_(1e-3)}
+              "one element's lowest bit": flip_lowest_bit}  # adding 1e-3 to a bf16 element may round away
     for name, write in writes.items():
         for p in params:
             before = fingerprint(params)
@@ -222,7 +227,8 @@ def test_a_fingerprint_sees_every_write_of_the_content():
 
 
 def mid_step_writes(ep_size: int) -> dict:
-    return {write: moe_cases.accumulation_case(0, "step", ep_size, write=write) for write in ("data", "load_state_dict")}
+    return {write: moe_cases.accumulation_case(0, "step", ep_size, write=write)
+            for write in ("data", "load_state_dict")}
 
 
 def test_weights_written_mid_step_through_data_or_load_state_dict_are_resent():

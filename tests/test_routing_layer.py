@@ -18,18 +18,29 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 import deepspeed_feplb
+from deepspeed_feplb.testing import (
+    RoutedGate,
+    TraceRouting,
+    assert_equal_to_unbalanced,
+    assert_same_on_all_ranks,
+    distinct_experts,
+    example_trace_path,
+    one_hot_expert_routing,
+    override_routing,
+    run_distributed,
+    zipf_routing,
+)
 from deepspeed_feplb.trace.format import load_trace, rank_loads
-from deepspeed_feplb.testing import (RoutedGate, TraceRouting, assert_equal_to_unbalanced, assert_same_on_all_ranks,
-                                     distinct_experts, example_trace_path, one_hot_expert_routing, override_routing,
-                                     run_distributed, zipf_routing)
 
 HIDDEN, TOKENS, WORLD = 8, 32, 4
 EXPERT_COUNTS_KEY = "expert_tokens_before"  # per-expert rows in feplb_stats, once the layer reports them
-FEPLB = {"nvlink_domain_size": 4, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore", "max_helpers_per_expert": 3}
+FEPLB = {"nvlink_domain_size": 4, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+         "max_helpers_per_expert": 3}
 
 
 def expert(hidden=HIDDEN):
-    return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(), torch.nn.Linear(2 * hidden, hidden))
+    return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                               torch.nn.Linear(2 * hidden, hidden))
 
 
 def feplb_moe(k=2, experts=8, ep_size=WORLD, feplb=FEPLB, seed=0):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from deepspeed_feplb.plan import cache
-from deepspeed_feplb.scheduler import client as client_module
 from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
+from deepspeed_feplb.scheduler import client as client_module
 from deepspeed_feplb.scheduler.client import ProcessScheduler
 from deepspeed_feplb.segments import Word, cpu_seconds, futex_wait, leftover_segments, process_alive
 
@@ -63,7 +63,7 @@ def test_starts_after_its_steps_and_its_plans_equal_the_in_process_ones(client):
         x, planned = step(client, seq)
         expected = plan_domain(x, CONSTRAINTS)
         assert np.array_equal(planned.plan.moves, expected.moves)
-        assert np.array_equal(planned.plan.rank_tokens, expected.rank_tokens)  # the Plan crossed intact
+        assert np.array_equal(planned.plan.rank_rows, expected.rank_rows)  # the Plan crossed intact
     assert not planned.fallback, "the process answered none of the steps"
 
 
@@ -133,7 +133,6 @@ def _short_run_domain(steps: int) -> dict:
 
     import torch.distributed as dist
 
-    from deepspeed_feplb.segments import PeerWatch  # noqa: F401  (what a domain would pass; none here)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     names = [f"feplb-test-{secrets.token_hex(4)}-mbox"]
     dist.broadcast_object_list(names, 0)
@@ -177,7 +176,7 @@ def test_with_a_cold_planner_cache_the_process_compiles_and_plans_have_no_moves_
         seen = [step(c, seq) for seq in range(3)]
         assert "deepspeed_feplb.plan.passes" not in sys.modules, "the rank loaded the planner itself"
         for x, planned in seen:
-            assert planned.plan.moves.shape == (0, 4) and np.array_equal(planned.plan.rank_tokens, x.sum(axis=1))
+            assert planned.plan.moves.shape == (0, 4) and np.array_equal(planned.plan.rank_rows, x.sum(axis=1))
             assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
     finally:
         c.close()

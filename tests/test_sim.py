@@ -7,15 +7,14 @@ import os
 import numpy as np
 import pytest
 
-from deepspeed_feplb.plan.placement import (CrossNodePlacer, node_loads, place_experts,
-                                               rebalance_experts)
-from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain
 from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile, gemm_us
-from deepspeed_feplb.trace.generators import GENERATORS, no_aux_trace
-from deepspeed_feplb.trace.importers import read_megatron_router_trace
+from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads, place_experts, rebalance_experts
+from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain
 from deepspeed_feplb.sim.policies import FasterMoE, SimSetup
 from deepspeed_feplb.sim.simulate import simulate
 from deepspeed_feplb.trace.format import Trace, fold_sources, load_trace, save_trace
+from deepspeed_feplb.trace.generators import GENERATORS, no_aux_trace
+from deepspeed_feplb.trace.importers import read_megatron_router_trace
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -27,13 +26,13 @@ def test_eplb_readme_golden_vector():
     assert phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
                                 [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
     assert logcnt.sum(axis=1).tolist() == [16, 16]
-    for l in range(2):  # log2phy inverts phy2log
+    for layer in range(2):  # log2phy inverts phy2log
         for e in range(12):
-            slots = [s for s in log2phy[l, e] if s >= 0]
-            assert len(slots) == logcnt[l, e] and all(phy2log[l, s] == e for s in slots)
+            slots = [s for s in log2phy[layer, e] if s >= 0]
+            assert len(slots) == logcnt[layer, e] and all(phy2log[layer, s] == e for s in slots)
     # per-GPU load max/mean from the README: 1.208 and 1.242
-    for l, want in ((0, 1.208), (1, 1.242)):
-        per_slot = weight[l][phy2log[l]] / logcnt[l][phy2log[l]]
+    for layer, want in ((0, 1.208), (1, 1.242)):
+        per_slot = weight[layer][phy2log[layer]] / logcnt[layer][phy2log[layer]]
         gpu = per_slot.reshape(8, 2).sum(axis=1)
         assert abs(gpu.max() / gpu.mean() - want) < 1e-3
 
@@ -43,7 +42,8 @@ def test_trace_roundtrip_and_fold(tmp_path):
     t = Trace(counts, top_k=2, hidden=16, ffn_hidden=32, source="unit")
     save_trace(tmp_path / "t.npz", t)
     back = load_trace(tmp_path / "t.npz")
-    assert np.array_equal(back.counts, counts) and (back.top_k, back.hidden, back.ffn_hidden, back.source) == (2, 16, 32, "unit")
+    assert np.array_equal(back.counts, counts)
+    assert (back.top_k, back.hidden, back.ffn_hidden, back.source) == (2, 16, 32, "unit")
     folded = fold_sources(counts, 2)
     assert np.array_equal(folded[:, :, 0], counts[:, :, 0] + counts[:, :, 1])
     one = fold_sources(counts[:, :, :1], 3)  # no source info: spread evenly, remainder first
@@ -110,6 +110,7 @@ def test_fit_profile_recovers_tile_rate_and_overhead():
 
 def test_gpu_profile_needs_a_device():
     import torch
+
     from deepspeed_feplb.sim.calibrate import get_profile
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu profile would be measured")
@@ -122,10 +123,10 @@ def _independent_vanilla(counts, ranks):
     S, L, _, E = counts.shape
     out = np.zeros((S, L))
     for s in range(S):
-        for l in range(L):
-            per_expert = counts[s, l].sum(axis=0)
+        for layer in range(L):
+            per_expert = counts[s, layer].sum(axis=0)
             T = [sum(per_expert[e] for e in range(E) if e // (E // ranks) == r) for r in range(ranks)]
-            out[s, l] = max(T) - sum(T) / ranks
+            out[s, layer] = max(T) - sum(T) / ranks
     return out
 
 
@@ -138,19 +139,19 @@ def test_simulator_reproduces_vanilla_and_balances():
     m = res.metrics()
     assert m["vanilla"]["token_straggler"] == pytest.approx(_independent_vanilla(trace.counts, 8).mean())
     for name, run in res.runs.items():  # every policy conserves tokens
-        assert np.array_equal(run.rank_tokens.sum(axis=-1), trace.counts.sum(axis=(2, 3))), name
+        assert np.array_equal(run.rank_rows.sum(axis=-1), trace.counts.sum(axis=(2, 3))), name
     assert m["feplb"]["token_straggler"] < m["feplb-paper"]["token_straggler"] < m["vanilla"]["token_straggler"]
     # feplb's dumped moves replay into its rank tokens, node by node through plan_domain
     feplb = res.runs["feplb"]
     moves = feplb.moves
     for s in range(trace.steps):
-        for l in range(trace.layers):
-            loads = trace.counts[s, l].sum(axis=0)
+        for layer in range(trace.layers):
+            loads = trace.counts[s, layer].sum(axis=0)
             T = np.bincount(np.arange(32) // 4, weights=loads, minlength=8)
-            mv = moves[(moves[:, 0] == s) & (moves[:, 1] == l)]
+            mv = moves[(moves[:, 0] == s) & (moves[:, 1] == layer)]
             np.subtract.at(T, mv[:, 3], mv[:, 5])
             np.add.at(T, mv[:, 4], mv[:, 5])
-            assert np.array_equal(T, feplb.rank_tokens[s, l])
+            assert np.array_equal(T, feplb.rank_rows[s, layer])
             assert ((mv[:, 3] // 4) == (mv[:, 4] // 4)).all()  # moves stay inside a node
             assert ((mv[:, 2] // 4) == mv[:, 3]).all()  # contiguous placement at the start
 
@@ -174,8 +175,8 @@ def test_a_row_bound_trades_expert_time_for_row_balance(tmp_path):
     assert docs["rows"]["token_max_over_mean"] < 1.02
     assert docs["rows"]["expert_time_us"] > docs["time"]["expert_time_us"]
     with pytest.raises(SystemExit):
-        main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "8", "--json", str(tmp_path / "x.json"),
-              "--max-rows-over-mean", "0.95"])
+        main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "8",
+              "--json", str(tmp_path / "x.json"), "--max-rows-over-mean", "0.95"])
 
 
 def test_fastermoe_shadow_rule():
@@ -226,9 +227,9 @@ def test_greedy_close_to_milp_oracle():
         opt = optimal_max_load(counts, cons, time_limit=5)
         assert opt.optimal
         plan = plan_domain(counts, cons)
-        assert plan.rank_tokens.max() >= opt.max_load - 1e-6  # the oracle is a true optimum
+        assert plan.rank_rows.max() >= opt.max_load - 1e-6  # the oracle is a true optimum
         assert opt.max_load >= lower_bound(counts, 2) - 1e-6
-        gaps[free].append((plan.rank_tokens.max() - opt.max_load) / counts.sum(axis=1).mean())
+        gaps[free].append((plan.rank_rows.max() - opt.max_load) / counts.sum(axis=1).mean())
     # measured: optimal on all 12, with or without a budget of two weight copies per rank (before
     # chains through ranks above the level: 1.25% and 10% of the mean load on two budget cases)
     assert np.mean(gaps[True]) <= 0.01 and max(gaps[True]) <= 0.1

@@ -68,7 +68,7 @@ INNER = textwrap.dedent('''
         assert moe.feplb_stats["migrated_tokens"] > 0
         with open("/proc/self/maps") as f:
             segments = sorted({line.split()[-1] for line in f if "/dev/shm/feplb-" in line})
-        scheduler = moe.deepspeed_moe.domain.scheduler.process
+        scheduler = moe.deepspeed_moe.stage.domain.scheduler.process
         pids = [os.getpid()] + ([scheduler.pid] if scheduler is not None else [])
         (path / f"rank{dist.get_rank()}").write_text(" ".join(segments) + "\\n" + " ".join(map(str, pids)))
         if dist.get_rank() == 1:
@@ -176,5 +176,6 @@ def test_entry_point_registers_the_plugin_once(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "--markers", "-p", "no:cacheprovider"], cwd=project,
                           capture_output=True, text=True, env={**env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
                           timeout=120)
-    installed = any(ep.value == PLUGIN for ep in __import__("importlib.metadata").metadata.entry_points(group="pytest11"))
+    from importlib import metadata
+    installed = any(ep.value == PLUGIN for ep in metadata.entry_points(group="pytest11"))
     assert ("feplb_ranks" in proc.stdout) == installed  # without the probe: only if setup.py already has the line

@@ -11,25 +11,20 @@ import importlib.util
 import warnings
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-import numpy as np
 import torch
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
 from deepspeed_feplb.segments import ranks_per_host
 
 
 class Dispatcher(Protocol):
     """Expert-parallel dispatch over an EP group of ``ep_size`` ranks, ``num_local_experts`` each."""
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor,
-                 announce: Sequence[float] = ()) -> tuple[torch.Tensor, np.ndarray, Any]:
-        """x ``[S, H]`` tokens, expert_ids ``[k, S]`` global expert per route (-1: not taken) ->
-        (rows ``[N, H]`` grouped by local expert, then by source rank; counts int64
-        ``[ep_size, E_local]`` (numpy): rows from each source rank per local expert; a handle for
-        `combine`). Differentiable in ``x``. The handle's ``routes`` (int64 ``[ep_size, E]``, every
-        rank's routes per expert) and ``announced`` (float64 ``[ep_size, len(announce)]``, every
-        rank's ``announce``) are the same on every rank, or None where a backend does not exchange
-        them."""
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce: Sequence[float] = ()) -> Dispatched:
+        """x ``[S, H]`` tokens, expert_ids ``[k, S]`` global expert per route (-1: not taken),
+        ``announce``: values (as many on every rank) for decisions the group takes alike ->
+        `Dispatched`. Differentiable in ``x``."""
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: Any) -> torch.Tensor:
         """The exact inverse of `dispatch`, then the gate-weighted sum over routes (fp32 products):
@@ -74,15 +69,12 @@ def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int) -> Optional[
 _warned: set = set()
 
 
-def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts: int, expert_params, hidden: int,
-                    on_error: Optional[Callable[[], None]] = None, stage_times=None) -> Dispatcher:
-    """The dispatcher for ``feplb.ep_backend``: ``torch``; ``deepep`` (`FEPLBConfigError` if
-    ``deep_ep`` does not import, the experts are not bf16 on CUDA, or the adapter does not support
-    this EP group and ``hidden``, `deepep_unsupported`); ``auto``: DeepEP when all of that holds and
-    ``ep_size > 1``, else torch (with one warning when only the group or shape rules DeepEP out).
-    ``on_error`` runs when a collective fails (it raises naming a dead peer, if it knows one);
-    ``stage_times`` (a `stats.StageTimes`) receives the host time of backward's all-to-alls."""
-    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+def dispatcher_kind(config: FEPLBConfig, ep_size: int, expert_params, hidden: int) -> tuple[str, Optional[str]]:
+    """Which dispatcher ``feplb.ep_backend`` gives this EP group of ``ep_size`` ranks and these
+    experts: ("torch" or "deepep", why "auto" passed DeepEP over for a reason worth a warning, or
+    None). ``deepep``: `FEPLBConfigError` if ``deep_ep`` does not import, the experts are not bf16 on
+    CUDA, or the adapter does not support this group and ``hidden`` (`deepep_unsupported`);
+    ``auto``: DeepEP when all of that holds and ``ep_size > 1``, else torch."""
     _, bf16 = _on_cuda_bf16(expert_params)
     local_ranks = ranks_per_host(ep_size)
     if config.ep_backend == "deepep":
@@ -95,15 +87,34 @@ def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts:
         reason = deepep_unsupported(ep_size, hidden, local_ranks) if ep_size > 1 else None
         if reason:
             raise FEPLBConfigError(f"feplb.ep_backend: \"deepep\": {reason}; use \"auto\" or \"torch\"")
-        from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
-        return DeepEPDispatcher(group, ep_size, num_local_experts)
+        return "deepep", None
     if config.ep_backend == "auto" and bf16 and ep_size > 1 and deepep_available():
         reason = deepep_unsupported(ep_size, hidden, local_ranks)
-        if reason is None:
-            from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
-            return DeepEPDispatcher(group, ep_size, num_local_experts)
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"FEPLB: not using DeepEP ({reason}); phase 1 uses torch all_to_all_single", RuntimeWarning,
-                          stacklevel=2)
+        return ("deepep", None) if reason is None else ("torch", reason)
+    return "torch", None
+
+
+def validate_dispatcher(config: FEPLBConfig, ep_size: int, expert_params, hidden: int) -> None:
+    """`FEPLBConfigError` where ``feplb.ep_backend`` cannot serve this EP group and these experts."""
+    dispatcher_kind(config, ep_size, expert_params, hidden)
+
+
+def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts: int, expert_params, hidden: int,
+                    on_error: Optional[Callable[[], None]] = None, stage_times=None) -> Dispatcher:
+    """The dispatcher of `dispatcher_kind` (one warning when "auto" passed DeepEP over).
+    ``on_error`` runs when a collective fails (it raises naming a dead peer, if it knows one);
+    ``stage_times`` (a `stats.StageTimes`) receives the host time of backward's all-to-alls."""
+    kind, passed_over = dispatcher_kind(config, ep_size, expert_params, hidden)
+    if kind == "deepep":
+        from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
+        return DeepEPDispatcher(group, ep_size, num_local_experts)
+    if passed_over and passed_over not in _warned:
+        _warned.add(passed_over)
+        warnings.warn(f"FEPLB: not using DeepEP ({passed_over}); phase 1 uses torch all_to_all_single", RuntimeWarning,
+                      stacklevel=2)
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     return TorchDispatcher(group, ep_size, num_local_experts, on_error=on_error, stage_times=stage_times)
+
+
+__all__ = ["Dispatched", "Dispatcher", "GroupFacts", "deepep_available", "deepep_unsupported", "dispatcher_kind",
+           "make_dispatcher", "validate_dispatcher"]

@@ -29,6 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
 from deepspeed_feplb.kernels import cuda as kernels
 
 
@@ -137,7 +138,8 @@ class ReferenceBuffer:
             local = torch.where(mine, local, torch.full_like(local, -1))
             recv_idx = self._all_to_all(local, send_splits, recv_splits)
             if topk_weights is not None:
-                weights = torch.where(mine, topk_weights.index_select(0, order), torch.zeros_like(local, dtype=topk_weights.dtype))
+                weights = torch.where(mine, topk_weights.index_select(0, order),
+                                      torch.zeros_like(local, dtype=topk_weights.dtype))
                 recv_weights = self._all_to_all(weights, send_splits, recv_splits)
             per_local = torch.bincount(recv_idx[recv_idx >= 0], minlength=experts_per_rank)[:experts_per_rank]
             expert_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_local]
@@ -229,8 +231,6 @@ class _Permute(torch.autograd.Function):
 class DeepEPHandle:
     """What `DeepEPDispatcher.combine` needs: DeepEP's handle and the grouping permutation."""
 
-    routes = announced = None  # not exchanged: DeepEP's layout gives a rank its own receive counts only
-
     def __init__(self, deepep_handle, position: torch.Tensor, grouped_from: torch.Tensor, k: int, num_tokens: int):
         self.deepep_handle, self.position, self.grouped_from = deepep_handle, position, grouped_from
         self.k, self.num_tokens = k, num_tokens
@@ -269,9 +269,8 @@ class DeepEPDispatcher:
 
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce=()):
         """As `TorchDispatcher.dispatch`: x ``[S, H]``, expert_ids ``[k, S]`` (-1: not taken) ->
-        (rows ``[N, H]`` grouped by local expert then source rank, counts int64 ``[ep_size, E_local]``
-        numpy, handle). ``announce`` is not exchanged (the handle's ``routes`` and ``announced``
-        are None)."""
+        `Dispatched`. ``announce`` is not exchanged: DeepEP's layout gives a rank its own receive
+        counts only, so the `GroupFacts` are empty."""
         buffer = self._buffer(x)
         k, num_tokens = expert_ids.shape
         routes = expert_ids.reshape(-1, 1).long().contiguous()  # route j * S + t
@@ -298,7 +297,7 @@ class DeepEPDispatcher:
         if int(counts_local.sum()) != local.numel():
             raise RuntimeError("DeepEP delivered a route for an expert that is not local (recv_topk_idx -1)")
         handle = DeepEPHandle(deepep_handle, position, grouped_from, k, num_tokens)
-        return rows, counts.cpu().numpy(), handle
+        return Dispatched(rows, counts.cpu().numpy(), handle, GroupFacts())
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
         """As `TorchDispatcher.combine`: rows ``[N, H]`` (grouped), gates ``[k, S]`` -> ``[S, H]``."""

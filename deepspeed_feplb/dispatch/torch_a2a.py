@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
+
 
 class AllToAllV(torch.autograd.Function):
     """Uneven all-to-all of rows ``[N_send, ...] -> [N_recv, ...]``; backward swaps the splits."""
@@ -51,9 +53,7 @@ class DispatchHandle:
     """What `combine` needs to undo `dispatch`.
 
     route_order: int64 [N_send] routes sorted by expert; regroup: int64 [N_recv] rows of the
-    received buffer in (local expert, source) order; send/recv splits per rank. And what every
-    rank of the group now knows alike: routes int64 [ep_size, E] (routes each rank sent to each
-    expert) and announced float64 [ep_size, A] (each rank's ``announce`` values).
+    received buffer in (local expert, source) order; send/recv splits per rank.
     """
     num_routes: int
     valid: torch.Tensor
@@ -61,8 +61,6 @@ class DispatchHandle:
     regroup: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    routes: np.ndarray
-    announced: np.ndarray
 
 
 class TorchDispatcher:
@@ -73,22 +71,10 @@ class TorchDispatcher:
         self.on_error = on_error  # called when a collective fails; raises if it knows why (a dead peer)
         self.stage_times = stage_times  # a `stats.StageTimes` that backward's all-to-alls report to, or None
         self.forwards = 0  # dispatches so far: every rank of the group must be at the same one
-        self.exchange_seconds = float("nan")  # host time of the last count exchange (the group's latency, for this rank)
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce: Sequence[float] = ()):
-        """Send rows to their experts' home ranks.
-
-        Args:
-            x: ``[S, H]`` tokens.
-            expert_ids: ``[k, S]`` global expert of each route, -1 for a route not taken.
-            announce: values (as many on every rank) that the handle's ``announced`` gives every
-                rank, for decisions the group must take alike; they travel with the counts.
-
-        Returns:
-            rows ``[N_recv, H]`` grouped by local expert (then by source rank), counts
-            ``int64 [ep_size, E_local]`` (rows from each source rank for each local expert; numpy)
-            and a `DispatchHandle`.
-        """
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce: Sequence[float] = ()) -> Dispatched:
+        """`Dispatcher.dispatch`: rows to their experts' home ranks; ``announce`` travels with the
+        counts, so the `GroupFacts` hold every rank's received rows and announced values."""
         k, num_tokens = expert_ids.shape
         num_experts = self.ep_size * self.num_local_experts
         flat = expert_ids.reshape(-1).long()
@@ -107,12 +93,13 @@ class TorchDispatcher:
         announce_bits = torch.tensor(list(announce), dtype=torch.float64).view(torch.int64)
         mine = torch.cat([send_counts.reshape(-1), torch.tensor(me, dtype=torch.int64, device=send_counts.device),
                           announce_bits.to(send_counts.device)])
+        exchange_seconds = float("nan")
         if self.ep_size > 1:
             gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
             start = time.perf_counter()
             _checked(self.on_error, dist.all_gather, gathered, mine, group=self.group)
             table = torch.stack(gathered).cpu()
-            self.exchange_seconds = time.perf_counter() - start
+            exchange_seconds = time.perf_counter() - start
         else:
             table = mine[None].cpu()
         bad, forwards, grads = (table[:, num_experts + i].tolist() for i in range(3))
@@ -130,13 +117,15 @@ class TorchDispatcher:
         first = self._group_rank() * self.num_local_experts
         recv_np = np.ascontiguousarray(routes[:, first:first + self.num_local_experts])
         announced = table[:, num_experts + 3:].contiguous().view(torch.float64).numpy()
+        received = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_np.sum(1).tolist()
         rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error, self.stage_times) \
             if self.ep_size > 1 else send_rows
         regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
-        handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits, routes, announced)
-        return rows.index_select(0, regroup), recv_np, handle
+        handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
+        facts = GroupFacts(received, announced, exchange_seconds)
+        return Dispatched(rows.index_select(0, regroup), recv_np, handle, facts)
 
     def _group_rank(self) -> int:
         return dist.get_rank(self.group) if self.ep_size > 1 else 0

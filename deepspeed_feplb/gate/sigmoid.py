@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from deepspeed.utils import groups
 
 
 class SigmoidTopKGate(torch.nn.Module):
@@ -28,12 +27,16 @@ class SigmoidTopKGate(torch.nn.Module):
         self.bias_update_rate, self.normalize_topk = bias_update_rate, normalize_topk
         self.register_buffer("expert_bias", torch.zeros(wg.out_features, dtype=torch.float32))
         self.ep_group = None
+        self.bias_group = None  # the ranks that replicate this gate (None: the whole world)
         self.wall_clock_breakdown, self.gate_time = False, 0.0
 
     @classmethod
-    def from_topk_gate(cls, gate, gating_config) -> "SigmoidTopKGate":
+    def from_topk_gate(cls, gate, gating_config, bias_group=None) -> "SigmoidTopKGate":
+        """``bias_group``: the ranks that replicate this gate, whose loads the bias update sums
+        (the data-parallel group; None: the whole world)."""
         new = cls(gate.wg, gate.k, gating_config.bias_update_rate, gating_config.normalize_topk)
         new.ep_group = gate.ep_group
+        new.bias_group = bias_group
         new.train(gate.training)
         return new
 
@@ -64,12 +67,6 @@ class SigmoidTopKGate(torch.nn.Module):
     def _update_bias(self, exp_counts: torch.Tensor) -> None:
         load = exp_counts.to(torch.float32)
         if dist.is_initialized():
-            dist.all_reduce(load, group=_data_parallel_group())
+            dist.all_reduce(load, group=self.bias_group)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
 
-
-def _data_parallel_group():
-    try:
-        return groups._get_data_parallel_group()
-    except Exception:  # no DeepSpeed groups yet: the whole world replicates the gate
-        return None

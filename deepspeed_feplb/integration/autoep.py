@@ -7,11 +7,12 @@ calls its ``experts`` module, a ``GroupedExperts`` holding stacked weights
 counts)``. That call is FEPLB's phase-2 seam: `install` swaps the class of each ``experts``
 instance for `FEPLBGroupedExperts` after ``deepspeed.initialize``, which keeps the parameter
 objects, their names (``...experts.w1`` etc., which DeepSpeed's checkpoints match), the optimizer
-state and ZeRO's hooks. Its ``forward`` runs `deepspeed_feplb.balance.run_experts`, the same
-code as the DeepSpeed-MoE layer: counts to the domain's scheduler, static experts through
-AutoEP's own grouped GEMM while the scheduler plans, dynamic experts (per-expert slices of the
-stacked weights, run by a SwiGLU template module) through the phase-2 transport to helpers and
-back, gradients home.
+state and ZeRO's hooks. Its ``forward`` runs the expert stage (`expert_stage.ExpertStage`), as the
+DeepSpeed-MoE layer does: the skip rule on the EP group's counts (one small all-gather, since
+AutoEP's dispatch does not tell them), static experts through AutoEP's own grouped GEMM while the
+scheduler plans, dynamic experts (per-expert slices of the stacked weights, run by a SwiGLU
+template module) through the phase-2 transport to helpers and back, gradients home. Where FEPLB
+cannot balance (EP 1, no dynamic experts, a domain of one rank) AutoEP's own forward runs.
 
 Counts are the ones AutoEP hands its experts: in the comm path each expert's group is padded to
 a multiple of 8 rows (zero rows, zero output, zero gradient), so the planner balances padded
@@ -19,16 +20,16 @@ rows, which is the work each rank's GEMM really does.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepspeed_feplb.balance import ComputeTimes, run_experts
-from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import domain_size, get_runtime
+from deepspeed_feplb.domain import domain_size
+from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.integration import seams
-from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.stats import layer_stats
 
@@ -61,74 +62,80 @@ class SwiGLUExpert(torch.nn.Module):
 
 
 class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torch.nn.Module):
-    """AutoEP's ``GroupedExperts`` with FEPLB phase 2 (module docstring); set up by `install`."""
+    """AutoEP's ``GroupedExperts`` with FEPLB's expert stage (module docstring); set up by `install`."""
 
-    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int, step_ends=None) -> None:
-        """``step_ends``: says whether the current micro-batch ends the optimizer step
+    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int, layer_facts: dict, step_ends=None) -> None:
+        """``layer_facts``: what every rank of the EP group must have built alike (top-k, hidden
+        size, experts); ``step_ends`` says whether the current micro-batch ends the optimizer step
         (`seams.step_ends`; default: every one does)."""
         self.feplb_config = config
         self.feplb_ep_group = ep_group
         self.feplb_ep_size = ep_size
-        self.feplb_stats: dict = {}
-        self._feplb_domain = None
+        self._layer_facts = layer_facts
+        self.stage: Optional[ExpertStage] = None
+        self._plain_stats: dict = {}
         self._feplb_ready = False
-        self.compute_times = ComputeTimes()
-        self.residency = None
         self.step_ends = step_ends if step_ends is not None else (lambda: True)
+
+    @property
+    def feplb_stats(self) -> dict:
+        """Stats of the last forward (`stats.MicroBatchStats`; empty before the first)."""
+        return self.stage.stats if self.stage is not None else self._plain_stats
 
     def _feplb_attach(self) -> None:
         config = self.feplb_config
+        if self.feplb_ep_size > 1 and dist.is_initialized():
+            check_group_agrees(config, self.feplb_ep_group, self._layer_facts)
         slices = [self.w1[0], self.w2[0], self.w3[0]]
         # not a submodule: its meta parameters must not join the model's parameters or state_dict
         object.__setattr__(self, "_template", SwiGLUExpert(self))
-        self._spec = ExpertSpec.of(self._template)
-        self._expert_bytes = sum(p.numel() * p.element_size() for p in slices)
-        balance = (self.feplb_ep_size > 1 and config.dynamic_experts_per_rank > 0
-                   and domain_size(config, self.feplb_ep_size) > 1)
-        if balance:
-            transport = transport_class(config, slices)
-            self._feplb_domain = get_runtime(self.feplb_ep_group, config, transport)
-            self.residency = LayerResidency.create(self._feplb_domain.size, self.num_experts, config)
+        stage = ExpertStage(config, self.feplb_ep_group, self.feplb_ep_size, self.num_experts, slices,
+                            hidden=slices[0].shape[1])
+        if stage.balances:  # otherwise AutoEP's own forward, untouched
+            self.stage = stage
+            self._local_experts = LocalExperts([self._template] * self.num_experts, self._slices,
+                                               ExpertSpec.of(self._template), static_fn=self._static)
         self._feplb_ready = True
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if not self._feplb_ready:
             self._feplb_attach()
-        domain, config = self._feplb_domain, self.feplb_config
-        if domain is None:
-            if config.stats.enabled:
+        stage = self.stage
+        if stage is None:
+            if self.feplb_config.stats.enabled:
                 counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()
                 rank = dist.get_rank() if dist.is_initialized() else 0
-                self.feplb_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [rank])
+                self._plain_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [rank])
             return super().forward(x, num_tokens_per_expert)
         counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()  # the host copy (free on CPU)
+        device = num_tokens_per_expert.device if num_tokens_per_expert.is_cuda else torch.device("cpu")
         try:
-            return self._forward(x, counts)
+            facts = stage.exchange(counts, device)
+            rows = int(counts.sum())
+            out = stage.run(x[:rows], counts, self._local_experts, facts, self.step_ends())
         except RuntimeError:
-            domain.watch.check()  # a collective failed: a dead peer is the likely cause, name it
+            stage.check_peers()  # a collective failed: a dead peer is the likely cause, name it
             raise
-
-    def _forward(self, x: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-        rows = int(counts.sum())
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        params = [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
-        out, stats = run_experts(x[:rows], counts, [self._template] * self.num_experts, params, self._spec,
-                                 self._feplb_domain, self.feplb_config, self._expert_bytes, self.compute_times,
-                                 static_fn=self._static, residency=self.residency, step_ends=self.step_ends())
-        if stats is not None:
-            self.feplb_stats = stats
         if x.shape[0] > rows:  # trailing padding rows of AutoEP's permute: zero output
             out = torch.cat([out, out.new_zeros((x.shape[0] - rows, out.shape[1]))])
         return out
 
+    def _slices(self) -> list[list[torch.Tensor]]:
+        """Each local expert's weights, slices ``[w1[e], w2[e], w3[e]]`` of the stacked parameters."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        return [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
+
     def _static(self, rows: torch.Tensor, counts: np.ndarray, static: list) -> torch.Tensor:
-        """The static experts through AutoEP's own expert compute (grouped GEMM or its loop)."""
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        """The experts ``static`` through AutoEP's own expert compute (grouped GEMM or its loop)."""
         static_counts = np.zeros_like(counts)
         static_counts[static] = counts[static]
         if not static_counts.sum():
             return rows.new_zeros((0, rows.shape[1]))
-        x = torch.cat([rows[starts[e]:starts[e + 1]] for e in static])
+        if len(static) == len(counts):  # every expert: the rows as they are
+            x = rows
+        else:
+            starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+            x = torch.cat([rows[starts[e]:starts[e + 1]] for e in static])
         return GroupedExperts.forward(self, x, torch.as_tensor(static_counts, device=rows.device))
 
 
@@ -169,7 +176,9 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
         domain_size(config, layer.ep_size)  # raises naming feplb.nvlink_domain_size
         if type(experts) is not FEPLBGroupedExperts:
             seams.become(experts, FEPLBGroupedExperts)
-        experts.feplb_setup(config, layer.ep_group, layer.ep_size, seams.step_ends(engine) if engine is not None else None)
+        facts = {"num_experts": layer.num_experts, "top-k": layer.top_k, "hidden size": layer.hidden_size}
+        experts.feplb_setup(config, layer.ep_group, layer.ep_size, facts,
+                            seams.step_ends(engine) if engine is not None else None)
         installed[name] = experts
     return installed
 

@@ -10,7 +10,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed_feplb import exits
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
 from deepspeed_feplb.integration import seams
-from deepspeed_feplb.layer import MoE
+from deepspeed_feplb.integration.deepspeed_moe import MoE
 
 
 def convert(model, feplb_config=None):
@@ -77,8 +77,8 @@ def initialize(*args, **kwargs):
     check_consistency(model, config)
     bound = _cpu_adam(bound, ds_config)
 
-    from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    from deepspeed.runtime.pipe.module import PipelineModule
     if config.enabled and config.placement.enabled:
         _check_placement(model, _as_dict(ds_config))
     if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
@@ -142,9 +142,9 @@ def check_consistency(model, config: FEPLBConfig) -> None:
 
     import torch.distributed as dist
 
-    from deepspeed_feplb.dispatch import make_dispatcher
+    from deepspeed_feplb.dispatch import validate_dispatcher
     from deepspeed_feplb.domain import domain_size
-    from deepspeed_feplb.migrate import transport_class
+    from deepspeed_feplb.migrate import validate_transport
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     for name, module in model.named_modules():
@@ -163,9 +163,8 @@ def check_consistency(model, config: FEPLBConfig) -> None:
                 f"feplb.dynamic_experts_per_rank: {config.dynamic_experts_per_rank} exceeds the "
                 f"{module.num_local_experts} local experts per rank of {where}; use at most {module.num_local_experts}")
         params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
-        transport_class(config, params)
-        make_dispatcher(config, None, module.ep_size, module.num_local_experts, params,
-                        hidden=module.deepspeed_moe.gate.wg.in_features)
+        validate_transport(config, params)
+        validate_dispatcher(config, module.ep_size, params, module.deepspeed_moe.gate.wg.in_features)
 
 
 def _check_placement(model, ds_config: dict) -> None:
@@ -193,10 +192,9 @@ def _as_dict(ds_config) -> dict:
 def _prepare_pipeline(model, ds_config: dict) -> None:
     """Collective over the world: eager EP/EDP groups for every MoE size of any stage; the bf16 check."""
     import torch.distributed as dist
-    from deepspeed.utils import groups
 
     sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, DeepSpeedMoE)})
-    existing = set(groups._get_expert_parallel_group_dict())  # noqa: SLF001
+    existing = set(seams.expert_parallel_group_names())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (sizes, sorted(existing)))
     all_sizes = sorted({s for stage_sizes, _ in everyone for s in stage_sizes})
@@ -209,7 +207,7 @@ def _prepare_pipeline(model, ds_config: dict) -> None:
             raise RuntimeError(f"deepspeed_feplb.initialize: expert-parallel group {name} exists on ranks "
                                f"{[r for r, h in enumerate(have) if h]} only; create MoE process groups on all ranks "
                                "or on none before initialize")
-        groups._create_expert_and_data_parallel(size, pp_size=model.num_stages)  # noqa: SLF001
+        seams.create_expert_parallel_groups(size, model.num_stages)
     if all_sizes and _bf16(ds_config) and not all(stage_sizes for stage_sizes, _ in everyone):
         without = [r for r, (stage_sizes, _) in enumerate(everyone) if not stage_sizes]
         raise ValueError("deepspeed_feplb.initialize: bf16 with pipeline parallelism and MoE layers on only some "

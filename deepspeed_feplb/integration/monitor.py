@@ -11,8 +11,9 @@ keeps one record per micro-batch on this rank:
   dynamic experts and whatever this rank computed as a helper for other ranks (helpers run the
   expert module functionally, so its hooks fire too). Communication and waiting are excluded.
 
-`flush(step)` is collective over the world (one all-gather of the step's records, `gather_small`); every rank gets the same per-layer summary, and global rank 0 writes it to DeepSpeed's
-monitor (TensorBoard, CSV, W&B, Comet: whatever ``ds_config["monitor"...]`` enables) as events
+`flush(step)` is collective over the world (one all-gather of the step's records, `gather_small`);
+every rank gets the same per-layer summary, and global rank 0 writes it to DeepSpeed's monitor
+(TensorBoard, CSV, W&B, Comet: whatever ``ds_config["monitor"...]`` enables) as events
 ``FEPLB/<layer>/<metric>``:
 
 * ``token_straggler_before`` / ``token_straggler_after``: ``max_r T_r - mean_r T_r`` over the
@@ -42,7 +43,6 @@ one JSON line per step and `python -m deepspeed_feplb report` plots.
 """
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Optional, TypedDict
@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.sharded_moe import MOELayer
 
+from deepspeed_feplb.collectives import gather_small
 from deepspeed_feplb.stats import recomputing, straggler
 
 EVENT_PREFIX = "FEPLB"
@@ -142,7 +143,8 @@ class StatsCollector:
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.layers: dict[str, MOELayer] = {layer_name(n): m for n, m in model.named_modules() if isinstance(m, MOELayer)}
+        self.layers: dict[str, MOELayer] = {layer_name(n): m for n, m in model.named_modules()
+                                            if isinstance(m, MOELayer)}
         self.micro_batch: Optional[int] = None
         self.records: dict[int, dict[str, Record]] = {}  # micro-batch -> layer -> record
         self.latest: dict[str, Record] = {}  # the newest record of each layer (for warm starts)
@@ -185,8 +187,10 @@ class StatsCollector:
                 mb = self._forwards.get(name, 0)
                 self._forwards[name] = mb + 1
             hidden, elem = self._input
-            record = Record(dist.get_rank() if dist.is_initialized() else 0, dict(getattr(module, "feplb_stats", {}) or {}),
-                            self._seconds.get(name, 0.0), hidden, elem, int(getattr(module, "expert_bytes", 0)),
+            stage = getattr(module, "stage", None)
+            record = Record(dist.get_rank() if dist.is_initialized() else 0,
+                            dict(getattr(module, "feplb_stats", {}) or {}), self._seconds.get(name, 0.0), hidden, elem,
+                            int(getattr(stage, "expert_bytes", 0)),
                             torch.is_grad_enabled())
             self.records.setdefault(mb, {})[name] = record
             self.latest[name] = record
@@ -233,35 +237,6 @@ class StatsCollector:
         return self.last
 
 
-GATHER_BYTES = 16 << 10
-
-
-def gather_small(obj, group=None) -> list:
-    """`dist.all_gather_object` in one collective when every rank's pickle fits `GATHER_BYTES`
-    (a step's lean records do), in two otherwise (``all_gather_object`` always takes two). The
-    bytes travel on the group's device: CUDA for an NCCL group, which takes no host tensors."""
-    data = pickle.dumps(obj)
-    world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-
-    def gather(size: int) -> list[torch.Tensor]:
-        """Every rank's [length (int64), pickle] in ``size`` bytes; the pickle only if it fits."""
-        buffer = torch.zeros(size, dtype=torch.uint8)
-        buffer[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if 8 + len(data) <= size:
-            buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buffer = buffer.to(device)
-        gathered = [torch.empty_like(buffer) for _ in range(world)]
-        dist.all_gather(gathered, buffer, group=group)
-        return [g.cpu() for g in gathered]
-
-    gathered = gather(GATHER_BYTES)
-    sizes = [int(g[:8].view(torch.int64)) for g in gathered]
-    if max(sizes) > GATHER_BYTES - 8:  # every rank sees the same sizes: all take this branch together
-        gathered = gather(max(sizes) + 8)
-    return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
-
-
 def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) -> StepStats:
     """Per-layer metrics of one step from every rank's records (module docstring for definitions).
 
@@ -282,7 +257,7 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
         traffic = dict.fromkeys(TRAFFIC, 0)
         for mb, records in sorted(by_layer[name].items()):
             micro_batches = max(micro_batches, mb + 1)
-            for ranks, members in _domains(records):
+            for _ranks, members in _domains(records):
                 seconds = np.array([r.expert_seconds for r in members]) * 1e3
                 gemm.append(float(seconds.max() - seconds.mean()))
                 gemm_max.append(float(seconds.max()))

@@ -16,7 +16,7 @@ method alone would change nothing) and keeps one `MicroBatchState` per micro-bat
 keyed by micro-batch id: created by ``PlanMicroBatch`` (or the forward), filled by the forward
 (the layer records of `StatsCollector`, the warm-start evaluation), checked and freed by the
 backward of the *same* micro-batch. The plan itself travels with the activations: each FEPLB
-layer keeps its `Phase2Step` in the autograd context of the micro-batch's forward, so the
+layer keeps its `Phase2MicroBatch` in the autograd context of the micro-batch's forward, so the
 backward of micro-batch ``i`` uses exactly the plan its forward used however 1F1B interleaves.
 
 The warm start: `plan.policy.plan_domain` on the previous micro-batch's domain
@@ -36,6 +36,7 @@ import numpy as np
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.monitor import StatsCollector, warm_start_straggler
 from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
 
@@ -67,6 +68,7 @@ class FEPLBTrainSchedule(schedule.TrainSchedule):
                 else:
                     out.append(cmd)
             yield out
+
 
 
 @dataclass
@@ -108,7 +110,8 @@ class FEPLBPipelineEngine(PipelineEngine):
         state = self.feplb_in_flight.setdefault(micro_batch_id, MicroBatchState(micro_batch_id))
         jobs = []
         for name, layer in self._feplb_layers.items():
-            domain = getattr(layer, "domain", None)
+            stage = getattr(layer, "stage", None)
+            domain = stage.domain if stage is not None else None
             if domain is None or domain.closed:
                 continue
             domain.scheduler.revive()
@@ -116,9 +119,9 @@ class FEPLBPipelineEngine(PipelineEngine):
             if previous is None or len(previous.stats["ranks"]) < 2:  # no domain-wide counts to plan ahead on
                 continue
             counts = np.asarray(previous.stats["domain_counts"])
-            model = layer.compute_times.model(layer.feplb_config, layer.expert_bytes, getattr(layer, "row_bytes", 0),
+            model = stage.compute_times.model(stage.config, stage.expert_bytes, stage.row_bytes,
                                               domain.transport.message_us)
-            constraints = PlanConstraints.from_config(layer.feplb_config, layer.expert_bytes, model)
+            constraints = PlanConstraints.from_config(stage.config, stage.expert_bytes, model)
             jobs.append((name, counts, constraints))
         if jobs:
             def warm_start():
@@ -129,14 +132,14 @@ class FEPLBPipelineEngine(PipelineEngine):
 
     def _exec_forward_pass(self, buffer_id: int, micro_batch_id: Optional[int] = None):
         if micro_batch_id is None:  # eval_batch's InferenceSchedule: nothing to balance-track
-            return PipelineEngine._exec_forward_pass(self, buffer_id)
+            return seams.deepspeed_instruction(self, "forward_pass", buffer_id)
         state = self.feplb_in_flight.setdefault(micro_batch_id, MicroBatchState(micro_batch_id))
         if state.forward_done:
             raise RuntimeError(f"FEPLB pipeline: micro-batch {micro_batch_id} forwarded twice in one batch")
         self.feplb_monitor.micro_batch = micro_batch_id
         self._feplb_last_micro_batch = micro_batch_id == self.micro_batches - 1
         try:
-            PipelineEngine._exec_forward_pass(self, buffer_id)
+            seams.deepspeed_instruction(self, "forward_pass", buffer_id)
         finally:
             self.feplb_monitor.micro_batch = None
             self._feplb_last_micro_batch = True
@@ -155,7 +158,7 @@ class FEPLBPipelineEngine(PipelineEngine):
         state = self.feplb_in_flight.get(micro_batch_id)
         if state is None or not state.forward_done:
             raise RuntimeError(f"FEPLB pipeline: backward of micro-batch {micro_batch_id} before its forward")
-        PipelineEngine._exec_backward_pass(self, buffer_id)
+        seams.deepspeed_instruction(self, "backward_pass", buffer_id)
         self._feplb_done[micro_batch_id] = state.records
         del self.feplb_in_flight[micro_batch_id]  # its plan lived in the autograd graph, freed by backward
 
@@ -167,15 +170,14 @@ class FEPLBPipelineEngine(PipelineEngine):
         self.feplb_monitor.records = done  # flush() takes them
         monitor = self.monitor if _monitor_wanted(self._feplb_layers) else None
         self.feplb_monitor.flush(self.global_steps + 1, monitor)
-        PipelineEngine._exec_reduce_grads(self)
+        seams.deepspeed_instruction(self, "reduce_grads")
 
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
+    _INSTRUCTION_MAP = seams.pipeline_instructions({
         schedule.ForwardPass: _exec_forward_pass,
         schedule.BackwardPass: _exec_backward_pass,
         schedule.ReduceGrads: _exec_reduce_grads,
         PlanMicroBatch: _exec_plan_micro_batch,
-    }
+    })
 
 
 def _monitor_wanted(layers: dict) -> bool:

@@ -13,6 +13,10 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
   AutoEP modules itself; replacing them would lose parameter identity, names and ZeRO hooks).
 * `pipeline_engine_class`: make ``deepspeed.initialize`` build our `PipelineEngine` subclass
   (it looks the class up as ``deepspeed.PipelineEngine`` at call time and takes no argument).
+* `pipeline_instructions`, `deepspeed_instruction`: DeepSpeed's pipeline instruction map
+  (instruction -> private engine method), which the FEPLB pipeline engine extends and calls
+  into (it also overrides the engine's ``_train_schedule``; `PipelineEngine` has no public way
+  to change its schedule).
 * `after_step`: run a callback after every ``engine.step()`` (DeepSpeed has no step hook).
 * `clip_fp32_gradients_with`: ZeRO 0 (fp32) clips by DeepSpeed's formula with per-parameter norms
   given by the caller (cross-node placement gives each rank the norms of the experts it holds in
@@ -21,6 +25,9 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
   current (cross-node placement reads and writes one expert's state through them).
 * `around_checkpoints`: run code around ``engine.save_checkpoint`` and
   ``engine.load_checkpoint`` (cross-node placement keeps checkpoints in DeepSpeed's layout).
+* `data_parallel_group`, `expert_data_parallel_group`, `expert_parallel_group_names`,
+  `create_expert_parallel_groups`: DeepSpeed's process groups (`deepspeed.utils.groups` keeps
+  them behind private functions; a pipeline needs every MoE size's groups made eagerly).
 * `without_cpu_shm_op`: initialise DeepSpeed's process group on CPU without building its
   shared-memory allreduce op (DeepSpeed has no switch for it).
 """
@@ -134,6 +141,20 @@ def pipeline_engine_class(cls: type):
             deepspeed.PipelineEngine = saved
 
 
+def pipeline_instructions(overrides: dict) -> dict:
+    """DeepSpeed's `PipelineEngine` instruction map (instruction type -> engine method, called with
+    the engine first), updated with ``overrides``."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return {**PipelineEngine._INSTRUCTION_MAP, **overrides}
+
+
+def deepspeed_instruction(engine, instruction: str, *args):
+    """Run DeepSpeed's own `PipelineEngine` method of ``instruction`` ("forward_pass",
+    "backward_pass", "reduce_grads") on ``engine`` (looked up when called)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return getattr(PipelineEngine, f"_exec_{instruction}")(engine, *args)
+
+
 def after_step(engine, callback: Callable[[bool], None]) -> None:
     """Call ``callback(was_boundary)`` after each ``engine.step()``; ``was_boundary`` is whether
     that step was a gradient-accumulation boundary (asked before the step, which advances it)."""
@@ -230,7 +251,8 @@ def without_cpu_shm_op():
     ``deepspeed_allreduce_buffer_*`` after a normal exit); without it, collectives use gloo.
     """
     import importlib
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import ... as` finds torch (deepspeed.comm.torch is torch)
+    # `import deepspeed.comm.torch as m` would find torch (deepspeed.comm.torch is torch there)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     with _ENGINE_LOCK:
         saved = ds_torch.build_shm_op
         ds_torch.build_shm_op = lambda: None
@@ -238,3 +260,34 @@ def without_cpu_shm_op():
             yield
         finally:
             ds_torch.build_shm_op = saved
+
+
+def data_parallel_group():
+    """DeepSpeed's data-parallel group, or None before DeepSpeed made its groups (the whole world)."""
+    from deepspeed.utils import groups
+    try:
+        return groups._get_data_parallel_group()
+    except Exception:  # no DeepSpeed groups yet
+        return None
+
+
+def expert_data_parallel_group(ep_size: int):
+    """The expert-data-parallel group of this rank's EP groups of ``ep_size`` ranks, or None when the
+    groups were made outside DeepSpeed's registry."""
+    from deepspeed.utils import groups
+    try:
+        return groups._get_expert_data_parallel_group(f"ep_size_{ep_size}")
+    except (KeyError, AssertionError, RuntimeError):
+        return None
+
+
+def expert_parallel_group_names() -> list[str]:
+    """The names (``ep_size_<n>``) of the expert-parallel groups DeepSpeed has made on this rank."""
+    from deepspeed.utils import groups
+    return list(groups._get_expert_parallel_group_dict())
+
+
+def create_expert_parallel_groups(ep_size: int, pipeline_stages: int) -> None:
+    """Make DeepSpeed's expert-parallel and expert-data-parallel groups of ``ep_size`` now (collective)."""
+    from deepspeed.utils import groups
+    groups._create_expert_and_data_parallel(ep_size, pp_size=pipeline_stages)

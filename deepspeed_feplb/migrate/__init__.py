@@ -61,20 +61,38 @@ def cuda_available() -> bool:
         return False
 
 
-def transport_class(config: FEPLBConfig, expert_params) -> type:
-    """The `Transport` class for ``feplb.transport`` and these (already placed) expert parameters:
-    ``shm``; ``cuda_ce`` (`FEPLBConfigError` without a CUDA device usable by CuPy); ``auto``:
-    cuda_ce when the experts live on CUDA and CuPy works, else shm."""
-    from deepspeed_feplb.migrate.shm import ShmTransport
+def transport_kind(config: FEPLBConfig, expert_params) -> str:
+    """The transport ``feplb.transport`` gives these (already placed) expert parameters: "shm" (host
+    memory: CPU experts) or "cuda_ce" (CUDA IPC and the copy engine: CUDA experts). "auto" picks by
+    where the experts live. `FEPLBConfigError` names what is missing for ``cuda_ce``, and refuses
+    CUDA experts on ``shm`` (its messages are host memory)."""
     params = list(expert_params)
     on_cuda = bool(params) and all(p.is_cuda for p in params)
-    if config.transport == "cuda_ce" and not cuda_available():
-        raise FEPLBConfigError("feplb.transport: \"cuda_ce\" needs a CUDA device and CuPy (the gpu or gpu-cuda13 "
-                               "extra, docs/GPU.md); use \"auto\" or \"shm\"")
-    if config.transport == "cuda_ce" or (config.transport == "auto" and on_cuda and cuda_available()):
+    kind = config.transport if config.transport != "auto" else ("cuda_ce" if on_cuda else "shm")
+    if kind == "cuda_ce" and not cuda_available():
+        missing = "CuPy (the gpu or gpu-cuda13 extra, docs/GPU.md)" if on_cuda else "a CUDA device and CuPy"
+        fix = "install CuPy" if on_cuda else "use \"auto\" or \"shm\""
+        raise FEPLBConfigError(f"feplb.transport: \"{config.transport}\" with experts on "
+                               f"{'CUDA' if on_cuda else 'the CPU'} needs the cuda_ce transport, which needs "
+                               f"{missing}; {fix}")
+    if kind == "shm" and on_cuda:
+        raise FEPLBConfigError("feplb.transport: \"shm\" moves host memory and the experts are on CUDA; use \"auto\" "
+                               "or \"cuda_ce\" (with CuPy installed)")
+    return kind
+
+
+def validate_transport(config: FEPLBConfig, expert_params) -> None:
+    """`FEPLBConfigError` where ``feplb.transport`` cannot move these experts (`transport_kind`)."""
+    transport_kind(config, expert_params)
+
+
+def transport_class(config: FEPLBConfig, expert_params) -> type:
+    """The `Transport` class of `transport_kind`."""
+    if transport_kind(config, expert_params) == "cuda_ce":
         from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
         return CudaCETransport
+    from deepspeed_feplb.migrate.shm import ShmTransport
     return ShmTransport
 
 
-__all__ = ["Transport", "transport_class", "cuda_available"]
+__all__ = ["Transport", "cuda_available", "transport_class", "transport_kind", "validate_transport"]

@@ -100,7 +100,8 @@ class PeerArena:
         """A torch view of ``rank``'s arena at ``offset`` (no copy). Writes through it are peer writes."""
         size = nbytes_of(dtype, shape)
         if offset < 0 or offset + size > self.size_of(rank):
-            raise ValueError(f"view [{offset}, {offset + size}) outside arena of rank {rank} ({self.size_of(rank)} bytes)")
+            raise ValueError(f"view [{offset}, {offset + size}) outside arena of rank {rank} "
+                             f"({self.size_of(rank)} bytes)")
         if self.closed:
             raise RuntimeError("PeerArena is closed: its memory is freed")
         view = wrap_pointer(self.backend, self.ptr_of(rank) + offset, shape, dtype, owner=self)

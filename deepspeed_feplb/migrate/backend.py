@@ -259,5 +259,6 @@ class HostBackend:
 
     def live(self) -> dict:
         """What this process still holds: owned and opened segments, events, streams."""
-        return {"owned": [s.name for s, _ in self._owned.values()], "opened": [s.name for s, _ in self._opened.values()],
+        return {"owned": [s.name for s, _ in self._owned.values()],
+                "opened": [s.name for s, _ in self._opened.values()],
                 "events": len(self._events), "streams": len(self._streams)}

@@ -56,8 +56,16 @@ import torch
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.arena import align_up, message_layout
 from deepspeed_feplb.migrate.link import Link
-from deepspeed_feplb.segments import (PeerTimeoutError, Word, Words, describe_rank, open_segment, peer_check,
-                                      unlink_quietly, wait_until)
+from deepspeed_feplb.segments import (
+    PeerTimeoutError,
+    Word,
+    Words,
+    describe_rank,
+    open_segment,
+    peer_check,
+    unlink_quietly,
+    wait_until,
+)
 
 DEFAULT_CAPACITY = 64 << 20
 DEFAULT_MAX_TENSORS = 256
@@ -143,7 +151,8 @@ class CudaCETransport:
         self._done_peer: dict[int, int] = {}  # dst -> the receiver's consumed event, opened; copy thread only
         self._jobs = {dst: queue.Queue() for dst in self._peers}
         self._link = {dst: Link() for dst in self._peers}  # a message is written by the copy thread or inline
-        self._threads = {dst: threading.Thread(target=self._copy_loop, args=(dst, ), name=f"feplb-ce-{dst}", daemon=True)
+        self._threads = {dst: threading.Thread(target=self._copy_loop, args=(dst, ), name=f"feplb-ce-{dst}",
+                                               daemon=True)
                          for dst in self._peers}
         for thread in self._threads.values():
             thread.start()
@@ -245,7 +254,8 @@ class CudaCETransport:
                 self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
             backend.stream_wait_event(stream, self._done_peer[dst])
         offsets, nbytes = layout
-        wait_until(lambda: channel[GEN] >= 1, self.timeout_s, f"{describe_rank(self.watch, dst)} of domain {self.name} to start",
+        wait_until(lambda: channel[GEN] >= 1, self.timeout_s,
+                   f"{describe_rank(self.watch, dst)} of domain {self.name} to start",
                    check, word=self._word(me, dst, GEN))
         if nbytes > channel[CAP]:
             self._unmap(dst)
@@ -313,7 +323,8 @@ class CudaCETransport:
                 self._serve_growth(src)
             return channel[SEQ] >= expected
 
-        wait_until(arrived, self.timeout_s, f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
+        wait_until(arrived, self.timeout_s,
+                   f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
                    peer_check(self.watch, src), word=self._word(src, self.local_rank, SEQ))
         wire.check_tag(tag, channel[TAG], src)
         backend, stream = self.backend, self._recv_streams[src]
@@ -372,10 +383,11 @@ class CudaCETransport:
         self._notify(self.local_rank, self.local_rank, IMPORTS_CLOSED)
         deadline = time.monotonic() + self.timeout_s
         for peer in self._peers:  # a peer that never started or died holds no mapping of ours
-            state = self._control[peer, peer]
-            dead = (lambda p=peer: self.watch is not None and not self.watch.alive(p))
+            def unmapped(state=self._control[peer, peer], p=peer) -> bool:  # bound now: called within this turn
+                return bool(state[IMPORTS_CLOSED] or not state[ALIVE]
+                            or (self.watch is not None and not self.watch.alive(p)))
             try:
-                wait_until(lambda: state[IMPORTS_CLOSED] or not state[ALIVE] or dead(),
+                wait_until(unmapped,
                            max(0.0, deadline - time.monotonic()),
                            f"{describe_rank(self.watch, peer)} of domain {self.name} to unmap our slots",
                            word=self._word(peer, peer, IMPORTS_CLOSED))

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from deepspeed_feplb.migrate import Transport
+from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency, fingerprint
 from deepspeed_feplb.stats import StageTimes
 
@@ -79,26 +79,26 @@ class RankView:
 
     outgoing:  {helper: [(index into ``dynamic``, row offset in that expert's rows, tokens, move), ...]},
                helpers ascending, chunks in plan order (``move``: the row of the plan);
-    kept:      rows ``[D']`` each dynamic expert keeps at home (its first rows);
+    home_rows: rows ``[D']`` each dynamic expert computes at home (its first rows);
     incoming:  {home: [(local expert of the home, move), ...]} of the chunks this rank serves,
                homes ascending;
     starts:    int ``[D' + 1]``: first row of each dynamic expert in ``dyn_x``.
     """
     outgoing: dict
-    kept: list
+    home_rows: list
     incoming: dict
     starts: np.ndarray
 
     @classmethod
     def of(cls, moves: np.ndarray, local_rank: int, dynamic: list[int], row_counts: list[int]) -> "RankView":
         position = {e: i for i, e in enumerate(dynamic)}
-        kept = list(row_counts)
+        home_rows = list(row_counts)
         outgoing: dict[int, list] = {}
         incoming: dict[int, list] = {}
         rows = moves.tolist()
         for _, expert, _, tokens in (row for row in rows if row[0] == local_rank):
-            kept[position[expert]] -= tokens
-        offsets = list(kept)  # the moved chunks follow the rows the home keeps
+            home_rows[position[expert]] -= tokens
+        offsets = list(home_rows)  # the moved chunks follow the home rows
         for m, (home, expert, helper, tokens) in enumerate(rows):
             if home == local_rank:
                 i = position[expert]
@@ -107,11 +107,11 @@ class RankView:
             if helper == local_rank:
                 incoming.setdefault(home, []).append((expert, m))
         starts = np.concatenate([[0], np.cumsum(row_counts)]).astype(int)
-        return cls(dict(sorted(outgoing.items())), kept, dict(sorted(incoming.items())), starts)
+        return cls(dict(sorted(outgoing.items())), home_rows, dict(sorted(incoming.items())), starts)
 
 
 @dataclass
-class Phase2Step:
+class Phase2MicroBatch:
     """Everything one rank does in phase 2 for one layer and micro-batch.
 
     moves: int64 [M, 4] (home, local_expert, helper, tokens), domain-local ranks, plan order.
@@ -135,7 +135,7 @@ class Phase2Step:
     stage_times: Optional[StageTimes] = None  # receives compute and communication host time
     residency: Optional[LayerResidency] = None
     step_ends: bool = True
-    kept: list[_Piece] = field(default_factory=list)
+    home_pieces: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
     def __post_init__(self):
@@ -143,10 +143,10 @@ class Phase2Step:
         self._compute_s = 0.0
         M = self.moves.shape[0]
         if self.residency is not None:
-            self.fresh, self.keeps = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
-            self.residency.pending |= bool(self.needs_grad and self.keeps.any())
+            self.fresh, self.copy_kept = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
+            self.residency.pending |= bool(self.needs_grad and self.copy_kept.any())
         else:
-            self.fresh, self.keeps = np.ones(M, np.bool_), np.zeros(M, np.bool_)
+            self.fresh, self.copy_kept = np.ones(M, np.bool_), np.zeros(M, np.bool_)
         self.flushing = self.residency is not None and self.step_ends and self.needs_grad
         # a step that ends without gradients (evaluation, or the no-grad first pass of reentrant
         # checkpointing) forgets its copies, unless some hold gradients that a later backward returns
@@ -162,18 +162,18 @@ class Phase2Step:
     def _fingerprints(self, params: list[list[torch.Tensor]]) -> dict:
         """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
         copy (one device-to-host read for all of them)."""
-        kept = sorted({i for chunks in self.view.outgoing.values() for i, _, _, m in chunks if self.keeps[m]})
-        if not kept:
+        held = sorted({i for chunks in self.view.outgoing.values() for i, _, _, m in chunks if self.copy_kept[m]})
+        if not held:
             return {}
-        prints = [fingerprint(params[i]) for i in kept]
+        prints = [fingerprint(params[i]) for i in held]
         values = torch.cat(prints).tolist()
         width = len(prints[0])
-        return {i: tuple(values[k * width:(k + 1) * width]) for k, i in enumerate(kept)}
+        return {i: tuple(values[k * width:(k + 1) * width]) for k, i in enumerate(held)}
 
     def _carries_weights(self, m: int, expert: int, helper: int, now: Optional[tuple]) -> bool:
         """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights: unless the helper keeps a
         copy it received earlier in the step and their fingerprint ``now`` did not change since."""
-        if not self.keeps[m]:
+        if not self.copy_kept[m]:
             return True
         carry = bool(self.fresh[m]) or self.residency.sent.get((expert, helper)) != now
         self.residency.sent[(expert, helper)] = now
@@ -191,32 +191,38 @@ class Phase2Step:
     def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
         start = time.perf_counter()
-        outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
+        outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
         sends = []
         prints = self._fingerprints(params)
         for helper, chunks in outgoing.items():
             carries = [self._carries_weights(m, self.dynamic[i], helper, prints.get(i)) for i, _, _, m in chunks]
-            payload = [_flags_tensor(carries, dyn_x)]
-            for (i, offset, tokens, _), carry in zip(chunks, carries):
-                expert = self.experts[self.dynamic[i]]
-                payload += [*(params[i] if carry else []), *self.spec.buffers(expert),
-                            dyn_x[starts[i] + offset:starts[i] + offset + tokens]]
+            layout = messages.rows_to_helper(carries, len(self.spec.param_names), len(self.spec.buffer_names))
+            parts = [{"weights": params[i], "buffers": self.spec.buffers(self.experts[self.dynamic[i]]),
+                      "rows": [dyn_x[starts[i] + offset:starts[i] + offset + tokens]]}
+                     for i, offset, tokens, _ in chunks]
+            payload = [_flags_tensor(carries, dyn_x), *layout.pack(parts)]
             sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload))
 
         with torch.enable_grad():
             for i, expert_id in enumerate(self.dynamic):
-                self.kept.append(self._compute(self.experts[expert_id], params[i], self.spec.buffers(self.experts[expert_id]),
-                                               dyn_x[starts[i]:starts[i] + kept_rows[i]]))
+                expert = self.experts[expert_id]
+                self.home_pieces.append(self._compute(expert, params[i], self.spec.buffers(expert),
+                                                      dyn_x[starts[i]:starts[i] + home_rows[i]]))
             sends += self._serve_forward()
 
-        results = {helper: self.transport.recv(helper, tag(self.seq, FWD_RESULTS)) for helper in outgoing}
+        results = {}
+        for helper, chunks in outgoing.items():
+            parts = messages.outputs_to_home(len(chunks)).unpack(self.transport.recv(helper, tag(self.seq,
+                                                                                                 FWD_RESULTS)),
+                                                                 "forward results")
+            results[helper] = [part["outputs"][0] for part in parts]
         for future in sends:
             future.result()
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
         elif self.forgetting:
             self.residency.end_step()
-        blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.kept)]
+        blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.home_pieces)]
         for helper, chunks in outgoing.items():
             blocks += [(int(starts[i] + offset), y) for (i, offset, _, _), y in zip(chunks, results[helper])]
         self._report("", start)
@@ -231,7 +237,7 @@ class Phase2Step:
         # keep what the piece's graph saves even under activation checkpointing's saved-tensor hooks:
         # our backward differentiates the piece itself, and a dropped tensor would make PyTorch
         # recompute the whole layer (collectives and messages) from inside phase 2's backward
-        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
             y = self.spec.call(module, leaves, buffers, x)
         if not self.needs_grad:
             y = y.detach()
@@ -241,7 +247,7 @@ class Phase2Step:
     def _held_copy(self, home: int, expert: int, m: int, params: Optional[list]) -> Optional[HeldCopy]:
         """The copy this helper keeps for chunk ``m`` (updated with ``params`` when the chunk
         carries weights), or None when the chunk's gradients go home at once."""
-        if not self.keeps[m]:
+        if not self.copy_kept[m]:
             if params is None:
                 raise RuntimeError(f"FEPLB residency out of step: expert {expert} of local rank {home} came "
                                    f"without weights to local rank {self.local_rank}, which keeps no copy of it")
@@ -267,20 +273,19 @@ class Phase2Step:
         sends = []
         for home, experts in self.view.incoming.items():
             message = self.transport.recv(home, tag(self.seq, FWD_TOKENS))
-            carries, at = _read_flags(message[0], len(experts)), 1
+            carries = _read_flags(message[0], len(experts))
+            parts = messages.rows_to_helper(carries, n_params, n_buffers).unpack(message[1:], "forward rows")
             pieces = []
-            for (expert, m), carry in zip(experts, carries):
-                params = message[at:at + n_params] if carry else None
-                at += n_params if carry else 0
-                buffers, x = message[at:at + n_buffers], message[at + n_buffers]
-                at += n_buffers + 1
-                held = self._held_copy(home, expert, m, params)
-                piece = self._compute(template, held.params if held is not None else params, buffers, x)
+            for (expert, m), carry, part in zip(experts, carries, parts):
+                held = self._held_copy(home, expert, m, part["weights"] if carry else None)
+                piece = self._compute(template, held.params if held is not None else part["weights"], part["buffers"],
+                                      part["rows"][0])
                 piece.held = held
                 pieces.append(piece)
             if self.needs_grad:
                 self.served[home] = pieces
-            sends.append(self.transport.send(home, tag(self.seq, FWD_RESULTS), [p.y.detach() for p in pieces]))
+            results = messages.outputs_to_home(len(pieces)).pack([{"outputs": [p.y.detach()]} for p in pieces])
+            sends.append(self.transport.send(home, tag(self.seq, FWD_RESULTS), results))
         return sends
 
     # ------------------------------------------------------------------ backward
@@ -288,46 +293,47 @@ class Phase2Step:
         """grad_y ``[N_dyn, H_out]`` -> grad of dyn_x ``[N_dyn, H]`` and the parameter grads of each
         expert of ``grad_experts``."""
         start = time.perf_counter()
-        outgoing, kept_rows, starts = self.view.outgoing, self.view.kept, self.view.starts
+        outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
         sends = []
         for helper, chunks in outgoing.items():
-            payload = [grad_y[starts[i] + offset:starts[i] + offset + tokens] for i, offset, tokens, _ in chunks]
+            grads = [{"output_grads": [grad_y[starts[i] + offset:starts[i] + offset + tokens]]}
+                     for i, offset, tokens, _ in chunks]
+            payload = messages.output_grads_to_helper(len(chunks)).pack(grads)
             sends.append(self.transport.send(helper, tag(self.seq, BWD_GRADS), payload))
 
-        grad_x = torch.zeros((int(starts[-1]), self.kept[0].x.shape[1] if self.kept else 0), dtype=grad_y.dtype,
-                             device=grad_y.device)
+        width = self.home_pieces[0].x.shape[1] if self.home_pieces else 0
+        grad_x = torch.zeros((int(starts[-1]), width), dtype=grad_y.dtype, device=grad_y.device)
         grad_params = []
-        for i, piece in enumerate(self.kept):
-            gx, *gp = self._vjp(piece, grad_y[starts[i]:starts[i] + kept_rows[i]])
-            grad_x[starts[i]:starts[i] + kept_rows[i]] = gx
+        for i, piece in enumerate(self.home_pieces):
+            gx, *gp = self._vjp(piece, grad_y[starts[i]:starts[i] + home_rows[i]])
+            grad_x[starts[i]:starts[i] + home_rows[i]] = gx
             grad_params.append(gp)
 
+        n_params = len(self.spec.param_names)
         for home, pieces in self.served.items():
-            grads = self.transport.recv(home, tag(self.seq, BWD_GRADS))
-            payload = []
+            grads = messages.output_grads_to_helper(len(pieces)).unpack(
+                self.transport.recv(home, tag(self.seq, BWD_GRADS)), "backward output-gradients")
+            parts = []
             for piece, grad in zip(pieces, grads):
-                gx, *gp = self._vjp(piece, grad)
-                payload.append(gx)
+                gx, *gp = self._vjp(piece, grad["output_grads"][0])
                 if piece.held is not None:
                     piece.held.accumulate(gp)  # goes home once, at the step's end
-                else:
-                    payload += gp
-            sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS), payload))
+                parts.append({"input_grads": [gx], "weight_grads": gp if piece.held is None else []})
+            layout = messages.grads_to_home([piece.held is None for piece in pieces], n_params)
+            sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS), layout.pack(parts)))
 
-        n_params = len(self.spec.param_names)
         for helper, chunks in outgoing.items():
-            message, at = self.transport.recv(helper, tag(self.seq, BWD_RESULTS)), 0
-            for i, offset, tokens, m in chunks:
-                grad_x[starts[i] + offset:starts[i] + offset + tokens] = message[at]
-                at += 1
-                if not self.keeps[m]:
-                    grad_params[i] = [a + b for a, b in zip(grad_params[i], message[at:at + n_params])]
-                    at += n_params
+            layout = messages.grads_to_home([not self.copy_kept[m] for *_, m in chunks], n_params)
+            parts = layout.unpack(self.transport.recv(helper, tag(self.seq, BWD_RESULTS)), "backward results")
+            for (i, offset, tokens, _), part in zip(chunks, parts):
+                grad_x[starts[i] + offset:starts[i] + offset + tokens] = part["input_grads"][0]
+                if part["weight_grads"]:
+                    grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
         grad_params += [None] * (len(self.grad_experts) - len(grad_params))
         sends += self._flush(grad_params)
         for future in sends:
             future.result()
-        self.kept, self.served = [], {}
+        self.home_pieces, self.served = [], {}
         self._report(" bwd", start)
         return grad_x, grad_params
 
@@ -338,24 +344,25 @@ class Phase2Step:
             return []
         entries = self.flush_entries.tolist()
         sends = []
+        n_params = len(self.spec.param_names)
         for home in sorted({h for h, _, j in entries if j == self.local_rank}):
-            payload = [g for h, e, j in entries if h == home and j == self.local_rank
-                       for g in self.flush_held[(h, e)].gradients()]
+            copies = [{"weight_grads": self.flush_held[(h, e)].gradients()} for h, e, j in entries
+                      if h == home and j == self.local_rank]
+            payload = messages.flushed_to_home(len(copies), n_params).pack(copies)
             sends.append(self.transport.send(home, tag(self.seq, FLUSH), payload))
         position = {e: k for k, e in enumerate(self.grad_experts)}
-        n_params = len(self.spec.param_names)
         for helper in sorted({j for h, _, j in entries if h == self.local_rank}):
-            message, at = self.transport.recv(helper, tag(self.seq, FLUSH)), 0
-            for _, e, _ in (row for row in entries if row[0] == self.local_rank and row[2] == helper):
-                k = position[e]
-                gp = message[at:at + n_params]
-                at += n_params
+            mine = [e for h, e, j in entries if h == self.local_rank and j == helper]
+            parts = messages.flushed_to_home(len(mine), n_params).unpack(
+                self.transport.recv(helper, tag(self.seq, FLUSH)), "kept-copy gradients")
+            for e, part in zip(mine, parts):
+                k, gp = position[e], part["weight_grads"]
                 grad_params[k] = list(gp) if grad_params[k] is None else [a + b for a, b in zip(grad_params[k], gp)]
         self.flush_held = {}
         return sends
 
 
-def _kept(t: torch.Tensor) -> torch.Tensor:
+def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -379,11 +386,11 @@ def _vjp(piece: _Piece, grad: torch.Tensor) -> list[torch.Tensor]:
 
 
 class DynamicExperts(torch.autograd.Function):
-    """Autograd boundary of a `Phase2Step`: ``(dyn_x, *params) -> dyn_y``; ``params``: those of the
+    """Autograd boundary of a `Phase2MicroBatch`: ``(dyn_x, *params) -> dyn_y``; ``params``: those of the
     step's ``grad_experts`` in order (the dynamic experts' first)."""
 
     @staticmethod
-    def forward(ctx, step: Phase2Step, params_per_expert: int, dyn_x: torch.Tensor, *params):
+    def forward(ctx, step: Phase2MicroBatch, params_per_expert: int, dyn_x: torch.Tensor, *params):
         ctx.step, ctx.params_per_expert = step, params_per_expert
         grouped = [list(params[i:i + params_per_expert]) for i in range(0, len(params), params_per_expert)]
         return step.forward(dyn_x, grouped)

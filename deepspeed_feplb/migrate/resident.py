@@ -12,7 +12,7 @@ which every rank reads); on top of it this rank keeps
 
 The step ends in the forward of the step's last micro-batch (the gradient-accumulation
 boundary): the table is cleared there and the copies of the step travel with that micro-batch's
-`Phase2Step`, whose backward returns their gradients. So no copy outlives the optimizer step that
+`Phase2MicroBatch`, whose backward returns their gradients. So no copy outlives the optimizer step that
 follows, even if that micro-batch never runs a backward.
 """
 from __future__ import annotations
@@ -64,7 +64,8 @@ def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
         bits = p.detach().reshape(p.shape[0] if p.dim() else 1, -1).view(_INT_OF_SIZE[p.element_size()])
         rows = bits.sum(dim=1, dtype=torch.int64)  # [R]
         cols = bits.sum(dim=0, dtype=torch.int64)  # [C]
-        out += [rows.sum(), (rows * _weights(len(rows), rows.device)).sum(), (cols * _weights(len(cols), cols.device)).sum()]
+        out += [rows.sum(), (rows * _weights(len(rows), rows.device)).sum(),
+                (cols * _weights(len(cols), cols.device)).sum()]
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
 
 

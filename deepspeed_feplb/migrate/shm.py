@@ -29,8 +29,17 @@ import torch
 
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.link import Link
-from deepspeed_feplb.segments import (PeerWatch, Word, Words, cleanup, describe_rank, open_segment, peer_check,
-                                      unlink_quietly, wait_until)
+from deepspeed_feplb.segments import (
+    PeerWatch,
+    Word,
+    Words,
+    cleanup,
+    describe_rank,
+    open_segment,
+    peer_check,
+    unlink_quietly,
+    wait_until,
+)
 
 _HEADER_FIELDS = 4  # seq, ack, generation, nbytes
 _SEQ, _ACK, _GEN, _NBYTES = range(_HEADER_FIELDS)
@@ -176,7 +185,8 @@ class ShmTransport:
         if cached is None or cached[0] != generation:
             if cached is not None:
                 cached[1].close()
-            cached = self._incoming[src] = (generation, open_segment(f"{self.name}-{src}to{self.local_rank}-g{generation}"))
+            cached = self._incoming[src] = (generation,
+                                            open_segment(f"{self.name}-{src}to{self.local_rank}-g{generation}"))
         buf = torch.frombuffer(cached[1].buf, dtype=torch.uint8, count=int(channel[_NBYTES]))
         count = int(buf[8:16].view(torch.int64)[0])
         header = buf[:_round_up((2 + count * wire.FIELDS) * 8)].view(torch.int64).numpy()

@@ -10,8 +10,7 @@
 * `residency`: which helper holds which expert's weights during an optimizer step.
 * `cost`: the simulator's hardware profiles and GEMM cost (tile-quantised).
 """
-from deepspeed_feplb.plan.policy import (Plan, PlanConstraints, dynamic_candidates, empty_plan,
-                                         lower_bound, plan_domain)
+from deepspeed_feplb.plan.policy import Plan, PlanConstraints, dynamic_candidates, empty_plan, lower_bound, plan_domain
 
 __all__ = ["Plan", "PlanConstraints", "dynamic_candidates", "empty_plan", "lower_bound",
            "plan_domain"]

@@ -75,7 +75,8 @@ def _ensure_top(counts, r, top_e, top_n, s):
     s[_TOPPED, r] = 1
 
 
-@njit("UniTuple(int64, 2)(int64, int64, boolean[::1], int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1])", cache=True)
+@njit("UniTuple(int64, 2)(int64, int64, boolean[::1], int64, int64, int64[:, ::1], int64[:, ::1], "
+      "int64[::1], int64[:, ::1])", cache=True)
 def _relay(r, want, used, cap, align, counts, s, sc, out):
     """A chain through a rank above the level, for when no receiver can take a chunk of rank r
     (all are full, used by this expert, or out of weight copies): rank d, which already sends a
@@ -101,9 +102,10 @@ def _relay(r, want, used, cap, align, counts, s, sc, out):
     return best, best_a
 
 
-@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, :, ::1])", cache=True)
-def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out, resident):
-    """Move rows of rank r's expert e to receivers, one chunk per receiver, at most H chunks.
+@njit("int64(int64, int64, int64[::1], boolean[::1], int64, int64, int64, int64, int64, int64, "
+      "int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, :, ::1])", cache=True)
+def _push(r, e, ps, used, forced, chain, stop, cap, max_helpers, align, counts, s, sc, out, resident):
+    """Move rows of rank r's expert e to receivers, one chunk per receiver, at most ``max_helpers``.
 
     ps:      int64 [4] = (rows the home still holds, rows still needed, moved, chunks): the loop's
              state, so that a caller can resume the loop after a receiver made room;
@@ -122,7 +124,8 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
     final, room, recv, send = s[_FINAL], s[_ROOM], s[_RECV], s[_SEND]
     left, need, moved, chunks = ps[0], ps[1], ps[2], ps[3]
     holders = _any_holder(resident, r, e)
-    while need > stop and left > 0 and chunks < H and (send[r] > 0 or holders) and (sc[_OPEN] > 0 or chain != _NO_CHAIN):
+    while (need > stop and left > 0 and chunks < max_helpers and (send[r] > 0 or holders)
+           and (sc[_OPEN] > 0 or chain != _NO_CHAIN)):
         want = need if need < left else left
         j = forced if forced >= 0 else -1
         big = -1
@@ -144,7 +147,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
                     elif c >= bg:
                         big, bg = i, c
             if j < 0 and forced == _PICK and (chain == _CHAIN_ANY or chain == _CHAIN_LAST and (
-                    chunks == H - 1 or send[r] == 1)):
+                    chunks == max_helpers - 1 or send[r] == 1)):
                 ps[0], ps[1], ps[2], ps[3] = left, need, moved, chunks
                 return want
             if j < 0:
@@ -191,8 +194,9 @@ def _push(r, e, ps, used, forced, chain, stop, cap, H, align, counts, s, sc, out
     return _DONE
 
 
-@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[:, :, ::1])", cache=True)
-def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, resident):
+@njit("int64(int64, boolean[::1], int64, int64, int64, int64[:, ::1], int64[:, ::1], int64[:, ::1], "
+      "int64[:, ::1], int64[::1], int64[:, ::1], int64[:, :, ::1])", cache=True)
+def _make_room(want, banned, cap, max_helpers, align, counts, top_e, top_n, s, sc, out, resident):
     """Let the receiver with the most room plus movable dynamic load push its own dynamic experts
     to the other receivers (not in ``banned``) until it can take ``want`` rows; returns that
     receiver, or -1."""
@@ -221,7 +225,8 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, re
         if extra <= 0 or n <= 0:
             break
         ps[0], ps[1], ps[2], ps[3] = n, extra, 0, 0
-        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, cap, H, align, counts, s, sc, out, resident)
+        _push(j, top_e[j, i], ps, banned.copy(), _PICK, _NO_CHAIN, 0, cap, max_helpers, align, counts, s, sc, out,
+              resident)
         extra -= ps[2]
     c = cap - final[j]
     if c <= 0 or recv[j] <= 0:
@@ -231,8 +236,9 @@ def _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, re
     return j
 
 
-@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1])", cache=True)
-def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain, resident):
+@njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], "
+      "int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1])", cache=True)
+def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
     first, to ranks at or below it ("receivers"), which may end at most ``slack`` tokens above
@@ -261,7 +267,8 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain,
         room[j] = cap - x if x <= level and cap > x else 0
         if room[j] > 0:
             sc[_OPEN] += 1
-    out = np.empty((G * D * H, 4), np.int64)  # each (rank, expert) moves at most once, in <= H chunks
+    # each (rank, expert) moves at most once, in <= max_helpers chunks
+    out = np.empty((G * D * max_helpers, 4), np.int64)
     ps = np.zeros(4, np.int64)
     for r in np.argsort(-loads, kind="mergesort"):
         if loads[r] <= cap:
@@ -279,21 +286,22 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, chain,
             used = np.zeros(G, np.bool_)
             forced = _PICK
             while True:
-                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, cap, H, align, counts, s, sc, out, resident)
+                want = _push(r, top_e[r, i], ps, used, forced, chain, slack, cap, max_helpers, align, counts, s, sc,
+                             out, resident)
                 if want == _DONE:
                     break
                 banned = used.copy()
                 banned[r] = True
-                forced = _make_room(want, banned, cap, H, align, counts, top_e, top_n, s, sc, out, resident)
+                forced = _make_room(want, banned, cap, max_helpers, align, counts, top_e, top_n, s, sc, out, resident)
                 if forced < 0:
                     forced = _ROOMIEST
     return out[:sc[_MOVES]], final.copy()
 
 
 @njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], boolean, int64)", cache=True)
-def plan_pass(counts, D, H, align, copies, resident, chain, floor):
+def plan_pass(counts, D, max_helpers, align, copies, resident, chain, floor):
     """The token-balancing plan. counts int64 [G, E] (C order); D <= E; copies: weight copies per
-    rank (an int; the caller maps "unlimited" to G * D * H); resident int64 [G, E, W]: bit masks of
+    rank (an int; the caller maps "unlimited" to G * D * max_helpers); resident int64 [G, E, W]: bit masks of
     the helpers that hold each expert's weights (`holds`); chain: when the limits bind, bisect
     over chaining passes (False: the one water-filling pass, a cheaper, coarser plan); floor: the
     level balances no lower than this many rows (a row cap, `policy.PlanConstraints.row_cap`;
@@ -308,7 +316,7 @@ def plan_pass(counts, D, H, align, copies, resident, chain, floor):
             if counts[r, e] < 0:
                 return np.zeros(0, np.int64)
             loads[r] += counts[r, e]
-    if G <= 1 or D <= 0 or H <= 0 or copies <= 0 and not resident.any():
+    if G <= 1 or D <= 0 or max_helpers <= 0 or copies <= 0 and not resident.any():
         return loads
     top_load = loads.max()
     level = max(-(-loads.sum() // G), floor)
@@ -325,7 +333,7 @@ def plan_pass(counts, D, H, align, copies, resident, chain, floor):
     if top_load <= level + slack:
         return loads
 
-    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, H, align, copies, _NO_CHAIN, resident)
+    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, _NO_CHAIN, resident)
     best_max = final.max()
     if chain and best_max > level + slack:
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
@@ -336,7 +344,7 @@ def plan_pass(counts, D, H, align, copies, resident, chain, floor):
         while lo <= hi:
             mid = (lo + hi) // 2 if lo > level else level
             for chain in (_CHAIN_LAST, _CHAIN_ANY):
-                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, H, align, copies, chain, resident)
+                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident)
                 fmax = f.max()
                 if fmax < best_max:
                     moves, final, best_max = m, f, fmax
@@ -441,8 +449,9 @@ def _most_copies(counts, flat, resident):
     return max(sent.max(), got.max())
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], float64[::1], boolean, int64)", cache=True)
-def plan_timed(counts, D, H, align, copies, resident, model, keep, row_cap):
+@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], float64[::1], boolean, int64)",
+      cache=True)
+def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row_cap):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
@@ -458,10 +467,10 @@ def plan_timed(counts, D, H, align, copies, resident, model, keep, row_cap):
     far as the limits allow. Returns `plan_pass`'s layout."""
     G = counts.shape[0]
     if model.shape[0] == 0 and row_cap > 0:  # tokens only: balance down to the cap where that gets there
-        capped = plan_pass(counts, D, H, align, copies, resident, True, row_cap)
+        capped = plan_pass(counts, D, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] < G or capped[:G].max() <= row_cap + align - 1:
             return capped
-    best = plan_pass(counts, D, H, align, copies, resident, True, 0)
+    best = plan_pass(counts, D, max_helpers, align, copies, resident, True, 0)
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
@@ -469,7 +478,7 @@ def plan_timed(counts, D, H, align, copies, resident, model, keep, row_cap):
     no_moves = finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_), np.zeros((0, 2), np.int64), model)
     best_t = _makespan(counts, best, resident, keep, model)
     if row_cap > 0:
-        capped = plan_pass(counts, D, H, align, copies, resident, True, row_cap)
+        capped = plan_pass(counts, D, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] > G and capped[:G].max() <= limit:
             t = _makespan(counts, capped, resident, keep, model)
             if t <= best_t:
@@ -477,7 +486,7 @@ def plan_timed(counts, D, H, align, copies, resident, model, keep, row_cap):
     k = _most_copies(counts, best, resident)
     while k > 1 or k == 1 and resident.any():  # with k = 0 only helpers that hold weights take rows
         k //= 2
-        cand = plan_pass(counts, D, H, align, k, resident, False, 0)
+        cand = plan_pass(counts, D, max_helpers, align, k, resident, False, 0)
         if cand[:G].max() > limit:
             continue
         t = _makespan(counts, cand, resident, keep, model)

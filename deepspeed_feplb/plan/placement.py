@@ -22,8 +22,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["balanced_packing", "replicate_experts", "rebalance_experts", "place_experts",
-           "node_loads", "holdings", "slot_holdings", "transfer_us", "placement_rows", "improve_placement", "CrossNodePlacer"]
+__all__ = ["balanced_packing", "replicate_experts", "rebalance_experts", "place_experts", "node_loads", "holdings",
+           "slot_holdings", "transfer_us", "placement_rows", "improve_placement", "CrossNodePlacer"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +275,10 @@ def transfer_us(old: np.ndarray, new: np.ndarray, ranks_per_node: int, state_byt
         else:
             cross_in[r] += 1
             cross_out[holders[0]] += 1
-    per_us = lambda gbps: 0.0 if math.isinf(gbps) else state_bytes / (gbps * 1e3)  # noqa: E731
+
+    def per_us(gbps):
+        return 0.0 if math.isinf(gbps) else state_bytes / (gbps * 1e3)
+
     t = np.maximum(np.maximum(cross_in, cross_out) * per_us(net_gbps),
                    np.maximum(intra_in, intra_out) * per_us(intra_gbps))
     return float(t.max()) if R else 0.0

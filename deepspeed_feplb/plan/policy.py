@@ -14,27 +14,13 @@ one copy of the expert's weights each. Goal: minimise the largest per-rank token
 can beat the lower bound ``max(ceil(domain mean), max_r(static_r))`` where ``static_r`` is what
 rank ``r`` holds outside its ``D`` hottest experts (:func:`lower_bound`).
 
-Algorithm: water-filling toward a level ``W`` that starts at the lower bound. Ranks more than
-``chunk_align - 1`` above ``W`` ("donors", largest excess first) push their excess from their
-hottest candidates to ranks below ``W`` ("receivers", which may end up to ``chunk_align - 1``
-above it); each chunk goes to the receiver whose spare capacity fits the chunk most tightly, or
-to the one with the most spare capacity when none fits it whole, which keeps the number of
-chunks (and weight copies) small. Chunks are multiples of ``chunk_align`` tokens except one that
-takes all the rows the home still holds; a donor's last chunk is rounded down, so the donor
-keeps its remainder (under ``chunk_align`` tokens) and the receivers keep their room for the
-donors that follow. If the helper or Copy-Engine limits leave a donor above ``W``, receivers may
-make room by chaining their own dynamic experts on (for a donor's last allowed chunk, or for any
-chunk that fits no receiver whole, so that a whole expert moves as one weight copy; both are
-tried and the better plan kept), or, when no receiver can take any more copies, through a rank
-above the level that already sends to a receiver with room (it takes the donor's rows and sends
-as many more of its own along its existing chunk); the level is raised by bisection until every
-donor fits.
-
-Speed: the common case is one pass; the chaining passes of the bisection run only when limits
-bind. The passes (`passes`) are plain loops over a domain's ranks, compiled by numba
-(``cache=True``: a process loads the machine code from the cache next to that file on its first
-plan; the first process on a machine compiles it, a few seconds). Interpreted, one plan of 128 experts x 8 ranks costs ~2,800 Python
-bytecodes and numpy calls cost ~1 µs each, which put the planner far from its latency budget.
+Algorithm (the passes in `passes`, compiled by numba): water-filling toward a level ``W`` that
+starts at the lower bound. Ranks above ``W`` ("donors", largest excess first) push chunks of
+their hottest candidates to ranks below it ("receivers"), best fit first, so that few chunks
+(and weight copies) are made; chunks are multiples of ``chunk_align`` rows, a donor keeping its
+remainder. Where the helper or copy limits leave a donor above ``W``, receivers make room by
+chaining their own dynamic experts on, and ``W`` is raised by bisection until every donor fits.
+Token plans are then judged by the time model (`plan_timed`): the fastest is the plan.
 """
 from __future__ import annotations
 
@@ -115,14 +101,14 @@ class PlanConstraints:
 
 @dataclass(frozen=True)
 class Plan:
-    """moves:       int64 [M, 4] = (home, local_expert, helper, tokens), domain-local rank ids,
-                    tokens > 0, sorted by (home, local_expert); for one (home, local_expert) with
-                    n rows the home keeps the first n - sum(moved) rows and the moves take the
-                    following rows in the order they appear here.
-    rank_tokens:    int64 [G]: tokens each rank of the domain computes after the plan."""
+    """moves:     int64 [M, 4] = (home, local_expert, helper, rows), domain-local rank ids, rows > 0,
+                 sorted by (home, local_expert); for one (home, local_expert) with n rows the home
+                 computes the first n - sum(moved) rows (its home rows) and the moves take the
+                 following rows in the order they appear here (one chunk each).
+    rank_rows:   int64 [G]: rows each rank of the domain computes after the plan."""
 
     moves: np.ndarray
-    rank_tokens: np.ndarray
+    rank_rows: np.ndarray
 
 
 def empty_plan(counts: np.ndarray) -> Plan:
@@ -228,17 +214,17 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     counts = np.ascontiguousarray(counts)
     G, E = counts.shape
     D = min(int(constraints.dynamic_experts), E)
-    H = int(constraints.max_helpers)
+    max_helpers = int(constraints.max_helpers)
     copies = constraints.copies_per_rank()
-    copies = G * max(D, 0) * max(H, 0) if copies == math.inf else int(copies)
-    if G <= 1 or D <= 0 or H <= 0:
+    copies = G * max(D, 0) * max(max_helpers, 0) if copies == math.inf else int(copies)
+    if G <= 1 or D <= 0 or max_helpers <= 0:
         if (counts < 0).any():
             raise ValueError("counts must be non-negative")
         return empty_plan(counts)  # without loading the compiled planner
     resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
     model = constraints.model.as_array() if constraints.model is not None else _NO_MODEL
     from deepspeed_feplb.plan.passes import plan_timed
-    out = plan_timed(counts, D, H, max(1, int(constraints.chunk_align)), copies, resident, model,
+    out = plan_timed(counts, D, max_helpers, max(1, int(constraints.chunk_align)), copies, resident, model,
                      bool(constraints.keep_copies), constraints.row_cap(counts))
     if out.shape[0] < G:
         raise ValueError("counts must be non-negative")

@@ -17,8 +17,7 @@ Per micro-batch and rank of a domain (all times µs, forward and backward togeth
   (``flush``);
 * every message (a chunk there, its outputs back, gradients back) also arrives ``message_us``
   after its copy ends: the transport's fixed latency per message, which does not occupy the link
-  (measured: about 230 µs one way for `cuda_ce` on an H200 machine, docs/GPU.md; 0 in the
-  named profiles; the runtime's model takes its transport's figure, `balance.ComputeTimes.model`).
+  (the transport's figure, `Transport.message_us`, docs/GPU.md; 0 in the named profiles).
 
 The makespan (the slowest rank's finish) is what the planner minimises and what the simulator
 reports as ``expert_time_us``. `TimeModel` holds the constants; the evaluation is compiled with
@@ -90,14 +89,16 @@ class TimeModel:
 
 def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fresh: np.ndarray | None = None,
                    grads_back: np.ndarray | None = None, flush: np.ndarray | None = None) -> np.ndarray:
-    """Each rank's finish time under ``model`` (`passes.finish_us`, see the module docstring). counts int64 [G, E]; moves int64 [M, 4]; fresh / grads_back bool [M]
-    (default: every move copies weights and returns gradients, i.e. no residency); flush int64
-    [F, 2] or None. Returns float64 [G] µs."""
+    """Each rank's finish time under ``model`` (`passes.finish_us`, see the module docstring).
+    counts int64 [G, E]; moves int64 [M, 4]; fresh / grads_back bool [M] (default: every move
+    copies weights and returns gradients, i.e. no residency); flush int64 [F, 2] or None.
+    Returns float64 [G] µs."""
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     moves = np.ascontiguousarray(np.asarray(moves, dtype=np.int64).reshape(-1, 4))
     M = moves.shape[0]
     fresh = np.ones(M, np.bool_) if fresh is None else np.ascontiguousarray(fresh, dtype=np.bool_)
     grads_back = fresh.copy() if grads_back is None else np.ascontiguousarray(grads_back, dtype=np.bool_)
-    flush = np.zeros((0, 2), np.int64) if flush is None else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2))
+    flush = (np.zeros((0, 2), np.int64) if flush is None
+             else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2)))
     from deepspeed_feplb.plan.passes import finish_us
     return finish_us(counts, moves, fresh, grads_back, flush, model.as_array())

@@ -5,10 +5,11 @@ answers with a `Plan`.
 * `process`: the `feplb-sched` process (numpy + the compiled planner, no torch);
 * `client`: the ranks' side, `InlineScheduler` and `ProcessScheduler`.
 
-What crosses the boundary per micro-batch step: each rank's counts ``int64 [E_local]``, the
-`PlanConstraints` (with the time model) and the rank's row of the layer's residency masks in; the `Plan` (moves ``int64 [M, 4]``, rank_tokens ``int64 [G]``) and the
-planning time out. To add a scheduler (another process model, a remote planner), implement
-`Scheduler` and select it in `make_scheduler`.
+What crosses the boundary per micro-batch: each rank's counts ``int64 [E_local]``, the
+`PlanConstraints` (with the time model) and the rank's row of the layer's residency masks in;
+the `Plan` (moves ``int64 [M, 4]``, rank_rows ``int64 [G]``) and the planning time out. To add a
+scheduler (another process model, a remote planner), implement `Scheduler` and select it in
+`make_scheduler`.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def make_scheduler(config: SchedulerConfig, name: str, local_rank: int, ranks: i
     """The scheduler for ``feplb.scheduler`` (``mode``: ``process`` or ``inline``). The domain's
     rank 0 calls this with ``create=True`` before the others (the caller's barrier)."""
     if config.mode == "inline":
-        return InlineScheduler(name, local_rank, ranks, peer_timeout_s=config.peer_timeout_s, create=create, watch=watch)
+        return InlineScheduler(name, local_rank, ranks, peer_timeout_s=config.peer_timeout_s, create=create,
+                               watch=watch)
     return ProcessScheduler(name, local_rank, ranks, plan_timeout_s=config.plan_timeout_ms / 1e3,
                             peer_timeout_s=config.peer_timeout_s, restart=config.restart, create=create,
                             start_after_steps=config.start_after_steps, watch=watch)

@@ -36,7 +36,7 @@ log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnin
 class DomainPlan:
     """The plan of one micro-batch step, as a rank receives it.
 
-    plan:      the `Plan` (moves int64 [M, 4], rank_tokens int64 [G]);
+    plan:      the `Plan` (moves int64 [M, 4], rank_rows int64 [G]);
     counts:    int64 [G, E_local]: every domain rank's counts the plan was made from;
     seconds:   planning time; fallback: True when this rank planned in-process because the
                scheduler process was late, stalled or dead (never in inline mode).
@@ -72,7 +72,8 @@ class InlineScheduler:
         return self._plan_here(counts, constraints, resident, fallback=False)
 
     @staticmethod
-    def _plan_here(counts: np.ndarray, constraints: PlanConstraints, resident: np.ndarray, fallback: bool) -> DomainPlan:
+    def _plan_here(counts: np.ndarray, constraints: PlanConstraints, resident: np.ndarray,
+                   fallback: bool) -> DomainPlan:
         start = time.perf_counter()
         plan = plan_domain(counts, constraints, resident)
         return DomainPlan(plan, counts, time.perf_counter() - start, fallback)

@@ -11,6 +11,7 @@ from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile
 __all__ = ["get_profile", "calibrate", "calibrate_cpu"]
 
 _CPU_ROWS = (1, 8, 16, 24, 32, 64, 96, 128, 256, 512)
+_CPU_SHAPE = ExpertShape(hidden=512, ffn_hidden=1024)  # the expert `calibrate` times unless told another
 # GPU row counts: below, around and above the tile sizes grouped GEMMs use, up to a large micro-batch
 _GPU_ROWS = (16, 64, 96, 128, 192, 256, 384, 512, 640, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -50,7 +51,7 @@ def _best_time_cuda(fn, repeat: int, inner: int = 10) -> float:
     return best
 
 
-def calibrate_cpu(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024), rows=_CPU_ROWS,
+def calibrate_cpu(shape: ExpertShape = _CPU_SHAPE, rows=_CPU_ROWS,
                   repeat: int = 5) -> GemmProfile:
     """`calibrate` on this machine's CPU in fp32."""
     return calibrate(shape, "cpu", rows, repeat)
@@ -70,7 +71,7 @@ def expert_times_us(shape: ExpertShape, device: str = "cpu", rows=_CPU_ROWS, rep
     for n in rows:
         x = torch.randn(n, shape.hidden, generator=g, device=device, dtype=dtype)
 
-        def run():
+        def run(x=x):
             h = x @ w[0]
             for m in w[1:-1]:
                 h = h * (x @ m)
@@ -102,7 +103,7 @@ def fit_profile(name: str, shape: ExpertShape, rows, times_us, tiles, ce_gbps: f
                        net_gbps=net_gbps)
 
 
-def calibrate(shape: ExpertShape = ExpertShape(hidden=512, ffn_hidden=1024), device: str = "cpu", rows=None,
+def calibrate(shape: ExpertShape = _CPU_SHAPE, device: str = "cpu", rows=None,
               repeat: int = 5) -> GemmProfile:
     """Measure real torch expert GEMMs on ``device`` and fit the cost model (`fit_profile`).
 

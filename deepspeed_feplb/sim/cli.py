@@ -4,8 +4,8 @@
         --dynamic-experts D --policies vanilla,fastermoe,eplb,feplb \\
         [--json OUT.json] [--markdown OUT.md] [--plot OUT.png] [--dump-plans PLANS.npz]
 
-The markdown table is printed; the files are optional. Bad input (a missing trace, one that does not fit G x N ranks, a missing
-optional package) ends in one line on stderr and exit status 2.
+The markdown table is printed; the files are optional. Bad input (a missing trace, one that does
+not fit G x N ranks, a missing optional package) ends in one line on stderr and exit status 2.
 
 OUT.json: ``{"policies": {name: {"token_straggler", "token_max_over_mean", "gemm_straggler_us",
 "reduction_vs_vanilla", ...}}, "setup": {...}, "trace": {...}, "d_sweep": {...}}``.
@@ -225,7 +225,8 @@ def _load_fitting_trace(args):
                             "source ranks or a divisor of them, never on more)")
         sizes = [r for r in range(1, E + 1) if fits(r)]
         keep_g = [r for r in sizes if r % G == 0]  # the most ranks with the nodes as they are, if any
-        hint = f"--ranks-per-node {G} --nodes {keep_g[-1] // G}" if keep_g else f"--ranks-per-node {sizes[-1]} --nodes 1"
+        hint = (f"--ranks-per-node {G} --nodes {keep_g[-1] // G}" if keep_g
+                else f"--ranks-per-node {sizes[-1]} --nodes 1")
         _fail(f"trace {path} does not fit --ranks-per-node {G} --nodes {N} ({ranks} ranks): {'; '.join(problems)}; "
               f"ranks that fit: {', '.join(map(str, sizes))}, e.g. {hint}")
     return trace
@@ -269,6 +270,7 @@ def _have(module: str) -> bool:
 def _setup(args, trace, D):
     from deepspeed_feplb.plan.cost import ExpertShape
     from deepspeed_feplb.sim.calibrate import get_profile
+
     from .policies import SimSetup
 
     hidden = args.hidden or trace.hidden or 6144
@@ -336,7 +338,8 @@ def run_simulate(args) -> int:
     if args.dump_plans:
         run = result.runs["feplb"]
         with open(args.dump_plans, "wb") as f:
-            np.savez_compressed(f, moves=run.moves.reshape(-1, 6), rank_tokens=run.rank_tokens)
+            # the file contract keeps its name
+            np.savez_compressed(f, moves=run.moves.reshape(-1, 6), rank_tokens=run.rank_rows)
     if args.plot:
         title = (f"{os.path.basename(args.trace)}: {setup.ranks} ranks ({setup.ranks_per_node} per node x "
                  f"{setup.nodes}), D = {setup.dynamic_experts}, cost profile {setup.profile.name}, "

@@ -74,7 +74,7 @@ def optimal_max_load(counts: np.ndarray, constraints: PlanConstraints, time_limi
     upper[t_col] = float(loads.max())
     rows = []  # (lower, upper, [(col, value)])
     by_rd = {}
-    for k, (r, d, j) in enumerate(pairs):
+    for k, (r, d, _) in enumerate(pairs):
         by_rd.setdefault((r, d), []).append(k)
         rows.append((-math.inf, 0.0, [(k, 1.0), (P + k, -c[r, d])]))
     for (r, d), ks in by_rd.items():

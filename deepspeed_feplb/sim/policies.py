@@ -28,10 +28,10 @@ from typing import Optional
 
 import numpy as np
 
-from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.config import FEPLBConfig
+from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
+from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
-from deepspeed_feplb.plan.cost import ExpertShape, GemmProfile, PROFILES, gemm_us
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
@@ -485,7 +485,9 @@ class FEPLBPaper(_NodePolicy):
         cons, static_us = super().constraints(node_counts, mean_rows)
         s = self.setup
         window_us = float(static_us.mean()) or 0.5 * float(gemm_us(node_counts, s.shape, s.profile).sum(axis=1).mean())
-        budget = min(cons.ce_budget_bytes, s.profile.ce_gbps * 1e3 * window_us) if window_us > 0 else cons.ce_budget_bytes
+        budget = cons.ce_budget_bytes
+        if window_us > 0:
+            budget = min(budget, s.profile.ce_gbps * 1e3 * window_us)
         return replace(cons, ce_budget_bytes=budget, model=None), static_us
 
     def plan(self, node_counts, cons, resident):

@@ -130,7 +130,7 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
     top = 0
     stacks = list(zip(axes[:2], ("vanilla", after_name)))
     for ax, name in stacks:
-        T = runs[name].rank_tokens[:, layer, :]  # [steps, R]
+        T = runs[name].rank_rows[:, layer, :]  # [steps, R]
         R = T.shape[1]
         ax.stackplot(np.arange(T.shape[0]), T.T, linewidth=0.2, labels=[f"rank {r}" for r in range(R)],
                      colors=plt.get_cmap("tab20" if R > 10 else "tab10")(np.arange(R) % 20))

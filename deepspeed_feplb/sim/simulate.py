@@ -24,21 +24,24 @@ from typing import Iterable, Optional
 import numpy as np
 
 from deepspeed_feplb.plan.cost import rank_gemm_us
-from .policies import SimSetup, pieces_us, make_policy
 from deepspeed_feplb.trace.format import Trace, fold_sources
 
+from .policies import SimSetup, make_policy, pieces_us
+
 __all__ = ["PolicyRun", "SimResult", "simulate"]
+
+_TIMING_KEYS = ("expert_us", "exposed_us", "weight_bytes", "grad_bytes", "placement_us")  # the rows of PolicyRun's time
 
 
 @dataclass
 class PolicyRun:
-    """Per-micro-batch arrays of one policy. rank_tokens int64 [steps, layers, R];
+    """Per-micro-batch arrays of one policy. rank_rows int64 [steps, layers, R];
     gemm_us float64 [steps, layers, R]; lower_bound float [steps, layers] (nan if none);
     ce_us, exposed_us, static_us float [steps, layers] (nan if none);
     moves int64 [M, 6] = (step, layer, expert, home, helper, tokens) or None."""
 
     name: str
-    rank_tokens: np.ndarray
+    rank_rows: np.ndarray
     gemm_us: np.ndarray
     lower_bound: np.ndarray
     ce_us: np.ndarray
@@ -55,14 +58,14 @@ class PolicyRun:
 
     @property
     def token_straggler(self) -> np.ndarray:
-        return self.rank_tokens.max(axis=-1) - self.rank_tokens.mean(axis=-1)
+        return self.rank_rows.max(axis=-1) - self.rank_rows.mean(axis=-1)
 
     @property
     def gemm_straggler(self) -> np.ndarray:
         return self.gemm_us.max(axis=-1) - self.gemm_us.mean(axis=-1)
 
     def metrics(self, vanilla: Optional["PolicyRun"]) -> dict:
-        T = self.rank_tokens.astype(np.float64)
+        T = self.rank_rows.astype(np.float64)
         mean = T.mean(axis=-1)
         tok = self.token_straggler
         gem = self.gemm_straggler
@@ -129,26 +132,25 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
         from tqdm import tqdm
         bar = tqdm(total=S * L * len(names), desc="simulate", unit="mb", leave=False)
     for s in range(S):
-        for l in range(L):
-            x = src[s, l]
+        for layer in range(L):
+            x = src[s, layer]
             for n in names:
-                res = objs[n].step(s, l, x)
+                res = objs[n].step(s, layer, x)
                 d = data[n]
-                d["tok"][s, l] = np.bincount(res.piece_rank, weights=res.piece_tokens, minlength=R).astype(np.int64)
-                d["gemm"][s, l] = rank_gemm_us(res.piece_rank, res.piece_tokens, R, setup.shape, setup.profile)
+                d["tok"][s, layer] = np.bincount(res.piece_rank, weights=res.piece_tokens, minlength=R).astype(np.int64)
+                d["gemm"][s, layer] = rank_gemm_us(res.piece_rank, res.piece_tokens, R, setup.shape, setup.profile)
                 timing = res.timing or {"expert_us": float(pieces_us(res.piece_rank, res.piece_tokens, R,
                                                                         setup.time_model).max())}
-                d["time"][:, s, l] = [timing.get(k, 0) for k in ("expert_us", "exposed_us", "weight_bytes", "grad_bytes",
-                                                                  "placement_us")]
+                d["time"][:, s, layer] = [timing.get(k, 0) for k in _TIMING_KEYS]
                 if res.lower_bound is not None:
-                    d["lb"][s, l] = res.lower_bound
+                    d["lb"][s, layer] = res.lower_bound
                 if res.ce is not None:
-                    d["ce"][s, l] = res.ce["ce_us"]
-                    d["exp"][s, l] = res.ce["exposed_us"]
-                    d["st"][s, l] = res.ce["static_us"]
+                    d["ce"][s, layer] = res.ce["ce_us"]
+                    d["exp"][s, layer] = res.ce["exposed_us"]
+                    d["st"][s, layer] = res.ce["static_us"]
                 if keep_moves and res.moves is not None and len(res.moves):
                     m = res.moves
-                    d["moves"].append(np.concatenate([np.full((len(m), 1), s), np.full((len(m), 1), l), m], axis=1))
+                    d["moves"].append(np.concatenate([np.full((len(m), 1), s), np.full((len(m), 1), layer), m], axis=1))
                 if bar is not None:
                     bar.update(1)
     if bar is not None:

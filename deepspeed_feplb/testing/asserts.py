@@ -117,7 +117,7 @@ def distinct_experts(model: torch.nn.Module, seed: int = 0) -> None:
 
 # ------------------------------------------------------------------------------ equal to unbalanced
 def _feplb_layers(model: torch.nn.Module) -> list:
-    from deepspeed_feplb.layer import FEPLBMOELayer
+    from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
     return [m for m in model.modules() if isinstance(m, FEPLBMOELayer)]
 
 
@@ -127,7 +127,7 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
     from deepspeed.moe.sharded_moe import MOELayer
 
     from deepspeed_feplb.config import FEPLBConfig
-    from deepspeed_feplb.layer import MoE as FEPLBMoE
+    from deepspeed_feplb.integration.deepspeed_moe import MoE as FEPLBMoE
     from deepspeed_feplb.testing.routing import RoutedGate, _arm
 
     memo: dict = {}
@@ -136,8 +136,10 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
     feplb = {id(layer) for layer in _feplb_layers(model)}
     for obj in objects:
         for key, value in vars(obj).items():
-            if isinstance(value, dist.ProcessGroup) or (id(obj) in feplb and key in ("domain", "dispatcher")):
-                memo[id(value)] = value  # shared, not copied: process groups, the domain's runtime, phase 1
+            if isinstance(value, dist.ProcessGroup) or (id(obj) in feplb and key == "dispatcher"):
+                memo[id(value)] = value  # shared, not copied: process groups, phase 1
+            elif id(obj) in feplb and key == "stage" and value is not None and value.domain is not None:
+                memo[id(value.domain)] = value.domain  # the domain's runtime (processes, shared memory) is shared
             elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
                 memo[id(value)] = value.detach()  # results of the last forward (l_aux) cannot be deep-copied
     twin = copy.deepcopy(model, memo)

@@ -56,7 +56,7 @@ class RankSkipped(Exception):
 # what a rank would otherwise import on the way (symbolic_shapes: the first autograd.grad through
 # torch.func.functional_call imports sympy, ~2 s)
 _PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "deepspeed.moe.layer",
-            "deepspeed_feplb.layer"]
+            "deepspeed_feplb.integration.deepspeed_moe"]
 
 
 def _context(start_method: str | None = None):
@@ -154,7 +154,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     meanwhile (`plan.cache`), and a test expects its ranks to plan from their first micro-batch.
     """
     if not planner_cached():
-        from deepspeed_feplb.plan import passes  # noqa: F401
+        from deepspeed_feplb.plan import passes  # noqa: F401 - imported for its side effect: numba compiles it
     ctx = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="feplb-test-")
     store = os.path.join(workdir, "filestore")
@@ -178,14 +178,15 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
                 if dead:
                     raise RankFailed(dead[0], world_size, f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})",
-                                     f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                                     f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(done))
                     if len(started) < world_size:
                         raise TimeoutError(f"rank(s) {sorted(set(range(world_size)) - started)} did not start within "
-                                           f"{start_timeout:g} s")
+                                           f"{start_timeout:g} s") from None
                     stacks = _dump_stacks([procs[r] for r in missing], [stack_files[r] for r in missing], missing)
-                    raise TimeoutError(f"rank(s) {missing} did not finish within {timeout:g} s (hang?)" + stacks)
+                    raise TimeoutError(f"rank(s) {missing} did not finish within {timeout:g} s (hang?)"
+                                       + stacks) from None
                 continue
             if status == "started":
                 started.add(rank)

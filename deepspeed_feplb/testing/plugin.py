@@ -97,7 +97,7 @@ def pytest_pyfunc_call(pyfuncitem):
     for name, value in kwargs.items():
         try:
             pickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - whatever pickle raises, the test fails with the reason
             pytest.fail(f"@pytest.mark.{MARKER}: argument {name!r} ({type(value).__name__}) cannot be sent to the "
                         f"ranks: {exc}. Use picklable fixtures/parameters, or create the object inside the test.",
                         pytrace=False)

@@ -290,7 +290,8 @@ def _check_routes(routes, num_tokens: int, k: int, num_experts: int, what: str) 
     if routes.dim() == 1 and k == 1:
         routes = routes[:, None]
     if tuple(routes.shape) != (num_tokens, k):
-        raise ValueError(f"{what} returned routes of shape {tuple(routes.shape)}; expected [S, k] = [{num_tokens}, {k}]")
+        raise ValueError(f"{what} returned routes of shape {tuple(routes.shape)}; "
+                         f"expected [S, k] = [{num_tokens}, {k}]")
     if routes.numel() and (routes.min() < -1 or routes.max() >= num_experts):
         raise ValueError(f"{what} returned expert ids outside [-1, {num_experts})")
     if k > 1:
@@ -455,7 +456,8 @@ def override_routing(model: torch.nn.Module, source: Callable[[RouteRequest], to
     """
     layers = _moe_layers(model)
     if not layers:
-        raise ValueError(f"override_routing: no MoE layer (deepspeed.moe.sharded_moe.MOELayer) in {type(model).__name__}")
+        raise ValueError("override_routing: no MoE layer (deepspeed.moe.sharded_moe.MOELayer) in "
+                         f"{type(model).__name__}")
     for index, layer in enumerate(layers):
         gate = layer.gate
         layer.gate = RoutedGate(gate.inner if isinstance(gate, RoutedGate) else gate, source, index)

@@ -87,11 +87,12 @@ def biased_logits_trace(steps: int, layers: int, ranks: int, experts: int, token
     bias = rng.standard_normal((layers, experts)) * bias_std
     counts = np.zeros((steps, layers, ranks, experts), dtype=np.int64)
     for s in range(steps):
-        for l in range(layers):
+        for layer in range(layers):
+            layer_bias = bias[layer].astype(np.float32)
             for r in range(ranks):
-                logits = rng.standard_normal((tokens_per_rank, experts), dtype=np.float32) + bias[l].astype(np.float32)
+                logits = rng.standard_normal((tokens_per_rank, experts), dtype=np.float32) + layer_bias
                 top = np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k]
-                counts[s, l, r] = np.bincount(top.ravel(), minlength=experts)
+                counts[s, layer, r] = np.bincount(top.ravel(), minlength=experts)
     return Trace(counts, top_k=top_k, hidden=hidden, ffn_hidden=ffn_hidden,
                  source=f"biased_logits_trace(bias_std={bias_std}, seed={seed})")
 

@@ -36,11 +36,11 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(HERE)]
-
-import torch  # noqa: E402
 
 
 class Check:
@@ -102,7 +102,8 @@ def kernels(check: Check) -> dict:
         for rows, hidden in ((0, 16), (1, 7), (300, 64), (300, 7168)):
             src = (torch.randn(rows, hidden, generator=g) * 100).to(dtype)
             index = torch.randint(-1, max(rows, 1), (257, ), generator=g) if rows else torch.full((5, ), -1)
-            same(f"gather {dtype} {rows}x{hidden}", k.gather_rows(src.to(dev), index.to(dev)), ref.gather_rows(src, index))
+            same(f"gather {dtype} {rows}x{hidden}", k.gather_rows(src.to(dev), index.to(dev)),
+                 ref.gather_rows(src, index))
             perm = torch.randperm(rows, generator=g)
             dst = torch.zeros_like(src)
             same(f"scatter {dtype} {rows}x{hidden}", k.scatter_rows(src.to(dev), perm.to(dev), dst.to(dev)),
@@ -257,7 +258,7 @@ def _layer_worker(cpu: bool) -> dict:
     got = moe_cases.run_layer(ours, x.to(dev), w.to(dev))
     errors = [moe_cases.relative_error(got[0], ref[0]), moe_cases.relative_error(got[1], ref[1])]
     errors += [moe_cases.relative_error(got[2][n], ref[2][n]) for n in ref[2]]
-    transport_name = type(ours.deepspeed_moe.domain.transport).__name__
+    transport_name = type(ours.deepspeed_moe.stage.domain.transport).__name__
     migrated = int(ours.feplb_stats["migrated_tokens"])
     # weight residency: two micro-batches of one step (the helper keeps its copies after the first,
     # their gradients go home in the second's backward); gradients summed over both, as DeepSpeed's
@@ -295,13 +296,13 @@ def deepep(check: Check) -> dict:
     ids = torch.randint(-1, 12, (2, 257), generator=g).to(dev)
     gates = torch.rand(2, 257, generator=g).to(dev)
     ours = DeepEPDispatcher(None, 1, 12, buffer=ReferenceBuffer(None))
-    rows, counts, handle = ours.dispatch(x, ids)
+    rows, counts, handle, _ = ours.dispatch(x, ids)
     out = ours.combine(rows * 3, gates, handle)
     out.sum().backward()
     grad = x.grad.clone()
     x.grad = None
     base = TorchDispatcher(None, 1, 12)
-    ref_rows, ref_counts, ref_handle = base.dispatch(x, ids)
+    ref_rows, ref_counts, ref_handle, _ = base.dispatch(x, ids)
     ref_out = base.combine(ref_rows * 3, gates, ref_handle)
     ref_out.sum().backward()
     equal = (torch.equal(rows, ref_rows) and (counts == ref_counts).all() and torch.equal(out, ref_out)

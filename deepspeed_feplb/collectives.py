@@ -1,0 +1,35 @@
+"""Small collectives the runtime shares: every rank's small Python object in one all-gather."""
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+GATHER_BYTES = 16 << 10
+
+
+def gather_small(obj, group=None) -> list:
+    """`dist.all_gather_object` in one collective when every rank's pickle fits `GATHER_BYTES`
+    (a step's lean records do), in two otherwise (``all_gather_object`` always takes two). The
+    bytes travel on the group's device: CUDA for an NCCL group, which takes no host tensors."""
+    data = pickle.dumps(obj)
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+
+    def gather(size: int) -> list[torch.Tensor]:
+        """Every rank's [length (int64), pickle] in ``size`` bytes; the pickle only if it fits."""
+        buffer = torch.zeros(size, dtype=torch.uint8)
+        buffer[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if 8 + len(data) <= size:
+            buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer = buffer.to(device)
+        gathered = [torch.empty_like(buffer) for _ in range(world)]
+        dist.all_gather(gathered, buffer, group=group)
+        return [g.cpu() for g in gathered]
+
+    gathered = gather(GATHER_BYTES)
+    sizes = [int(g[:8].view(torch.int64)) for g in gathered]
+    if max(sizes) > GATHER_BYTES - 8:  # every rank sees the same sizes: all take this branch together
+        gathered = gather(max(sizes) + 8)
+    return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]

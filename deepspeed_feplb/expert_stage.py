@@ -1,0 +1,363 @@
+"""One layer's expert stage, shared by both layer kinds (DeepSpeed MoE and AutoEP).
+
+Between phase 1's dispatch and combine, `ExpertStage.run` computes a micro-batch's local experts:
+
+1. `ExpertStage.balances_now`, the skip rule: whether this micro-batch goes through the domain.
+   Every rank of the EP group decides alike, from phase 1's `GroupFacts` (each rank's received
+   rows and its announced costs); the domain runtime opens at the first micro-batch that any
+   domain of the group balances, so a run that never gains never pays for it; a forward that
+   activation checkpointing recomputes takes its original forward's decision.
+2. Balanced: `run_experts` publishes the counts to the domain's scheduler, computes the static
+   experts (all but this rank's D hottest) meanwhile, then runs the dynamic experts through
+   `migrate.phase2` (rows and weights to helpers of the domain, results and gradients home).
+   Not balanced: `run_local`, every expert here, each call timed for the cost fit.
+3. `ComputeTimes` (`expert_costs`) and `StageTimes` record what it cost; ``stats`` what it did.
+
+A layer kind adapts only its gate and dispatch (or AutoEP's seam) and says how to compute its
+experts (`LocalExperts`).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepspeed_feplb.collectives import gather_small
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.dispatch import GroupFacts
+from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
+from deepspeed_feplb.expert_costs import ComputeTimes
+from deepspeed_feplb.migrate import transport_class
+from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2MicroBatch
+from deepspeed_feplb.migrate.resident import LayerResidency
+from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
+from deepspeed_feplb.stats import MicroBatchStats, StageTimes, layer_stats, recomputing, residency_stats
+
+# static_fn(rows, counts, static) -> outputs of the experts in ``static`` (local ids, ascending),
+# concatenated in expert order; ``rows``/``counts`` are the whole micro-batch.
+StaticFn = Callable[[torch.Tensor, np.ndarray, list], torch.Tensor]
+ExpertCall = Callable[[int, torch.Tensor], torch.Tensor]
+
+_DECISIONS_KEPT = 256  # forwards whose recompute may still come (pipeline schedules keep several in flight)
+
+
+@dataclass
+class LocalExperts:
+    """How a layer kind computes its ``E_local`` experts.
+
+    modules: one module per local expert, run functionally as a template (`ExpertSpec.call`);
+    params: per local expert, its parameters in ``spec.param_names`` order (they may be aliases
+        that route gradients, `deepspeed_moe.ExpertGradOrder`);
+    direct: ``call(e, x)`` as the model itself runs expert e, for micro-batches computed here
+        (None: functionally);
+    static_fn: computes a set of experts at once (AutoEP's grouped GEMM), or None.
+    """
+    modules: Sequence[torch.nn.Module]
+    params: Callable[[], list[list[torch.Tensor]]]
+    spec: ExpertSpec
+    direct: Optional[ExpertCall] = None
+    static_fn: Optional[StaticFn] = None
+
+
+def check_group_agrees(config: FEPLBConfig, ep_group, layer_facts: dict) -> None:
+    """Collective over the EP group at the first forward: every rank must have built the same
+    layer (``layer_facts``: name -> value) and ``"feplb"`` section; `FEPLBConfigError` names the
+    first setting that differs (instead of a size error or a hang in a later collective)."""
+    facts = {**layer_facts, "feplb.enabled": config.enabled,
+             "feplb.dynamic_experts_per_rank": config.dynamic_experts_per_rank,
+             "feplb.nvlink_domain_size": config.nvlink_domain_size, "feplb.transport": config.transport,
+             "feplb.fixed_costs": config.fixed_costs, "feplb.weight_residency": config.weight_residency,
+             "feplb.max_rows_over_mean": config.max_rows_over_mean}
+    ranks = dist.get_process_group_ranks(ep_group)
+    if dist.get_backend(ep_group) == "gloo":  # bounded, and it names who is missing
+        timeout_s = config.scheduler.peer_timeout_s
+        try:
+            dist.monitored_barrier(group=ep_group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(f"FEPLB: not every rank of expert-parallel group {ranks} ran this MoE layer's first "
+                               f"forward within feplb.scheduler.peer_timeout_s={timeout_s:g} s; every rank must run "
+                               f"the same forwards of the layer ({error})") from None
+    everyone = gather_small(facts, group=ep_group)
+    for key in facts:
+        values = [f[key] for f in everyone]
+        if any(v != values[0] for v in values):
+            raise FEPLBConfigError(
+                f"MoE layer: {key} differs across the ranks of its expert-parallel group ("
+                + ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, values))
+                + "); every rank must build the same layer with the same \"feplb\" section")
+
+
+class ExpertStage:
+    """One FEPLB layer's expert stage over its EP group (``ep_size`` ranks, ``num_local_experts``
+    each); ``expert_params``: one expert's parameters (sizes, device, transport choice)."""
+
+    def __init__(self, config: FEPLBConfig, ep_group, ep_size: int, num_local_experts: int,
+                 expert_params: Sequence[torch.Tensor], hidden: int):
+        self.config, self.ep_group, self.ep_size, self.num_local_experts = config, ep_group, ep_size, num_local_experts
+        self.domain_size = domain_size(config, ep_size)
+        self.balances = ep_size > 1 and config.dynamic_experts_per_rank > 0 and self.domain_size > 1
+        self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
+        self.row_bytes = hidden * expert_params[0].element_size()  # one row (time model)
+        self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
+        self.compute_times = ComputeTimes()
+        self.stage_times = StageTimes()  # host time per stage (forward and backward)
+        self.domain: Optional[DomainRuntime] = None  # set up at the first micro-batch that balances
+        self.residency: Optional[LayerResidency] = None  # weight residency, with a domain
+        self.times_every_call = False  # a placement reads the time per row even where nothing balances
+        self.stats: MicroBatchStats | dict = {}
+        self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # received digest -> decision, for recomputes
+        self._exchange_us = float("nan")  # this rank's last count exchange
+
+    # ------------------------------------------------------------------ group facts
+    def announce(self) -> tuple[float, ...]:
+        """What phase 1 tells the EP group for `balances_now`: this rank's (piece_us, row_us) (a
+        one-row call, and the fitted cost per row; NaN before anything was timed) and how long its
+        previous count exchange took (µs)."""
+        if not self.balances or self.config.fixed_costs == "ignore":
+            return ()
+        return (*(self.compute_times.fitted_us() or (float("nan"), float("nan"))), self._exchange_us)
+
+    def exchange(self, counts: np.ndarray, device: torch.device) -> GroupFacts:
+        """For a layer kind whose dispatch does not tell the group's counts (AutoEP): every rank's
+        received rows (``counts int64 [E_local]``) and `announce` values, in one all-gather on
+        ``device`` (the group's: CUDA for NCCL)."""
+        announced = np.array(self.announce(), dtype=np.float64)
+        mine = torch.from_numpy(np.concatenate([counts.astype(np.int64), announced.view(np.int64)])).to(device)
+        gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        start = time.perf_counter()
+        dist.all_gather(gathered, mine, group=self.ep_group)
+        table = torch.stack(gathered).cpu().numpy()
+        return GroupFacts(received=np.ascontiguousarray(table[:, :len(counts)]),
+                          announced=np.ascontiguousarray(table[:, len(counts):]).view(np.float64),
+                          exchange_seconds=time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ the skip rule
+    def balances_now(self, facts: GroupFacts) -> bool:
+        """Whether this micro-batch goes through the domain (plan and phase 2), decided alike on
+        every rank of the EP group from ``facts``; opens the domain at the first micro-batch that
+        any domain of the group balances, never inside backward."""
+        if not self.balances:
+            return False
+        received, fits = facts.received, facts.announced
+        if self.config.fixed_costs == "ignore" or received is None or fits is None or fits.shape[1] != 3:
+            if self.domain is None:
+                self._open_domain()
+            return True  # the planner alone decides
+        key = hashlib.blake2b(received.tobytes(), digest_size=16).digest()
+        if recomputing():
+            return self._decisions.get(key, False) and self.domain is not None
+        G = self.domain_size
+        row_cap = rows_bound(self.config.max_rows_over_mean, float(received.sum()) / self.ep_size)
+        if row_cap:  # the planner leaves a rank up to one chunk less a row over the cap
+            row_cap += self.config.chunk_align_tokens - 1
+        pays = [balancing_may_pay(received[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]),
+                                  row_cap)
+                for d in range(0, self.ep_size, G)]
+        if self.domain is None and any(pays):
+            self._open_domain()
+        # their gradients go home in phase 2
+        kept = self.residency is not None and bool(self.residency.table.resident.any())
+        decided = self.domain is not None and (pays[dist.get_rank(self.ep_group) // G] or kept)
+        self._decisions[key] = decided
+        while len(self._decisions) > _DECISIONS_KEPT:
+            self._decisions.popitem(last=False)
+        return decided
+
+    def _message_us(self, exchange_us: np.ndarray) -> float:
+        """One message's latency between ranks of a domain: the transport's figure, or, when larger
+        and the EP group is that one domain, the shortest of the ranks' last count exchanges
+        (float64 [G] µs; the rank that arrived last waited for nobody, so its exchange took about the
+        group's latency; on an oversubscribed host this includes waiting for a core, as a phase-2
+        message would). An exchange over several domains would add the network's latency."""
+        measured = exchange_us[np.isfinite(exchange_us)]
+        if not measured.size or self.domain_size != self.ep_size:
+            return self.transport_cls.message_us
+        return max(self.transport_cls.message_us, float(measured.min()))
+
+    def _open_domain(self) -> None:
+        """Set up the domain runtime (collective over the EP group: every rank calls it at the same forward)."""
+        self.domain = get_runtime(self.ep_group, self.config, self.transport_cls)
+        self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config)
+
+    def check_peers(self) -> None:
+        """After a failed collective: raise naming a dead domain peer, if one is known."""
+        if self.domain is not None:
+            self.domain.watch.check()
+
+    # ------------------------------------------------------------------ one micro-batch
+    def run(self, rows: torch.Tensor, counts: np.ndarray, experts: LocalExperts, facts: GroupFacts,
+            step_ends: bool = True) -> torch.Tensor:
+        """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``;
+        ``step_ends``: this micro-batch is the last of its optimizer step (weight residency)."""
+        if facts.exchange_seconds == facts.exchange_seconds:  # not NaN
+            self._exchange_us = facts.exchange_seconds * 1e6
+        config = self.config
+        if self.balances_now(facts):
+            out, stats = run_experts(rows, counts, experts.modules, experts.params(), experts.spec, self.domain,
+                                     config, self.expert_bytes, self.compute_times, self.stage_times,
+                                     experts.static_fn, self.residency, step_ends, self._mean_rows(facts))
+            if stats is not None:
+                self.stats = stats
+            return out
+        if experts.direct is None or (self.balances and dist.get_world_size() > self.ep_size):
+            # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
+            # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
+            call = functional_calls(experts.modules, experts.params(), experts.spec)
+        else:
+            call = experts.direct
+        # timed for the fit and for the placement's time per row; a recompute is not a micro-batch
+        timed = (self.balances or self.times_every_call) and not recomputing()
+        probe = self.balances and config.fixed_costs == "measured"
+        out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times, probe,
+                        experts.static_fn)
+        if config.stats.enabled and not recomputing():
+            self.stats = self._local_stats(counts, facts)
+        return out
+
+    def _mean_rows(self, facts: GroupFacts) -> float:
+        """Rows per rank over the EP group (0: not known, as with the DeepEP dispatcher; the
+        planner then takes its domain's mean)."""
+        return float(facts.received.sum()) / self.ep_size if facts.received is not None else 0.0
+
+    def _local_stats(self, counts: np.ndarray, facts: GroupFacts) -> MicroBatchStats:
+        """Stats of a micro-batch computed without balancing: over the domain when phase 1 told
+        every rank's counts, else over this rank."""
+        no_moves = np.zeros((0, 4), np.int64)
+        if not self.balances or facts.received is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return layer_stats(counts[None], no_moves, 0.0, False, [rank])
+        G = self.domain_size
+        first = dist.get_rank(self.ep_group) // G * G
+        ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
+        return layer_stats(facts.received[first:first + G], no_moves, 0.0, False, ranks)
+
+
+def _typical(fits: np.ndarray) -> tuple[float, float]:
+    """A domain's (piece_us, row_us) from its ranks' fits (float64 [G, 2], NaN: a rank that has
+    timed nothing yet, e.g. one that received no rows): the medians over the timed ranks, so that
+    one rank's noisy fit (a timed call that lost its core) does not decide; NaN if none is timed."""
+    timed = fits[np.isfinite(fits).all(axis=1)]
+    if not len(timed):
+        return float("nan"), float("nan")
+    piece_us, row_us = np.median(timed, axis=0)
+    return float(piece_us), float(row_us)
+
+
+def functional_calls(modules: Sequence[torch.nn.Module], params: list[list[torch.Tensor]],
+                     spec: ExpertSpec) -> ExpertCall:
+    """``call(e, x)``: local expert e on rows x, run functionally with ``params[e]`` and its own buffers."""
+    return lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)
+
+
+def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int], mark: Callable[[], object],
+                 call: ExpertCall, static_fn: Optional[StaticFn] = None,
+                 pieces: Optional[list] = None) -> list[torch.Tensor]:
+    """Outputs of ``experts`` (local ids, ascending) on their rows of ``rows`` (grouped by local
+    expert, ``counts int64 [E_local]``): ``call(e, x)`` each, or ``static_fn`` for all at once;
+    appends (k pieces, n rows, start mark, end mark) per timed call to ``pieces``."""
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    sizes = [int(counts[e]) for e in experts]
+    if static_fn is not None:
+        start = mark()
+        outs = list(static_fn(rows, counts, list(experts)).split(sizes))
+        if pieces is not None and sum(sizes):
+            pieces.append((sum(n > 0 for n in sizes), sum(sizes), start, mark()))
+        return outs
+    outs = []
+    for e, n in zip(experts, sizes):
+        start = mark()
+        outs.append(call(e, rows[starts[e]:starts[e + 1]]))
+        if pieces is not None and n:
+            pieces.append((1, n, start, mark()))
+    return outs
+
+
+def run_local(rows: torch.Tensor, counts: np.ndarray, call: ExpertCall, times: Optional[ComputeTimes],
+              stage_times: StageTimes, probe: bool = False, static_fn: Optional[StaticFn] = None) -> torch.Tensor:
+    """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``, every
+    expert computed here (no balancing) by ``call(e, x)`` or ``static_fn``. Each call is timed
+    into ``times`` (None: not timed); ``probe``: also time a one-row call once (`ComputeTimes.probe`)."""
+    mark = times.clock(rows.device) if times is not None else (lambda: 0.0)
+    pieces: list = []
+    if times is not None and probe:
+        times.probe(rows, counts, call, mark)
+    begin = mark()
+    with stage_times.measure("static experts"):
+        outs = timed_pieces(rows, counts, range(len(counts)), mark, call, static_fn,
+                            pieces=pieces if times else None)
+    if times is not None:
+        end = mark()
+        times.finish(begin, end, end, int(counts.sum()), pieces)
+    return torch.cat(outs) if outs else rows
+
+
+def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.nn.Module],
+                params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
+                expert_bytes: int, times: ComputeTimes, stage_times: Optional[StageTimes] = None,
+                static_fn: Optional[StaticFn] = None, residency: Optional[LayerResidency] = None,
+                step_ends: bool = True, mean_rows: float = 0.0) -> tuple[torch.Tensor, Optional[MicroBatchStats]]:
+    """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
+    stats or None when ``config.stats`` is off), balanced over ``domain``.
+
+    modules[e] runs expert e functionally with ``params[e]`` (named ``spec.param_names``) and its
+    own buffers; ``times`` holds the previous micro-batch's compute times and is updated;
+    ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later);
+    ``residency`` is the layer's weight residency (None: none) and ``step_ends`` says whether this
+    micro-batch is the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank
+    over the whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean). A forward that
+    activation checkpointing recomputes in backward leaves residency alone and returns no stats.
+    """
+    stage_times = stage_times if stage_times is not None else StageTimes()
+    recompute = recomputing()
+    if recompute:  # activation checkpointing re-runs this forward in backward: not a new micro-batch
+        residency, step_ends = None, True
+    mark = times.clock(rows.device)
+    call = functional_calls(modules, params, spec)
+    if config.fixed_costs == "measured":
+        times.probe(rows, counts, call, mark)
+    begin = mark()
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    seq = domain.next_seq()
+    row_bytes = rows.shape[1] * rows.element_size()
+    model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us)
+    constraints = replace(PlanConstraints.from_config(config, expert_bytes, model), mean_rows=float(mean_rows))
+    if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
+        constraints = replace(constraints, dynamic_experts=0)  # nothing timed yet: no move is known to pay
+    resident_row = residency.table.resident[domain.local_rank] if residency is not None else None
+    domain.scheduler.publish(seq, counts, constraints, resident_row)
+
+    dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
+    static = [e for e in range(len(modules)) if e not in dynamic]
+    outs: list = [None] * len(modules)
+    pieces: list = []
+    with stage_times.measure("static experts"):
+        for e, y in zip(static, timed_pieces(rows, counts, static, mark, call, static_fn, pieces)):
+            outs[e] = y
+    static_done = mark()
+
+    with stage_times.measure("plan wait"):
+        planned = domain.scheduler.plan(seq)
+    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
+    phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
+                      [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times,
+                      residency, step_ends)
+    dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
+    dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x,
+                                 *[p for e in phase2.grad_experts for p in params[e]])
+    for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
+        outs[e] = y
+    stats = None
+    if config.stats.enabled and not recompute:
+        stats = layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks,
+                            residency_stats(phase2.fresh, phase2.copy_kept, len(phase2.flush_entries),
+                                            expert_bytes), seq)
+    if not recompute:
+        times.finish(begin, static_done, mark(), int(counts.sum()), pieces)
+    return torch.cat(outs), stats

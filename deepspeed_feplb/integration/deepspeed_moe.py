@@ -1,0 +1,311 @@
+"""`deepspeed_feplb.MoE`: a drop-in for `deepspeed.moe.layer.MoE` that balances every micro-batch.
+
+`FEPLBMOELayer.forward`, one micro-batch of tokens ``[S, H]``:
+
+1. gate: DeepSpeed's own `TopKGate` (dropless) or sigmoid top-k with aux-loss-free bias (`gate/`);
+   a cross-node placement (`integration.placement`) maps the routes to the experts' slots;
+2. phase 1: rows to their experts' home ranks, grouped by local expert (`dispatch/`), with the
+   group's facts (`dispatch.GroupFacts`);
+3. the expert stage (`expert_stage.ExpertStage`): balanced inside the NVLink domain, or not;
+4. phase 1 in reverse and the gate-weighted combine.
+
+Parameter names and the state_dict layout are DeepSpeed's, so checkpoints move both ways.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe import layer as ds_layer
+from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+
+from deepspeed_feplb.config import FEPLBConfig, FEPLBModelError, load_config
+from deepspeed_feplb.dispatch import make_dispatcher
+from deepspeed_feplb.domain import domain_size, install_exit_handlers
+from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
+from deepspeed_feplb.gate import SigmoidTopKGate
+from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.placement import (
+    ExpertPlacement,
+    adopt_loaded_order,
+    check_expert_order,
+    record_expert_order,
+    state_bytes_per_expert,
+)
+from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.stats import recomputing
+from deepspeed_feplb.trace.record import get_recorder
+
+
+def _resolve(config) -> Optional[FEPLBConfig]:
+    if config is None or isinstance(config, FEPLBConfig):
+        return config
+    return load_config({"feplb": config} if isinstance(config, dict) and "feplb" not in config else config)
+
+
+class FEPLBMOELayer(MOELayer):
+    """DeepSpeed's `MOELayer` with FEPLB's expert stage (module docstring)."""
+
+    feplb_config: Optional[FEPLBConfig]
+
+    def feplb_setup(self, config=None) -> None:
+        """Turn a DeepSpeed `MOELayer` (class already swapped) into a FEPLB one; attach lazily."""
+        self.feplb_config = _resolve(config)
+        self._feplb_ready = False
+        self.stage: Optional[ExpertStage] = None  # at the first forward
+        self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
+        self.loaded_expert_order: Optional[list[int]] = None  # a placement-order state dict's, loaded before attach
+        if not getattr(self, "_feplb_state_hooks", False):  # feplb_setup may run twice (MoE, then convert)
+            self._feplb_state_hooks = True
+            self.register_state_dict_post_hook(record_expert_order)
+            self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
+        if not hasattr(self, "step_ends"):
+            self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
+
+    @property
+    def feplb_stats(self) -> dict:
+        """Stats of the last forward (`stats.MicroBatchStats`; empty before the first)."""
+        return self.stage.stats if self.stage is not None else {}
+
+    # ------------------------------------------------------------------ runtime attach
+    def _attach(self) -> None:
+        if self.feplb_config is None:
+            self.feplb_config = FEPLBConfig()
+        config = self.feplb_config
+        self.recorder = get_recorder(config.stats.record_trace)
+        self._feplb_ready = True
+        experts = list(self.experts.deepspeed_experts)
+        expert_params = list(experts[0].parameters())
+        hidden = self.gate.wg.in_features
+        if self.ep_size > 1 and dist.is_initialized():
+            check_group_agrees(config, self.ep_group, self._layer_facts())
+        if not config.enabled:
+            adopt_loaded_order(self)  # refuses a state dict in placement order
+            return
+        self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size,
+                                 self.num_local_experts, expert_params, hidden)
+        install_exit_handlers()
+        refuse_stateful_experts(experts[0], hidden, migrating=config.dynamic_experts_per_rank > 0 and self.ep_size > 1)
+        if getattr(self.gate, "drop_tokens", False):
+            _warn_dropless_once()
+        self.gate.drop_tokens = False  # FEPLB is dropless
+        if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
+            self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating, seams.data_parallel_group())
+        if config.placement.enabled and self.ep_size > 1:
+            self.placement = _make_placement(self, config, expert_params)
+            self.stage.times_every_call = True
+        adopt_loaded_order(self)
+        spec = ExpertSpec.of(experts[0])
+        self.local_experts = LocalExperts(experts, self._expert_params, spec, direct=lambda e, x: _call(experts[e], x))
+        self.dispatcher = make_dispatcher(config, self.stage.ep_group, self.ep_size, self.num_local_experts,
+                                          expert_params, hidden=hidden, on_error=self.stage.check_peers,
+                                          stage_times=self.stage.stage_times)
+
+    def _layer_facts(self) -> dict:
+        """What every rank of the EP group must have built alike (`expert_stage.check_group_agrees`)."""
+        return {"num_experts": self.ep_size * self.num_local_experts, "top-k": getattr(self.gate, "k", None),
+                "hidden size": self.gate.wg.in_features,
+                "expert order of the loaded state dict": self.loaded_expert_order}
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
+        if not self._feplb_ready:
+            self._attach()
+        if not self.feplb_config.enabled:
+            return MOELayer.forward(self, *input, **kwargs)
+        try:
+            return self._forward(*input)
+        except RuntimeError:
+            self.stage.check_peers()  # a collective failed: a dead peer is the likely cause, name it
+            raise
+
+    def _forward(self, *input: torch.Tensor) -> torch.Tensor:
+        d_model = input[0].shape[-1]
+        x = input[0].reshape(-1, d_model)
+        used_token = input[1] if len(input) > 1 else None
+        timed = self.stage.stage_times.measure
+        with timed("gate"):
+            self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
+        if self.recorder is not None and not recomputing():
+            self.recorder.record(self, expert_ids)  # logical experts: a trace replays under any placement
+        if self.placement is not None:
+            if self.training and torch.is_grad_enabled() and not recomputing():
+                self.placement.record(expert_ids)
+            expert_ids = self.placement.route(expert_ids)
+        with timed("dispatch"):
+            rows, counts_by_source, handle, facts = self.dispatcher.dispatch(x, expert_ids, self.stage.announce())
+        out = self.stage.run(rows, counts_by_source.sum(0), self.local_experts, facts, self.step_ends())
+        with timed("combine"):
+            return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
+
+    def _route(self, x: torch.Tensor, used_token: Optional[torch.Tensor]):
+        """The gate's sparse routes. DeepSpeed's dropless `TopKGate` all-reduces its largest expert
+        count over the EP group, to size the dense dispatch of DeepSpeed's own layer; FEPLB sends
+        exact splits and never reads it, so the gate runs without its EP group here: one collective
+        less per forward, the same routes, gates and aux loss."""
+        gate = self.gate
+        if type(gate) is not TopKGate:
+            return gate(x, used_token, True, False)
+        group, gate.ep_group = gate.ep_group, None
+        try:
+            return gate(x, used_token, True, False)
+        finally:
+            gate.ep_group = group
+
+    def _expert_params(self) -> list[list[torch.Tensor]]:
+        """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow."""
+        params = [list(expert.parameters()) for expert in self.experts.deepspeed_experts]
+        flat = [p for group in params for p in group]
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
+            return params
+        aliases = iter(ExpertGradOrder.apply(*flat))
+        return [[next(aliases) for _ in group] for group in params]
+
+
+def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params) -> ExpertPlacement:
+    """The layer's `ExpertPlacement` over its EP group (nodes of ``nvlink_domain_size`` ranks) and its
+    expert-data-parallel replicas."""
+    dp_group = seams.expert_data_parallel_group(layer.ep_size)
+    placement = config.placement
+    if layer.ep_size <= domain_size(config, layer.ep_size) and not _warned.get("one-node placement"):
+        _warned["one-node placement"] = True
+        warnings.warn(f"feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one NVLink "
+                      "domain (feplb.nvlink_domain_size), so placement has no node to balance against another and "
+                      "will not move experts; per-micro-batch balancing inside the domain does the work", UserWarning,
+                      stacklevel=5)
+    return ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
+                           domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
+                           placement.network_gbps, state_bytes_per_expert(expert_params),
+                           dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
+                           dp_group=dp_group, device=layer.gate.wg.weight.device)
+
+
+def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: bool) -> None:
+    """Raise `FEPLBConfigError` for experts whose math FEPLB would change.
+
+    FEPLB computes each expert on exactly its rows (DeepSpeed pads every expert to the capacity)
+    and, when migrating, computes moved rows with a helper's copy of the expert: so an expert with
+    batch statistics (BatchNorm) is refused, and, when migrating, one whose forward updates a
+    buffer (found by running a copy of the expert on two rows in training mode)."""
+    import copy
+
+    for name, module in expert.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            raise FEPLBModelError(
+                f"the MoE expert contains a {type(module).__name__} ({name or 'the expert itself'}): its batch "
+                "statistics depend on which rows it sees together, and FEPLB computes each expert on exactly its "
+                "rows (DeepSpeed pads them to the capacity) and may split them over ranks; use LayerNorm or RMSNorm "
+                "in the expert, or set feplb.enabled to false")
+    buffers = dict(expert.named_buffers())
+    if not migrating or not buffers:
+        return
+    probe = copy.deepcopy(expert).train()
+    param = next(probe.parameters(), None)
+    x = torch.randn(2, hidden, dtype=param.dtype if param is not None else torch.float32,
+                    device=param.device if param is not None else "cpu")
+    with torch.no_grad():
+        probe(x)
+    changed = sorted(n for n, b in probe.named_buffers() if not torch.equal(b, buffers[n]))
+    if changed:
+        raise FEPLBModelError(
+            f"the MoE expert updates buffer(s) {', '.join(changed)} in its forward: FEPLB computes moved rows with "
+            "a helper's copy of the expert, whose buffer updates would not reach the expert's home; set "
+            "feplb.dynamic_experts_per_rank to 0 to keep every expert's rows at home")
+
+
+def _every_micro_batch() -> bool:
+    """Without an engine that says otherwise, every micro-batch ends its optimizer step."""
+    return True
+
+
+_warned: dict = {}  # warnings said once per process, by topic
+
+
+def _warn_dropless_once() -> None:
+    if _warned.get("dropless"):
+        return
+    _warned["dropless"] = True
+    warnings.warn("FEPLB computes every routed token: a MoE layer built with drop_tokens=True (DeepSpeed's default) "
+                  "drops the tokens above its capacity in DeepSpeed's MoE but none with FEPLB enabled, so the two "
+                  "compute different outputs. Build the layer with drop_tokens=False to make them agree, or set "
+                  "feplb.enabled to false to keep DeepSpeed's dropping.", UserWarning, stacklevel=4)
+
+
+class ExpertGradOrder(torch.autograd.Function):
+    """Identity on all local expert parameters whose backward releases their gradients together.
+
+    Which experts are dynamic, and so when each expert's gradient is ready, differs between
+    ranks and micro-batches. ZeRO-2 reduces gradients in buckets as they become ready and
+    needs the same order on every data-parallel rank; this autograd node makes that order the fixed
+    parameter order again (and gives every expert a gradient, zeros if it got no tokens,
+    as DeepSpeed's capacity buffer does).
+    """
+
+    @staticmethod
+    def forward(ctx, *params):
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = expert(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class MoE(ds_layer.MoE):
+    """Drop-in `deepspeed.moe.layer.MoE` with FEPLB balancing (same arguments, returns, state_dict).
+
+    Extra keyword-only argument:
+        feplb_config: a `FEPLBConfig`, a ``"feplb"`` section dict, or a whole ds_config (dict or
+            path). Default: the ``"feplb"`` section of the DeepSpeed engine that wraps the model,
+            or the defaults.
+    """
+
+    def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True, *, feplb_config=None) -> None:
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        seams.become(self.deepspeed_moe, FEPLBMOELayer)
+        self.deepspeed_moe.feplb_setup(feplb_config)
+
+    @property
+    def feplb_stats(self) -> dict:
+        """Stats of the last forward (`stats.MicroBatchStats`; empty before the first)."""
+        return self.deepspeed_moe.feplb_stats
+
+    def extra_repr(self) -> str:
+        """``print(model)`` shows a FEPLB layer as such (its class is called MoE, as DeepSpeed's)."""
+        config = self.deepspeed_moe.feplb_config
+        if config is None:
+            return "FEPLB (the engine's \"feplb\" section, or the defaults, at the first forward)"
+        if not config.enabled:
+            return "FEPLB disabled (DeepSpeed's MoE layer)"
+        return f"FEPLB, dynamic_experts_per_rank={config.dynamic_experts_per_rank}"
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+        engine = seams.configuring_engine()
+        if engine is not None:
+            self.deepspeed_moe.step_ends = seams.step_ends(engine)
+        if self.deepspeed_moe.feplb_config is None and engine is not None:
+            self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
+        if engine is not None and self.deepspeed_moe.feplb_config.placement.enabled:
+            from deepspeed_feplb.integration.placement import install as install_placement
+            install_placement(engine)
+
+    @classmethod
+    def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":
+        """Turn a `deepspeed.moe.layer.MoE` into this class in place (weights and names kept)."""
+        seams.become(module, cls)
+        seams.become(module.deepspeed_moe, FEPLBMOELayer)
+        module.deepspeed_moe.feplb_setup(feplb_config)
+        return module

@@ -1,0 +1,76 @@
+"""What each phase-2 message holds, described once for its sender and its receiver.
+
+A message is a list of tensors (`Transport.send`). Its layout is a `MessageLayout`: per chunk,
+named parts of a fixed number of tensors. Both sides build the layout with the same function
+from what they both know (the plan, the residency flags that travel first), so neither counts
+positions by hand, and a message of the wrong length fails naming itself instead of shifting
+every tensor after the first mistake.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class MessageLayout:
+    """parts[c]: the (name, tensor count) parts of chunk ``c``, in message order."""
+    parts: tuple[tuple[tuple[str, int], ...], ...]
+
+    def pack(self, chunks: Sequence[dict]) -> list:
+        """Per chunk ``{name: [tensors]}`` -> the message's flat tensor list."""
+        if len(chunks) != len(self.parts):
+            raise ValueError(f"phase-2 message: {len(chunks)} chunks, the layout has {len(self.parts)}")
+        out: list = []
+        for layout, chunk in zip(self.parts, chunks):
+            for name, count in layout:
+                if count:
+                    tensors = list(chunk[name])
+                    if len(tensors) != count:
+                        raise ValueError(f"phase-2 message part {name!r}: {len(tensors)} tensors, "
+                                         f"the layout says {count}")
+                    out += tensors
+        return out
+
+    def unpack(self, message: Sequence, what: str) -> list[dict]:
+        """The flat tensor list -> per chunk ``{name: [tensors]}`` (empty lists for parts of 0);
+        ``what`` names the message in the error when its length does not match."""
+        expected = sum(count for layout in self.parts for _, count in layout)
+        if len(message) != expected:
+            raise RuntimeError(f"FEPLB phase 2: a {what} message holds {len(message)} tensors, its layout {expected}")
+        out, at = [], 0
+        for layout in self.parts:
+            chunk = {}
+            for name, count in layout:
+                chunk[name] = list(message[at:at + count])
+                at += count
+            out.append(chunk)
+        return out
+
+
+def rows_to_helper(carries: Sequence[bool], n_params: int, n_buffers: int) -> MessageLayout:
+    """Home -> helper, forward (after a flags tensor): per chunk the expert's weights (when it
+    carries them), its buffers, and its rows."""
+    return MessageLayout(tuple((("weights", n_params if carry else 0), ("buffers", n_buffers), ("rows", 1))
+                               for carry in carries))
+
+
+def outputs_to_home(chunks: int) -> MessageLayout:
+    """Helper -> home, forward: per chunk its output rows."""
+    return MessageLayout(((("outputs", 1), ), ) * chunks)
+
+
+def output_grads_to_helper(chunks: int) -> MessageLayout:
+    """Home -> helper, backward: per chunk the gradient of its output rows."""
+    return MessageLayout(((("output_grads", 1), ), ) * chunks)
+
+
+def grads_to_home(goes_home: Sequence[bool], n_params: int) -> MessageLayout:
+    """Helper -> home, backward: per chunk the gradient of its rows, and its weight-gradients
+    unless the helper keeps the copy (they go home at the step's end, `flushed_to_home`)."""
+    return MessageLayout(tuple((("input_grads", 1), ("weight_grads", n_params if home else 0)) for home in goes_home))
+
+
+def flushed_to_home(copies: int, n_params: int) -> MessageLayout:
+    """Helper -> home at the step's end: per kept copy its accumulated weight-gradients."""
+    return MessageLayout(((("weight_grads", n_params), ), ) * copies)
