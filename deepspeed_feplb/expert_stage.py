@@ -40,9 +40,11 @@ from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
 from deepspeed_feplb.stats import MicroBatchStats, StageTimes, layer_stats, recomputing, residency_stats
 
-# static_fn(rows, counts, static) -> outputs of the experts in ``static`` (local ids, ascending),
-# concatenated in expert order; ``rows``/``counts`` are the whole micro-batch.
-StaticFn = Callable[[torch.Tensor, np.ndarray, list], torch.Tensor]
+# static_fn(rows, blocks, static) -> outputs of the experts in ``static`` (local ids, ascending),
+# concatenated in expert order; ``rows`` ``[N, H]`` the micro-batch's rows grouped by expert,
+# ``blocks[e]`` ``[n_e, H]`` expert e's (one split of ``rows``: its backward is one concatenation,
+# where a slice per expert would zero-fill a full-size gradient each).
+StaticFn = Callable[[torch.Tensor, list, list], torch.Tensor]
 ExpertCall = Callable[[int, torch.Tensor], torch.Tensor]
 
 _DECISIONS_KEPT = 256  # forwards whose recompute may still come (pipeline schedules keep several in flight)
@@ -256,24 +258,23 @@ def functional_calls(modules: Sequence[torch.nn.Module], params: list[list[torch
     return lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)
 
 
-def timed_pieces(rows: torch.Tensor, counts: np.ndarray, experts: Sequence[int], mark: Callable[[], object],
+def timed_pieces(rows: torch.Tensor, blocks: list, experts: Sequence[int], mark: Callable[[], object],
                  call: ExpertCall, static_fn: Optional[StaticFn] = None,
                  pieces: Optional[list] = None) -> list[torch.Tensor]:
-    """Outputs of ``experts`` (local ids, ascending) on their rows of ``rows`` (grouped by local
-    expert, ``counts int64 [E_local]``): ``call(e, x)`` each, or ``static_fn`` for all at once;
-    appends (k pieces, n rows, start mark, end mark) per timed call to ``pieces``."""
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-    sizes = [int(counts[e]) for e in experts]
+    """Outputs of ``experts`` (local ids, ascending) on their rows (``blocks[e]`` ``[n_e, H]``, a
+    split of ``rows``): ``call(e, x)`` each, or ``static_fn`` for all at once; appends (k pieces,
+    n rows, start mark, end mark) per timed call to ``pieces``."""
+    sizes = [len(blocks[e]) for e in experts]
     if static_fn is not None:
         start = mark()
-        outs = list(static_fn(rows, counts, list(experts)).split(sizes))
+        outs = list(static_fn(rows, blocks, list(experts)).split(sizes))
         if pieces is not None and sum(sizes):
             pieces.append((sum(n > 0 for n in sizes), sum(sizes), start, mark()))
         return outs
     outs = []
     for e, n in zip(experts, sizes):
         start = mark()
-        outs.append(call(e, rows[starts[e]:starts[e + 1]]))
+        outs.append(call(e, blocks[e]))
         if pieces is not None and n:
             pieces.append((1, n, start, mark()))
     return outs
@@ -290,7 +291,7 @@ def run_local(rows: torch.Tensor, counts: np.ndarray, call: ExpertCall, times: O
         times.probe(rows, counts, call, mark)
     begin = mark()
     with stage_times.measure("static experts"):
-        outs = timed_pieces(rows, counts, range(len(counts)), mark, call, static_fn,
+        outs = timed_pieces(rows, list(rows.split(counts.tolist())), range(len(counts)), mark, call, static_fn,
                             pieces=pieces if times else None)
     if times is not None:
         end = mark()
@@ -323,7 +324,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if config.fixed_costs == "measured":
         times.probe(rows, counts, call, mark)
     begin = mark()
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    blocks = list(rows.split(counts.tolist()))
     seq = domain.next_seq()
     row_bytes = rows.shape[1] * rows.element_size()
     model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us)
@@ -338,7 +339,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     outs: list = [None] * len(modules)
     pieces: list = []
     with stage_times.measure("static experts"):
-        for e, y in zip(static, timed_pieces(rows, counts, static, mark, call, static_fn, pieces)):
+        for e, y in zip(static, timed_pieces(rows, blocks, static, mark, call, static_fn, pieces)):
             outs[e] = y
     static_done = mark()
 
@@ -348,7 +349,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
                       [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times,
                       residency, step_ends)
-    dyn_x = torch.cat([rows[starts[e]:starts[e + 1]] for e in dynamic]) if dynamic else rows[:0]
+    dyn_x = torch.cat([blocks[e] for e in dynamic]) if dynamic else rows[:0]
     dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x,
                                  *[p for e in phase2.grad_experts for p in params[e]])
     for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):

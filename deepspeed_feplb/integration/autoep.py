@@ -125,17 +125,14 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         w1, w2, w3 = self.w1, self.w2, self.w3
         return [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
 
-    def _static(self, rows: torch.Tensor, counts: np.ndarray, static: list) -> torch.Tensor:
-        """The experts ``static`` through AutoEP's own expert compute (grouped GEMM or its loop)."""
-        static_counts = np.zeros_like(counts)
-        static_counts[static] = counts[static]
+    def _static(self, rows: torch.Tensor, blocks: list, static: list) -> torch.Tensor:
+        """The experts ``static`` (their rows ``blocks[e]``, a split of ``rows``) through AutoEP's own
+        expert compute (grouped GEMM or its loop)."""
+        static_counts = np.zeros(len(blocks), np.int64)
+        static_counts[static] = [len(blocks[e]) for e in static]
         if not static_counts.sum():
             return rows.new_zeros((0, rows.shape[1]))
-        if len(static) == len(counts):  # every expert: the rows as they are
-            x = rows
-        else:
-            starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-            x = torch.cat([rows[starts[e]:starts[e + 1]] for e in static])
+        x = rows if len(static) == len(blocks) else torch.cat([blocks[e] for e in static])  # all: no copy
         return GroupedExperts.forward(self, x, torch.as_tensor(static_counts, device=rows.device))
 
 
