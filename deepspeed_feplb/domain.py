@@ -43,6 +43,11 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
     return size
 
 
+def validate_domain_size(config: FEPLBConfig, ep_size: int) -> None:
+    """`FEPLBConfigError` naming ``feplb.nvlink_domain_size`` where it does not divide ``ep_size``."""
+    domain_size(config, ep_size)
+
+
 def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:
     """Remove the ``feplb-`` segments that killed jobs left in /dev/shm (no live process maps them,
     and they are older than ``min_age_s``: another job's that is starting up may not map its own
@@ -62,7 +67,7 @@ class DomainRuntime:
     transport: Transport
     scheduler: Scheduler
 
-    def __init__(self, ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport):
+    def __init__(self, ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None):
         ep_ranks = dist.get_process_group_ranks(ep_group)
         ep_rank = ep_ranks.index(dist.get_rank())
         self.size = domain_size(config, len(ep_ranks))
@@ -89,16 +94,18 @@ class DomainRuntime:
         self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         if leader:
             reclaim_leftovers()
-            self._open(transport_cls, sched, create=True)
+            self._open(transport_cls, sched, create=True, device=device)
         dist.barrier(group=ep_group)
         if not leader:
-            self._open(transport_cls, sched, create=False)
+            self._open(transport_cls, sched, create=False, device=device)
         self.closed = False
 
-    def _open(self, transport_cls: type, sched, create: bool) -> None:
+    def _open(self, transport_cls: type, sched, create: bool, device) -> None:
         self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=create,
-                                       watch=self.watch)
-        self.scheduler = make_scheduler(sched, f"{self.name}-mbox", self.local_rank, self.size, create, self.watch)
+                                       watch=self.watch, device=device)
+        self.scheduler = make_scheduler(sched, f"{self.name}-mbox", self.local_rank, self.size, create, self.watch,
+                                        moves_at_once=self.config.fixed_costs == "ignore"
+                                        or self.config.max_rows_over_mean is not None)
 
     def next_seq(self) -> int:
         seq, self.seq = self.seq, self.seq + 1
@@ -111,15 +118,16 @@ class DomainRuntime:
             self.transport.close()
 
 
-def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport) -> DomainRuntime:
-    """This rank's runtime for ``ep_group`` (created collectively over the group on first use)."""
+def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None) -> DomainRuntime:
+    """This rank's runtime for ``ep_group`` (created collectively over the group on first use);
+    ``device``: where this rank's experts live (the transport's buffers and streams go there)."""
     key = (tuple(dist.get_process_group_ranks(ep_group)), domain_size(config, dist.get_world_size(ep_group)),
-           transport_cls)
+           transport_cls, str(device))
     with _LOCK:
         runtime = _RUNTIMES.get(key)
         if runtime is None or runtime.closed:
             install_exit_handlers()
-            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls)
+            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls, device)
         return runtime
 
 

@@ -108,6 +108,7 @@ class ExpertStage:
         self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
         self.row_bytes = hidden * expert_params[0].element_size()  # one row (time model)
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
+        self.device = expert_params[0].device  # the transport's, not torch's current device
         self.compute_times = ComputeTimes()
         self.stage_times = StageTimes()  # host time per stage (forward and backward)
         self.domain: Optional[DomainRuntime] = None  # set up at the first micro-batch that balances
@@ -185,7 +186,7 @@ class ExpertStage:
 
     def _open_domain(self) -> None:
         """Set up the domain runtime (collective over the EP group: every rank calls it at the same forward)."""
-        self.domain = get_runtime(self.ep_group, self.config, self.transport_cls)
+        self.domain = get_runtime(self.ep_group, self.config, self.transport_cls, self.device)
         self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config)
 
     def check_peers(self) -> None:

@@ -825,6 +825,13 @@ def _first_rank_heavy(request) -> torch.Tensor:
     return routes
 
 
+def _load_the_planner() -> None:
+    """As in a process that has planned before: with measured costs the domain's first rank plans
+    nothing until its planner is loaded (a second or so, beside training; `test_scheduler.py` pins
+    that), longer than these few micro-batches last."""
+    import deepspeed_feplb.plan.passes  # noqa: F401 - loaded for its side effect
+
+
 def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: int = 5,
                      checkpointed: bool = False, max_rows_over_mean: float | None = None) -> dict:
     """``feplb.fixed_costs: "measured"`` (the default) over 4 ranks, one domain, experts with the
@@ -834,6 +841,8 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
     runs inside non-reentrant activation checkpointing (its recompute sees costs timed after the
     original forward, which would decide otherwise); ``max_rows_over_mean``: that bound on rows."""
     from torch.utils.checkpoint import checkpoint
+
+    _load_the_planner()
 
     from deepspeed_feplb.testing import override_routing
     torch.manual_seed(3)
@@ -883,6 +892,8 @@ def replicas_case(steps: int = 5) -> dict:
     import deepspeed
 
     from deepspeed_feplb.testing import override_routing
+
+    _load_the_planner()
 
     def hot(request) -> torch.Tensor:
         return torch.arange(request.k).repeat(request.num_tokens, 1)  # every token to experts 0..k-1

@@ -351,3 +351,32 @@ def test_the_receiver_copies_out_on_its_receive_stream_not_on_the_compute_stream
     assert result["ok"] and len(copies) == 2
     assert all(stream != result["current"] for stream in copies), "the copy-out ran on the compute stream"
     assert result["log"][-1] == ("wait", result["current"]), "the compute stream must wait for the copy-out"
+
+
+def _transport_device_of_a_layer() -> list:
+    """The ``device`` the domain's transport was built for, with the experts on the CPU."""
+    import deepspeed_feplb
+    from deepspeed_feplb import expert_stage
+    from deepspeed_feplb.migrate.shm import ShmTransport
+
+    built = []
+
+    class RecordingTransport(ShmTransport):
+        def __init__(self, *args, device=None, **kwargs):
+            built.append(str(device))
+            super().__init__(*args, device=device, **kwargs)
+
+    expert_stage.transport_class = lambda config, expert_params: RecordingTransport
+    torch.manual_seed(0)
+    layer = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2, k=1, drop_tokens=False,
+                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "fixed_costs": "ignore"})
+    layer.set_deepspeed_parallelism()
+    layer(torch.randn(16, 8))
+    return built
+
+
+def test_the_transport_is_built_on_the_experts_device_not_torchs_current_one():
+    """A plain loop with ``model.to(local_rank)`` leaves torch's current device at 0: the CUDA
+    transport's slots and streams must follow the experts' device, which the stage hands it."""
+    from deepspeed_feplb.testing import run_distributed
+    assert run_distributed(_transport_device_of_a_layer, 2, timeout=120) == [["cpu"], ["cpu"]]

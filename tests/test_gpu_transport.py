@@ -196,7 +196,7 @@ def layer_through_ce_protocol() -> dict:
 
     import moe_cases
 
-    def transport_factory(name, local_rank, size, timeout_s, create, watch=None):
+    def transport_factory(name, local_rank, size, timeout_s, create, watch=None, device=None):
         return CudaCETransport(name, local_rank, size, timeout_s, create, watch,
                                backend=HostBackend(prefix=f"{name}-mem"),
                                capacity_bytes=4096)  # small: the layer's messages grow the slots

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import domain_size
+from deepspeed_feplb.domain import validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
@@ -170,7 +170,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
         if layer.ep_size > 1 and layer.ep_group is None:
             raise RuntimeError(f"AutoEP layer {name}: no expert-parallel group yet; call install after "
                                "deepspeed.initialize")
-        domain_size(config, layer.ep_size)  # raises naming feplb.nvlink_domain_size
+        validate_domain_size(config, layer.ep_size)
         if type(experts) is not FEPLBGroupedExperts:
             seams.become(experts, FEPLBGroupedExperts)
         facts = {"num_experts": layer.num_experts, "top-k": layer.top_k, "hidden size": layer.hidden_size}

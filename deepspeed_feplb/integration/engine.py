@@ -143,7 +143,7 @@ def check_consistency(model, config: FEPLBConfig) -> None:
     import torch.distributed as dist
 
     from deepspeed_feplb.dispatch import validate_dispatcher
-    from deepspeed_feplb.domain import domain_size
+    from deepspeed_feplb.domain import validate_domain_size
     from deepspeed_feplb.migrate import validate_transport
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -157,7 +157,7 @@ def check_consistency(model, config: FEPLBConfig) -> None:
         if module.num_experts % module.ep_size:
             raise FEPLBModelError(f"{where}: {module.num_experts} experts cannot be split over ep_size="
                                    f"{module.ep_size}; use a multiple of {module.ep_size} experts")
-        domain_size(config, module.ep_size)  # raises naming feplb.nvlink_domain_size
+        validate_domain_size(config, module.ep_size)
         if config.dynamic_experts_per_rank > module.num_local_experts:
             raise FEPLBConfigError(
                 f"feplb.dynamic_experts_per_rank: {config.dynamic_experts_per_rank} exceeds the "

@@ -24,11 +24,12 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 class Transport(Protocol):
     """Moves lists of tensors between the ranks of one NVLink domain.
 
-    Constructed as ``cls(name, local_rank, size, timeout_s, create, watch)``: ``name`` is the
-    domain's unique segment prefix (starts with ``feplb-``), ``local_rank`` in ``[0, size)``;
-    the rank with ``create=True`` (local rank 0) is constructed first (the caller's barrier);
-    waits longer than ``timeout_s`` raise `segments.PeerTimeoutError`, and ``watch``
-    (a `segments.PeerWatch`) makes them fail fast, naming the rank, once a peer died.
+    Constructed as ``cls(name, local_rank, size, timeout_s, create, watch, device=device)``:
+    ``name`` is the domain's unique segment prefix (starts with ``feplb-``), ``local_rank`` in
+    ``[0, size)``; the rank with ``create=True`` (local rank 0) is constructed first (the caller's
+    barrier); waits longer than ``timeout_s`` raise `segments.PeerTimeoutError`, and ``watch``
+    (a `segments.PeerWatch`) makes them fail fast, naming the rank, once a peer died; ``device``
+    is where this rank's experts live (the CUDA transport's slots and streams go there).
 
     Messages between one ordered pair of ranks arrive in the order they were sent; every message
     carries a ``tag`` (micro-batch step and phase) that the receiver checks.

@@ -100,7 +100,9 @@ class CudaCETransport:
         timeout_s: how long to wait for a peer before raising `PeerTimeoutError`.
         create: True on the domain's rank 0, which creates the control block; it must be
             constructed before the others (the caller's barrier), as with `ShmTransport`.
-        backend: a `CudaBackend` (default: on torch's current CUDA device) or `HostBackend`.
+        device: the CUDA device of this rank's experts, where slots and streams go (default:
+            torch's current device).
+        backend: a `CudaBackend` (default: on ``device``) or `HostBackend`.
         capacity_bytes: initial size of each inbound slot (`arena.channel_capacity_hint`).
         max_tensors: most tensors in one message.
         watch: a `segments.PeerWatch`: waits fail fast, naming the rank, when a peer died.
@@ -111,10 +113,11 @@ class CudaCETransport:
     message_us = 230.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
-                 backend=None, capacity_bytes: int = DEFAULT_CAPACITY, max_tensors: int = DEFAULT_MAX_TENSORS):
+                 device=None, backend=None, capacity_bytes: int = DEFAULT_CAPACITY,
+                 max_tensors: int = DEFAULT_MAX_TENSORS):
         if backend is None:
             from deepspeed_feplb.migrate.backend import CudaBackend
-            backend = CudaBackend()
+            backend = CudaBackend(device)
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
         self.backend, self.max_tensors, self.watch = backend, max_tensors, watch
         words = channel_words(max_tensors)

@@ -81,7 +81,8 @@ class ShmTransport:
     message_us = 50.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool,
-                 watch: PeerWatch | None = None):
+                 watch: PeerWatch | None = None, device: torch.device | None = None):
+        """``device``: the experts' (CPU: host memory is all this transport moves)."""
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
         self.watch = watch
         control_bytes = size * size * _HEADER_FIELDS * 8

@@ -45,15 +45,17 @@ class Scheduler(Protocol):
 
 
 def make_scheduler(config: SchedulerConfig, name: str, local_rank: int, ranks: int, create: bool,
-                   watch: PeerWatch | None = None) -> Scheduler:
+                   watch: PeerWatch | None = None, moves_at_once: bool = False) -> Scheduler:
     """The scheduler for ``feplb.scheduler`` (``mode``: ``process`` or ``inline``). The domain's
-    rank 0 calls this with ``create=True`` before the others (the caller's barrier)."""
+    rank 0 calls this with ``create=True`` before the others (the caller's barrier).
+    ``moves_at_once``: the first plans wait for the planner to load (``feplb.fixed_costs:
+    "ignore"``, ``max_rows_over_mean``) instead of moving nothing until it is loaded."""
     if config.mode == "inline":
         return InlineScheduler(name, local_rank, ranks, peer_timeout_s=config.peer_timeout_s, create=create,
                                watch=watch)
     return ProcessScheduler(name, local_rank, ranks, plan_timeout_s=config.plan_timeout_ms / 1e3,
                             peer_timeout_s=config.peer_timeout_s, restart=config.restart, create=create,
-                            start_after_steps=config.start_after_steps, watch=watch)
+                            start_after_steps=config.start_after_steps, watch=watch, moves_at_once=moves_at_once)
 
 
 __all__ = ["DomainPlan", "InlineScheduler", "ProcessScheduler", "Scheduler", "make_scheduler"]

@@ -14,10 +14,12 @@ spent while nothing happens, and the process answers in microseconds when someth
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -29,6 +31,11 @@ from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 _PASSES = "deepspeed_feplb.plan.passes"  # the compiled planning pass, once this process has loaded it
+
+
+def _load_planner() -> None:
+    """Load the compiled planning pass from numba's cache (about a second of imports)."""
+    importlib.import_module(_PASSES)
 log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnings print as the bare message
 
 
@@ -113,7 +120,8 @@ class ProcessScheduler(InlineScheduler):
     LIVENESS_AFTER_S = 0.001
 
     def __init__(self, name: str, local_rank: int, ranks: int, *, plan_timeout_s: float, peer_timeout_s: float,
-                 restart: bool, create: bool, start_after_steps: int = 0, watch: PeerWatch | None = None):
+                 restart: bool, create: bool, start_after_steps: int = 0, watch: PeerWatch | None = None,
+                 moves_at_once: bool = False):
         super().__init__(name, local_rank, ranks, peer_timeout_s=peer_timeout_s, create=create, watch=watch)
         self.plan_timeout_s, self.restart, self.start_after_steps = plan_timeout_s, restart, start_after_steps
         self.process: subprocess.Popen | None = None
@@ -121,6 +129,13 @@ class ProcessScheduler(InlineScheduler):
         self._said_gone = False  # a dead process that is not restarted is reported once
         # numba's cache lacks the planner: the process compiles it, not a training step (`plan.cache`)
         self.compiles_elsewhere = create and not planner_cached()
+        # a warm cache is loaded beside training by the domain's first rank, which plans for all until
+        # the process is up; until it is loaded its plans have no moves (or wait, ``moves_at_once``)
+        self.moves_at_once = moves_at_once
+        self._loader: threading.Thread | None = None
+        if create and not self.compiles_elsewhere and _PASSES not in sys.modules:
+            self._loader = threading.Thread(target=_load_planner, name="feplb-planner-load", daemon=True)
+            self._loader.start()
         if create:
             # Until the process is up the domain's first rank plans in-process for all, silently (the
             # mailbox says it is starting): it starts after `start_after_steps` steps, so that short
@@ -172,8 +187,11 @@ class ProcessScheduler(InlineScheduler):
         a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
         process per domain loads numba and the compiled planner, instead of every rank."""
         if self.mailbox.owner:
-            if self.compiles_elsewhere and _PASSES not in sys.modules:
-                # the scheduler process compiles the planner: no moves this micro-batch, rather than a stalled step
+            if self._loader is not None and self.moves_at_once:
+                self._loader.join()
+            if not self.planner_loaded():
+                # the planner is being compiled (by the scheduler process) or loaded (by a thread): no
+                # moves this micro-batch, rather than a stalled step
                 planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
             else:
                 planned = self._plan_here(counts, constraints, resident, fallback=False)
@@ -184,6 +202,12 @@ class ProcessScheduler(InlineScheduler):
         if plan is None:  # too large for the mailbox: the same plan, computed here
             return self._plan_here(counts, constraints, resident, fallback=False)
         return DomainPlan(plan, counts, plan_ns * 1e-9, False)
+
+    def planner_loaded(self) -> bool:
+        """Whether this rank can plan without compiling or loading the planner first."""
+        if self._loader is not None:
+            return not self._loader.is_alive()
+        return not self.compiles_elsewhere or _PASSES in sys.modules
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is
