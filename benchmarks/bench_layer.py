@@ -104,11 +104,11 @@ def _worker(opts: dict) -> dict:
 
     def scheduler_pid(name: str) -> int:
         """A FEPLB layer's scheduler process (rank 0's child), once its domain and process are up."""
-        domain = getattr(layers[name].deepspeed_moe, "domain", None)
+        domain = getattr(getattr(layers[name].deepspeed_moe, "stage", None), "domain", None)
         return domain.scheduler.scheduler_pid() if dist.get_rank() == 0 and domain is not None else 0
 
     for layer in layers.values():
-        if hasattr(layer.deepspeed_moe, "stage_times"):
+        if getattr(layer.deepspeed_moe, "stage", None) is not None:
             layer.deepspeed_moe.stage.stage_times.take()
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     for step in range(opts["warmup"] + opts["steps"]):
@@ -131,7 +131,7 @@ def _worker(opts: dict) -> dict:
                                 dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             dist.all_reduce(used)
-            staged = getattr(layer.deepspeed_moe, "stage_times", None)
+            staged = getattr(getattr(layer.deepspeed_moe, "stage", None), "stage_times", None)
             if staged is not None:
                 host = staged.take()
                 host["forward total"], host["backward total"] = mid - start, end - mid
@@ -163,7 +163,7 @@ def _worker(opts: dict) -> dict:
         if stages[name]:  # rank 0's host time per stage, median over steps
             keys = sorted({k for h in stages[name] for k in h})
             result[name]["host_ms"] = {k: 1e3 * float(np.median([h.get(k, 0.0) for h in stages[name]])) for k in keys}
-        fitted = getattr(getattr(layers[name], "deepspeed_moe", None), "compute_times", None)
+        fitted = getattr(getattr(getattr(layers[name], "deepspeed_moe", None), "stage", None), "compute_times", None)
         if name in ("feplb", ROWS_BOUNDED) and fitted is not None and fitted.fitted_us() is not None:
             result[name]["fitted_piece_row_us"] = [round(v, 3) for v in fitted.fitted_us()]  # rank 0's, fwd + bwd
         if straggle_after[name]:

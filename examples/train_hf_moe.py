@@ -98,7 +98,10 @@ def ds_config(args, world: int) -> dict:
             "bf16": {"enabled": args.bf16},
             "steps_per_print": 10_000,
             "expert_parallel": autoep,
-            "feplb": {"enabled": True, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 8},
+            # "ignore": these tiny experts cost less than a message, so with measured costs (the
+            # default, what a real model uses) FEPLB would rightly skip every micro-batch
+            "feplb": {"enabled": True, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 8,
+                      "fixed_costs": "ignore"},
         }
     else:
         user = as_dict(args.deepspeed_config)

@@ -200,7 +200,7 @@ def feplb_off(ds_config) -> dict:
 
 def scheduler_pid(model) -> int:
     """Pid of the scheduler process this rank started (rank 0 of each domain), else 0."""
-    domain = getattr(model.moe.deepspeed_moe, "domain", None)
+    domain = getattr(getattr(model.moe.deepspeed_moe, "stage", None), "domain", None)
     return domain.scheduler.scheduler_pid() if domain is not None and domain.local_rank == 0 else 0
 
 

@@ -12,7 +12,7 @@ from deepspeed_feplb.plan import cache
 from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
 from deepspeed_feplb.scheduler import client as client_module
 from deepspeed_feplb.scheduler.client import ProcessScheduler
-from deepspeed_feplb.segments import Word, cpu_seconds, futex_wait, leftover_segments, process_alive, wait_until
+from deepspeed_feplb.segments import Word, cpu_seconds, futex_wait, leftover_segments, process_alive
 
 RANKS, EXPERTS = 4, 8
 CONSTRAINTS = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=1)
@@ -34,9 +34,9 @@ def step(client: ProcessScheduler, seq: int):
 @pytest.fixture
 def client():
     name = f"feplb-test-{secrets.token_hex(4)}"
+    # moves_at_once: the first rank plans until the process is up (measured costs would wait for it)
     c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True, create=True,
-                         start_after_steps=3)
-    wait_until(c.planner_loaded, 60.0, "the planner to load")  # until then plans have no moves
+                         start_after_steps=3, moves_at_once=True)
     yield c
     c.close()
     assert not leftover_segments(name)
@@ -184,40 +184,28 @@ def test_with_a_cold_planner_cache_the_process_compiles_and_plans_have_no_moves_
     assert not leftover_segments(name)
 
 
-@pytest.mark.parametrize("moves_at_once", [False, True])
-def test_with_a_warm_planner_cache_the_first_rank_loads_it_beside_training(monkeypatch, moves_at_once):
-    """No micro-batch waits for numba's cache either: the domain's first rank loads the planner in a
-    thread when the domain opens, and its plans have no moves until it is loaded; with
-    ``moves_at_once`` (``feplb.fixed_costs: "ignore"``) the first plan waits for it instead."""
+def test_with_measured_costs_the_process_starts_with_the_domain_and_plans_move_nothing_until_it_serves(
+        monkeypatch):
+    """No micro-batch waits for numba's cache either (about a second to load): where plans need not
+    move from the first micro-batch, the domain starts its scheduler process at once (whatever
+    start_after_steps says) and computes at home until the process serves, and this rank never
+    loads the planner."""
     import sys
-    import threading
     monkeypatch.setattr(client_module, "planner_cached", lambda: True)
     monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)  # as in a fresh rank
-    release = threading.Event()
-
-    def slow_load():
-        release.wait(30)
-        client_module.importlib.import_module("deepspeed_feplb.plan.passes")
-
-    monkeypatch.setattr(client_module, "_load_planner", slow_load)
+    started = []
+    monkeypatch.setattr(ProcessScheduler, "_start_process", lambda self: started.append(True))  # still loading
     name = f"feplb-test-{secrets.token_hex(4)}"
     c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=0.05, peer_timeout_s=10.0, restart=True,
-                         create=True, start_after_steps=1000, moves_at_once=moves_at_once)
+                         create=True, start_after_steps=1000)
     try:
-        if moves_at_once:
-            threading.Timer(0.3, release.set).start()
-        x, planned = step(c, 0)
-        if moves_at_once:
-            assert np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves) and len(planned.plan.moves)
-        else:
-            assert planned.plan.moves.shape == (0, 4), "a step waited for the planner to load"
+        assert started == [True], "the process was not started with the domain"
+        seen = [step(c, seq) for seq in range(3)]
+        assert "deepspeed_feplb.plan.passes" not in sys.modules, "the rank loaded the planner itself"
+        for x, planned in seen:
+            assert planned.plan.moves.shape == (0, 4), "a step waited for the planner"
             assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
-            release.set()
-            c._loader.join(10)
-            x, planned = step(c, 1)
-            assert np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves) and len(planned.plan.moves)
     finally:
-        release.set()
         c.close()
     assert not leftover_segments(name)
 

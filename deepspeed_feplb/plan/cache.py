@@ -5,11 +5,11 @@ compiles it (15-40 s on a loaded 2-core machine). So a domain whose first rank f
 cold does not plan in-process: it starts its scheduler process at once, which compiles the pass
 in its own process, and hands out plans without moves until that process serves
 (`scheduler.client.ProcessScheduler`): no training step waits for the compiler. With a warm
-cache loading still takes about a second on a loaded 2-core VM: the domain's first rank, which
-plans for all until the process is up, loads it in a thread when the domain opens, and its plans
-move nothing until it is loaded (they wait for it instead with ``feplb.fixed_costs: "ignore"``
-or ``max_rows_over_mean``, which promise moves or a row bound from the first micro-batch). A run
-that never balances never loads numba.
+cache loading still takes about a second on a loaded 2-core VM, so where plans need not move from
+the first micro-batch (measured costs) the process is started when the domain opens and plans
+move nothing until it serves; ``feplb.fixed_costs: "ignore"`` and ``max_rows_over_mean`` promise
+moves or a row bound from the first micro-batch, so there the domain's first rank loads the cache
+itself at its first plan. A run that never balances never loads numba.
 """
 from __future__ import annotations
 

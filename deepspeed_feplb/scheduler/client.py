@@ -14,12 +14,10 @@ spent while nothing happens, and the process answers in microseconds when someth
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -32,10 +30,6 @@ from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_
 
 _PASSES = "deepspeed_feplb.plan.passes"  # the compiled planning pass, once this process has loaded it
 
-
-def _load_planner() -> None:
-    """Load the compiled planning pass from numba's cache (about a second of imports)."""
-    importlib.import_module(_PASSES)
 log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnings print as the bare message
 
 
@@ -129,20 +123,18 @@ class ProcessScheduler(InlineScheduler):
         self._said_gone = False  # a dead process that is not restarted is reported once
         # numba's cache lacks the planner: the process compiles it, not a training step (`plan.cache`)
         self.compiles_elsewhere = create and not planner_cached()
-        # a warm cache is loaded beside training by the domain's first rank, which plans for all until
-        # the process is up; until it is loaded its plans have no moves (or wait, ``moves_at_once``)
         self.moves_at_once = moves_at_once
-        self._loader: threading.Thread | None = None
-        if create and not self.compiles_elsewhere and _PASSES not in sys.modules:
-            self._loader = threading.Thread(target=_load_planner, name="feplb-planner-load", daemon=True)
-            self._loader.start()
         if create:
-            # Until the process is up the domain's first rank plans in-process for all, silently (the
-            # mailbox says it is starting): it starts after `start_after_steps` steps, so that short
-            # runs never pay for it, and it is not waited for (a cold Python imports numpy and numba,
-            # ~0.5 s); at once when it must compile the planner, and until then plans have no moves.
+            # Until the process is up the domain's first rank plans for all, silently (the mailbox
+            # says it is starting). Plans that need not move from the first micro-batch (measured
+            # costs) move nothing until the process serves, which starts with the domain: loading the
+            # planner (about a second from numba's cache, 15-40 s to compile) never costs a training
+            # step, nor this process's CPU. With ``moves_at_once`` the first rank plans itself from the
+            # first micro-batch, and the process starts after `start_after_steps` steps, so that short
+            # runs never pay for it (a cold Python imports numpy and numba, ~0.5 s); at once when it
+            # must compile the planner, and until then plans have no moves.
             self.mailbox.header[STARTING] = 1
-            if start_after_steps <= 0 or self.compiles_elsewhere:
+            if start_after_steps <= 0 or self.compiles_elsewhere or not moves_at_once:
                 self._start_process()
 
     def _start_process(self) -> None:
@@ -187,11 +179,9 @@ class ProcessScheduler(InlineScheduler):
         a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
         process per domain loads numba and the compiled planner, instead of every rank."""
         if self.mailbox.owner:
-            if self._loader is not None and self.moves_at_once:
-                self._loader.join()
             if not self.planner_loaded():
-                # the planner is being compiled (by the scheduler process) or loaded (by a thread): no
-                # moves this micro-batch, rather than a stalled step
+                # the scheduler process compiles or loads the planner: no moves this micro-batch,
+                # rather than a step that waits for numba
                 planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
             else:
                 planned = self._plan_here(counts, constraints, resident, fallback=False)
@@ -204,10 +194,9 @@ class ProcessScheduler(InlineScheduler):
         return DomainPlan(plan, counts, plan_ns * 1e-9, False)
 
     def planner_loaded(self) -> bool:
-        """Whether this rank can plan without compiling or loading the planner first."""
-        if self._loader is not None:
-            return not self._loader.is_alive()
-        return not self.compiles_elsewhere or _PASSES in sys.modules
+        """Whether the domain's first rank plans itself before the process serves: with the planner
+        loaded, or with ``moves_at_once`` and a planner it can load from numba's cache."""
+        return _PASSES in sys.modules or (self.moves_at_once and not self.compiles_elsewhere)
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is
