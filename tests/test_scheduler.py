@@ -160,50 +160,28 @@ def _short_run_domain(steps: int) -> dict:
     return {"numba_before": before, "numba_after": loaded, "same": bool(same)}
 
 
-def test_with_a_cold_planner_cache_the_process_compiles_and_plans_have_no_moves_until_it_serves(monkeypatch):
-    """No micro-batch waits for numba: on a machine without the compiled planner the domain starts its
-    scheduler process at once (whatever start_after_steps says), which compiles it, and computes at
-    home until the process serves."""
+@pytest.mark.parametrize("cached, moves_at_once", [(False, True), (True, False)], ids=["cold cache", "measured costs"])
+def test_the_process_starts_with_the_domain_and_plans_move_nothing_until_it_serves(monkeypatch, cached,
+                                                                                   moves_at_once):
+    """No micro-batch waits for numba. On a machine without the compiled planner the domain starts
+    its scheduler process at once (whatever start_after_steps says), which compiles it; with a warm
+    cache (about a second to load) the same happens wherever plans need not move from the first
+    micro-batch (measured costs). Until the process serves, the domain computes at home and this
+    rank never loads the planner."""
     import sys
-    monkeypatch.setattr(client_module, "planner_cached", lambda: False)
+    monkeypatch.setattr(client_module, "planner_cached", lambda: cached)
     monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)  # as in a fresh rank
     started = []
-    monkeypatch.setattr(ProcessScheduler, "_start_process", lambda self: started.append(True))  # still compiling
+    monkeypatch.setattr(ProcessScheduler, "_start_process", lambda self: started.append(True))  # still loading
     name = f"feplb-test-{secrets.token_hex(4)}"
     c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=0.05, peer_timeout_s=10.0, restart=True,
-                         create=True, start_after_steps=1000)
+                         create=True, start_after_steps=1000, moves_at_once=moves_at_once)
     try:
         assert started == [True], "the process was not started with the domain"
         seen = [step(c, seq) for seq in range(3)]
         assert "deepspeed_feplb.plan.passes" not in sys.modules, "the rank loaded the planner itself"
         for x, planned in seen:
             assert planned.plan.moves.shape == (0, 4) and np.array_equal(planned.plan.rank_rows, x.sum(axis=1))
-            assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
-    finally:
-        c.close()
-    assert not leftover_segments(name)
-
-
-def test_with_measured_costs_the_process_starts_with_the_domain_and_plans_move_nothing_until_it_serves(
-        monkeypatch):
-    """No micro-batch waits for numba's cache either (about a second to load): where plans need not
-    move from the first micro-batch, the domain starts its scheduler process at once (whatever
-    start_after_steps says) and computes at home until the process serves, and this rank never
-    loads the planner."""
-    import sys
-    monkeypatch.setattr(client_module, "planner_cached", lambda: True)
-    monkeypatch.delitem(sys.modules, "deepspeed_feplb.plan.passes", raising=False)  # as in a fresh rank
-    started = []
-    monkeypatch.setattr(ProcessScheduler, "_start_process", lambda self: started.append(True))  # still loading
-    name = f"feplb-test-{secrets.token_hex(4)}"
-    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=0.05, peer_timeout_s=10.0, restart=True,
-                         create=True, start_after_steps=1000)
-    try:
-        assert started == [True], "the process was not started with the domain"
-        seen = [step(c, seq) for seq in range(3)]
-        assert "deepspeed_feplb.plan.passes" not in sys.modules, "the rank loaded the planner itself"
-        for x, planned in seen:
-            assert planned.plan.moves.shape == (0, 4), "a step waited for the planner"
             assert len(plan_domain(x, CONSTRAINTS).moves) > 0, "a plan would move rows: the test shows nothing"
     finally:
         c.close()
