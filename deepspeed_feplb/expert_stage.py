@@ -19,6 +19,7 @@ experts (`LocalExperts`).
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -38,7 +39,14 @@ from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2MicroBatch
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
-from deepspeed_feplb.stats import MicroBatchStats, StageTimes, layer_stats, recomputing, residency_stats
+from deepspeed_feplb.stats import (
+    MicroBatchStats,
+    StageTimes,
+    layer_stats,
+    recomputing,
+    residency_stats,
+    unbalanced_stats,
+)
 
 # static_fn(rows, blocks, static) -> outputs of the experts in ``static`` (local ids, ascending),
 # concatenated in expert order; ``rows`` ``[N, H]`` the micro-batch's rows grouped by expert,
@@ -199,7 +207,7 @@ class ExpertStage:
             step_ends: bool = True) -> torch.Tensor:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``;
         ``step_ends``: this micro-batch is the last of its optimizer step (weight residency)."""
-        if facts.exchange_seconds == facts.exchange_seconds:  # not NaN
+        if not math.isnan(facts.exchange_seconds):  # a backend that exchanged nothing leaves the last figure
             self._exchange_us = facts.exchange_seconds * 1e6
         config = self.config
         if self.balances_now(facts):
@@ -232,14 +240,12 @@ class ExpertStage:
     def _local_stats(self, counts: np.ndarray, facts: GroupFacts) -> MicroBatchStats:
         """Stats of a micro-batch computed without balancing: over the domain when phase 1 told
         every rank's counts, else over this rank."""
-        no_moves = np.zeros((0, 4), np.int64)
         if not self.balances or facts.received is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            return layer_stats(counts[None], no_moves, 0.0, False, [rank])
+            return unbalanced_stats(counts[None], [dist.get_rank() if dist.is_initialized() else 0])
         G = self.domain_size
         first = dist.get_rank(self.ep_group) // G * G
         ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
-        return layer_stats(facts.received[first:first + G], no_moves, 0.0, False, ranks)
+        return unbalanced_stats(facts.received[first:first + G], ranks)
 
 
 def _typical(fits: np.ndarray) -> tuple[float, float]:

@@ -79,6 +79,11 @@ def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: floa
         **(traffic or NO_TRAFFIC), seq=int(seq), domain_counts=domain_counts)
 
 
+def unbalanced_stats(domain_counts: np.ndarray, ranks: list[int]) -> MicroBatchStats:
+    """`layer_stats` of a forward that moved nothing: domain_counts ``int64 [G, E_local]``."""
+    return layer_stats(domain_counts, np.zeros((0, 4), np.int64), 0.0, False, ranks)
+
+
 def residency_stats(fresh: np.ndarray, kept: np.ndarray, flushed: int, expert_bytes: int) -> dict:
     """Weight traffic of one layer's micro-batch in its domain: fresh / kept bool [M] per move of
     the plan (`plan.residency.ResidencyTable.admit`), ``flushed`` kept copies whose gradients went

@@ -31,7 +31,7 @@ from deepspeed_feplb.domain import validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
-from deepspeed_feplb.stats import layer_stats
+from deepspeed_feplb.stats import unbalanced_stats
 
 try:  # DeepSpeed without AutoEP: nothing to install
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
@@ -105,7 +105,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             if self.feplb_config.stats.enabled:
                 counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()
                 rank = dist.get_rank() if dist.is_initialized() else 0
-                self._plain_stats = layer_stats(counts[None], np.zeros((0, 4), np.int64), 0.0, False, [rank])
+                self._plain_stats = unbalanced_stats(counts[None], [rank])
             return super().forward(x, num_tokens_per_expert)
         counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()  # the host copy (free on CPU)
         device = num_tokens_per_expert.device if num_tokens_per_expert.is_cuda else torch.device("cpu")

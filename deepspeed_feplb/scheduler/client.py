@@ -179,7 +179,7 @@ class ProcessScheduler(InlineScheduler):
         a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
         process per domain loads numba and the compiled planner, instead of every rank."""
         if self.mailbox.owner:
-            if not self.planner_loaded():
+            if not self._plans_itself():
                 # the scheduler process compiles or loads the planner: no moves this micro-batch,
                 # rather than a step that waits for numba
                 planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
@@ -193,9 +193,9 @@ class ProcessScheduler(InlineScheduler):
             return self._plan_here(counts, constraints, resident, fallback=False)
         return DomainPlan(plan, counts, plan_ns * 1e-9, False)
 
-    def planner_loaded(self) -> bool:
+    def _plans_itself(self) -> bool:
         """Whether the domain's first rank plans itself before the process serves: with the planner
-        loaded, or with ``moves_at_once`` and a planner it can load from numba's cache."""
+        already loaded, or with ``moves_at_once`` and a planner it can load from numba's cache."""
         return _PASSES in sys.modules or (self.moves_at_once and not self.compiles_elsewhere)
 
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
