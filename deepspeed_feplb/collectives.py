@@ -9,13 +9,17 @@ import torch.distributed as dist
 GATHER_BYTES = 16 << 10
 
 
-def gather_small(obj, group=None) -> list:
+def gather_small(obj, group=None, device=None) -> list:
     """`dist.all_gather_object` in one collective when every rank's pickle fits `GATHER_BYTES`
     (a step's lean records do), in two otherwise (``all_gather_object`` always takes two). The
-    bytes travel on the group's device: CUDA for an NCCL group, which takes no host tensors."""
+    bytes travel on the group's device: CUDA for an NCCL group, which takes no host tensors
+    (``device``: this rank's, e.g. its experts'; default torch's current device)."""
     data = pickle.dumps(obj)
     world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    if dist.get_backend(group) != "nccl":
+        device = "cpu"
+    elif device is None or torch.device(device).type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
 
     def gather(size: int) -> list[torch.Tensor]:
         """Every rank's [length (int64), pickle] in ``size`` bytes; the pickle only if it fits."""

@@ -190,6 +190,9 @@ class FEPLBConfig(FEPLBConfigModel):
     ce_budget: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
     """Cap on the expert-weight bytes a rank sends, and receives, per MoE layer pass (rows not counted). 'auto': no cap; the planner's time model keeps only the copies that shorten the slowest rank."""
 
+    transport_slot_mb: Union[Literal["auto"], Annotated[float, Field(gt=0)]] = "auto"
+    """Size of each phase-2 receive slot (one per peer of the domain, on the GPU with 'cuda_ce'), in MiB, allocated once when the domain opens; a larger message travels through it in parts. 'auto': D chunks with their weights plus a rank's mean rows in one part (docs/GPU.md has the formula)."""
+
     weight_residency: Literal["step", "micro_batch"] = "step"
     """'step': a helper keeps a received copy until the optimizer step (later micro-batches need no new copy) and returns its accumulated weight-gradient in the step's last backward. 'micro_batch': copy and return every micro-batch (the paper's scheme)."""
 

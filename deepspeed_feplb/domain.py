@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 
 from deepspeed_feplb import exits
+from deepspeed_feplb.collectives import gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
@@ -67,7 +68,8 @@ class DomainRuntime:
     transport: Transport
     scheduler: Scheduler
 
-    def __init__(self, ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None):
+    def __init__(self, ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None,
+                 slot_bytes: int = 0):
         ep_ranks = dist.get_process_group_ranks(ep_group)
         ep_rank = ep_ranks.index(dist.get_rank())
         self.size = domain_size(config, len(ep_ranks))
@@ -78,12 +80,19 @@ class DomainRuntime:
         self.seq = 0
 
         # Agree on segment names and check that a domain never spans hosts.
-        info = [None] * len(ep_ranks)
-        dist.all_gather_object(info, (secrets.token_hex(4), socket.gethostname(), os.getpid()), group=ep_group)
+        info = gather_small((secrets.token_hex(4), socket.gethostname(), os.getpid(),
+                             transport_cls.device_id(device)), group=ep_group, device=device)
         hosts = {info[first + i][1] for i in range(self.size)}
         if len(hosts) > 1:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts "
                                    f"{sorted(hosts)}; set it to the number of ranks per host")
+        # every rank refuses alike what any rank of the group cannot open (peer access, memory)
+        problems = transport_cls.preflight(device, slot_bytes, self.local_rank, self.ranks,
+                                           [info[first + i][3] for i in range(self.size)])
+        problems = [p for rank_problems in gather_small(problems, group=ep_group, device=device) for p in rank_problems]
+        if problems:
+            raise FEPLBConfigError(f"FEPLB cannot open the phase-2 transport ({transport_cls.__name__}) of its "
+                                   "domains: " + "; ".join(problems))
         self.name = f"feplb-{info[first][0]}"
         if self.local_rank == 0 and not planner_cached():
             print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the scheduler "
@@ -94,15 +103,15 @@ class DomainRuntime:
         self.watch = PeerWatch([info[first + i][2] for i in range(self.size)], self.ranks)
         if leader:
             reclaim_leftovers()
-            self._open(transport_cls, sched, create=True, device=device)
+            self._open(transport_cls, sched, create=True, device=device, slot_bytes=slot_bytes)
         dist.barrier(group=ep_group)
         if not leader:
-            self._open(transport_cls, sched, create=False, device=device)
+            self._open(transport_cls, sched, create=False, device=device, slot_bytes=slot_bytes)
         self.closed = False
 
-    def _open(self, transport_cls: type, sched, create: bool, device) -> None:
+    def _open(self, transport_cls: type, sched, create: bool, device, slot_bytes: int) -> None:
         self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=create,
-                                       watch=self.watch, device=device)
+                                       watch=self.watch, device=device, slot_bytes=slot_bytes)
         self.scheduler = make_scheduler(sched, f"{self.name}-mbox", self.local_rank, self.size, create, self.watch,
                                         moves_at_once=self.config.fixed_costs == "ignore"
                                         or self.config.max_rows_over_mean is not None)
@@ -118,16 +127,18 @@ class DomainRuntime:
             self.transport.close()
 
 
-def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None) -> DomainRuntime:
+def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None,
+                slot_bytes: int = 0) -> DomainRuntime:
     """This rank's runtime for ``ep_group`` (created collectively over the group on first use);
-    ``device``: where this rank's experts live (the transport's buffers and streams go there)."""
+    ``device``: where this rank's experts live (the transport's buffers and streams go there);
+    ``slot_bytes``: each receive slot's size (`migrate.arena.slot_bytes`), fixed when it opens."""
     key = (tuple(dist.get_process_group_ranks(ep_group)), domain_size(config, dist.get_world_size(ep_group)),
            transport_cls, str(device))
     with _LOCK:
         runtime = _RUNTIMES.get(key)
         if runtime is None or runtime.closed:
             install_exit_handlers()
-            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls, device)
+            runtime = _RUNTIMES[key] = DomainRuntime(ep_group, config, transport_cls, device, slot_bytes)
         return runtime
 
 

@@ -36,6 +36,7 @@ from deepspeed_feplb.dispatch import GroupFacts
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.migrate import transport_class
+from deepspeed_feplb.migrate.arena import slot_bytes
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2MicroBatch
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
@@ -114,6 +115,7 @@ class ExpertStage:
         self.domain_size = domain_size(config, ep_size)
         self.balances = ep_size > 1 and config.dynamic_experts_per_rank > 0 and self.domain_size > 1
         self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
+        self.expert_tensors = len(expert_params)
         self.row_bytes = hidden * expert_params[0].element_size()  # one row (time model)
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
         self.device = expert_params[0].device  # the transport's, not torch's current device
@@ -125,6 +127,7 @@ class ExpertStage:
         self.stats: MicroBatchStats | dict = {}
         self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # received digest -> decision, for recomputes
         self._exchange_us = float("nan")  # this rank's last count exchange
+        self._rows_here = 0  # this rank's rows in the current micro-batch
 
     # ------------------------------------------------------------------ group facts
     def announce(self) -> tuple[float, ...]:
@@ -159,7 +162,7 @@ class ExpertStage:
         received, fits = facts.received, facts.announced
         if self.config.fixed_costs == "ignore" or received is None or fits is None or fits.shape[1] != 3:
             if self.domain is None:
-                self._open_domain()
+                self._open_domain(facts)
             return True  # the planner alone decides
         key = hashlib.blake2b(received.tobytes(), digest_size=16).digest()
         if recomputing():
@@ -172,7 +175,7 @@ class ExpertStage:
                                   row_cap)
                 for d in range(0, self.ep_size, G)]
         if self.domain is None and any(pays):
-            self._open_domain()
+            self._open_domain(facts)
         # their gradients go home in phase 2
         kept = self.residency is not None and bool(self.residency.table.resident.any())
         decided = self.domain is not None and (pays[dist.get_rank(self.ep_group) // G] or kept)
@@ -192,9 +195,18 @@ class ExpertStage:
             return self.transport_cls.message_us
         return max(self.transport_cls.message_us, float(measured.min()))
 
-    def _open_domain(self) -> None:
-        """Set up the domain runtime (collective over the EP group: every rank calls it at the same forward)."""
-        self.domain = get_runtime(self.ep_group, self.config, self.transport_cls, self.device)
+    def _open_domain(self, facts: GroupFacts) -> None:
+        """Set up the domain runtime (collective over the EP group: every rank calls it at the same
+        forward), its receive slots sized for this layer's shapes and this micro-batch's rows."""
+        slot = self.config.transport_slot_mb
+        if slot == "auto":
+            # per chunk: the parameters, a buffer or two, the rows (a bound: `messages.rows_to_helper`)
+            rows = self._mean_rows(facts) or self._rows_here  # DeepEP tells no other rank's rows
+            slot = slot_bytes(self.config.dynamic_experts_per_rank, self.expert_bytes, self.expert_tensors + 2, rows,
+                              self.row_bytes)
+        else:
+            slot = int(slot * 2**20)
+        self.domain = get_runtime(self.ep_group, self.config, self.transport_cls, self.device, slot)
         self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config)
 
     def check_peers(self) -> None:
@@ -207,6 +219,7 @@ class ExpertStage:
             step_ends: bool = True) -> torch.Tensor:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``;
         ``step_ends``: this micro-batch is the last of its optimizer step (weight residency)."""
+        self._rows_here = int(counts.sum())
         if not math.isnan(facts.exchange_seconds):  # a backend that exchanged nothing leaves the last figure
             self._exchange_us = facts.exchange_seconds * 1e6
         config = self.config

@@ -48,7 +48,8 @@ def test_defaults():
     assert cfg.model_dump() == {
         "enabled": True, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 2, "chunk_align_tokens": 8,
         "nvlink_domain_size": "auto", "ep_backend": "auto", "transport": "auto", "copy_engine_gbps": 370.0,
-        "ce_budget": "auto", "weight_residency": "step", "max_resident_experts": 8, "max_rows_over_mean": None,
+        "ce_budget": "auto", "transport_slot_mb": "auto", "weight_residency": "step", "max_resident_experts": 8,
+        "max_rows_over_mean": None,
         "fixed_costs": "measured",
         "scheduler": {"mode": "process", "plan_timeout_ms": 20.0, "peer_timeout_s": 60.0, "restart": True,
                       "start_after_steps": 8, "poll_ms": None},
@@ -82,7 +83,8 @@ def test_auto():
 SECTION = {
     "enabled": False, "dynamic_experts_per_rank": 4, "max_helpers_per_expert": 3, "chunk_align_tokens": 64,
     "nvlink_domain_size": 8, "ep_backend": "deepep", "transport": "cuda_ce", "copy_engine_gbps": 300.0,
-    "ce_budget": 2e9, "weight_residency": "micro_batch", "max_resident_experts": 3, "max_rows_over_mean": 1.05,
+    "ce_budget": 2e9, "transport_slot_mb": 256.0, "weight_residency": "micro_batch", "max_resident_experts": 3,
+    "max_rows_over_mean": 1.05,
     "fixed_costs": "ignore",
     "scheduler": {"mode": "inline", "plan_timeout_ms": 5.0, "peer_timeout_s": 10.0, "restart": False,
                   "start_after_steps": 0, "poll_ms": None},
@@ -148,6 +150,7 @@ BAD_VALUES = [
     ("scheduler.restart", "sometimes"),
     ("scheduler.poll_ms", -1),
     ("scheduler.start_after_steps", -1),
+    ("transport_slot_mb", 0),
     ("gating", "sigmoid"),
     ("gating.score", "relu"),
     ("gating.bias_update_rate", -1e-3),

@@ -178,7 +178,7 @@ def test_a_stuck_copy_thread_keeps_its_buffers(monkeypatch):
     from deepspeed_feplb.segments import cleanup, leftover_segments
     name = f"feplb-test-{secrets.token_hex(4)}"
     backend = HostBackend(prefix=f"{name}-mem")
-    transport = CudaCETransport(name, 0, 2, 0.2, True, backend=backend, capacity_bytes=4096)
+    transport = CudaCETransport(name, 0, 2, 0.2, True, backend=backend, slot_bytes=4096)
     real = transport._threads[1]
 
     class Stuck:
@@ -251,10 +251,10 @@ def _transport_pair(backend_cls):
     backend = backend_cls(prefix=f"{names[0]}-mem")
     rank = dist.get_rank()
     if rank == 0:
-        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, capacity_bytes=1 << 14)
+        t = CudaCETransport(names[0], 0, 2, 20.0, True, backend=backend, slot_bytes=1 << 14)
     dist.barrier()
     if rank:
-        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, capacity_bytes=1 << 14)
+        t = CudaCETransport(names[0], 1, 2, 20.0, False, backend=backend, slot_bytes=1 << 14)
     return backend, t
 def _exchange_counting_host_waits() -> dict:
     import torch.distributed as dist
@@ -354,7 +354,7 @@ def test_the_receiver_copies_out_on_its_receive_stream_not_on_the_compute_stream
 
 
 def _transport_device_of_a_layer() -> list:
-    """The ``device`` the domain's transport was built for, with the experts on the CPU."""
+    """The ``device`` and ``slot_bytes`` the domain's transport was built with, experts on the CPU."""
     import deepspeed_feplb
     from deepspeed_feplb import expert_stage
     from deepspeed_feplb.migrate.shm import ShmTransport
@@ -362,9 +362,9 @@ def _transport_device_of_a_layer() -> list:
     built = []
 
     class RecordingTransport(ShmTransport):
-        def __init__(self, *args, device=None, **kwargs):
-            built.append(str(device))
-            super().__init__(*args, device=device, **kwargs)
+        def __init__(self, *args, device=None, slot_bytes=0, **kwargs):
+            built.append((str(device), slot_bytes))
+            super().__init__(*args, device=device, slot_bytes=slot_bytes, **kwargs)
 
     expert_stage.transport_class = lambda config, expert_params: RecordingTransport
     torch.manual_seed(0)
@@ -378,5 +378,58 @@ def _transport_device_of_a_layer() -> list:
 def test_the_transport_is_built_on_the_experts_device_not_torchs_current_one():
     """A plain loop with ``model.to(local_rank)`` leaves torch's current device at 0: the CUDA
     transport's slots and streams must follow the experts' device, which the stage hands it."""
+    # slots sized when the domain opens (`arena.slot_bytes`): D = 1 chunk of a Linear(8, 8) (288 bytes in
+    # 2 tensors, + 2 tensors of slack, 256-byte aligned each) and the mean rows per rank (16 rows of 32 bytes)
+    from deepspeed_feplb.migrate.arena import align_up
     from deepspeed_feplb.testing import run_distributed
-    assert run_distributed(_transport_device_of_a_layer, 2, timeout=120) == [["cpu"], ["cpu"]]
+    slot = align_up(1 * (288 + 4 * 256) + 16 * 32)
+    assert run_distributed(_transport_device_of_a_layer, 2, timeout=120) == [[("cpu", slot)]] * 2
+
+
+def test_the_preflight_names_unreachable_peers_and_the_slots_bytes():
+    from deepspeed_feplb.migrate.cuda_ce import preflight_problems
+    uuids = ["GPU-a", "GPU-b", "GPU-c", "GPU-a"]  # ranks 10 and 13 share a GPU: no peer access needed
+    ordinal = {"GPU-a": 0, "GPU-b": 1}.get  # GPU-c is hidden from this rank (CUDA_VISIBLE_DEVICES)
+    can_access = lambda a, b: False  # noqa: E731 - no pair has peer access
+    ranks = [10, 11, 12, 13]
+    problems = preflight_problems(0, ranks, uuids, 100 << 20, 1 << 30, ordinal, can_access)
+    assert len(problems) == 2
+    assert "rank 10 (cuda:0) has no peer access to rank 11 (cuda:1)" in problems[0]
+    assert "feplb.nvlink_domain_size" in problems[0]
+    assert "rank 10 does not see the GPU of rank 12 (GPU-c)" in problems[1] and "CUDA_VISIBLE_DEVICES" in problems[1]
+    # 3 peers x 400 MiB slots beside 1 GiB free
+    memory = preflight_problems(0, ranks, ["GPU-a"] * 4, 400 << 20, 1 << 30, ordinal, can_access)
+    assert memory == ["rank 10 has 1,024 MiB of device memory free and its phase-2 slots need 3 x 400.0 = 1,200 MiB; "
+                      "lower feplb.transport_slot_mb (larger messages then travel in parts) or "
+                      "feplb.dynamic_experts_per_rank"]
+    assert preflight_problems(0, ranks, ["GPU-a"] * 4, 300 << 20, 1 << 30, ordinal, can_access) == []
+
+
+def _one_rank_cannot_open() -> str:
+    """Rank 1's preflight reports a problem: every rank's first balanced forward refuses, alike."""
+    import deepspeed_feplb
+    from deepspeed_feplb import expert_stage
+    from deepspeed_feplb.migrate.shm import ShmTransport
+
+    class OneRankShort(ShmTransport):
+        @staticmethod
+        def preflight(device, slot, local_rank, ranks, devices):
+            return [f"rank {ranks[local_rank]} short of {slot} bytes"] if local_rank == 1 else []
+
+    expert_stage.transport_class = lambda config, expert_params: OneRankShort
+    torch.manual_seed(0)
+    layer = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2, k=1, drop_tokens=False,
+                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "fixed_costs": "ignore"})
+    layer.set_deepspeed_parallelism()
+    try:
+        layer(torch.randn(16, 8))
+    except deepspeed_feplb.FEPLBConfigError as error:
+        return str(error)
+    return "opened"
+
+
+def test_a_rank_that_cannot_open_the_transport_stops_every_rank_with_the_same_error():
+    from deepspeed_feplb.testing import run_distributed
+    errors = run_distributed(_one_rank_cannot_open, 2, timeout=120)
+    assert errors[0] == errors[1] == ("FEPLB cannot open the phase-2 transport (OneRankShort) of its domains: "
+                                      "rank 1 short of 2048 bytes")

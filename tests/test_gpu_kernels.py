@@ -16,9 +16,9 @@ from deepspeed_feplb.kernels import reference
 from deepspeed_feplb.migrate.arena import (
     ALIGN,
     align_up,
-    channel_capacity_hint,
     message_layout,
     plan_arena_offsets,
+    slot_bytes,
     transport_bytes_per_rank,
 )
 
@@ -141,12 +141,12 @@ def test_message_layout_is_aligned_and_disjoint():
     assert arena_offsets.tolist() == [0, 256, 512, 1024] and arena_total == 1024
 
 
-def test_memory_formula_matches_the_transport_slots():
-    # GLM-5-like: 72 MiB bf16 experts, hidden 6144, D=4, chunks of up to 4096 tokens, 3 tensors each
-    hint = channel_capacity_hint(4, 72 << 20, 4096, 6144, 2, 3)
-    assert hint == align_up(4 * ((72 << 20) + 4096 * 6144 * 2 + 3 * 256))
-    assert transport_bytes_per_rank(8, hint) == 7 * hint
-    assert transport_bytes_per_rank(1, hint) == 0
+def test_the_slot_formula_of_docs_gpu():
+    # GLM-5-like (docs/GPU.md): 72 MiB bf16 experts, hidden 6144, D=4, 3 tensors per chunk, 32k mean rows
+    slot = slot_bytes(4, 72 << 20, 3, 32768, 6144 * 2)
+    assert slot == align_up(4 * ((72 << 20) + 3 * 256) + 32768 * 6144 * 2)
+    assert transport_bytes_per_rank(8, slot) == 7 * slot
+    assert transport_bytes_per_rank(1, slot) == 0
     assert align_up(1) == 256 and align_up(256) == 256 and align_up(0) == 0
 
 

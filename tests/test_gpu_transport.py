@@ -2,7 +2,7 @@
 
 `CudaCETransport` drives every device operation through a backend; `HostBackend` executes the
 same operations on host shared memory (an IPC handle names a segment, a memcpy is a memmove).
-These tests therefore exercise the real slot / handle / generation / ordering / teardown code on
+These tests therefore exercise the real slot / handle / parts / ordering / teardown code on
 gloo ranks. What they cannot show is the CUDA side: that is tests/gpu/.
 """
 import os
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from deepspeed_feplb.migrate.backend import HostBackend
 from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.segments import PeerTimeoutError, leftover_segments
 from deepspeed_feplb.testing import run_distributed
 
@@ -33,10 +34,10 @@ def _make(capacity: int, timeout_s: float = 20.0):
     backend = HostBackend(prefix=f"{name}-mem")
     rank, size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        transport = CudaCETransport(name, 0, size, timeout_s, True, backend=backend, capacity_bytes=capacity)
+        transport = CudaCETransport(name, 0, size, timeout_s, True, backend=backend, slot_bytes=capacity)
     dist.barrier()
     if rank:
-        transport = CudaCETransport(name, rank, size, timeout_s, False, backend=backend, capacity_bytes=capacity)
+        transport = CudaCETransport(name, rank, size, timeout_s, False, backend=backend, slot_bytes=capacity)
     return name, backend, transport
 
 
@@ -65,12 +66,13 @@ def all_to_all_rounds(capacity: int, rounds: int) -> dict:
                 assert torch.equal(a, b.contiguous())
         for f in futures:
             f.result(timeout=20)
-    capacities = transport.capacities()
+    capacities, parts = transport.capacities(), transport.extra_parts
     dist.barrier()
     transport.close()
     live = backend.live()
     dist.barrier()
-    return {"capacities": capacities, "live": live, "leftover": [n for n in leftover_segments() if n.startswith(name)]}
+    return {"capacities": capacities, "extra_parts": parts, "live": live,
+            "leftover": [n for n in leftover_segments() if n.startswith(name)]}
 
 
 def arena_case() -> dict:
@@ -108,7 +110,7 @@ def arena_case() -> dict:
 
 def protocol_suite() -> dict:
     """All protocol cases in one launch (spawning ranks dominates the cost on CPU)."""
-    return {"rounds": all_to_all_rounds(1 << 20, 4), "growth": all_to_all_rounds(512, 5), "wrong_tag": wrong_tag(),
+    return {"rounds": all_to_all_rounds(1 << 20, 4), "parts": all_to_all_rounds(512, 5), "wrong_tag": wrong_tag(),
             "silent_peer": silent_peer(), "arena": arena_case()}
 
 
@@ -123,15 +125,16 @@ def test_messages_arrive_intact_in_order_on_three_ranks(protocol_results):
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
         assert result["leftover"] == []
         assert sorted(result["capacities"]) == [r for r in range(3) if r != rank]
-        assert all(c == 1 << 20 for c in result["capacities"].values())  # 1 MiB never needed growth
+        assert all(c == 1 << 20 for c in result["capacities"].values())
+        assert result["extra_parts"] == 0  # every message fit its 1 MiB slot
 
 
-def test_slots_grow_when_a_message_does_not_fit(protocol_results):
-    # 512-byte slots: the first message already needs more; later rounds grow again (doubling)
+def test_a_message_larger_than_its_slot_travels_in_parts_through_it(protocol_results):
+    # 512-byte slots: every message (1.5-4 KiB) needs several parts; the slots never grow
     for rank, suite in enumerate(protocol_results):
-        result = suite["growth"]
-        for capacity in result["capacities"].values():
-            assert capacity >= 2048 and capacity % 256 == 0, result
+        result = suite["parts"]
+        assert all(c == 512 for c in result["capacities"].values()), result
+        assert result["extra_parts"] >= 2 * 5 * 2, result  # 2 peers x 5 rounds, at least 3 parts each
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
         assert result["leftover"] == []
 
@@ -196,19 +199,24 @@ def layer_through_ce_protocol() -> dict:
 
     import moe_cases
 
-    def transport_factory(name, local_rank, size, timeout_s, create, watch=None, device=None):
-        return CudaCETransport(name, local_rank, size, timeout_s, create, watch,
-                               backend=HostBackend(prefix=f"{name}-mem"),
-                               capacity_bytes=4096)  # small: the layer's messages grow the slots
+    class HostCETransport(CudaCETransport):
+        """The CE transport on host memory, with slots smaller than the layer's messages (they travel in parts)."""
+        device_id = ShmTransport.device_id
+        preflight = ShmTransport.preflight
+
+        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
+            super().__init__(name, local_rank, size, timeout_s, create, watch,
+                             backend=HostBackend(prefix=f"{name}-mem"), slot_bytes=4096)
 
     # what `migrate.transport_class` picks on a GPU
-    expert_stage.transport_class = lambda config, expert_params: transport_factory
+    expert_stage.transport_class = lambda config, expert_params: HostCETransport
     results = {}
     for k in (1, 2):
         results[k] = moe_cases.equivalence_case(2, 2, k)
         domain = next(iter(runtime._RUNTIMES.values()))  # noqa: SLF001 - the test inspects the live domain
         assert isinstance(domain.transport, CudaCETransport)
         results[k]["capacities"] = domain.transport.capacities()
+        results[k]["extra_parts"] = domain.transport.extra_parts
     # weight residency through the same protocol: chunks without weights, kept copies, gradients at the step's end
     results["accumulation"] = moe_cases.accumulation_case(0, "step", 2, steps=2)
     assert all(isinstance(r.transport, CudaCETransport) for r in runtime._RUNTIMES.values())  # noqa: SLF001 - as above
@@ -229,7 +237,8 @@ def test_layer_with_ce_transport_equals_deepspeed_moe(layer_results, k):
         assert worst[1] <= 1e-5, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
         migrated += result["stats"]["migrated_tokens"]
     assert migrated > 0, "no migration: phase 2 did not use the transport"
-    assert any(c > 4096 for r in layer_results for c in r[k]["capacities"].values()), "no slot growth exercised"
+    assert all(c == 4096 for r in layer_results for c in r[k]["capacities"].values())  # never grown
+    assert any(r[k]["extra_parts"] for r in layer_results), "no message needed parts: the test shows nothing"
 
 
 def test_weight_residency_through_ce_protocol_matches_deepspeed(layer_results):

@@ -24,12 +24,18 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 class Transport(Protocol):
     """Moves lists of tensors between the ranks of one NVLink domain.
 
-    Constructed as ``cls(name, local_rank, size, timeout_s, create, watch, device=device)``:
+    Constructed as ``cls(name, local_rank, size, timeout_s, create, watch, device=device,
+    slot_bytes=slot_bytes)``:
     ``name`` is the domain's unique segment prefix (starts with ``feplb-``), ``local_rank`` in
     ``[0, size)``; the rank with ``create=True`` (local rank 0) is constructed first (the caller's
     barrier); waits longer than ``timeout_s`` raise `segments.PeerTimeoutError`, and ``watch``
     (a `segments.PeerWatch`) makes them fail fast, naming the rank, once a peer died; ``device``
-    is where this rank's experts live (the CUDA transport's slots and streams go there).
+    is where this rank's experts live (the CUDA transport's slots and streams go there);
+    ``slot_bytes`` is the size of each receive slot (`arena.slot_bytes`), which a device transport
+    allocates once and sends larger messages through in parts. Before any rank constructs one,
+    each calls ``cls.preflight(device, slot_bytes, local_rank, ranks, devices)`` (``devices``: every
+    domain rank's ``cls.device_id(device)``) and the domain opens only when no rank of the EP group
+    reports a problem (a list of strings naming ranks, bytes and settings).
 
     Messages between one ordered pair of ranks arrive in the order they were sent; every message
     carries a ``tag`` (micro-batch step and phase) that the receiver checks.
@@ -37,6 +43,14 @@ class Transport(Protocol):
 
     closed: bool
     message_us: float  # class attribute: one-way latency of a small message (µs), which the time model prices
+
+    @staticmethod
+    def device_id(device) -> object:
+        """What tells the domain's other ranks which device this rank's messages live on (picklable)."""
+
+    @staticmethod
+    def preflight(device, slot_bytes: int, local_rank: int, ranks: list[int], devices: list) -> list[str]:
+        """What keeps this rank from opening the transport (empty: nothing)."""
 
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
         """Queue ``tensors`` (any of `wire.DTYPES`, at most `wire.MAX_DIMS` dims) for local rank

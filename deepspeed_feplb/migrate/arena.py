@@ -8,14 +8,14 @@ Layout of a message in an arena or transport slot (`message_layout`): tensors ba
 starting on a 256-byte boundary (the allocation itself is 256-byte aligned, so 16-byte vector
 loads in the kernels always apply).
 
-Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose channels have
-capacity ``C`` bytes: the `CudaCETransport` owns one inbound slot per peer, ``(G - 1) * C`` bytes
-of device memory, plus host control memory of ``G * G * 8 * (32 + 7 * T)`` bytes
-per domain (T = most tensors per message). A channel grows by doubling to its largest message; a
-safe initial ``C`` for D dynamic experts of ``P`` parameter bytes and at most ``N`` tokens of
-hidden size ``H`` and element size ``b`` per chunk is ``D * (P + N * H * b) + D * n_tensors * 256``
-(`channel_capacity_hint`; backward's result message carries the same bytes: input-gradients and
-weight-gradients).
+Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose slots hold ``S``
+bytes: the `CudaCETransport` owns one inbound slot per peer, ``(G - 1) * S`` bytes of device
+memory, allocated once when the domain opens, plus host control memory of
+``G * G * 8 * (32 + 7 * T)`` bytes per domain (T = most tensors per message). ``S`` is
+`slot_bytes`: one forward message to a helper in one part, that is D chunks with their expert's
+weights (``P`` bytes, ``n_t`` tensors) and a rank's mean rows ``N`` of ``row_bytes`` each:
+``D * (P + n_t * 256) + N * row_bytes`` (backward's result message, input-gradients and
+weight-gradients, has the same size); larger messages travel in parts.
 """
 from __future__ import annotations
 
@@ -45,16 +45,14 @@ def message_layout(specs) -> tuple[list[int], int]:
     return offsets, offset
 
 
-def channel_capacity_hint(dynamic_experts: int, expert_bytes: int, max_tokens: int, hidden: int, element_size: int,
-                          tensors_per_expert: int) -> int:
-    """Bytes one channel needs so that no message of a step has to grow it (module docstring)."""
-    per_expert = expert_bytes + max_tokens * hidden * element_size + tensors_per_expert * ALIGN
-    return align_up(dynamic_experts * per_expert)
+def slot_bytes(dynamic_experts: int, expert_bytes: int, tensors_per_chunk: int, rows: float, row_bytes: int) -> int:
+    """Bytes of a phase-2 slot that holds one forward message to a helper in one part (module docstring)."""
+    return align_up(dynamic_experts * (expert_bytes + tensors_per_chunk * ALIGN) + math.ceil(rows) * row_bytes)
 
 
-def transport_bytes_per_rank(domain_size: int, capacity_bytes: int) -> int:
+def transport_bytes_per_rank(domain_size: int, slot: int) -> int:
     """Device bytes one rank's `CudaCETransport` holds: an inbound slot per peer."""
-    return (domain_size - 1) * align_up(capacity_bytes)
+    return (domain_size - 1) * align_up(slot)
 
 
 class PeerArena:

@@ -32,10 +32,15 @@ Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md):
   would do the same, but the allocator then records events on that stream whenever the tensor is
   freed, which fails once `close` destroyed the stream.) The receiver's copy-out waits for the
   caller's stream first, since the caller allocated the destination tensors on it.
-* **Growing a slot** needs the receiver (it owns the memory): the sender closes its mapping and
-  asks for ``want`` bytes; the receiver, inside the `recv` that waits for that very message,
-  frees the slot (after its last read finished), allocates ``max(want, 2 * capacity)`` and
-  publishes the new handle under a new generation. Nothing else waits for it, so no deadlock.
+* **Slots are fixed.** Each slot is allocated once, when the domain opens, at the size the
+  caller gives (`arena.slot_bytes`: from the layer's shapes and the config), and is neither grown
+  nor freed until `close`, so no step pays a ``cudaMalloc``, a ``cudaFree`` (a device-wide sync) or
+  a new IPC handle. A message larger than its slot travels in *parts* through it: the sender
+  writes the bytes ``[part * capacity, (part + 1) * capacity)`` of the message's layout, publishes
+  ``seq`` with the part's index, and writes the next part once the receiver acknowledged this one;
+  the receiver copies each part into the private tensors it allocated at the first part. Only
+  the copy thread waits for those acknowledgements (a message that needs parts is never written
+  inline), and an extra part costs one more round trip, not memory.
 * **Teardown**: close every peer mapping and opened event, announce it, wait (bounded) until the
   peers did the same, then free (CUDA leaves freeing a still-mapped allocation undefined).
 
@@ -49,6 +54,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -67,15 +73,64 @@ from deepspeed_feplb.segments import (
     wait_until,
 )
 
-DEFAULT_CAPACITY = 64 << 20
+DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_MAX_TENSORS = 256
 
-# words of a channel (src -> dst) in the control block; handles take 8 words (64 bytes)
-SEQ, ACK, NBYTES, GEN, CAP, WANT, TAG, COUNT = range(8)
+# words of a channel (src -> dst) in the control block; handles take 8 words (64 bytes); GEN is 1
+# once the receiver published its slot; PART is the index of the part of the message in the slot
+SEQ, ACK, NBYTES, GEN, CAP, PART, TAG, COUNT = range(8)
 SLOT_H, READY_H, DONE_H = 8, 16, 24
 META = 32
 # the diagonal channel (r, r) carries rank r's state
 ALIVE, IMPORTS_CLOSED = 0, 1
+
+
+def part_ranges(nbytes: int | None, capacity: int):
+    """The byte ranges ``[lo, hi)`` of a message of ``nbytes`` that travel as parts through a slot of
+    ``capacity`` bytes (one part for an empty message; ``nbytes`` None: endless, for a receiver that
+    learns the size at the first part)."""
+    part = 0
+    while True:
+        lo = part * capacity
+        hi = lo + capacity if nbytes is None else min(nbytes, lo + capacity)
+        yield lo, hi
+        part += 1
+        if nbytes is not None and hi >= nbytes:
+            return
+
+
+def overlap(offset: int, size: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The bytes of a tensor at ``[offset, offset + size)`` of a message that lie in the part
+    ``[lo, hi)``: ``[(start within the tensor, length)]``, empty when none."""
+    start, end = max(offset, lo), min(offset + size, hi)
+    return [(start - offset, end - start)] if end > start else []
+
+
+def preflight_problems(me: int, ranks: Sequence[int], devices: Sequence[str], slot: int, free_bytes: int,
+                       ordinal: Callable[[str], Optional[int]], can_access: Callable[[int, int], bool]) -> list[str]:
+    """What keeps local rank ``me`` of a domain (global ``ranks``, their GPUs' UUIDs ``devices``)
+    from opening its CE transport: a peer's GPU it does not see (``ordinal(uuid)`` None) or cannot
+    reach by peer access, or ``(G - 1)`` slots of ``slot`` bytes beyond its ``free_bytes``; each
+    problem names the ranks or the bytes and what to change. Ranks on one GPU need no peer access."""
+    problems = []
+    mine = ordinal(devices[me])
+    for peer, device in enumerate(devices):
+        if device == devices[me]:
+            continue
+        theirs = ordinal(device)
+        if theirs is None:
+            problems.append(f"rank {ranks[me]} does not see the GPU of rank {ranks[peer]} ({device}): CUDA IPC "
+                            "between them needs every GPU of the domain visible to every rank (CUDA_VISIBLE_DEVICES)")
+        elif not can_access(mine, theirs):
+            problems.append(f"rank {ranks[me]} (cuda:{mine}) has no peer access to rank {ranks[peer]} (cuda:{theirs}); "
+                            "set feplb.nvlink_domain_size to the ranks that share an NVLink domain")
+    need = (len(ranks) - 1) * slot
+    if need > free_bytes:
+        problems.append(f"rank {ranks[me]} has {free_bytes / 2**20:,.0f} MiB of device memory free and its phase-2 "
+                        f"slots need {len(ranks) - 1} x {slot / 2**20:,.1f} = {need / 2**20:,.0f} MiB; lower "
+                        "feplb.transport_slot_mb (larger messages then travel in parts) or "
+                        "feplb.dynamic_experts_per_rank")
+    return problems
 
 
 def channel_words(max_tensors: int) -> int:
@@ -103,7 +158,8 @@ class CudaCETransport:
         device: the CUDA device of this rank's experts, where slots and streams go (default:
             torch's current device).
         backend: a `CudaBackend` (default: on ``device``) or `HostBackend`.
-        capacity_bytes: initial size of each inbound slot (`arena.channel_capacity_hint`).
+        slot_bytes: size of each inbound slot, fixed for the transport's life (`arena.slot_bytes`);
+            larger messages travel in parts.
         max_tensors: most tensors in one message.
         watch: a `segments.PeerWatch`: waits fail fast, naming the rank, when a peer died.
     """
@@ -113,7 +169,7 @@ class CudaCETransport:
     message_us = 230.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
-                 device=None, backend=None, capacity_bytes: int = DEFAULT_CAPACITY,
+                 device=None, backend=None, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  max_tensors: int = DEFAULT_MAX_TENSORS):
         if backend is None:
             from deepspeed_feplb.migrate.backend import CudaBackend
@@ -127,6 +183,7 @@ class CudaCETransport:
         if create:
             self._control[:] = 0
         self.closed = False
+        self.extra_parts = 0  # parts sent beyond each message's first: messages larger than their slot
         self._words = Words(self._control)
         self._peers = [r for r in range(size) if r != local_rank]
 
@@ -137,10 +194,10 @@ class CudaCETransport:
         self._ready_peer: dict[int, int] = {}  # src -> the sender's ready event, opened
         for src in self._peers:
             channel = self._control[src, local_rank]
-            self._slots[src] = self._allocate_slot(channel, align_up(capacity_bytes))
+            self._slots[src] = self._allocate_slot(channel, align_up(slot_bytes))
             self._done[src] = backend.event_create(interprocess=True)
             _put_handle(channel, DONE_H, backend.event_handle(self._done[src]))
-            channel[GEN] = 1  # publish last: the sender waits for a generation
+            channel[GEN] = 1  # publish last: the sender waits for it
             self._notify(src, local_rank, GEN)
         # sender side: one copy stream, ready event, thread and job queue per destination
         self._streams = {dst: backend.stream_create() for dst in self._peers}
@@ -148,7 +205,7 @@ class CudaCETransport:
         self._ready = {dst: backend.event_create(interprocess=True) for dst in self._peers}
         for dst in self._peers:
             _put_handle(self._control[local_rank, dst], READY_H, backend.event_handle(self._ready[dst]))
-        self._mapped: dict[int, tuple[int, int]] = {}  # dst -> (peer slot ptr, generation); copy thread only
+        self._mapped: dict[int, int] = {}  # dst -> the peer's slot, opened; copy thread only
         self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors); copy thread only
         self._caller_at = {src: backend.event_create() for src in self._peers}  # recv: the caller's stream, now
         self._done_peer: dict[int, int] = {}  # dst -> the receiver's consumed event, opened; copy thread only
@@ -160,6 +217,23 @@ class CudaCETransport:
         for thread in self._threads.values():
             thread.start()
         self._control[local_rank, local_rank, ALIVE] = 1
+
+    @staticmethod
+    def device_id(device: torch.device) -> str:
+        """The UUID of ``device``'s GPU, by which the ranks of a domain tell each other their GPUs."""
+        return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+    @staticmethod
+    def preflight(device: torch.device, slot: int, local_rank: int, ranks: Sequence[int],
+                  devices: Sequence[str]) -> list[str]:
+        """`preflight_problems` of this rank on ``device``. Torch's cached free blocks go back to the
+        driver first when the slots would not fit beside them."""
+        free = torch.cuda.mem_get_info(device)[0]
+        if (len(ranks) - 1) * slot > free:
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(device)[0]
+        uuids = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+        return preflight_problems(local_rank, ranks, devices, slot, free, uuids.get, torch.cuda.can_device_access_peer)
 
     def _word(self, src: int, dst: int, field: int) -> Word:
         """Word ``field`` of channel ``src -> dst`` (``src == dst``: that rank's state) to sleep on."""
@@ -174,19 +248,6 @@ class CudaCETransport:
         _put_handle(channel, SLOT_H, self.backend.ipc_handle(ptr))
         channel[CAP] = capacity
         return ptr, capacity
-
-    def _serve_growth(self, src: int) -> None:
-        channel = self._control[src, self.local_rank]
-        want = int(channel[WANT])
-        if want <= int(channel[CAP]):
-            return
-        ptr, capacity = self._slots[src]
-        self.backend.event_synchronize(self._done[src])  # our last read of the old slot finished
-        self.backend.free(ptr)  # the sender closed its mapping before asking
-        self._slots[src] = self._allocate_slot(channel, align_up(max(want, 2 * capacity)))
-        channel[WANT] = 0
-        channel[GEN] += 1  # publish last
-        self._notify(src, self.local_rank, GEN)
 
     # ---------------------------------------------------------------- producer side
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
@@ -217,9 +278,9 @@ class CudaCETransport:
 
     def _slot_free(self, dst: int, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` to ``dst`` can be written without waiting: the receiver has
-        read the previous one and its slot is large enough (no growth to ask for)."""
+        read the previous one and it fits its slot in one part."""
         channel = self._control[self.local_rank, dst]
-        return channel[ACK] == channel[SEQ] and channel[GEN] >= 1 and nbytes <= channel[CAP] and not channel[WANT]
+        return channel[ACK] == channel[SEQ] and channel[GEN] >= 1 and nbytes <= channel[CAP]
 
     def _run(self, dst: int, job) -> None:
         tag, tensors, ready, future, layout = job
@@ -249,41 +310,37 @@ class CudaCETransport:
         channel = self._control[self.local_rank, dst]
         self._release_copied(dst, wait=False)
         me, check = self.local_rank, peer_check(self.watch, dst)
-        wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
-                   f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message", check,
-                   word=self._word(me, dst, ACK))
-        if channel[SEQ] > 0:  # the receiver's copy-out of the previous message must finish first
-            if dst not in self._done_peer:
-                self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
-            backend.stream_wait_event(stream, self._done_peer[dst])
-        offsets, nbytes = layout
         wait_until(lambda: channel[GEN] >= 1, self.timeout_s,
                    f"{describe_rank(self.watch, dst)} of domain {self.name} to start",
                    check, word=self._word(me, dst, GEN))
-        if nbytes > channel[CAP]:
-            self._unmap(dst)
-            generation = int(channel[GEN])
-            channel[WANT] = nbytes
-            self._notify(me, dst, SEQ)  # the receiver waits on seq: let it see the request
-            wait_until(lambda: channel[GEN] > generation, self.timeout_s,
-                       f"{describe_rank(self.watch, dst)} of domain {self.name} to grow its slot to {nbytes} bytes",
-                       check, word=self._word(me, dst, GEN))
         peer = self._map(dst, channel)
+        offsets, nbytes = layout
+        capacity = int(channel[CAP])
         backend.stream_wait_event(stream, ready)
-        for t, offset in zip(tensors, offsets):
-            if t.numel() == 0:
-                continue  # an empty tensor (e.g. phase 2's chunk flags) travels in its description only
-            backend.memcpy_async(peer + offset, t.data_ptr(), t.numel() * t.element_size(), stream)
+        for part, (lo, hi) in enumerate(part_ranges(nbytes, capacity)):
+            wait_until(lambda: channel[ACK] == channel[SEQ], self.timeout_s,
+                       f"{describe_rank(self.watch, dst)} of domain {self.name} to read the previous message", check,
+                       word=self._word(me, dst, ACK))
+            if channel[SEQ] > 0:  # the receiver's copy-out of the previous part must finish first
+                if dst not in self._done_peer:
+                    self._done_peer[dst] = backend.event_open(_get_handle(channel, DONE_H))
+                backend.stream_wait_event(stream, self._done_peer[dst])
+            for t, offset in zip(tensors, offsets):
+                for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
+                    backend.memcpy_async(peer + offset + at - lo, t.data_ptr() + at, length, stream)
+            backend.event_record(self._ready[dst], stream)
+            if part == 0:  # the whole message's description, read by the receiver at its first part
+                meta = channel[META:META + len(tensors) * wire.FIELDS].reshape(len(tensors), wire.FIELDS)
+                for row, t, offset in zip(meta, tensors, offsets):
+                    wire.describe(row, t, offset)
+                channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
+            channel[PART] = part
+            self.extra_parts += part > 0
+            channel[SEQ] += 1  # publish last: the receiver waits on seq
+            self._notify(me, dst, SEQ)
         copied = backend.event_create()
         backend.event_record(copied, stream)
         self._in_flight[dst].append((copied, tensors))  # memory kept from the allocator until the copies ran
-        backend.event_record(self._ready[dst], stream)
-        meta = channel[META:META + len(tensors) * wire.FIELDS].reshape(len(tensors), wire.FIELDS)
-        for row, t, offset in zip(meta, tensors, offsets):
-            wire.describe(row, t, offset)
-        channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
-        channel[SEQ] += 1  # publish last: the receiver waits on seq
-        self._notify(me, dst, SEQ)
 
     def _release_copied(self, dst: int, wait: bool) -> None:
         """Drop the sent tensors whose copies to ``dst`` ran (all of them, waiting, with ``wait``)."""
@@ -298,17 +355,14 @@ class CudaCETransport:
             self.backend.event_destroy(copied)
 
     def _map(self, dst: int, channel: np.ndarray) -> int:
-        generation = int(channel[GEN])
-        mapped = self._mapped.get(dst)
-        if mapped is None or mapped[1] != generation:
-            self._unmap(dst)
-            mapped = self._mapped[dst] = (self.backend.ipc_open(_get_handle(channel, SLOT_H)), generation)
-        return mapped[0]
+        if dst not in self._mapped:
+            self._mapped[dst] = self.backend.ipc_open(_get_handle(channel, SLOT_H))
+        return self._mapped[dst]
 
     def _unmap(self, dst: int) -> None:
-        mapped = self._mapped.pop(dst, None)
-        if mapped is not None:
-            self.backend.ipc_close(mapped[0])
+        ptr = self._mapped.pop(dst, None)
+        if ptr is not None:
+            self.backend.ipc_close(ptr)
 
     # ---------------------------------------------------------------- consumer side
     def recv(self, src: int, tag: int) -> list[torch.Tensor]:
@@ -319,38 +373,40 @@ class CudaCETransport:
         used on the caller's current stream at once.
         """
         channel = self._control[src, self.local_rank]
-        expected = self._expected[src] + 1
-
-        def arrived() -> bool:
-            if channel[WANT]:
-                self._serve_growth(src)
-            return channel[SEQ] >= expected
-
-        wait_until(arrived, self.timeout_s,
-                   f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
-                   peer_check(self.watch, src), word=self._word(src, self.local_rank, SEQ))
-        wire.check_tag(tag, channel[TAG], src)
         backend, stream = self.backend, self._recv_streams[src]
-        # the tensors below are allocated on the caller's stream, whose earlier work may still use that memory
-        backend.event_record(self._caller_at[src], backend.current_stream())
-        backend.stream_wait_event(stream, self._caller_at[src])
-        if src not in self._ready_peer:
-            self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
-        backend.stream_wait_event(stream, self._ready_peer[src])
-        slot = self._slots[src][0]
-        tensors = []
-        count = int(channel[COUNT])
-        for row in channel[META:META + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist():
-            dtype, offset, shape = wire.read(row)
-            out = backend.empty(shape, dtype)
-            if out.numel():
-                backend.memcpy_async(out.data_ptr(), slot + offset, out.numel() * out.element_size(), stream)
-            tensors.append(out)
-        backend.event_record(self._done[src], stream)  # consumed: the sender may overwrite the slot
+        slot, capacity = self._slots[src]
+        tensors, offsets = [], []
+        for part, (lo, hi) in enumerate(part_ranges(None, capacity)):
+            expected = self._expected[src] + 1
+            wait_until(lambda due=expected: channel[SEQ] >= due, self.timeout_s,
+                       f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
+                       peer_check(self.watch, src), word=self._word(src, self.local_rank, SEQ))
+            if int(channel[PART]) != part:
+                raise RuntimeError(f"FEPLB transport {self.name}: part {int(channel[PART])} from local rank {src} "
+                                   f"where part {part} of a message was due")
+            if part == 0:
+                wire.check_tag(tag, channel[TAG], src)
+                nbytes, count = int(channel[NBYTES]), int(channel[COUNT])
+                # the tensors below are allocated on the caller's stream, whose earlier work may still use that memory
+                backend.event_record(self._caller_at[src], backend.current_stream())
+                backend.stream_wait_event(stream, self._caller_at[src])
+                if src not in self._ready_peer:
+                    self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
+                for row in channel[META:META + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist():
+                    dtype, offset, shape = wire.read(row)
+                    tensors.append(backend.empty(shape, dtype))
+                    offsets.append(offset)
+            backend.stream_wait_event(stream, self._ready_peer[src])
+            for out, offset in zip(tensors, offsets):
+                for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):
+                    backend.memcpy_async(out.data_ptr() + at, slot + offset + at - lo, length, stream)
+            backend.event_record(self._done[src], stream)  # consumed: the sender may overwrite the slot
+            self._expected[src] = expected
+            channel[ACK] = expected
+            self._notify(src, self.local_rank, ACK)
+            if hi >= nbytes:
+                break
         backend.stream_wait_event(backend.current_stream(), self._done[src])  # the caller sees the data
-        self._expected[src] = expected
-        channel[ACK] = expected
-        self._notify(src, self.local_rank, ACK)
         return tensors
 
     # ---------------------------------------------------------------- lifetime

@@ -81,8 +81,10 @@ class ShmTransport:
     message_us = 50.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool,
-                 watch: PeerWatch | None = None, device: torch.device | None = None):
-        """``device``: the experts' (CPU: host memory is all this transport moves)."""
+                 watch: PeerWatch | None = None, device: torch.device | None = None, slot_bytes: int = 0):
+        """``device``: the experts' (CPU: host memory is all this transport moves); ``slot_bytes``:
+        the first size of each channel's segment (host memory, which grows to its largest message)."""
+        self._first_bytes = max(int(slot_bytes), 1 << 16)
         self.name, self.local_rank, self.size, self.timeout_s = name, local_rank, size, timeout_s
         self.watch = watch
         control_bytes = size * size * _HEADER_FIELDS * 8
@@ -100,6 +102,16 @@ class ShmTransport:
         self.closed = False
         self._copy_thread = threading.Thread(target=self._copy_loop, name="feplb-copy", daemon=True)
         self._copy_thread.start()
+
+    @staticmethod
+    def device_id(device) -> None:
+        """Host memory: no device to tell the domain."""
+        return None
+
+    @staticmethod
+    def preflight(device, slot: int, local_rank: int, ranks, devices) -> list[str]:
+        """Nothing to check before opening: host segments grow as messages need."""
+        return []
 
     # ---------------------------------------------------------------- producer side
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
@@ -157,7 +169,7 @@ class ShmTransport:
         if segment is None or segment.size < nbytes:
             generation = int(channel[_GEN]) + 1
             new = open_segment(f"{self.name}-{self.local_rank}to{dst}-g{generation}",
-                               max(nbytes, 2 * (segment.size if segment else 0), 1 << 16), create=True)
+                               max(nbytes, 2 * (segment.size if segment else 0), self._first_bytes), create=True)
             if segment is not None:
                 segment.close()
                 unlink_quietly(segment)

@@ -42,7 +42,7 @@ def _ping_pong(rounds: int, cpu: bool, profile: bool = False) -> dict:
 
     def make(create: bool):
         backend = HostBackend(prefix=f"{names[0]}-mem") if cpu else CudaBackend()
-        return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, capacity_bytes=max(SIZES) + (1 << 20))
+        return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, slot_bytes=max(SIZES) + (1 << 20))
 
     if rank == 0:
         t = make(True)

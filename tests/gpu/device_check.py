@@ -203,7 +203,7 @@ def _transport_worker(cpu: bool, rounds: int) -> dict:
 
     def make(create):
         backend = HostBackend(prefix=f"{names[0]}-mem") if cpu else CudaBackend()
-        return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, capacity_bytes=1 << 16)
+        return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, slot_bytes=1 << 16)
 
     if rank == 0:
         t = make(True)

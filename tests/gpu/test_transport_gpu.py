@@ -16,10 +16,10 @@ def _transport(capacity):
     dist.broadcast_object_list(names, 0)
     rank = dist.get_rank()
     if rank == 0:
-        t = CudaCETransport(names[0], 0, 2, 30.0, True, backend=CudaBackend(), capacity_bytes=capacity)
+        t = CudaCETransport(names[0], 0, 2, 30.0, True, backend=CudaBackend(), slot_bytes=capacity)
     dist.barrier()
     if rank:
-        t = CudaCETransport(names[0], 1, 2, 30.0, False, backend=CudaBackend(), capacity_bytes=capacity)
+        t = CudaCETransport(names[0], 1, 2, 30.0, False, backend=CudaBackend(), slot_bytes=capacity)
     return t
 
 
