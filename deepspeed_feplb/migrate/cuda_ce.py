@@ -183,9 +183,9 @@ class CudaCETransport:
         if create:
             self._control[:] = 0
         self.closed = False
-        self.extra_parts = 0  # parts sent beyond each message's first: messages larger than their slot
         self._words = Words(self._control)
         self._peers = [r for r in range(size) if r != local_rank]
+        self._extra_parts = dict.fromkeys(self._peers, 0)  # per destination: each copy thread counts its own
 
         # receiver side: one inbound slot and one consumed event per peer
         self._slots: dict[int, tuple[int, int]] = {}  # src -> (ptr, capacity)
@@ -335,7 +335,7 @@ class CudaCETransport:
                     wire.describe(row, t, offset)
                 channel[TAG], channel[COUNT], channel[NBYTES] = tag, len(tensors), nbytes
             channel[PART] = part
-            self.extra_parts += part > 0
+            self._extra_parts[dst] += part > 0
             channel[SEQ] += 1  # publish last: the receiver waits on seq
             self._notify(me, dst, SEQ)
         copied = backend.event_create()
@@ -467,6 +467,11 @@ class CudaCETransport:
         self._control_shm.close()
         if self._owns_control:
             unlink_quietly(self._control_shm)
+
+    @property
+    def extra_parts(self) -> int:
+        """Parts sent beyond each message's first (messages larger than their slot), to every peer."""
+        return sum(self._extra_parts.values())
 
     def capacities(self) -> dict[int, int]:
         """Current inbound slot size per source rank (device bytes held: their sum)."""

@@ -230,16 +230,17 @@ def _transport_worker(cpu: bool, rounds: int) -> dict:
         x2 = torch.randn(512 * (r + 1), 256, generator=g2)
         ok &= torch.equal(got[0].cpu(), x2 * 2 + 1) and torch.equal(got[1].cpu(), x2.to(torch.bfloat16))
         future.result(timeout=60)
-    capacities = t.capacities()
+    capacities, parts = t.capacities(), t.extra_parts
     dist.barrier()
     t.close()
-    return {"ok": bool(ok), "capacities": capacities}
+    return {"ok": bool(ok), "capacities": capacities, "extra_parts": parts}
 
 
 def transport(check: Check) -> dict:
     from deepspeed_feplb.testing import run_distributed
     results = run_distributed(_transport_worker, 2, check.cpu, 8, timeout=120)
-    return {"ok": all(r["ok"] for r in results), "slot_bytes_after_growth": [r["capacities"] for r in results]}
+    return {"ok": all(r["ok"] for r in results), "slot_bytes": [r["capacities"] for r in results],
+            "extra_parts": [r["extra_parts"] for r in results]}
 
 
 # ------------------------------------------------------------------ 6. layer vs DeepSpeed

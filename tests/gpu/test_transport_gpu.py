@@ -39,16 +39,18 @@ def roundtrips(capacity: int) -> dict:
         w2 = torch.randn(512, 512, device=dev, generator=g2)
         ok &= torch.equal(got[1], x2) and torch.equal(got[0], x2.float() @ w2)
         f.result(timeout=30)
-    caps = t.capacities()
+    caps, parts = t.capacities(), t.extra_parts
     dist.barrier()
     t.close()
-    return {"ok": bool(ok), "capacities": caps}
+    return {"ok": bool(ok), "capacities": caps, "extra_parts": parts}
 
 
-def test_ce_transport_roundtrips_and_growth_on_cuda():
+def test_ce_transport_roundtrips_and_parts_on_cuda():
+    # 1 MiB slots; messages of 3-18 MiB travel in parts through them, and the slots never grow
     results = run_distributed(roundtrips, 2, 1 << 20, timeout=300)
     assert all(r["ok"] for r in results)
-    assert all(c > 1 << 20 for r in results for c in r["capacities"].values())
+    assert all(c == 1 << 20 for r in results for c in r["capacities"].values())
+    assert all(r["extra_parts"] > 6 for r in results)
 
 
 def peer_arena() -> list:
