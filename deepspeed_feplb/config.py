@@ -199,6 +199,9 @@ class FEPLBConfig(FEPLBConfigModel):
     max_resident_experts: int = Field(8, ge=0)
     """'step' residency: expert copies a rank keeps per MoE layer; each costs its weights plus an fp32 weight-gradient (docs/GPU.md has the memory formula)."""
 
+    resident_budget_mb: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
+    """'step' residency: MiB of kept copies a rank holds over all its FEPLB layers (each copy counts its weights and its fp32 weight-gradient); a copy beyond it is used for its micro-batch only. 'auto': 10% of the smallest GPU's memory in the domain, no bound for CPU experts."""
+
     max_rows_over_mean: Optional[Annotated[float, Field(ge=1.0, allow_inf_nan=False)]] = None
     """Bound on any rank's rows, as a multiple of the EP group's mean rows per rank (e.g. to bound activation memory); the fastest plan within the bound wins. null: minimise expert time alone, which at small micro-batches may leave rows unbalanced."""
 

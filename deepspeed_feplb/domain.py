@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from deepspeed_feplb import exits
@@ -24,6 +25,7 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
+from deepspeed_feplb.plan.residency import KeptBytes
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
 from deepspeed_feplb.segments import PeerWatch, cleanup, ranks_per_host
 
@@ -61,9 +63,26 @@ def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:
     return names
 
 
+def device_memory(device) -> int | None:
+    """Total bytes of ``device``'s memory (None: host memory)."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+
+
+def resident_budget(config: FEPLBConfig, device_bytes: list) -> float:
+    """Bytes of kept copies each rank of a domain may hold over its layers (``feplb.resident_budget_mb``;
+    "auto": 10% of the smallest of the domain's ``device_bytes``, none on the host), alike on every rank."""
+    if config.resident_budget_mb != "auto":
+        return config.resident_budget_mb * 2**20
+    known = [b for b in device_bytes if b is not None]
+    return 0.1 * min(known) if known else float("inf")
+
+
 class DomainRuntime:
     """This rank's view of its domain: ``local_rank`` in ``[0, size)``, ``ranks`` (global ranks),
-    ``transport`` (a `migrate.Transport`), ``scheduler`` (a `scheduler.Scheduler`), ``watch``."""
+    ``transport`` (a `migrate.Transport`), ``scheduler`` (a `scheduler.Scheduler`), ``watch``,
+    ``kept_bytes`` (the `plan.residency.KeptBytes` its layers' kept copies share)."""
 
     transport: Transport
     scheduler: Scheduler
@@ -81,7 +100,7 @@ class DomainRuntime:
 
         # Agree on segment names and check that a domain never spans hosts.
         info = gather_small((secrets.token_hex(4), socket.gethostname(), os.getpid(),
-                             transport_cls.device_id(device)), group=ep_group, device=device)
+                             transport_cls.device_id(device), device_memory(device)), group=ep_group, device=device)
         hosts = {info[first + i][1] for i in range(self.size)}
         if len(hosts) > 1:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts "
@@ -94,6 +113,7 @@ class DomainRuntime:
             raise FEPLBConfigError(f"FEPLB cannot open the phase-2 transport ({transport_cls.__name__}) of its "
                                    "domains: " + "; ".join(problems))
         self.name = f"feplb-{info[first][0]}"
+        self.kept_bytes = KeptBytes(self.size, resident_budget(config, [info[first + i][4] for i in range(self.size)]))
         if self.local_rank == 0 and not planner_cached():
             print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the scheduler "
                   "process (15-40 s on a slow 2-core machine; training goes on unbalanced meanwhile); later runs load "

@@ -38,7 +38,7 @@ from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.arena import slot_bytes
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2MicroBatch
-from deepspeed_feplb.migrate.resident import LayerResidency
+from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
 from deepspeed_feplb.stats import (
     MicroBatchStats,
@@ -116,6 +116,7 @@ class ExpertStage:
         self.balances = ep_size > 1 and config.dynamic_experts_per_rank > 0 and self.domain_size > 1
         self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
         self.expert_tensors = len(expert_params)
+        self.copy_bytes = copy_bytes(expert_params)  # one kept copy: weights and fp32 weight-gradient
         self.row_bytes = hidden * expert_params[0].element_size()  # one row (time model)
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
         self.device = expert_params[0].device  # the transport's, not torch's current device
@@ -207,7 +208,8 @@ class ExpertStage:
         else:
             slot = int(slot * 2**20)
         self.domain = get_runtime(self.ep_group, self.config, self.transport_cls, self.device, slot)
-        self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config)
+        self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config,
+                                               self.domain.kept_bytes, self.copy_bytes)
 
     def check_peers(self) -> None:
         """After a failed collective: raise naming a dead domain peer, if one is known."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 import deepspeed_feplb
+from deepspeed_feplb.migrate.resident import copy_bytes
 from deepspeed_feplb.segments import process_alive
 
 HIDDEN = 16
@@ -192,21 +193,26 @@ class CheckpointedMoEModel(TinyMoEModel):
 
 
 def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 4, steps: int = 3,
-                      max_resident: int = 8, checkpointing: str | None = None, write: str = "no_grad") -> dict:
+                      max_resident: int = 8, checkpointing: str | None = None, write: str = "no_grad",
+                      budget_copies: float | None = None) -> dict:
     """Train DeepSpeed's MoE and FEPLB side by side with ``gas`` micro-batches per optimizer step.
 
     Between steps, and once between two micro-batches of a step, both models' expert weights are
     changed in place the same way (in the step: ``write`` says how: "no_grad" in place under
     ``torch.no_grad()``, "data" through ``p.data``, "load_state_dict" a scaled state dict): a
     helper that computed with a copy it kept from before the change would make FEPLB's losses and
-    weights differ. Returns the losses, the parameter errors
-    and FEPLB's weight traffic summed over every micro-batch (its stats, domain-wide)."""
+    weights differ. ``budget_copies``: ``feplb.resident_budget_mb`` as that many kept copies. Returns
+    the losses, the parameter errors, FEPLB's weight traffic summed over every micro-batch (its
+    stats, domain-wide) and the most kept-copy bytes any rank held after a micro-batch."""
     import deepspeed
 
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
              "fixed_costs": "ignore",
              "weight_residency": residency, "max_resident_experts": max_resident}
+    one_copy = copy_bytes(make_expert().parameters())
+    if budget_copies is not None:
+        feplb["resident_budget_mb"] = budget_copies * one_copy / 2**20
 
     def make_model():
         torch.manual_seed(11)
@@ -243,6 +249,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
 
     losses = {name: [] for name in engines}
     traffic = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "moves": 0}
+    most_kept = 0
     for step in range(steps):
         for micro in range(gas):
             x, target = rank_inputs(100 + step * gas + micro)
@@ -253,10 +260,14 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
             stats = ours.module.moe.feplb_stats
             for key in traffic:
                 traffic[key] += stats[key]
+            domain = ours.module.moe.deepspeed_moe.stage.domain
+            if domain is not None:
+                most_kept = max(most_kept, int(domain.kept_bytes.held.max()))
         perturb(1.02)  # between steps
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
-    return {"losses": losses, "param_errors": params, "traffic": traffic}
+    return {"losses": losses, "param_errors": params, "traffic": traffic, "most_kept_bytes": most_kept,
+            "copy_bytes": one_copy}
 
 
 def contiguous_expert_inputs(experts) -> None:

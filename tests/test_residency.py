@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from deepspeed_feplb.plan.policy import PlanConstraints, no_residents, plan_domain
-from deepspeed_feplb.plan.residency import ResidencyTable
+from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 from deepspeed_feplb.sim.policies import SimSetup
 from deepspeed_feplb.sim.simulate import simulate
@@ -91,6 +91,19 @@ def test_residency_table_keeps_admits_caps_and_flushes():
     big = ResidencyTable(G=72, E=1, max_resident=1)  # rack-scale domains: several mask words
     big.admit(np.array([[0, 0, 70, 1]]))
     assert big.holds(0, 0, 70) and not big.holds(0, 0, 6) and big.resident.shape == (72, 1, 2)
+
+
+def test_the_layers_of_a_domain_share_one_byte_budget_for_kept_copies():
+    kept = KeptBytes(G=3, budget=250)  # per rank: two copies of the first layer's, or one of each
+    first, second = ResidencyTable(3, 2, 8, kept, copy_bytes=100), ResidencyTable(3, 2, 8, kept, copy_bytes=120)
+    _, ok = first.admit(np.array([[0, 0, 1, 5], [0, 1, 1, 5], [2, 0, 1, 5]]))
+    assert ok.tolist() == [True, True, False] and kept.held.tolist() == [0, 200, 0]  # the third would be 300
+    _, ok = second.admit(np.array([[0, 0, 1, 5], [0, 0, 2, 5]]))
+    assert ok.tolist() == [False, True] and kept.held.tolist() == [0, 200, 120]
+    first.flush()
+    assert kept.held.tolist() == [0, 0, 120]
+    _, ok = second.admit(np.array([[2, 1, 1, 5]]))
+    assert ok.tolist() == [True] and kept.held.tolist() == [0, 120, 120]
 
 
 def test_a_helper_that_holds_the_weights_takes_rows_without_a_copy():
@@ -179,6 +192,25 @@ def test_two_ranks_with_accumulation_match_deepspeed_and_copy_less(two_ranks):
 def test_four_ranks_with_accumulation_match_deepspeed_and_copy_less(four_ranks):
     check_exact(four_ranks)
     check_residency_cuts_copies(four_ranks, (1, ))
+
+
+def budget_cases() -> dict:
+    import deepspeed_feplb
+    free = moe_cases.accumulation_case(0, "step", 2, steps=2)
+    deepspeed_feplb.shutdown()  # the domain runtime, with its budget, is shared by the layers of a process
+    return {"free": free, "budget": moe_cases.accumulation_case(0, "step", 2, steps=2, budget_copies=0.5)}
+
+
+def test_a_binding_budget_for_kept_copies_holds_and_training_stays_exact():
+    results = run_distributed(budget_cases, 2, timeout=600)
+    check_exact(results)
+    free, budget = results[0]["free"], results[0]["budget"]
+    # without a budget a rank keeps a copy and serves later micro-batches from it
+    assert free["most_kept_bytes"] == free["copy_bytes"] and free["traffic"]["resident_hits"] > 0, free
+    # half a copy's bytes: none is kept, every move carries its weights, as with "micro_batch"
+    traffic = budget["traffic"]
+    assert budget["most_kept_bytes"] == 0 and traffic["resident_hits"] == traffic["flushed_copies"] == 0, budget
+    assert traffic["weight_copies"] == traffic["moves"] > 0, traffic
 
 
 def test_stats_are_the_same_on_every_rank(two_ranks):

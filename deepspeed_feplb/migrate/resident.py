@@ -23,9 +23,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from deepspeed_feplb.plan.residency import ResidencyTable
+from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable
 
-__all__ = ["HeldCopy", "LayerResidency", "fingerprint"]
+__all__ = ["HeldCopy", "LayerResidency", "copy_bytes", "fingerprint"]
+
+
+def copy_bytes(params) -> int:
+    """What a kept copy of an expert with these parameters holds: its weights and the fp32
+    weight-gradient it accumulates (`HeldCopy`)."""
+    return sum(p.numel() * (p.element_size() + 4) for p in params)
 
 
 @dataclass
@@ -94,9 +100,12 @@ class LayerResidency:
     pending: bool = False  # a micro-batch with gradients used kept copies since the step began (domain-wide)
 
     @classmethod
-    def create(cls, G: int, E: int, config) -> "LayerResidency":
+    def create(cls, G: int, E: int, config, kept_bytes: Optional[KeptBytes] = None,
+               copy_bytes: int = 0) -> "LayerResidency":
+        """``kept_bytes``: the domain's byte budget over its layers, each copy of this layer counting
+        ``copy_bytes`` (its weights and fp32 weight-gradient: `copy_bytes`)."""
         keep = config.max_resident_experts if config.weight_residency == "step" else 0
-        return cls(ResidencyTable(G, E, keep))
+        return cls(ResidencyTable(G, E, keep, kept_bytes, copy_bytes))
 
     def end_step(self) -> tuple[np.ndarray, dict]:
         """The step ends: returns (entries int64 [K, 3] = (home, local_expert, helper) of the kept

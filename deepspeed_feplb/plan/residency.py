@@ -7,15 +7,33 @@ weight_residency: "step"``). Every rank of a domain sees the same plans in the s
 every rank (and the simulator) derives the same table from them with `ResidencyTable.admit`:
 no message says what is resident.
 
-A helper keeps at most ``max_resident`` copies per layer (its memory bound); a copy beyond that
-is used for its micro-batch only and returns its gradients at once, as with
-``weight_residency: "micro_batch"`` (``max_resident = 0``).
+A helper keeps at most ``max_resident`` copies per layer, and, over all the layers that share a
+domain, at most a byte budget (`KeptBytes`: each copy counts its weights and its fp32 weight-
+gradient); a copy beyond either is used for its micro-batch only and returns its gradients at
+once, as with ``weight_residency: "micro_batch"`` (``max_resident = 0``). Layers run their
+forwards in the same order on every rank, so the shared budget is the same on every rank too.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ResidencyTable"]
+__all__ = ["KeptBytes", "ResidencyTable"]
+
+
+class KeptBytes:
+    """Bytes of kept copies that each of a domain's ``G`` ranks holds over all its layers, against
+    one per-rank ``budget`` (bytes; ``inf``: none). ``held``: int64 [G]."""
+
+    def __init__(self, G: int, budget: float):
+        self.budget = float(budget)
+        self.held = np.zeros(G, np.int64)
+
+    def take(self, rank: int, nbytes: int) -> bool:
+        """Count a copy of ``nbytes`` on ``rank`` if it fits the budget; whether it did."""
+        if self.held[rank] + nbytes > self.budget:
+            return False
+        self.held[rank] += nbytes
+        return True
 
 
 class ResidencyTable:
@@ -24,11 +42,14 @@ class ResidencyTable:
     resident:  int64 [G, E, ceil(G / 64)] bit masks: bit ``j % 64`` of word ``j // 64`` of
                ``resident[home, e]`` says rank j holds a copy of ``home``'s local expert e (the
                `plan.policy.plan_domain` argument);
-    held:      int64 [G]: copies each rank holds.
+    held:      int64 [G]: copies each rank holds;
+    kept_bytes: the domain's `KeptBytes` shared with its other layers (None: no byte budget), each
+               copy of this layer counting ``copy_bytes``.
     """
 
-    def __init__(self, G: int, E: int, max_resident: int):
+    def __init__(self, G: int, E: int, max_resident: int, kept_bytes: KeptBytes | None = None, copy_bytes: int = 0):
         self.max_resident = int(max_resident)
+        self.kept_bytes, self.copy_bytes = kept_bytes, int(copy_bytes)
         self.resident = np.zeros((G, E, (G + 63) // 64), np.int64)
         self.held = np.zeros(G, np.int64)
 
@@ -40,8 +61,9 @@ class ResidencyTable:
 
         Returns (fresh bool [M]: the move carries the weights, the helper holds no copy yet;
         kept bool [M]: the helper keeps the copy (now or from before), so the chunk's weight-
-        gradients stay there until `flush`). A helper with ``max_resident`` copies keeps no more,
-        and none is kept with ``keep_new=False`` (the step's last micro-batch: nothing follows).
+        gradients stay there until `flush`). A helper with ``max_resident`` copies, or whose
+        `KeptBytes` has no room for one more, keeps no more, and none is kept with
+        ``keep_new=False`` (the step's last micro-batch: nothing follows).
         """
         moves = np.asarray(moves, np.int64).reshape(-1, 4)
         M = moves.shape[0]
@@ -50,7 +72,8 @@ class ResidencyTable:
         for m, (home, e, helper, _) in enumerate(moves.tolist()):
             if self.holds(home, e, helper):
                 fresh[m], kept[m] = False, True
-            elif keep_new and self.held[helper] < self.max_resident:
+            elif keep_new and self.held[helper] < self.max_resident and (
+                    self.kept_bytes is None or self.kept_bytes.take(helper, self.copy_bytes)):
                 self.resident[home, e, helper >> 6] |= np.int64(1) << np.int64(helper & 63)
                 self.held[helper] += 1
                 kept[m] = True
@@ -66,6 +89,8 @@ class ResidencyTable:
     def flush(self) -> np.ndarray:
         """End of the step: forget every copy; returns the `entries` whose gradients go home now."""
         out = self.entries()
+        if self.kept_bytes is not None:
+            self.kept_bytes.held -= self.held * self.copy_bytes
         self.resident[:] = 0
         self.held[:] = 0
         return out
