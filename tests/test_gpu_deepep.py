@@ -127,3 +127,30 @@ def test_adapter_matches_torch_dispatcher_exactly(results):
         assert torch.allclose(a["dx"], b["dx"], rtol=1e-6, atol=1e-7)
         assert torch.allclose(a["dgates"], b["dgates"], rtol=1e-6, atol=1e-7)
         assert a["counts"].sum() > 0
+
+
+def test_the_layers_of_a_process_share_one_deepep_buffer(monkeypatch):
+    """Each DeepEP buffer holds its own NVLink memory: one per EP group and process, replaced only
+    by a larger one; a combine uses the buffer its dispatch used."""
+    import sys
+    import types
+
+    from deepspeed_feplb.dispatch import deepep
+
+    made = []
+
+    class FakeBuffer:
+        def __init__(self, group, nvl_bytes):
+            made.append(nvl_bytes)
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(Buffer=FakeBuffer))
+    monkeypatch.setattr(deepep, "_SHARED", {})
+    monkeypatch.setattr(deepep, "nvl_bytes_hint", lambda module, hidden_bytes, ranks: hidden_bytes * 1000)
+    group = object()
+    layers = [deepep.DeepEPDispatcher(group, 2, 4) for _ in range(4)]
+    rows = torch.zeros(3, 64, dtype=torch.bfloat16)
+    buffers = {id(layer._buffer(rows)) for layer in layers}
+    assert len(buffers) == 1 and made == [128_000]
+    wider = layers[0]._buffer(torch.zeros(3, 128, dtype=torch.bfloat16))  # a layer with a larger hidden size
+    assert made == [128_000, 256_000] and all(layer._buffer(rows) is wider for layer in layers)
+    assert deepep.DeepEPDispatcher(object(), 2, 4)._buffer(rows) is not wider  # another EP group: its own

@@ -229,11 +229,13 @@ class _Permute(torch.autograd.Function):
 
 
 class DeepEPHandle:
-    """What `DeepEPDispatcher.combine` needs: DeepEP's handle and the grouping permutation."""
+    """What `DeepEPDispatcher.combine` needs: DeepEP's handle, the grouping permutation and the
+    buffer that dispatched (the group's shared buffer may be replaced by a larger one meanwhile)."""
 
-    def __init__(self, deepep_handle, position: torch.Tensor, grouped_from: torch.Tensor, k: int, num_tokens: int):
+    def __init__(self, deepep_handle, position: torch.Tensor, grouped_from: torch.Tensor, k: int, num_tokens: int,
+                 buffer=None):
         self.deepep_handle, self.position, self.grouped_from = deepep_handle, position, grouped_from
-        self.k, self.num_tokens = k, num_tokens
+        self.k, self.num_tokens, self.buffer = k, num_tokens, buffer
 
 
 def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
@@ -246,12 +248,27 @@ def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
     return int(max(hints))
 
 
+_SHARED: dict = {}  # EP group -> (its DeepEP buffer, NVLink bytes)
+
+
+def shared_buffer(group, nvl_bytes: int):
+    """The process's one DeepEP buffer for ``group``, shared by every layer that dispatches over it
+    (each buffer holds its own NVLink memory, a few hundred MB): created at the first request,
+    replaced by a larger one only when a layer asks for more bytes than it has."""
+    buffer, held = _SHARED.get(group, (None, 0))
+    if buffer is None or held < nvl_bytes:
+        import deep_ep
+        buffer = deep_ep.Buffer(group, nvl_bytes)
+        _SHARED[group] = (buffer, nvl_bytes)
+    return buffer
+
+
 class DeepEPDispatcher:
     """Expert-parallel dispatch through DeepEP over ``group`` (``ep_size`` ranks, ``num_local_experts`` each).
 
     Args:
-        buffer: a ``deep_ep.Buffer`` (or `ReferenceBuffer`); default: created on the first
-            dispatch with DeepEP's NVLink buffer-size hint for the hidden size seen.
+        buffer: a ``deep_ep.Buffer`` (or `ReferenceBuffer`); default: the group's `shared_buffer`,
+            sized at the first dispatch by DeepEP's NVLink buffer-size hint for the hidden size seen.
     """
 
     def __init__(self, group, ep_size: int, num_local_experts: int, buffer=None):
@@ -259,13 +276,14 @@ class DeepEPDispatcher:
         self.buffer = buffer
 
     def _buffer(self, x: torch.Tensor):
-        if self.buffer is None:
+        buffer = self.buffer
+        if buffer is None:
             import deep_ep
             hidden_bytes = x.shape[1] * max(x.element_size(), 2)
-            self.buffer = deep_ep.Buffer(self.group, nvl_bytes_hint(deep_ep, hidden_bytes, self.ep_size))
-        if not isinstance(self.buffer, ReferenceBuffer) and x.dtype != torch.bfloat16:
+            buffer = shared_buffer(self.group, nvl_bytes_hint(deep_ep, hidden_bytes, self.ep_size))
+        if not isinstance(buffer, ReferenceBuffer) and x.dtype != torch.bfloat16:
             raise TypeError(f"DeepEP dispatches bf16 tokens; got {x.dtype} (use ep_backend \"torch\" for other dtypes)")
-        return self.buffer
+        return buffer
 
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce=()):
         """As `TorchDispatcher.dispatch`: x ``[S, H]``, expert_ids ``[k, S]`` (-1: not taken) ->
@@ -296,13 +314,13 @@ class DeepEPDispatcher:
         counts.index_put_((source, local), torch.ones_like(local), accumulate=True)
         if int(counts_local.sum()) != local.numel():
             raise RuntimeError("DeepEP delivered a route for an expert that is not local (recv_topk_idx -1)")
-        handle = DeepEPHandle(deepep_handle, position, grouped_from, k, num_tokens)
+        handle = DeepEPHandle(deepep_handle, position, grouped_from, k, num_tokens, buffer)
         return Dispatched(rows, counts.cpu().numpy(), handle, GroupFacts())
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
         """As `TorchDispatcher.combine`: rows ``[N, H]`` (grouped), gates ``[k, S]`` -> ``[S, H]``."""
         back = _Permute.apply(rows, handle.position, handle.grouped_from)  # receive order
-        routed = _Combine.apply(back, self.buffer, handle.deepep_handle)  # [k * S, H], one row per route
+        routed = _Combine.apply(back, handle.buffer, handle.deepep_handle)  # [k * S, H], one row per route
         k, num_tokens = gates.shape
         routed = routed.view(k, num_tokens, -1)
         return (routed * gates.unsqueeze(-1)).sum(0).to(rows.dtype)
