@@ -56,7 +56,6 @@ class DispatchHandle:
     received buffer in (local expert, source) order; send/recv splits per rank.
     """
     num_routes: int
-    valid: torch.Tensor
     route_order: torch.Tensor
     regroup: torch.Tensor
     send_splits: list[int]
@@ -78,21 +77,25 @@ class TorchDispatcher:
         k, num_tokens = expert_ids.shape
         num_experts = self.ep_size * self.num_local_experts
         flat = expert_ids.reshape(-1).long()
-        out_of_range = int(((flat < -1) | (flat >= num_experts)).sum())
+        # Nothing before the count exchange waits for the device: routes not taken (-1) or out of
+        # range sort last, under the key num_experts, and this rank learns how many routes are
+        # valid from its own row of the gathered table (the one device-to-host copy of phase 1).
         valid = (flat >= 0) & (flat < num_experts)
-        experts = flat[valid]
-        route_order = torch.nonzero(valid).squeeze(1)[torch.argsort(experts, stable=True)]
-        send_rows = x.index_select(0, route_order % num_tokens)
-        send_counts = torch.bincount(experts, minlength=num_experts).view(self.ep_size, self.num_local_experts)
+        key = torch.where(valid, flat, num_experts)
+        route_order = torch.argsort(key, stable=True)
+        per_key = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+        per_key.index_add_(0, key, torch.ones_like(key))
+        send_counts = per_key[:num_experts].view(self.ep_size, self.num_local_experts)
+        out_of_range = ((flat < -1) | (flat >= num_experts)).sum().reshape(1)
         # every rank gathers every rank's routes per expert (its own receive counts are a column
         # block), plus: its bad routes and which forward it is in (its number, with or without
         # gradients), so that a misuse fails on all ranks together, naming itself, instead of
         # desynchronising the group's later collectives; and the caller's announced values
-        me = [out_of_range, self.forwards, int(torch.is_grad_enabled())]
+        host = np.concatenate([[self.forwards, int(torch.is_grad_enabled())],
+                               np.asarray(announce, dtype=np.float64).view(np.int64)]).astype(np.int64)
         self.forwards += 1
-        announce_bits = torch.tensor(list(announce), dtype=torch.float64).view(torch.int64)
-        mine = torch.cat([send_counts.reshape(-1), torch.tensor(me, dtype=torch.int64, device=send_counts.device),
-                          announce_bits.to(send_counts.device)])
+        mine = torch.cat([send_counts.reshape(-1), out_of_range,
+                          torch.from_numpy(host).to(flat.device, non_blocking=True)])
         exchange_seconds = float("nan")
         if self.ep_size > 1:
             gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
@@ -114,6 +117,8 @@ class TorchDispatcher:
                                f"({where}); every rank must run the same forwards of the layer, in the same grad mode "
                                "(an evaluation or an extra forward on some ranks only desynchronises the group)")
         routes = table[:, :num_experts].numpy()
+        route_order = route_order[:int(routes[self._group_rank()].sum())]  # the valid routes
+        send_rows = x.index_select(0, route_order % num_tokens)
         first = self._group_rank() * self.num_local_experts
         recv_np = np.ascontiguousarray(routes[:, first:first + self.num_local_experts])
         announced = table[:, num_experts + 3:].contiguous().view(torch.float64).numpy()
@@ -122,8 +127,8 @@ class TorchDispatcher:
         recv_splits = recv_np.sum(1).tolist()
         rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error, self.stage_times) \
             if self.ep_size > 1 else send_rows
-        regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device)
-        handle = DispatchHandle(k * num_tokens, valid, route_order, regroup, send_splits, recv_splits)
+        regroup = torch.from_numpy(expert_major_order(recv_np)).to(x.device, non_blocking=True)
+        handle = DispatchHandle(k * num_tokens, route_order, regroup, send_splits, recv_splits)
         facts = GroupFacts(received, announced, exchange_seconds)
         return Dispatched(rows.index_select(0, regroup), recv_np, handle, facts)
 

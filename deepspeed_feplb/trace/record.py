@@ -65,13 +65,13 @@ class TraceRecorder:
         num_experts = layer.ep_size * layer.num_local_experts
         flat = expert_ids.reshape(-1).long()
         flat = flat[(flat >= 0) & (flat < num_experts)]
-        mine = torch.bincount(flat, minlength=num_experts).to(torch.int64).cpu()
+        mine = torch.bincount(flat, minlength=num_experts).to(torch.int64)  # on the routes' device: NCCL's
         if group is not None:
             parts = [torch.empty_like(mine) for _ in range(layer.ep_size)]
             dist.all_gather(parts, mine, group=group)
-            counts = torch.stack(parts)
+            counts = torch.stack(parts).cpu()
         else:
-            counts = mine[None]
+            counts = mine[None].cpu()
         if not self.writer:
             return
         key = id(layer)
