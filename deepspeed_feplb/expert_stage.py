@@ -37,7 +37,7 @@ from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.arena import slot_bytes
-from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2MicroBatch
+from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Anchor, Phase2MicroBatch, grad_experts
 from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
 from deepspeed_feplb.stats import (
@@ -358,6 +358,17 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
 
     dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
     static = [e for e in range(len(modules)) if e not in dynamic]
+    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
+    # phase 2's inputs are taken before the static experts start: its waiting half of backward
+    # (`Phase2Anchor`) then runs after their backward was queued, and its copies of the rows wait for
+    # phase 1 only (`Transport.mark`), not for the static experts queued after it
+    dyn_x = torch.cat([blocks[e] for e in dynamic]) if dynamic else rows[:0]
+    with_grads = grad_experts(residency, domain.local_rank, dynamic, step_ends, needs_grad)
+    dyn_params = [p for e in with_grads for p in params[e]]
+    box: dict = {}
+    if needs_grad:
+        dyn_x, *dyn_params = Phase2Anchor.apply(box, len(spec.param_names), dyn_x, *dyn_params)
+    ready = domain.transport.mark()
     outs: list = [None] * len(modules)
     pieces: list = []
     with stage_times.measure("static experts"):
@@ -367,13 +378,11 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
 
     with stage_times.measure("plan wait"):
         planned = domain.scheduler.plan(seq)
-    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
     phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
-                      [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times,
-                      residency, step_ends)
-    dyn_x = torch.cat([blocks[e] for e in dynamic]) if dynamic else rows[:0]
-    dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x,
-                                 *[p for e in phase2.grad_experts for p in params[e]])
+                              [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times,
+                              residency, step_ends, ready)
+    box["step"] = phase2
+    dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x, *dyn_params)
     for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
         outs[e] = y
     stats = None

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "layer", "deepep", "leaks", "gpu_tests")
+STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "layer", "deepep", "syncs", "launches", "memory",
+          "layer_speed", "leaks", "gpu_tests")
 
 
 def test_device_check_dry_run(tmp_path):

@@ -433,3 +433,70 @@ def test_a_rank_that_cannot_open_the_transport_stops_every_rank_with_the_same_er
     errors = run_distributed(_one_rank_cannot_open, 2, timeout=120)
     assert errors[0] == errors[1] == ("FEPLB cannot open the phase-2 transport (OneRankShort) of its domains: "
                                       "rank 1 short of 2048 bytes")
+
+
+def _backward_order() -> dict:
+    """One balanced forward and backward of a layer whose experts log their backward: which local
+    experts' backward ran before phase 2's waiting half (`Phase2MicroBatch.backward_rest`) began."""
+    import torch.distributed as dist
+
+    import deepspeed_feplb
+    from deepspeed_feplb.migrate import phase2
+
+    log = []
+
+    class Logged(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, expert):
+            ctx.expert = expert
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx, grad):
+            log.append(("expert", ctx.expert))
+            return grad, None
+
+    class LoggedLinear(torch.nn.Linear):
+        def forward(self, x):
+            return Logged.apply(super().forward(x), self.expert)
+
+    rest, home = phase2.Phase2MicroBatch.backward_rest, phase2.Phase2MicroBatch.backward_home
+
+    def logged_home(self, *args):
+        log.append(("dynamic", tuple(self.dynamic)))
+        return home(self, *args)
+
+    def logged_rest(self, *args):
+        log.append(("rest", None))
+        return rest(self, *args)
+
+    phase2.Phase2MicroBatch.backward_home, phase2.Phase2MicroBatch.backward_rest = logged_home, logged_rest
+    torch.manual_seed(0)
+    layer = deepspeed_feplb.MoE(8, LoggedLinear(8, 8), num_experts=8, ep_size=2, k=1, drop_tokens=False,
+                                use_rts=False, feplb_config={"dynamic_experts_per_rank": 1, "fixed_costs": "ignore",
+                                                             "chunk_align_tokens": 1})
+    for e, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+        expert.expert = e
+    layer.set_deepspeed_parallelism()
+    with torch.no_grad():  # every token prefers rank 0's experts: rank 0 sends rows to rank 1
+        layer.deepspeed_moe.gate.wg.weight[:4] += 2.0
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(dist.get_rank())) + 1.0
+    y, _, _ = layer(x.requires_grad_())
+    log.clear()
+    y.square().sum().backward()
+    dynamic = next(entry for kind, entry in log if kind == "dynamic")
+    at = log.index(("rest", None))
+    before = {e for kind, e in log[:at] if kind == "expert" and e not in dynamic}
+    after = {e for kind, e in log[at:] if kind == "expert" and e not in dynamic}
+    return {"before": sorted(before), "after": sorted(after), "migrated": layer.feplb_stats["migrated_tokens"]}
+
+
+def test_the_home_queues_its_static_experts_backward_before_it_waits_for_helpers():
+    """On a GPU the host queues work and waits; phase 2's backward waits for helpers' results. If
+    that wait comes first, the device idles meanwhile: the static experts' backward must be queued
+    before it (autograd runs later nodes first, so phase 2's waiting half is a node made before them)."""
+    from deepspeed_feplb.testing import run_distributed
+    results = run_distributed(_backward_order, 2, timeout=120)
+    assert sum(r["migrated"] for r in results) > 0, "nothing migrated: the test shows nothing"
+    home = results[0]
+    assert home["before"] and not home["after"], home

@@ -52,10 +52,20 @@ class Transport(Protocol):
     def preflight(device, slot_bytes: int, local_rank: int, ranks: list[int], devices: list) -> list[str]:
         """What keeps this rank from opening the transport (empty: nothing)."""
 
-    def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
+    def mark(self) -> object:
+        """A ready point: the caller's work queued so far (CUDA: an event on the current stream;
+        None where the host executes in order). Hand it to `send` as ``after``; `release` it once
+        every such send's future is done."""
+
+    def release(self, mark: object) -> None:
+        """Forget a `mark` (its sends are queued; the device may still be waiting on it)."""
+
+    def send(self, dst: int, tag: int, tensors: list[torch.Tensor], after: object = None) -> Future:
         """Queue ``tensors`` (any of `wire.DTYPES`, at most `wire.MAX_DIMS` dims) for local rank
         ``dst``; returns at once with a future that is done once they are written. The tensors
-        must not be modified until then."""
+        must not be modified until then. Their copies start once the caller's work queued before
+        the call is done, or, with ``after`` (a `mark`), once the work queued before that mark is:
+        rows ready before later work was queued need not wait for it."""
 
     def recv(self, src: int, tag: int) -> list[torch.Tensor]:
         """Block until the next message from ``src`` arrives; raise if its tag is not ``tag``;

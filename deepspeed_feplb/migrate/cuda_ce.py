@@ -250,13 +250,26 @@ class CudaCETransport:
         return ptr, capacity
 
     # ---------------------------------------------------------------- producer side
-    def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
+    def mark(self) -> int:
+        """An event recorded on the caller's current stream now: `send` with ``after=`` it copies
+        once the work queued before it is done (phase 2's rows: right after phase 1, before the
+        static experts are queued)."""
+        event = self.backend.event_create()
+        self.backend.event_record(event, self.backend.current_stream())
+        return event
+
+    def release(self, mark: Optional[int]) -> None:
+        """Destroy a `mark` once its sends are queued (CUDA frees it when the streams waiting on it pass it)."""
+        if mark is not None:
+            self.backend.event_destroy(mark)
+
+    def send(self, dst: int, tag: int, tensors: list[torch.Tensor], after: Optional[int] = None) -> Future:
         """Queue ``tensors`` for ``dst``; returns a future done once the copies are *enqueued*.
 
-        The copies start when the caller's current stream reaches this call (an event), so the
-        tensors may come straight from the compute stream; the host never waits for them. Their
-        memory is kept from reuse until the copies completed (the copy thread holds them); they must
-        not be modified afterwards on another stream.
+        The copies start when the caller's current stream reaches this call (an event), or the
+        `mark` ``after``, so the tensors may come straight from the compute stream; the host never
+        waits for them. Their memory is kept from reuse until the copies completed (the copy thread
+        holds them); they must not be modified afterwards on another stream.
         """
         if dst == self.local_rank:
             raise ValueError("a rank does not send to itself")
@@ -265,12 +278,17 @@ class CudaCETransport:
         if len(tensors) > self.max_tensors:
             raise ValueError(f"a message holds at most {self.max_tensors} tensors, got {len(tensors)}")
         wire.check(tensors)
+        if after is not None and not all(t.is_contiguous() for t in tensors):
+            after = None  # their contiguous copies are queued now, after the mark
         tensors = [t.detach().contiguous() for t in tensors]
-        ready = self.backend.event_create()
-        self.backend.event_record(ready, self.backend.current_stream())
+        if after is None:
+            ready = self.backend.event_create()
+            self.backend.event_record(ready, self.backend.current_stream())
+        else:
+            ready = after
         future: Future = Future()
-        job = (tag, tensors, ready, future, message_layout([(t.dtype, t.shape) for t in tensors]))
-        if self._link[dst].write_inline(lambda: self._slot_free(dst, job[4][1]), lambda: self._run(dst, job)):
+        job = (tag, tensors, ready, after is None, future, message_layout([(t.dtype, t.shape) for t in tensors]))
+        if self._link[dst].write_inline(lambda: self._slot_free(dst, job[5][1]), lambda: self._run(dst, job)):
             return future
         self._link[dst].enqueued()
         self._jobs[dst].put(job)
@@ -283,14 +301,15 @@ class CudaCETransport:
         return channel[ACK] == channel[SEQ] and channel[GEN] >= 1 and nbytes <= channel[CAP]
 
     def _run(self, dst: int, job) -> None:
-        tag, tensors, ready, future, layout = job
+        tag, tensors, ready, owned, future, layout = job
         try:
             self._write(dst, tag, tensors, ready, layout)
             future.set_result(None)  # enqueued: the receiver orders itself after _ready[dst]
         except BaseException as exc:  # the waiting caller re-raises it
             future.set_exception(exc)
         finally:
-            self.backend.event_destroy(ready)
+            if owned:  # a mark is the caller's to release
+                self.backend.event_destroy(ready)
 
     def _copy_loop(self, dst: int) -> None:
         bound = False

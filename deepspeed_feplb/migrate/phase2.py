@@ -121,7 +121,9 @@ class Phase2MicroBatch:
     home at once); step_ends: this micro-batch is the last of its optimizer step, so (with
     gradients) the kept copies' gradients go home in its backward.
     ``grad_experts``: the local experts whose parameters the autograd function takes, the dynamic
-    ones first, then those only a helper's kept copy has gradients for.
+    ones first, then those only a helper's kept copy has gradients for (`grad_experts`).
+    ready: the transport's `mark` of when the rows were ready (right after phase 1): forward's
+    sends wait for it, not for whatever the caller queued since (the static experts).
     """
     transport: Transport
     seq: int
@@ -135,6 +137,7 @@ class Phase2MicroBatch:
     stage_times: Optional[StageTimes] = None  # receives compute and communication host time
     residency: Optional[LayerResidency] = None
     step_ends: bool = True
+    ready: object = None
     home_pieces: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
@@ -153,11 +156,10 @@ class Phase2MicroBatch:
         self.forgetting = (self.residency is not None and self.step_ends and not self.needs_grad
                            and not self.residency.pending)
         self.flush_entries, self.flush_held = np.zeros((0, 3), np.int64), {}
-        extra = []
-        if self.flushing:
-            homes_here = self.residency.table.entries()
-            extra = sorted({e for h, e, _ in homes_here.tolist() if h == self.local_rank} - set(self.dynamic))
-        self.grad_experts = [*self.dynamic, *extra]
+        # as the caller computed before the plan, from the table before this plan's admission: at a
+        # step's end that admission keeps nothing new, so the two agree
+        self.grad_experts = grad_experts(self.residency, self.local_rank, self.dynamic, self.step_ends,
+                                         self.needs_grad)
 
     def _fingerprints(self, params: list[list[torch.Tensor]]) -> dict:
         """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
@@ -201,7 +203,7 @@ class Phase2MicroBatch:
                       "rows": [dyn_x[starts[i] + offset:starts[i] + offset + tokens]]}
                      for i, offset, tokens, _ in chunks]
             payload = [_flags_tensor(carries, dyn_x), *layout.pack(parts)]
-            sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload))
+            sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload, after=self.ready))
 
         with torch.enable_grad():
             for i, expert_id in enumerate(self.dynamic):
@@ -218,6 +220,7 @@ class Phase2MicroBatch:
             results[helper] = [part["outputs"][0] for part in parts]
         for future in sends:
             future.result()
+        self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
         elif self.forgetting:
@@ -289,17 +292,19 @@ class Phase2MicroBatch:
         return sends
 
     # ------------------------------------------------------------------ backward
-    def backward(self, grad_y: torch.Tensor):
-        """grad_y ``[N_dyn, H_out]`` -> grad of dyn_x ``[N_dyn, H]`` and the parameter grads of each
-        expert of ``grad_experts``."""
+    def backward_home(self, grad_y: torch.Tensor):
+        """The half of backward that waits for no rank (`DynamicExperts`): output-gradients to the
+        helpers, the home rows' gradients. grad_y ``[N_dyn, H_out]`` -> (grad of dyn_x
+        ``[N_dyn, H]`` with the helpers' rows still zero, the home rows' parameter grads per
+        dynamic expert)."""
         start = time.perf_counter()
         outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
-        sends = []
+        self._sends = []
         for helper, chunks in outgoing.items():
             grads = [{"output_grads": [grad_y[starts[i] + offset:starts[i] + offset + tokens]]}
                      for i, offset, tokens, _ in chunks]
             payload = messages.output_grads_to_helper(len(chunks)).pack(grads)
-            sends.append(self.transport.send(helper, tag(self.seq, BWD_GRADS), payload))
+            self._sends.append(self.transport.send(helper, tag(self.seq, BWD_GRADS), payload))
 
         width = self.home_pieces[0].x.shape[1] if self.home_pieces else 0
         grad_x = torch.zeros((int(starts[-1]), width), dtype=grad_y.dtype, device=grad_y.device)
@@ -308,7 +313,18 @@ class Phase2MicroBatch:
             gx, *gp = self._vjp(piece, grad_y[starts[i]:starts[i] + home_rows[i]])
             grad_x[starts[i]:starts[i] + home_rows[i]] = gx
             grad_params.append(gp)
+        self.home_pieces = []
+        self._report(" bwd", start)
+        return grad_x, grad_params
 
+    def backward_rest(self, grad_x: torch.Tensor, grad_params: list):
+        """The half of backward that waits for the domain (`Phase2Anchor`, after the static experts'
+        backward is queued): serve the helpers' chunks of other homes, take this rank's helpers'
+        results into ``grad_x`` (in place) and ``grad_params``, and the step's kept-copy gradients.
+        Returns (grad of dyn_x, parameter grads per expert of ``grad_experts``, None: none)."""
+        start = time.perf_counter()
+        outgoing, starts = self.view.outgoing, self.view.starts
+        sends, self._sends = self._sends, []
         n_params = len(self.spec.param_names)
         for home, pieces in self.served.items():
             grads = messages.output_grads_to_helper(len(pieces)).unpack(
@@ -322,6 +338,7 @@ class Phase2MicroBatch:
             layout = messages.grads_to_home([piece.held is None for piece in pieces], n_params)
             sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS), layout.pack(parts)))
 
+        grad_params = list(grad_params)
         for helper, chunks in outgoing.items():
             layout = messages.grads_to_home([not self.copy_kept[m] for *_, m in chunks], n_params)
             parts = layout.unpack(self.transport.recv(helper, tag(self.seq, BWD_RESULTS)), "backward results")
@@ -333,7 +350,7 @@ class Phase2MicroBatch:
         sends += self._flush(grad_params)
         for future in sends:
             future.result()
-        self.home_pieces, self.served = [], {}
+        self.served = {}
         self._report(" bwd", start)
         return grad_x, grad_params
 
@@ -385,19 +402,52 @@ def _vjp(piece: _Piece, grad: torch.Tensor) -> list[torch.Tensor]:
     return [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
 
 
+def grad_experts(residency: Optional[LayerResidency], local_rank: int, dynamic: list[int], step_ends: bool,
+                 needs_grad: bool) -> list[int]:
+    """The local experts whose parameters phase 2 returns gradients for: the ``dynamic`` ones, then,
+    in the backward that ends a step, those whose only gradients this micro-batch are what helpers
+    kept (known before the plan: a step's last micro-batch keeps no new copy)."""
+    if residency is None or not (step_ends and needs_grad):
+        return list(dynamic)
+    kept_here = {e for home, e, _ in residency.table.entries().tolist() if home == local_rank}
+    return [*dynamic, *sorted(kept_here - set(dynamic))]
+
+
+class Phase2Anchor(torch.autograd.Function):
+    """Identity on ``(dyn_x, *params)`` (the ``grad_experts``' parameters), applied before the static
+    experts' forward: autograd runs later nodes first, so its backward, where phase 2 waits for the
+    domain (`Phase2MicroBatch.backward_rest`), comes after the static experts' backward was queued,
+    and the home's device is not idle while its host waits for helpers. ``box["step"]`` is the
+    micro-batch's `Phase2MicroBatch`, set once the plan is known."""
+
+    @staticmethod
+    def forward(ctx, box: dict, params_per_expert: int, dyn_x: torch.Tensor, *params):
+        ctx.box, ctx.params_per_expert = box, params_per_expert
+        return (dyn_x.view_as(dyn_x), *[p.view_as(p) for p in params])
+
+    @staticmethod
+    def backward(ctx, grad_x, *grad_params):
+        step, n = ctx.box.pop("step"), ctx.params_per_expert
+        grouped = [None if grad_params[i] is None else list(grad_params[i:i + n])
+                   for i in range(0, len(grad_params), n)]
+        grad_x, grouped = step.backward_rest(grad_x, grouped)
+        return (None, None, grad_x, *[g for gp in grouped for g in (gp if gp is not None else [None] * n)])
+
+
 class DynamicExperts(torch.autograd.Function):
     """Autograd boundary of a `Phase2MicroBatch`: ``(dyn_x, *params) -> dyn_y``; ``params``: those of the
-    step's ``grad_experts`` in order (the dynamic experts' first)."""
+    step's ``grad_experts`` in order (the dynamic experts' first). Its backward does only what waits
+    for no rank (`Phase2MicroBatch.backward_home`); the rest is `Phase2Anchor`'s."""
 
     @staticmethod
     def forward(ctx, step: Phase2MicroBatch, params_per_expert: int, dyn_x: torch.Tensor, *params):
-        ctx.step, ctx.params_per_expert = step, params_per_expert
+        ctx.step, ctx.params = step, len(params)
         grouped = [list(params[i:i + params_per_expert]) for i in range(0, len(params), params_per_expert)]
         return step.forward(dyn_x, grouped)
 
     @staticmethod
     def backward(ctx, grad_y):
-        grad_x, grad_params = ctx.step.backward(grad_y.contiguous())
+        grad_x, grad_params = ctx.step.backward_home(grad_y.contiguous())
         ctx.step = None
-        n = ctx.params_per_expert
-        return (None, None, grad_x, *[g for gp in grad_params for g in (gp if gp is not None else [None] * n)])
+        flat = [g for gp in grad_params for g in gp]
+        return (None, None, grad_x, *flat, *[None] * (ctx.params - len(flat)))  # none yet for kept copies' experts

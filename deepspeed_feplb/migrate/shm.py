@@ -114,10 +114,17 @@ class ShmTransport:
         return []
 
     # ---------------------------------------------------------------- producer side
-    def send(self, dst: int, tag: int, tensors: list[torch.Tensor]) -> Future:
+    def mark(self) -> None:
+        """The host runs in order: every tensor is ready when `send` is called."""
+        return None
+
+    def release(self, mark) -> None:
+        pass
+
+    def send(self, dst: int, tag: int, tensors: list[torch.Tensor], after=None) -> Future:
         """Queue ``tensors`` for ``dst`` on the copy thread; returns a future done once written.
 
-        The tensors must not be modified until the future is done.
+        The tensors must not be modified until the future is done (``after``: see `mark`).
         """
         if dst == self.local_rank:
             raise ValueError("a rank does not send to itself")

@@ -21,8 +21,11 @@ time-out still leaves data):
    MoE on 2 ranks, fp32 with TF32 off: outputs and gradients within 1e-5, tokens migrated > 0.
 7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
    dispatcher on the device.
-8. ``leaks``: no ``feplb-`` segment left in /dev/shm, device memory back to where it started.
-9. ``gpu_tests``: (CUDA) ``pytest tests/gpu`` with none skipped.
+8. ``syncs``, ``launches``, ``memory``, ``layer_speed``: the hot path (`hot_path.py`): device-to-host
+   syncs per layer forward (at most 1) and backward (0), kernels per layer, FEPLB's added peak
+   memory against docs/GPU.md's bound, and the layer's speed against DeepSpeed's MoE at EP = 1.
+9. ``leaks``: no ``feplb-`` segment left in /dev/shm, device memory back to where it started.
+10. ``gpu_tests``: (CUDA) ``pytest tests/gpu`` with none skipped.
 """
 from __future__ import annotations
 
@@ -311,7 +314,7 @@ def deepep(check: Check) -> dict:
     return {"ok": bool(equal), "deep_ep_importable": deepep_available(), "buffer": "ReferenceBuffer (EP size 1)"}
 
 
-# ------------------------------------------------------------------ 8. leaks, 9. gpu tests
+# ------------------------------------------------------------------ 9. leaks, 10. gpu tests
 def leaks(check: Check, baseline_bytes: int, segments_before: set) -> dict:
     from deepspeed_feplb.segments import leftover_segments
     left = sorted(set(leftover_segments()) - segments_before)  # another job's segments are not ours
@@ -353,8 +356,11 @@ def main(argv=None) -> int:
     from deepspeed_feplb.segments import leftover_segments
     baseline = 0 if args.cpu else torch.cuda.memory_allocated(0)
     segments_before = set(leftover_segments())
+    import hot_path
+    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed")}
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport, "layer": layer,
-              "deepep": deepep, "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
+              "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
+              "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
     chosen = [name.strip() for name in args.stages.split(",") if name.strip()] or list(stages)
     unknown = sorted(set(chosen) - set(stages))
     if unknown:

@@ -1,0 +1,270 @@
+"""The device check's hot-path stages (issue "GPU hot path I"): what one FEPLB layer costs the host
+and the device, measured where it runs. `device_check.py` calls them; ``cpu=True`` runs the same
+code on CPU stand-ins with tiny shapes (CI's dry run), where syncs and kernels cannot be counted.
+
+* `syncs`: device-to-host synchronisations per layer forward and backward of a balanced
+  micro-batch (``torch.cuda.set_sync_debug_mode``), with the source line of each; those inside
+  torch.distributed collectives are not counted (one GPU hosts both ranks over gloo, which copies
+  CUDA tensors through the host; NCCL would not).
+* `launches`: CUDA kernels per layer forward and backward (the profiler).
+* `memory`: four FEPLB layers, 8 micro-batches per step, residency ``"step"``: the peak device
+  memory FEPLB adds (allocator peak with FEPLB on minus off, plus the transport's slots) against
+  the bound of docs/GPU.md.
+* `layer_speed`: one GPU, EP = 1, bf16, 64 experts top-8, 8k tokens, hidden 2048 / ffn 1408:
+  forward + backward of the FEPLB layer against DeepSpeed's MoE.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+_COLLECTIVES = ("all_gather", "all_to_all_single", "all_reduce", "barrier", "broadcast", "all_gather_object",
+                "monitored_barrier")
+
+
+@contextlib.contextmanager
+def _collectives_unsynced():
+    """Collectives run with sync debugging off (gloo's host copies are not FEPLB's syncs)."""
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def quiet(fn):
+        def call(*args, **kwargs):
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, quiet(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def _count_syncs(cpu: bool, into: dict, key: str):
+    """Count the synchronising CUDA calls inside the block into ``into[key]`` (None on CPU) and
+    their source lines into ``into[key + "_where"]``."""
+    if cpu:
+        yield
+        into[key] = None
+        return
+    with warnings.catch_warnings(record=True) as caught, _collectives_unsynced():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    into[key] = len(syncs)
+    into[key + "_where"] = sorted({f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in syncs})
+
+
+def _balanced_layer(cpu: bool, num_experts: int = 16, residency: str = "micro_batch"):
+    """A FEPLB layer on 2 ranks (one GPU), tokens skewed to rank 0, domain open and balancing."""
+    import moe_cases
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0},
+             "weight_residency": residency, "max_helpers_per_expert": 4}
+    _, layer = moe_cases.build_pair(num_experts, 2, 2, feplb, seed=3)
+    return layer.to(dev), dev
+
+
+def _syncs_worker(cpu: bool) -> dict:
+    import moe_cases
+    if not cpu:
+        torch.cuda.set_device(0)
+    layer, dev = _balanced_layer(cpu)
+    for seed in range(3):  # the domain opens, the scheduler serves, buffers are allocated
+        x, w = moe_cases.rank_inputs(seed)
+        moe_cases.run_layer(layer, x.to(dev), w.to(dev))
+    x, w = moe_cases.rank_inputs(9)
+    x = x.to(dev).requires_grad_(True)
+    w = w.to(dev)
+    figures: dict = {}
+    with _count_syncs(cpu, figures, "forward"):
+        out, l_aux, _ = layer(x)
+    loss = (out * w).sum() + l_aux
+    with _count_syncs(cpu, figures, "backward"):
+        loss.backward()
+    figures["migrated_tokens"] = int(layer.feplb_stats["migrated_tokens"])
+    return figures
+
+
+def syncs(cpu: bool) -> dict:
+    from deepspeed_feplb.testing import run_distributed
+    results = run_distributed(_syncs_worker, 2, cpu, timeout=150)
+    figures = {"per_rank": results, "layer_kind": "DeepSpeed MoE (FEPLBMOELayer)",
+               "autoep_kind": "not measured here: needs transformers on the device"}
+    if cpu:
+        return {**figures, "note": "CPU dry run: the path runs, syncs are counted on CUDA only"}
+    ok = all(r["forward"] <= 1 and r["backward"] == 0 for r in results)
+    return {"ok": ok and sum(r["migrated_tokens"] for r in results) > 0, **figures}
+
+
+def _launches_worker(cpu: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    import moe_cases
+    if not cpu:
+        torch.cuda.set_device(0)
+    layer, dev = _balanced_layer(cpu)
+    for seed in range(3):
+        x, w = moe_cases.rank_inputs(seed)
+        moe_cases.run_layer(layer, x.to(dev), w.to(dev))
+    x, w = moe_cases.rank_inputs(9)
+    x, w = x.to(dev).requires_grad_(True), w.to(dev)
+    activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
+    counts = {}
+    with profile(activities=activities) as forward:
+        out, l_aux, _ = layer(x)
+        if not cpu:
+            torch.cuda.synchronize()
+    loss = (out * w).sum() + l_aux
+    with profile(activities=activities) as backward:
+        loss.backward()
+        if not cpu:
+            torch.cuda.synchronize()
+    for name, prof in (("forward", forward), ("backward", backward)):
+        events = prof.events()
+        counts[f"{name}_kernels"] = None if cpu else sum(e.device_type == torch.autograd.DeviceType.CUDA
+                                                          for e in events)
+        counts[f"{name}_aten_ops"] = sum(e.name.startswith("aten::") for e in events)
+    return counts
+
+
+def launches(cpu: bool) -> dict:
+    from deepspeed_feplb.testing import run_distributed
+    return {"per_rank": run_distributed(_launches_worker, 2, cpu, timeout=150)}
+
+
+def _memory_worker(cpu: bool, enabled: bool) -> dict:
+    import deepspeed_feplb
+    from deepspeed_feplb.migrate.resident import copy_bytes
+
+    import moe_cases
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if not cpu:
+        torch.cuda.set_device(0)
+    layers_n, micro_batches, D, G = 4, 8, 2, 2
+    feplb = {"enabled": enabled, "nvlink_domain_size": G, "dynamic_experts_per_rank": D, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore", "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0},
+             "weight_residency": "step", "max_helpers_per_expert": 4}
+    torch.manual_seed(5)
+    layers = torch.nn.ModuleList()
+    for _ in range(layers_n):
+        layer = deepspeed_feplb.MoE(hidden_size=moe_cases.HIDDEN, expert=moe_cases.make_expert(), num_experts=16,
+                                    ep_size=2, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
+                                    feplb_config=feplb)
+        moe_cases.skew_gate(layer.deepspeed_moe.gate.wg.weight)
+        layer.set_deepspeed_parallelism()
+        layers.append(layer)
+    layers = layers.to(dev)
+    if not cpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    most_kept = 0
+    for micro in range(micro_batches):
+        for layer in layers:
+            layer.deepspeed_moe.step_ends = lambda micro=micro: micro == micro_batches - 1
+        x, w = moe_cases.rank_inputs(20 + micro)
+        h = x.to(dev).requires_grad_(True)
+        aux = 0.0
+        for layer in layers:
+            out, l_aux, _ = layer(h)
+            h, aux = h + out, aux + l_aux
+        ((h * w.to(dev)).sum() + aux).backward()
+        domain = layers[0].deepspeed_moe.stage.domain if enabled else None
+        if domain is not None:
+            most_kept = max(most_kept, int(domain.kept_bytes.held.max()))
+    expert = layers[0].deepspeed_moe.experts.deepspeed_experts[0]
+    params = list(expert.parameters())
+    figures = {"peak_allocated": None if cpu else torch.cuda.max_memory_allocated() - base,
+               "most_kept_bytes": most_kept, "copy_bytes": copy_bytes(params),
+               "expert_bytes": sum(p.numel() * p.element_size() for p in params)}
+    stage = layers[0].deepspeed_moe.stage
+    if enabled and stage.domain is not None:
+        transport = stage.domain.transport
+        figures["slot_bytes"] = sum(transport.capacities().values()) if hasattr(transport, "capacities") else 0
+    return figures
+
+
+def memory(cpu: bool) -> dict:
+    """FEPLB's added peak (allocator peak on minus off, plus the slots) against docs/GPU.md's bound."""
+    from deepspeed_feplb.testing import run_distributed
+    on = run_distributed(_memory_worker, 2, cpu, True, timeout=200)
+    off = run_distributed(_memory_worker, 2, cpu, False, timeout=200)
+    layers_n, D, G, max_resident = 4, 2, 2, 8
+    rows = []
+    for rank, (a, b) in enumerate(zip(on, off)):
+        bound = (layers_n * max_resident * a["copy_bytes"]  # kept copies
+                 + layers_n * D * (G - 1) * a["expert_bytes"]  # copies held forward to backward
+                 + a.get("slot_bytes", 0))
+        added = None if cpu else a["peak_allocated"] - b["peak_allocated"] + a.get("slot_bytes", 0)
+        rows.append({"rank": rank, "added_bytes": added, "bound_bytes": bound, **a})
+    ok = cpu or all(r["added_bytes"] <= 1.05 * r["bound_bytes"] for r in rows)
+    return {"ok": ok, "per_rank": rows, "note": "added = peak allocated (on - off) + slots; bound: docs/GPU.md"}
+
+
+def _time_ms(fn, reps: int, cpu: bool) -> float:
+    """Median wall time of ``fn`` (forward + backward), ms."""
+    samples = []
+    for _ in range(reps):
+        if not cpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if not cpu:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _layer_speed_worker(cpu: bool) -> dict:
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    import deepspeed_feplb
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    experts, k, tokens, hidden, ffn = (8, 2, 256, 64, 48) if cpu else (64, 8, 8192, 2048, 1408)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    expert = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
+    kwargs = dict(hidden_size=hidden, expert=expert, num_experts=experts, ep_size=1, k=k, min_capacity=0,
+                  drop_tokens=False, use_rts=False)
+    torch.manual_seed(0)
+    layers = {"deepspeed_moe": DeepSpeedMoE(**kwargs), "feplb_deepspeed_kind": deepspeed_feplb.MoE(**kwargs)}
+    layers["feplb_deepspeed_kind"].load_state_dict(layers["deepspeed_moe"].state_dict())
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype, requires_grad=True)
+    figures = {"shape": {"experts": experts, "top_k": k, "tokens": tokens, "hidden": hidden, "ffn": ffn,
+                         "dtype": str(dtype)}}
+    for name, layer in layers.items():
+        layer.set_deepspeed_parallelism()
+        layer.to(dev, dtype)
+
+        def step(layer=layer):
+            out, l_aux, _ = layer(x)
+            (out.float().square().mean() + l_aux).backward()
+
+        _time_ms(step, 3, cpu)  # warm-up
+        figures[f"{name}_ms"] = round(_time_ms(step, 5 if cpu else 20, cpu), 3)
+    figures["feplb_over_deepspeed"] = round(figures["feplb_deepspeed_kind_ms"] / figures["deepspeed_moe_ms"], 3)
+    figures["autoep_grouped_experts"] = "not measured here: needs transformers on the device"
+    return figures
+
+
+def layer_speed(cpu: bool) -> dict:
+    from deepspeed_feplb.testing import run_distributed
+    (figures, ) = run_distributed(_layer_speed_worker, 1, cpu, timeout=200)
+    return {"ok": cpu or figures["feplb_over_deepspeed"] <= 1.0, **figures}
