@@ -11,7 +11,9 @@ name) and summary.md gets a table of the runs (steps, median step time, loss).
 Output, in ``--out``: ``stragglers.png`` (token straggler before/after balancing and measured
 GEMM straggler per layer over steps), ``migration.png`` (migrated tokens and bytes, plan latency,
 fallbacks), ``loss.png`` when the log has losses; ``summary.json`` with the per-layer means over
-steps that the figures show, and ``summary.md``, one page with the same means, what each metric
+steps that the figures show (key: the layer, ``<run>: <layer>`` with several inputs) and ``runs``,
+the run table (per input: steps, median step time, tokens/s, first and last loss); and
+``summary.md``, one page with the same means, what each metric
 means and the figures. Each step's value is what the monitor logged for it: the mean over the
 step's micro-batches (stragglers, plan latency) or their sum (tokens, bytes, copies, fallbacks).
 """
@@ -129,7 +131,7 @@ def labels_for(inputs: list, given: list | None) -> list[str]:
     (with its position where two inputs share a name)."""
     if given:
         if len(given) != len(inputs):
-            raise ValueError(f"--label given {len(given)} times for {len(inputs)} inputs; give one per input, "
+            raise ValueError(f"{len(given)} --label value(s) for {len(inputs)} inputs; give one per input, "
                              "in the inputs' order")
         return list(given)
     names = [Path(source).name or str(source) for source in inputs]
@@ -293,7 +295,7 @@ def figures(series: dict, loss: dict) -> dict:
         (("token_straggler_before", "token_straggler_after", "warm_start_token_straggler"),
          "token straggler (max − mean over a domain's ranks)", "tokens"),
         (("gemm_straggler_ms",), "measured GEMM straggler\n(expert-compute wall time, max − mean)", "ms"),
-    ], "FEPLB stragglers per step (each step: mean over its micro-batches)")
+    ], "Stragglers per step (each step: mean over its micro-batches)")
     if stragglers is not None:
         out["stragglers.png"] = stragglers
     migration = grid([
@@ -410,7 +412,8 @@ def plot(series: dict, loss: dict, out_dir: str | os.PathLike, sources=(), draw:
         pyplot().close(fig)
         written.append(str(path))
     path = out / "summary.json"
-    path.write_text(json.dumps(summary(series), indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps({**summary(series), **({"runs": list(runs.values())} if runs else {})}, indent=2,
+                               sort_keys=True) + "\n")
     written.append(str(path))
     path = out / "summary.md"
     path.write_text(summary_markdown(series, loss, list(drawn), sources, runs))
@@ -454,24 +457,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="a run's name in tables and figures, once per input in their order "
                              "(default: the input's file or folder name)")
     parser.add_argument("--out", default="feplb_report", metavar="DIR", help="output directory (default: %(default)s)")
-    parser.set_defaults(func=_report_command)
+    parser.set_defaults(func=_report_command, fail=parser.error)
     return parser
 
 
-def _fail(message: str):
-    """One line on stderr and exit status 2, as argparse does for a bad option; no traceback."""
-    print(f"report: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def _report_command(args) -> int:
+    # a bad input ends as a bad option does: the command's usage, one error line, exit status 2
     missing = [source for source in args.inputs if not os.path.exists(source)]
     if missing:
-        _fail(f"{', '.join(missing)} not found; give a log with the examples' JSON lines or a CSV-monitor directory")
+        args.fail(f"{', '.join(missing)} not found; give a log with the examples' JSON lines or a CSV-monitor "
+                  "directory")
     try:
         labels = labels_for(args.inputs, args.label)
     except ValueError as e:
-        _fail(str(e))
+        args.fail(str(e))
     draw = True
     try:
         pyplot()

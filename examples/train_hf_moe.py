@@ -39,7 +39,7 @@ import deepspeed_feplb
 from deepspeed_feplb.integration.autoep import autoep_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe import as_dict, feplb_off, log_line, progress_bar, rounded, summarize
+from train_moe import SchedulerCPU, as_dict, feplb_off, log_line, progress_bar, rounded, scheduler_pid, summarize
 
 VOCAB = 128
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
@@ -147,7 +147,7 @@ def train(args, log=print) -> tuple[list[dict], object]:
     engine, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
                                                  config=ds_config(args, world))
     g = torch.Generator().manual_seed(1000 + rank)
-    history = []
+    history, scheduler_cpu = [], SchedulerCPU()
     bar = progress_bar(args.steps, args.progress)
     for _ in range(args.steps):
         start_time = time.perf_counter()
@@ -169,8 +169,11 @@ def train(args, log=print) -> tuple[list[dict], object]:
             log_line(log, json.dumps(record), bar)
         if bar is not None:
             bar.update()
+        scheduler_cpu.sample(scheduler_pid(engine.module))
     if bar is not None:
         bar.close()
+    if history and scheduler_cpu.percent() is not None:
+        history[-1]["scheduler_cpu_percent"] = round(scheduler_cpu.percent(), 2)
     return history, engine
 
 

@@ -151,7 +151,7 @@ def train(args, ds_config=None, log=print) -> list[dict]:
                                                  model_parameters=model.parameters(), config=ds_config)
     data = stdlib_bytes()
     loss_fn = torch.nn.CrossEntropyLoss()
-    history, pid = [], 0
+    history, scheduler_cpu = [], SchedulerCPU()
     stream = batches(data, args.batch, args.context, seed=1000 + rank)
     bar = progress_bar(args.steps, getattr(args, "progress", False))
     for _ in range(args.steps):
@@ -174,14 +174,37 @@ def train(args, ds_config=None, log=print) -> list[dict]:
             log_line(log, json.dumps(record), bar)
         if bar is not None:
             bar.update()
-        if not pid:  # from the step its scheduler process is up (it starts with the first forward)
-            pid, wall0 = scheduler_pid(engine.module), time.perf_counter()
-            cpu0 = cpu_seconds(pid)
+        scheduler_cpu.sample(scheduler_pid(engine.module))
     if bar is not None:
         bar.close()
-    if pid:
-        history[-1]["scheduler_cpu_percent"] = round(100 * (cpu_seconds(pid) - cpu0) / (time.perf_counter() - wall0), 2)
+    if scheduler_cpu.percent() is not None:
+        history[-1]["scheduler_cpu_percent"] = round(scheduler_cpu.percent(), 2)
     return history
+
+
+class SchedulerCPU:
+    """CPU the domain's scheduler process used, as a share of one core, from the step it first
+    served to the end, summed over the processes that replaced it (a restart has a new pid)."""
+
+    def __init__(self):
+        self.first: dict[int, float] = {}  # pid -> its CPU seconds when first seen (0 for a restarted one)
+        self.used: dict[int, float] = {}  # pid -> CPU seconds used since, at its last sample
+        self.since = 0.0
+
+    def sample(self, pid: int) -> None:
+        if pid <= 0:
+            return
+        now = cpu_seconds(pid)  # 0 once the process is gone: its last sample stands
+        if pid not in self.first:
+            self.first[pid] = now if not self.first else 0.0
+            self.since = self.since or time.perf_counter()
+        self.used[pid] = max(self.used.get(pid, 0.0), now - self.first[pid])
+
+    def percent(self) -> float | None:
+        """The share of one core in %, or None when no process served."""
+        if not self.first:
+            return None
+        return 100 * sum(self.used.values()) / max(time.perf_counter() - self.since, 1e-9)
 
 
 def as_dict(ds_config) -> dict:
@@ -199,9 +222,13 @@ def feplb_off(ds_config) -> dict:
 
 
 def scheduler_pid(model) -> int:
-    """Pid of the scheduler process this rank started (rank 0 of each domain), else 0."""
-    domain = getattr(getattr(model.moe.deepspeed_moe, "stage", None), "domain", None)
-    return domain.scheduler.scheduler_pid() if domain is not None and domain.local_rank == 0 else 0
+    """Pid of the scheduler process this rank started (rank 0 of its domain; the FEPLB layers of a
+    model share it), else 0."""
+    for module in model.modules():
+        domain = getattr(getattr(module, "stage", None), "domain", None)
+        if domain is not None:
+            return domain.scheduler.scheduler_pid() if domain.local_rank == 0 else 0
+    return 0
 
 
 def main() -> None:
@@ -259,8 +286,9 @@ def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True, bas
         print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
               "(from the step it was up to the end)")
     else:
-        print("  scheduler process (feplb-sched): not up in this run (feplb.scheduler.mode \"inline\", or the run "
-              "ended before feplb.scheduler.start_after_steps micro-batches); the ranks planned in-process")
+        print("  scheduler process (feplb-sched): did not serve in this run (it starts when a layer first balances "
+              "and serves once it has loaded the planner, or compiled it on a cold numba cache; "
+              "feplb.scheduler.mode \"inline\" never starts it); plans came from the ranks")
     if per_step(history, "weight_copies"):
         mean = {key: np.mean(per_step(history, key, np.sum) or [0]) for key in (
             "weight_copies", "weight_bytes", "resident_hits", "flushed_copies", "grad_bytes")}

@@ -164,7 +164,29 @@ def test_train_moe_summary_uses_the_means_of_report(tmp_path, capsys):
     assert (f"token straggler (max-mean): {means['token_straggler_before_mean']:.1f} -> "
             f"{means['token_straggler_after_mean']:.1f}") in out, out
     assert "(steps 3..4)" in out  # the steps as the lines number them
-    assert "scheduler process (feplb-sched): not up in this run" in out  # said, not left out
+    assert "scheduler process (feplb-sched): did not serve in this run" in out  # said, not left out
+
+
+def test_the_scheduler_cpu_counts_every_process_that_served_and_never_goes_negative():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import train_moe
+    cpu = train_moe.SchedulerCPU()
+    assert cpu.percent() is None
+    first = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a busy stand-in for feplb-sched
+    try:
+        cpu.sample(first.pid)
+        time.sleep(0.3)
+        cpu.sample(first.pid)
+    finally:
+        first.kill()
+        first.wait()
+    cpu.sample(first.pid)  # gone: /proc has nothing, its last sample stands
+    cpu.sample(os.getpid())  # "restarted": a new pid counts from its own start
+    assert 0 < cpu.used[first.pid] and cpu.used[os.getpid()] > 0 and cpu.percent() > 0
 
 
 # ---------------------------------------------------------------- train_hf_moe.py

@@ -159,6 +159,8 @@ def test_placement_refuses_autoep_layers(monkeypatch):
 
 
 def one_node_placement_warning() -> list:
+    import contextlib
+    import io
     import warnings
 
     import torch
@@ -168,12 +170,16 @@ def one_node_placement_warning() -> list:
                                 use_rts=False, feplb_config={"nvlink_domain_size": 2,
                                                              "placement": {"enabled": True}})
     layer.set_deepspeed_parallelism()
-    with warnings.catch_warnings(record=True) as caught:
+    out = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
         warnings.simplefilter("always")
-        layer(torch.randn(16, 8))
-    return [str(w.message) for w in caught if "feplb.placement.enabled" in str(w.message)]
+        for _ in range(2):
+            layer(torch.randn(16, 8))
+    return [line for line in out.getvalue().splitlines() if "feplb.placement.enabled" in line] + \
+        [str(w.message) for w in caught if "placement" in str(w.message)]
 
 
-def test_placement_on_one_node_says_it_will_not_move_experts():
-    for said in run_distributed(one_node_placement_warning, 2, timeout=300):
-        assert len(said) == 1 and "is one NVLink domain" in said[0], said
+def test_placement_on_one_node_says_it_will_not_move_experts_in_one_line():
+    said = run_distributed(one_node_placement_warning, 2, timeout=300)
+    assert len(said[0]) == 1 and said[0][0].startswith("deepspeed_feplb: ") and "is one NVLink domain" in said[0][0]
+    assert said[1] == [], said  # one line per job: the first rank says it

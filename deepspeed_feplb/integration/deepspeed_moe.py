@@ -171,10 +171,10 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params) 
     placement = config.placement
     if layer.ep_size <= domain_size(config, layer.ep_size) and not _warned.get("one-node placement"):
         _warned["one-node placement"] = True
-        warnings.warn(f"feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one NVLink "
-                      "domain (feplb.nvlink_domain_size), so placement has no node to balance against another and "
-                      "will not move experts; per-micro-batch balancing inside the domain does the work", UserWarning,
-                      stacklevel=5)
+        if dist.get_rank() == 0:  # one line per job, not a warning per rank
+            print(f"deepspeed_feplb: feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one "
+                  "NVLink domain (feplb.nvlink_domain_size), so placement has no node to balance against another and "
+                  "will not move experts; per-micro-batch balancing inside the domain does the work", flush=True)
     return ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
                            domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
                            placement.network_gbps, state_bytes_per_expert(expert_params),
