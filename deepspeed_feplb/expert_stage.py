@@ -129,6 +129,8 @@ class ExpertStage:
         self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # received digest -> decision, for recomputes
         self._exchange_us = float("nan")  # this rank's last count exchange
         self._rows_here = 0  # this rank's rows in the current micro-batch
+        self.records = False  # a trace recorder reads `last` (`trace.record`)
+        self.last: Optional[dict] = None  # with `records`: what the last micro-batch did (`_record`)
 
     # ------------------------------------------------------------------ group facts
     def announce(self) -> tuple[float, ...]:
@@ -225,13 +227,19 @@ class ExpertStage:
         if not math.isnan(facts.exchange_seconds):  # a backend that exchanged nothing leaves the last figure
             self._exchange_us = facts.exchange_seconds * 1e6
         config = self.config
+        record = {} if self.records and torch.is_grad_enabled() and not recomputing() else None
+        if record is not None and not rows.requires_grad:
+            # the recorded backward ends at the rows' gradient: a layer fed without gradients (a test's
+            # first layer; a model's hidden states have them) computes that gradient when recording
+            rows = rows.detach().requires_grad_()
+        start = time.perf_counter()
         if self.balances_now(facts):
             out, stats = run_experts(rows, counts, experts.modules, experts.params(), experts.spec, self.domain,
                                      config, self.expert_bytes, self.compute_times, self.stage_times,
-                                     experts.static_fn, self.residency, step_ends, self._mean_rows(facts))
+                                     experts.static_fn, self.residency, step_ends, self._mean_rows(facts), record)
             if stats is not None:
                 self.stats = stats
-            return out
+            return self._record(record, rows, out, start)
         if experts.direct is None or (self.balances and dist.get_world_size() > self.ep_size):
             # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
             # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
@@ -245,6 +253,34 @@ class ExpertStage:
                         experts.static_fn)
         if config.stats.enabled and not recomputing():
             self.stats = self._local_stats(counts, facts)
+        return self._record(record, rows, out, start)
+
+    def _record(self, record: Optional[dict], rows: torch.Tensor, out: torch.Tensor, start: float) -> torch.Tensor:
+        """With a trace recorder: keep in `last` what this micro-batch did: ``moves`` int64 [M, 5] =
+        (home EP rank, local expert, helper EP rank, rows, fresh) of its domain's plan, ``plan_us``,
+        and the stage's host time, ``forward_us`` now and ``backward_us`` once its backward ran (from
+        the output's gradient to the rows'; NaN until then). Returns ``out``."""
+        if record is None:
+            return out
+        first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
+        moves = record.get("moves", np.zeros((0, 4), np.int64))
+        fresh = record.get("fresh", np.ones(len(moves), np.bool_))
+        self.last = {"moves": np.column_stack([moves[:, 0] + first, moves[:, 1], moves[:, 2] + first, moves[:, 3],
+                                               fresh]).astype(np.int64).reshape(-1, 5),
+                     "plan_us": record.get("plan_us", float("nan")),
+                     "forward_us": (time.perf_counter() - start) * 1e6, "backward_us": float("nan")}
+        if out.requires_grad and rows.requires_grad:
+            last, begun = self.last, []
+
+            def backward_begins(grad):
+                begun.append(time.perf_counter())
+
+            def backward_ends(grad):
+                if begun:
+                    last["backward_us"] = (time.perf_counter() - begun[0]) * 1e6
+
+            out.register_hook(backward_begins)
+            rows.register_hook(backward_ends)
         return out
 
     def _mean_rows(self, facts: GroupFacts) -> float:
@@ -322,7 +358,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
                 params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
                 expert_bytes: int, times: ComputeTimes, stage_times: Optional[StageTimes] = None,
                 static_fn: Optional[StaticFn] = None, residency: Optional[LayerResidency] = None,
-                step_ends: bool = True, mean_rows: float = 0.0) -> tuple[torch.Tensor, Optional[MicroBatchStats]]:
+                step_ends: bool = True, mean_rows: float = 0.0,
+                record: Optional[dict] = None) -> tuple[torch.Tensor, Optional[MicroBatchStats]]:
     """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
     stats or None when ``config.stats`` is off), balanced over ``domain``.
 
@@ -331,8 +368,10 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later);
     ``residency`` is the layer's weight residency (None: none) and ``step_ends`` says whether this
     micro-batch is the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank
-    over the whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean). A forward that
-    activation checkpointing recomputes in backward leaves residency alone and returns no stats.
+    over the whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean); ``record``:
+    a dict that receives the plan's ``moves``, their ``fresh`` flags and ``plan_us`` (a trace
+    recorder's, `ExpertStage._record`). A forward that activation checkpointing recomputes in
+    backward leaves residency alone and returns no stats.
     """
     stage_times = stage_times if stage_times is not None else StageTimes()
     recompute = recomputing()
@@ -379,6 +418,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
                               [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times,
                               residency, step_ends, ready)
     box["step"] = phase2
+    if record is not None:
+        record.update(moves=planned.plan.moves, fresh=phase2.fresh, plan_us=planned.seconds * 1e6)
     dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x, *dyn_params)
     for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
         outs[e] = y

@@ -38,6 +38,7 @@ def _moe(seed, path):
 def record_two_layers(path, steps):
     first, second = _moe(1, path), _moe(2, path)
     seen = []  # per step: [second's exp_counts, first's exp_counts] (call order)
+    migrated = []  # per step: rows the two layers' plans moved (call order)
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x = torch.randn(TOKENS + 3 * dist.get_rank(), HIDDEN, generator=g) + 0.5 * step
@@ -45,6 +46,7 @@ def record_two_layers(path, steps):
         z, _, _ = first(torch.tanh(y))
         z.square().mean().backward()
         seen.append([second.deepspeed_moe.exp_counts.tolist(), first.deepspeed_moe.exp_counts.tolist()])
+        migrated.append([int(layer.feplb_stats["migrated_tokens"]) for layer in (second, first)])
     first.eval()
     second.eval()
     with torch.no_grad():
@@ -52,7 +54,7 @@ def record_two_layers(path, steps):
         first(torch.randn(TOKENS, HIDDEN))
     written = get_recorder(path).flush()
     dist.barrier()
-    return {"seen": seen, "written": written}
+    return {"seen": seen, "written": written, "migrated": migrated}
 
 
 def test_recorded_trace_matches_exp_counts(tmp_path):
@@ -70,6 +72,15 @@ def test_recorded_trace_matches_exp_counts(tmp_path):
     assert (trace.counts.sum(axis=3) == 2 * (TOKENS + 3 * np.arange(WORLD))).all()
     # the two layers route differently (distinct gates), so first-call order is observable
     assert not np.array_equal(trace.counts[:, 0], trace.counts[:, 1])
+    # what the runtime did: every step's plan (the last step's is gathered by no later forward)
+    # and every rank's stage times
+    moved = np.zeros((steps, 2), np.int64)
+    np.add.at(moved, (trace.plan_moves[:, 0], trace.plan_moves[:, 1]), trace.plan_moves[:, 5])
+    expect = np.array(results[0]["migrated"])
+    assert np.array_equal(moved[:-1], expect[:-1]) and expect[:-1].sum() > 0, (moved, expect)
+    assert (trace.plan_moves[:, 3] // (EXPERTS // WORLD) != trace.plan_moves[:, 2] // (EXPERTS // WORLD)).sum() == 0
+    assert trace.stage_us.shape == (steps, 2, WORLD, 3)
+    assert (trace.stage_us[:-1, :, :, :2] > 0).all() and np.isnan(trace.stage_us[-1]).all()
 
 
 def test_shipped_real_trace_is_valid_and_skewed():

@@ -333,3 +333,22 @@ def test_a_shipped_trace_is_found_by_its_name_from_any_folder(tmp_path, monkeypa
     assert _simulate("--trace", "stdlib_moe_ep8_4k.npz", "--ranks-per-node", "8", "--steps", "1",
                      "--policies", "vanilla") == 0
     assert "| vanilla |" in capsys.readouterr().out
+
+
+def test_simulate_compares_the_model_with_a_recorded_run(tmp_path, capsys):
+    from test_sim import _recorded_trace
+
+    from deepspeed_feplb.trace.format import Trace, save_trace
+    recorded, plain = tmp_path / "recorded.npz", tmp_path / "plain.npz"
+    save_trace(recorded, _recorded_trace(1.0))
+    save_trace(plain, Trace(_recorded_trace(1.0).counts))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", str(recorded), "--ranks-per-node", "2", "--dynamic-experts", "1",
+                 "--policies", "feplb", "--compare-measured", "--json", str(out), "--no-progress"]) == 0
+    measured = json.loads(out.read_text())["measured_vs_model"]
+    assert measured["micro_batches"] == 2 and measured["profile"] == "h100" and "median_abs_rel_error" in measured
+    assert "time model vs measured (2 micro-batches x domains): median |error|" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--trace", str(plain), "--ranks-per-node", "2", "--policies", "feplb",
+              "--compare-measured", "--no-progress"])
+    assert exit_.value.code == 2 and "no runtime record" in _error_line(capsys)

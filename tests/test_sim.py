@@ -260,3 +260,37 @@ def test_cli_simulate_contract(tmp_path):
     rc = main(["trace", "--kind", "zipf", "--steps", "2", "--layers", "1", "--ranks", "2", "--experts", "8",
                "--tokens-per-rank", "16", "--top-k", "2", "--out", str(tmp_path / "z.npz")])
     assert rc == 0 and load_trace(tmp_path / "z.npz").counts.shape == (2, 1, 2, 8)
+
+
+def _recorded_trace(measured_over_model: float) -> Trace:
+    """Two ranks (one domain), experts 0-1 on rank 0 and 2-3 on rank 1, three micro-batches; from
+    the second on the runtime moved 10 rows of expert 0 to rank 1 with its weights, and the slowest
+    rank's measured stage time is ``measured_over_model`` x the model's 30 µs (see the test)."""
+    counts = np.zeros((3, 1, 2, 4), np.int64)
+    counts[:, 0, 0] = [30, 10, 5, 5]
+    moves = np.array([[1, 0, 0, 0, 1, 10, 1], [2, 0, 0, 0, 1, 10, 1]], np.int64)
+    stage = np.full((3, 1, 2, 3), np.nan)
+    stage[1:, 0, 0] = [20.0 * measured_over_model, 10.0 * measured_over_model, 5.0]  # forward, backward, plan
+    stage[1:, 0, 1] = [10.0, 5.0, 5.0]
+    return Trace(counts, plan_moves=moves, stage_us=stage)
+
+
+def test_the_time_model_is_compared_with_a_recorded_runs_own_plans(tmp_path):
+    from deepspeed_feplb.plan.timeline import TimeModel
+    from deepspeed_feplb.sim.measured import compare_measured, predicted_and_measured
+
+    # 1 µs per row, free pieces, a 5 µs weight copy and gradient, 0.1 µs per row copied: rank 0
+    # keeps 20 + 10 rows (30 µs); rank 1 computes its 10, then the chunk (arrived at 6 µs) until
+    # 20 µs, whose outputs (1 µs) and gradients (5 µs) are home at 26 µs: the makespan is 30 µs
+    # (40 µs, had the move been read with the wrong expert or rank)
+    model = TimeModel(1, 1.0, 0.0, 5.0, 5.0, 0.1)
+    path = tmp_path / "recorded.npz"
+    save_trace(path, _recorded_trace(1.1))
+    trace = load_trace(path)  # plans and stage times survive the file
+    rows = predicted_and_measured(trace, model, ranks_per_node=2)
+    assert rows.tolist() == [[1, 0, 0, 30.0, 33.0], [2, 0, 0, 30.0, 33.0]]  # the first micro-batch is skipped
+    errors = compare_measured(trace, model, ranks_per_node=2)
+    assert errors["micro_batches"] == 2 and errors["median_rel_error"] == pytest.approx(-1 / 11)
+    assert errors["median_abs_rel_error"] == errors["p90_abs_rel_error"] == pytest.approx(1 / 11)
+    with pytest.raises(ValueError, match="no runtime record"):
+        compare_measured(Trace(trace.counts), model, ranks_per_node=2)

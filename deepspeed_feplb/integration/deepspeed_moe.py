@@ -86,6 +86,7 @@ class FEPLBMOELayer(MOELayer):
             return
         self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size,
                                  self.num_local_experts, expert_params, hidden)
+        self.stage.records = self.recorder is not None  # the trace carries what the stage did
         install_exit_handlers()
         refuse_stateful_experts(experts[0], hidden, migrating=config.dynamic_experts_per_rank > 0 and self.ep_size > 1)
         if getattr(self.gate, "drop_tokens", False):

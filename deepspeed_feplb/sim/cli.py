@@ -15,6 +15,7 @@ and ``rank_tokens`` int64 [steps, layers, ranks].
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -171,6 +172,12 @@ def add_parser(subparsers) -> None:
                    help="replay only the first STEPS micro-batches of the trace (default: all)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (there is none either when tqdm is not installed)")
+    p.add_argument("--compare-measured", action="store_true",
+                   help="for a trace recorded by a FEPLB run (feplb.stats.record_trace): replay its own plans "
+                        "through the time model and compare each micro-batch's predicted expert-stage makespan "
+                        "with the measured one (the slowest rank's forward + backward stage time); prints the "
+                        "errors, writes them to OUT.json as measured_vs_model, and with --plot draws predicted "
+                        "against measured into OUT_measured.png")
     p.set_defaults(func=run_simulate)
 
 
@@ -292,6 +299,28 @@ def _setup(args, trace, D):
                     max_resident=args.max_resident, max_rows_over_mean=args.max_rows_over_mean)
 
 
+def _compare_measured(args, trace, setup) -> dict:
+    """`sim.measured.compare_measured` of ``trace`` under the setup's time model; prints one line and,
+    with ``--plot``, draws predicted against measured per micro-batch."""
+    from deepspeed_feplb.plan.timeline import TimeModel
+
+    from .measured import compare_measured, predicted_and_measured
+    model = TimeModel.of(setup.shape, setup.profile)
+    try:
+        errors = compare_measured(trace, model, setup.ranks_per_node)
+    except ValueError as e:
+        _fail(f"--compare-measured: {e}")
+    print(f"time model vs measured ({errors['micro_batches']} micro-batches x domains): median |error| "
+          f"{errors['median_abs_rel_error']:.1%}, p90 {errors['p90_abs_rel_error']:.1%}, median signed "
+          f"{errors['median_rel_error']:+.1%} (negative: the model predicts less time than was measured)")
+    if args.plot:
+        from .report import plot_measured
+        stem, _ = os.path.splitext(args.plot)
+        plot_measured(f"{stem}_measured.png", predicted_and_measured(trace, model, setup.ranks_per_node),
+                      title=f"{os.path.basename(args.trace)}: cost profile {setup.profile.name}")
+    return {**errors, "profile": setup.profile.name, "model": dataclasses.asdict(model)}
+
+
 def run_simulate(args) -> int:
     from dataclasses import asdict, replace
 
@@ -327,6 +356,8 @@ def run_simulate(args) -> int:
     }
     if d_sweep:
         out["d_sweep"] = {p: {str(d): v for d, v in by_d.items()} for p, by_d in d_sweep.items()}
+    if args.compare_measured:
+        out["measured_vs_model"] = _compare_measured(args, trace, setup)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=float)

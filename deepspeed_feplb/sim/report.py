@@ -192,3 +192,23 @@ def plot(path: str, runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, 
     fig = figure(runs, d_sweep, layer, title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_measured(path: str, rows: np.ndarray, title: str = "") -> None:
+    """Predicted against measured expert-stage makespan per micro-batch (`measured.predicted_and_measured`
+    rows ``[K, 5]``), with the line of a perfect model."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    predicted, measured = rows[:, 3] / 1e3, rows[:, 4] / 1e3
+    ax.scatter(measured, predicted, s=12)
+    top = max(float(measured.max(initial=0)), float(predicted.max(initial=0)), 1e-3) * 1.05
+    ax.plot([0, top], [0, top], color="grey", lw=1, label="model = measured")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured makespan (ms): slowest rank, stage fwd + bwd")
+    ax.set_ylabel("time model's makespan of the same plan (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -4,6 +4,13 @@ A trace holds ``counts`` int64 ``[steps, layers, src_ranks, experts]``: tokens (
 pairs) that the router of ``layer`` sent to ``expert`` from EP rank ``src_rank`` at micro-batch
 ``step``. Optional scalars: ``top_k``, ``hidden``, ``ffn_hidden``, ``source`` (free text).
 Experts are placed contiguously (``expert // (experts / ranks)``), as DeepSpeed does.
+
+A trace recorded by a FEPLB run (`trace.record`) also holds what the runtime did, so that the
+simulator's time model can be checked against it (``simulate --compare-measured``):
+``plan_moves`` int64 ``[M, 7]`` = (step, layer, expert, home_rank, helper_rank, rows, fresh):
+the plans' moves (EP ranks; ``fresh``: the chunk carried the expert's weights), and
+``stage_us`` float64 ``[steps, layers, ranks, 3]``: per EP rank, the expert stage's measured
+forward and backward time and its plan latency (µs; NaN where not measured).
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ class Trace:
     hidden: Optional[int] = None
     ffn_hidden: Optional[int] = None
     source: str = ""
+    plan_moves: Optional[np.ndarray] = None
+    stage_us: Optional[np.ndarray] = None
 
     def __post_init__(self):
         counts = np.asarray(self.counts)
@@ -60,6 +69,9 @@ def save_trace(path: str | os.PathLike, trace: Trace) -> None:
                                ("ffn_hidden", trace.ffn_hidden)) if v is not None}
     if trace.source:
         extra["source"] = np.array(trace.source)
+    for key in ("plan_moves", "stage_us"):
+        if getattr(trace, key) is not None:
+            extra[key] = getattr(trace, key)
     with open(path, "wb") as f:
         np.savez_compressed(f, counts=trace.counts, **extra)
 
@@ -75,6 +87,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
                 meta[key] = int(z[key])
         if "source" in z:
             meta["source"] = str(z["source"])
+        for key in ("plan_moves", "stage_us"):
+            if key in z:
+                meta[key] = z[key]
         return Trace(counts=z["counts"], **meta)
 
 

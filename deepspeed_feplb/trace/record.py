@@ -10,6 +10,11 @@ gathers; rank 0 writes ``counts`` int64 ``[steps, layers, src_ranks, experts]`` 
 layer completed) with :func:`deepspeed_feplb.trace.format.save_trace`, at :meth:`flush`, at
 `deepspeed_feplb.shutdown` (through :func:`flush_all`) and at interpreter exit.
 
+What the runtime did is recorded too (`trace.format`: ``plan_moves``, ``stage_us``): each call
+also gathers, over the same group, what the layer's expert stage did in the previous micro-batch
+(`ExpertStage.last`: its domain's plan, and the stage's forward and backward time and plan
+latency on each rank), whose backward has run by then; the last micro-batch's stays unmeasured.
+
 Eval-mode forwards are not recorded (they are not training micro-batches); a forward recomputed
 by activation checkpointing would be recorded twice.
 """
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.collectives import gather_small
 from deepspeed_feplb.trace.format import Trace, save_trace
 
 __all__ = ["TraceRecorder", "get_recorder", "flush_all"]
@@ -45,6 +51,7 @@ class TraceRecorder:
         self.source = source
         self.layers: dict[int, int] = {}  # id(layer) -> layer number (first-call order)
         self.calls: list[list[np.ndarray]] = []  # per layer: [src_ranks, experts] per step
+        self.stages: list[list[list]] = []  # per layer and step: every EP rank's `ExpertStage.last` (or None)
         self.meta: dict = {}
         self.active: Optional[bool] = None  # this rank's EP group holds global rank 0
         self.writer = False
@@ -62,6 +69,10 @@ class TraceRecorder:
             self._setup(group)
         if not self.active:
             return
+        stage = getattr(layer, "stage", None)
+        # the previous micro-batch's stage record, whose backward has run (every rank calls this alike)
+        previous = stage.last if stage is not None else None
+        everyone = gather_small(previous, group=group, device=expert_ids.device) if group is not None else [previous]
         num_experts = layer.ep_size * layer.num_local_experts
         flat = expert_ids.reshape(-1).long()
         flat = flat[(flat >= 0) & (flat < num_experts)]
@@ -79,9 +90,13 @@ class TraceRecorder:
         if number is None:
             number = self.layers[key] = len(self.layers)
             self.calls.append([])
+            self.stages.append([])
             if not self.meta:
                 self.meta = {"top_k": int(expert_ids.shape[0]), **_shapes(layer)}
+        if self.stages[number] and any(r is not None for r in everyone):
+            self.stages[number][-1] = everyone
         self.calls[number].append(counts.numpy())
+        self.stages[number].append([None] * len(everyone))
 
     def _setup(self, group) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -101,7 +116,23 @@ class TraceRecorder:
             if steps:
                 counts[:, number] = np.stack(calls[:steps])
         source = self.source or f"deepspeed_feplb record_trace of {os.path.basename(sys.argv[0]) or 'python'}"
-        return Trace(counts, source=source, **self.meta)
+        return Trace(counts, source=source, **self.meta, **self._runtime(steps, *counts.shape[2:]))
+
+    def _runtime(self, steps: int, ranks: int, experts: int) -> dict:
+        """``plan_moves`` and ``stage_us`` (`trace.format`) of the steps kept, or nothing when no
+        stage recorded anything (FEPLB off)."""
+        stage_us = np.full((steps, len(self.stages), ranks, 3), np.nan)
+        moves = set()  # every rank of a domain holds its domain's plan: one copy of each move
+        for layer, per_step in enumerate(self.stages):
+            for step, everyone in enumerate(per_step[:steps]):
+                for rank, last in enumerate(everyone):
+                    if last is not None:
+                        stage_us[step, layer, rank] = (last["forward_us"], last["backward_us"], last["plan_us"])
+                        moves |= {(step, layer, home * (experts // ranks) + e, home, helper, n, fresh)
+                                  for home, e, helper, n, fresh in last["moves"].tolist()}
+        if np.isnan(stage_us).all():
+            return {}
+        return {"plan_moves": np.array(sorted(moves), np.int64).reshape(-1, 7), "stage_us": stage_us}
 
     def flush(self) -> Optional[str]:
         """Write the trace (rank 0 only; atomically: a temporary file, then a rename). Returns the

@@ -1,0 +1,63 @@
+"""The time model against a real run: a recorded trace's own plans replayed through `plan.timeline`.
+
+A trace that FEPLB recorded (`trace.record`) holds, per micro-batch and layer, the routes, the
+runtime's plan (``plan_moves``) and each rank's measured expert-stage time (``stage_us``: forward
+and backward). For every (micro-batch, layer, domain) where every rank of the domain was measured,
+`compare_measured` predicts the domain's makespan with the time model (`timeline.rank_finish_us`:
+the same evaluation the planner minimises) and sets it beside the measured one, the slowest rank's
+forward + backward stage time. This is what "how far to trust the simulator" rests on.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+from deepspeed_feplb.trace.format import Trace
+
+__all__ = ["compare_measured", "predicted_and_measured"]
+
+
+def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int,
+                           skip_steps: int = 1) -> np.ndarray:
+    """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
+    measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
+    allocations). ``ranks_per_node``: the recorded run's domain size."""
+    if trace.stage_us is None or trace.plan_moves is None:
+        raise ValueError("the trace holds no runtime record (plan_moves, stage_us): record it with a FEPLB run's "
+                         "feplb.stats.record_trace")
+    ranks, experts = trace.src_ranks, trace.experts
+    if ranks % ranks_per_node or experts % ranks:
+        raise ValueError(f"{ranks} recorded ranks, {experts} experts: --ranks-per-node {ranks_per_node} must divide "
+                         "the ranks, and the ranks the experts")
+    per_rank = experts // ranks
+    stage = trace.stage_us[..., 0] + trace.stage_us[..., 1]  # [steps, layers, ranks] forward + backward
+    moves = trace.plan_moves
+    out = []
+    for step in range(skip_steps, trace.steps):
+        for layer in range(trace.layers):
+            received = trace.counts[step, layer].sum(axis=0).reshape(ranks, per_rank)
+            here = moves[(moves[:, 0] == step) & (moves[:, 1] == layer)]
+            for domain, first in enumerate(range(0, ranks, ranks_per_node)):
+                measured = stage[step, layer, first:first + ranks_per_node]
+                if not np.isfinite(measured).all():
+                    continue
+                mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
+                local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
+                                         mine[:, 5]]).astype(np.int64).reshape(-1, 4)
+                finish = rank_finish_us(received[first:first + ranks_per_node], local, model,
+                                        fresh=mine[:, 6].astype(bool))
+                out.append((step, layer, domain, float(finish.max()), float(measured.max())))
+    return np.array(out, np.float64).reshape(-1, 5)
+
+
+def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1) -> dict:
+    """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
+    predicted against the measured makespan (`predicted_and_measured`); the signed median says
+    whether the model runs fast (< 0) or slow."""
+    rows = predicted_and_measured(trace, model, ranks_per_node, skip_steps)
+    if not len(rows):
+        raise ValueError("no micro-batch of the trace has every rank's stage time measured")
+    relative = (rows[:, 3] - rows[:, 4]) / rows[:, 4]
+    return {"median_abs_rel_error": float(np.median(np.abs(relative))),
+            "p90_abs_rel_error": float(np.percentile(np.abs(relative), 90)),
+            "median_rel_error": float(np.median(relative)), "micro_batches": int(len(rows))}
