@@ -258,8 +258,9 @@ class ExpertStage:
     def _record(self, record: Optional[dict], rows: torch.Tensor, out: torch.Tensor, start: float) -> torch.Tensor:
         """With a trace recorder: keep in `last` what this micro-batch did: ``moves`` int64 [M, 5] =
         (home EP rank, local expert, helper EP rank, rows, fresh) of its domain's plan, ``plan_us``,
-        and the stage's host time, ``forward_us`` now and ``backward_us`` once its backward ran (from
-        the output's gradient to the rows'; NaN until then). Returns ``out``."""
+        ``fit_us`` (this rank's fitted piece and row cost), and the stage's host time, ``forward_us``
+        now and ``backward_us`` once its backward ran (from the output's gradient to the rows'; NaN
+        until then). Returns ``out``."""
         if record is None:
             return out
         first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
@@ -268,6 +269,7 @@ class ExpertStage:
         self.last = {"moves": np.column_stack([moves[:, 0] + first, moves[:, 1], moves[:, 2] + first, moves[:, 3],
                                                fresh]).astype(np.int64).reshape(-1, 5),
                      "plan_us": record.get("plan_us", float("nan")),
+                     "fit_us": self.compute_times.fitted_us() or (float("nan"), float("nan")),
                      "forward_us": (time.perf_counter() - start) * 1e6, "backward_us": float("nan")}
         if out.requires_grad and rows.requires_grad:
             last, begun = self.last, []

@@ -79,7 +79,7 @@ def test_recorded_trace_matches_exp_counts(tmp_path):
     expect = np.array(results[0]["migrated"])
     assert np.array_equal(moved[:-1], expect[:-1]) and expect[:-1].sum() > 0, (moved, expect)
     assert (trace.plan_moves[:, 3] // (EXPERTS // WORLD) != trace.plan_moves[:, 2] // (EXPERTS // WORLD)).sum() == 0
-    assert trace.stage_us.shape == (steps, 2, WORLD, 3)
+    assert trace.stage_us.shape == (steps, 2, WORLD, 5)
     assert (trace.stage_us[:-1, :, :, :2] > 0).all() and np.isnan(trace.stage_us[-1]).all()
 
 

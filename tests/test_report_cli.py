@@ -346,8 +346,12 @@ def test_simulate_compares_the_model_with_a_recorded_run(tmp_path, capsys):
     assert main(["simulate", "--trace", str(recorded), "--ranks-per-node", "2", "--dynamic-experts", "1",
                  "--policies", "feplb", "--compare-measured", "--json", str(out), "--no-progress"]) == 0
     measured = json.loads(out.read_text())["measured_vs_model"]
-    assert measured["micro_batches"] == 2 and measured["profile"] == "h100" and "median_abs_rel_error" in measured
-    assert "time model vs measured (2 micro-batches x domains): median |error|" in capsys.readouterr().out
+    assert measured["profile"] == "h100" and measured["profile_costs"]["micro_batches"] == 2
+    assert measured["recorded_costs"]["micro_batches"] == 2  # the run's own piece and row costs
+    assert measured["recorded_costs"] != measured["profile_costs"]
+    printed = capsys.readouterr().out
+    assert "time model vs measured, profile h100's compute costs (2 micro-batches x domains): median |error|" in printed
+    assert "time model vs measured, the run's own fitted piece and row costs" in printed
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", "--trace", str(plain), "--ranks-per-node", "2", "--policies", "feplb",
               "--compare-measured", "--no-progress"])

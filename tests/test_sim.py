@@ -269,9 +269,10 @@ def _recorded_trace(measured_over_model: float) -> Trace:
     counts = np.zeros((3, 1, 2, 4), np.int64)
     counts[:, 0, 0] = [30, 10, 5, 5]
     moves = np.array([[1, 0, 0, 0, 1, 10, 1], [2, 0, 0, 0, 1, 10, 1]], np.int64)
-    stage = np.full((3, 1, 2, 3), np.nan)
-    stage[1:, 0, 0] = [20.0 * measured_over_model, 10.0 * measured_over_model, 5.0]  # forward, backward, plan
-    stage[1:, 0, 1] = [10.0, 5.0, 5.0]
+    stage = np.full((3, 1, 2, 5), np.nan)
+    # forward, backward, plan latency, fitted piece and row cost (what the runtime's planner used)
+    stage[1:, 0, 0] = [20.0 * measured_over_model, 10.0 * measured_over_model, 5.0, 0.0, 1.0]
+    stage[1:, 0, 1] = [10.0, 5.0, 5.0, 0.0, 1.0]
     return Trace(counts, plan_moves=moves, stage_us=stage)
 
 
@@ -294,3 +295,12 @@ def test_the_time_model_is_compared_with_a_recorded_runs_own_plans(tmp_path):
     assert errors["median_abs_rel_error"] == errors["p90_abs_rel_error"] == pytest.approx(1 / 11)
     with pytest.raises(ValueError, match="no runtime record"):
         compare_measured(Trace(trace.counts), model, ranks_per_node=2)
+
+
+def test_the_recorded_costs_replace_the_profiles_compute_costs():
+    from deepspeed_feplb.plan.timeline import TimeModel
+    from deepspeed_feplb.sim.measured import predicted_and_measured
+
+    slow = TimeModel(1, 7.0, 50.0, 5.0, 5.0, 0.1)  # a profile far from the run: 7 µs per row, 50 per piece
+    rows = predicted_and_measured(_recorded_trace(1.0), slow, ranks_per_node=2, recorded_costs=True)
+    assert rows[:, 3].tolist() == [30.0, 30.0]  # the run's 1 µs per row and free pieces (see the test above)

@@ -175,9 +175,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compare-measured", action="store_true",
                    help="for a trace recorded by a FEPLB run (feplb.stats.record_trace): replay its own plans "
                         "through the time model and compare each micro-batch's predicted expert-stage makespan "
-                        "with the measured one (the slowest rank's forward + backward stage time); prints the "
-                        "errors, writes them to OUT.json as measured_vs_model, and with --plot draws predicted "
-                        "against measured into OUT_measured.png")
+                        "with the measured one (the slowest rank's forward + backward stage time), with the "
+                        "profile's compute costs and with the run's own fitted ones; prints the errors, writes "
+                        "them to OUT.json as measured_vs_model, and with --plot draws predicted against measured "
+                        "into OUT_measured_*.png")
     p.set_defaults(func=run_simulate)
 
 
@@ -300,25 +301,33 @@ def _setup(args, trace, D):
 
 
 def _compare_measured(args, trace, setup) -> dict:
-    """`sim.measured.compare_measured` of ``trace`` under the setup's time model; prints one line and,
-    with ``--plot``, draws predicted against measured per micro-batch."""
+    """`sim.measured.compare_measured` of ``trace`` under the setup's time model, with the profile's
+    compute costs and (where the trace has them) with the run's own fitted costs; prints a line
+    each and, with ``--plot``, draws predicted against measured per micro-batch."""
     from deepspeed_feplb.plan.timeline import TimeModel
 
     from .measured import compare_measured, predicted_and_measured
     model = TimeModel.of(setup.shape, setup.profile)
-    try:
-        errors = compare_measured(trace, model, setup.ranks_per_node)
-    except ValueError as e:
-        _fail(f"--compare-measured: {e}")
-    print(f"time model vs measured ({errors['micro_batches']} micro-batches x domains): median |error| "
-          f"{errors['median_abs_rel_error']:.1%}, p90 {errors['p90_abs_rel_error']:.1%}, median signed "
-          f"{errors['median_rel_error']:+.1%} (negative: the model predicts less time than was measured)")
-    if args.plot:
-        from .report import plot_measured
-        stem, _ = os.path.splitext(args.plot)
-        plot_measured(f"{stem}_measured.png", predicted_and_measured(trace, model, setup.ranks_per_node),
-                      title=f"{os.path.basename(args.trace)}: cost profile {setup.profile.name}")
-    return {**errors, "profile": setup.profile.name, "model": dataclasses.asdict(model)}
+    out = {"profile": setup.profile.name, "model": dataclasses.asdict(model)}
+    for recorded, key, what in ((False, "profile_costs", f"profile {setup.profile.name}'s compute costs"),
+                                (True, "recorded_costs", "the run's own fitted piece and row costs")):
+        try:
+            errors = compare_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded)
+        except ValueError as e:
+            if recorded:  # a run that fitted nothing (fixed_costs "ignore") has no recorded costs
+                continue
+            _fail(f"--compare-measured: {e}")
+        out[key] = errors
+        print(f"time model vs measured, {what} ({errors['micro_batches']} micro-batches x domains): median "
+              f"|error| {errors['median_abs_rel_error']:.1%}, p90 {errors['p90_abs_rel_error']:.1%}, median signed "
+              f"{errors['median_rel_error']:+.1%} (negative: the model predicts less time than was measured)")
+        if args.plot:
+            from .report import plot_measured
+            stem, _ = os.path.splitext(args.plot)
+            plot_measured(f"{stem}_measured_{key}.png",
+                          predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded),
+                          title=f"{os.path.basename(args.trace)}: {what}")
+    return out
 
 
 def run_simulate(args) -> int:

@@ -2,12 +2,18 @@
 
 A trace that FEPLB recorded (`trace.record`) holds, per micro-batch and layer, the routes, the
 runtime's plan (``plan_moves``) and each rank's measured expert-stage time (``stage_us``: forward
-and backward). For every (micro-batch, layer, domain) where every rank of the domain was measured,
-`compare_measured` predicts the domain's makespan with the time model (`timeline.rank_finish_us`:
-the same evaluation the planner minimises) and sets it beside the measured one, the slowest rank's
-forward + backward stage time. This is what "how far to trust the simulator" rests on.
+and backward, and the piece and row costs its planner had fitted). For every (micro-batch, layer,
+domain) where every rank of the domain was measured, `compare_measured` predicts the domain's
+makespan with the time model (`timeline.rank_finish_us`: the same evaluation the planner
+minimises) and sets it beside the measured one, the slowest rank's forward + backward stage time.
+The compute costs come from the cost profile (what the simulator uses for other machines), or,
+with ``recorded_costs``, from the domain's own fits at that micro-batch (what its planner used:
+the medians over the domain's ranks), so that the check isolates how the model composes them.
+This is what "how far to trust the simulator" rests on.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -17,11 +23,12 @@ from deepspeed_feplb.trace.format import Trace
 __all__ = ["compare_measured", "predicted_and_measured"]
 
 
-def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int,
-                           skip_steps: int = 1) -> np.ndarray:
+def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
+                           recorded_costs: bool = False) -> np.ndarray:
     """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
-    allocations). ``ranks_per_node``: the recorded run's domain size."""
+    allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the
+    piece and row costs are the domain's recorded fits (module docstring), the rest ``model``'s."""
     if trace.stage_us is None or trace.plan_moves is None:
         raise ValueError("the trace holds no runtime record (plan_moves, stage_us): record it with a FEPLB run's "
                          "feplb.stats.record_trace")
@@ -41,20 +48,27 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int,
                 measured = stage[step, layer, first:first + ranks_per_node]
                 if not np.isfinite(measured).all():
                     continue
+                here_model = model
+                if recorded_costs:
+                    piece_us, row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 3:5], 0)
+                    if not (np.isfinite(piece_us) and np.isfinite(row_us)):
+                        continue
+                    here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us))
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
-                finish = rank_finish_us(received[first:first + ranks_per_node], local, model,
+                finish = rank_finish_us(received[first:first + ranks_per_node], local, here_model,
                                         fresh=mine[:, 6].astype(bool))
                 out.append((step, layer, domain, float(finish.max()), float(measured.max())))
     return np.array(out, np.float64).reshape(-1, 5)
 
 
-def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1) -> dict:
+def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
+                     recorded_costs: bool = False) -> dict:
     """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
     predicted against the measured makespan (`predicted_and_measured`); the signed median says
     whether the model runs fast (< 0) or slow."""
-    rows = predicted_and_measured(trace, model, ranks_per_node, skip_steps)
+    rows = predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs)
     if not len(rows):
         raise ValueError("no micro-batch of the trace has every rank's stage time measured")
     relative = (rows[:, 3] - rows[:, 4]) / rows[:, 4]

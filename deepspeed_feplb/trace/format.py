@@ -9,8 +9,10 @@ A trace recorded by a FEPLB run (`trace.record`) also holds what the runtime did
 simulator's time model can be checked against it (``simulate --compare-measured``):
 ``plan_moves`` int64 ``[M, 7]`` = (step, layer, expert, home_rank, helper_rank, rows, fresh):
 the plans' moves (EP ranks; ``fresh``: the chunk carried the expert's weights), and
-``stage_us`` float64 ``[steps, layers, ranks, 3]``: per EP rank, the expert stage's measured
-forward and backward time and its plan latency (µs; NaN where not measured).
+``stage_us`` float64 ``[steps, layers, ranks, 5]``: per EP rank, the expert stage's measured
+forward and backward time, its plan latency, and the rank's fitted cost of an expert piece and
+of a row (forward + backward, `expert_costs.ComputeTimes.fitted_us`: what its planner used), all
+µs, NaN where not measured.
 """
 from __future__ import annotations
 
