@@ -7,8 +7,9 @@ domain) where every rank of the domain was measured, `compare_measured` predicts
 makespan with the time model (`timeline.rank_finish_us`: the same evaluation the planner
 minimises) and sets it beside the measured one, the slowest rank's forward + backward stage time.
 The compute costs come from the cost profile (what the simulator uses for other machines), or,
-with ``recorded_costs``, from the domain's own fits at that micro-batch (what its planner used:
-the medians over the domain's ranks), so that the check isolates how the model composes them.
+with ``recorded_costs``, from the domain's own fits at that micro-batch, as its planner used them
+(`expert_costs.ComputeTimes.model`: the fitted cost per row, the median over the domain's ranks,
+and no cost per piece), so that the check isolates how the model composes them.
 This is what "how far to trust the simulator" rests on.
 """
 from __future__ import annotations
@@ -50,10 +51,10 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                     continue
                 here_model = model
                 if recorded_costs:
-                    piece_us, row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 3:5], 0)
-                    if not (np.isfinite(piece_us) and np.isfinite(row_us)):
+                    row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 4])
+                    if not np.isfinite(row_us):
                         continue
-                    here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us))
+                    here_model = replace(model, tile_rows=1, piece_us=0.0, row_us=float(row_us))
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
