@@ -1,0 +1,99 @@
+"""How far to trust the time model: train, record what the runtime did, replay its own plans.
+
+For each case (ranks x layer size) this trains `examples/train_moe.py` on CPU ranks with
+``feplb.stats.record_trace``, then sets the time model's predicted expert-stage makespan of each
+recorded micro-batch (its own plan, `sim.measured`) beside the measured one, with the ``cpu``
+profile's compute costs (measured now on this machine) and with the run's own fitted costs (as its
+planner used them). Prints a table and writes ``--out`` (JSON) with the load average.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_model_parity.py --out benchmarks/data/cpu_model_parity.json
+
+The target (issue "the model is the runtime"): median |error| <= 15%, p90 <= 30%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {  # name: (ranks, hidden, tokens per rank); 16 experts, top-2, ffn 4 x hidden (the example's)
+    "ranks2-hidden64-tokens512": (2, 64, 512),
+    "ranks2-hidden128-tokens1024": (2, 128, 1024),
+    "ranks4-hidden64-tokens512": (4, 64, 512),
+    "ranks4-hidden128-tokens1024": (4, 128, 1024),
+}
+
+
+def record(ranks: int, hidden: int, tokens: int, steps: int, folder: str, port: int) -> str:
+    """Train with a recorded trace; returns its path."""
+    with open(ROOT / "examples" / "ds_config.json") as f:
+        config = json.load(f)
+    trace = os.path.join(folder, f"r{ranks}_h{hidden}.npz")
+    config["feplb"]["stats"] = {"record_trace": trace}
+    path = os.path.join(folder, f"r{ranks}_h{hidden}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    command = [str(ROOT / ".venv" / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port),
+               str(ROOT / "examples" / "train_moe.py"), "--deepspeed_config", path, "--steps", str(steps),
+               "--hidden", str(hidden), "--batch", str(tokens), "--progress"]
+    subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return trace
+
+
+def compare(trace_path: str, ranks: int) -> dict:
+    from deepspeed_feplb.migrate.shm import ShmTransport
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.plan.timeline import TimeModel
+    from deepspeed_feplb.sim.calibrate import calibrate_cpu
+    from deepspeed_feplb.sim.measured import compare_measured
+    from deepspeed_feplb.trace.format import load_trace
+
+    trace = load_trace(trace_path)
+    shape = ExpertShape(hidden=trace.hidden, ffn_hidden=trace.ffn_hidden, mats=2, dtype_bytes=4)  # fp32 MLP
+    model = replace(TimeModel.of(shape, calibrate_cpu(shape)), message_us=ShmTransport.message_us)
+    return {"profile_costs": compare_measured(trace, model, ranks),
+            "recorded_costs": compare_measured(trace, model, ranks, recorded_costs=True)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of case names (default: all)")
+    parser.add_argument("--port", type=int, default=29680)
+    parser.add_argument("--out", help="JSON output")
+    args = parser.parse_args()
+    chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="feplb-parity-") as folder:
+        for i, name in enumerate(chosen):
+            ranks, hidden, tokens = CASES[name]
+            load_before = os.getloadavg()
+            start = time.perf_counter()
+            trace = record(ranks, hidden, tokens, args.steps, folder, args.port + i)
+            results[name] = {**compare(trace, ranks), "seconds": round(time.perf_counter() - start, 1),
+                             "load_before": load_before, "load_after": os.getloadavg()}
+            row = results[name]
+            print(f"{name}: profile costs median |error| {row['profile_costs']['median_abs_rel_error']:.1%} "
+                  f"(p90 {row['profile_costs']['p90_abs_rel_error']:.1%}, signed "
+                  f"{row['profile_costs']['median_rel_error']:+.1%}); the run's own costs "
+                  f"{row['recorded_costs']['median_abs_rel_error']:.1%} (p90 "
+                  f"{row['recorded_costs']['p90_abs_rel_error']:.1%}, signed "
+                  f"{row['recorded_costs']['median_rel_error']:+.1%}); load {load_before[0]:.1f}", flush=True)
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        with open(args.out, "w") as f:
+            json.dump({"commit": commit, "steps": args.steps, "cases": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
