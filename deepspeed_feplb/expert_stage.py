@@ -417,8 +417,8 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     with stage_times.measure("plan wait"):
         planned = domain.scheduler.plan(seq)
     phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
-                              [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, stage_times,
-                              residency, step_ends, ready)
+                              [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, with_grads,
+                              stage_times, residency, step_ends, ready)
     box["step"] = phase2
     if record is not None:
         record.update(moves=planned.plan.moves, fresh=phase2.fresh, plan_us=planned.seconds * 1e6)

@@ -172,8 +172,8 @@ def train(args, log=print) -> tuple[list[dict], object]:
         scheduler_cpu.sample(scheduler_pid(engine.module))
     if bar is not None:
         bar.close()
-    if history and scheduler_cpu.percent() is not None:
-        history[-1]["scheduler_cpu_percent"] = round(scheduler_cpu.percent(), 2)
+    if history and (percent := scheduler_cpu.percent()) is not None:
+        history[-1]["scheduler_cpu_percent"] = round(percent, 2)
     return history, engine
 
 

@@ -177,8 +177,8 @@ def train(args, ds_config=None, log=print) -> list[dict]:
         scheduler_cpu.sample(scheduler_pid(engine.module))
     if bar is not None:
         bar.close()
-    if scheduler_cpu.percent() is not None:
-        history[-1]["scheduler_cpu_percent"] = round(scheduler_cpu.percent(), 2)
+    if (percent := scheduler_cpu.percent()) is not None:
+        history[-1]["scheduler_cpu_percent"] = round(percent, 2)
     return history
 
 

@@ -120,8 +120,9 @@ class Phase2MicroBatch:
     residency: this layer's `LayerResidency` (None: every chunk carries weights, gradients go
     home at once); step_ends: this micro-batch is the last of its optimizer step, so (with
     gradients) the kept copies' gradients go home in its backward.
-    ``grad_experts``: the local experts whose parameters the autograd function takes, the dynamic
-    ones first, then those only a helper's kept copy has gradients for (`grad_experts`).
+    grad_experts: the local experts whose parameters the autograd function takes, the dynamic
+    ones first, then those only a helper's kept copy has gradients for (the caller's
+    `grad_experts`, taken before the plan: at a step's end its admission keeps nothing new).
     ready: the transport's `mark` of when the rows were ready (right after phase 1): forward's
     sends wait for it, not for whatever the caller queued since (the static experts).
     """
@@ -134,6 +135,7 @@ class Phase2MicroBatch:
     experts: list[torch.nn.Module]
     spec: ExpertSpec
     needs_grad: bool
+    grad_experts: list[int]
     stage_times: Optional[StageTimes] = None  # receives compute and communication host time
     residency: Optional[LayerResidency] = None
     step_ends: bool = True
@@ -156,10 +158,7 @@ class Phase2MicroBatch:
         self.forgetting = (self.residency is not None and self.step_ends and not self.needs_grad
                            and not self.residency.pending)
         self.flush_entries, self.flush_held = np.zeros((0, 3), np.int64), {}
-        # as the caller computed before the plan, from the table before this plan's admission: at a
-        # step's end that admission keeps nothing new, so the two agree
-        self.grad_experts = grad_experts(self.residency, self.local_rank, self.dynamic, self.step_ends,
-                                         self.needs_grad)
+        self._sends: list = []  # backward: the futures `backward_home` leaves to `backward_rest`
 
     def _fingerprints(self, params: list[list[torch.Tensor]]) -> dict:
         """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
@@ -299,7 +298,6 @@ class Phase2MicroBatch:
         dynamic expert)."""
         start = time.perf_counter()
         outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
-        self._sends = []
         for helper, chunks in outgoing.items():
             grads = [{"output_grads": [grad_y[starts[i] + offset:starts[i] + offset + tokens]]}
                      for i, offset, tokens, _ in chunks]
@@ -441,7 +439,7 @@ class DynamicExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: Phase2MicroBatch, params_per_expert: int, dyn_x: torch.Tensor, *params):
-        ctx.step, ctx.params = step, len(params)
+        ctx.step, ctx.param_count = step, len(params)
         grouped = [list(params[i:i + params_per_expert]) for i in range(0, len(params), params_per_expert)]
         return step.forward(dyn_x, grouped)
 
@@ -450,4 +448,4 @@ class DynamicExperts(torch.autograd.Function):
         grad_x, grad_params = ctx.step.backward_home(grad_y.contiguous())
         ctx.step = None
         flat = [g for gp in grad_params for g in gp]
-        return (None, None, grad_x, *flat, *[None] * (ctx.params - len(flat)))  # none yet for kept copies' experts
+        return (None, None, grad_x, *flat, *[None] * (ctx.param_count - len(flat)))  # none yet for kept copies' experts

@@ -306,27 +306,26 @@ def _compare_measured(args, trace, setup) -> dict:
     each and, with ``--plot``, draws predicted against measured per micro-batch."""
     from deepspeed_feplb.plan.timeline import TimeModel
 
-    from .measured import compare_measured, predicted_and_measured
+    from .measured import errors, predicted_and_measured
     model = TimeModel.of(setup.shape, setup.profile)
     out = {"profile": setup.profile.name, "model": dataclasses.asdict(model)}
     for recorded, key, what in ((False, "profile_costs", f"profile {setup.profile.name}'s compute costs"),
-                                (True, "recorded_costs", "the run's own fitted piece and row costs")):
+                                (True, "recorded_costs", "the run's own fitted row cost, as its planner used it")):
         try:
-            errors = compare_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded)
+            rows = predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded)
+            figures = errors(rows)
         except ValueError as e:
             if recorded:  # a run that fitted nothing (fixed_costs "ignore") has no recorded costs
                 continue
             _fail(f"--compare-measured: {e}")
-        out[key] = errors
-        print(f"time model vs measured, {what} ({errors['micro_batches']} micro-batches x domains): median "
-              f"|error| {errors['median_abs_rel_error']:.1%}, p90 {errors['p90_abs_rel_error']:.1%}, median signed "
-              f"{errors['median_rel_error']:+.1%} (negative: the model predicts less time than was measured)")
+        out[key] = figures
+        print(f"time model vs measured, {what} ({figures['micro_batches']} micro-batches x domains): median "
+              f"|error| {figures['median_abs_rel_error']:.1%}, p90 {figures['p90_abs_rel_error']:.1%}, median signed "
+              f"{figures['median_rel_error']:+.1%} (negative: the model predicts less time than was measured)")
         if args.plot:
             from .report import plot_measured
             stem, _ = os.path.splitext(args.plot)
-            plot_measured(f"{stem}_measured_{key}.png",
-                          predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded),
-                          title=f"{os.path.basename(args.trace)}: {what}")
+            plot_measured(f"{stem}_measured_{key}.png", rows, title=f"{os.path.basename(args.trace)}: {what}")
     return out
 
 

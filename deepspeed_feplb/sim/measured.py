@@ -21,15 +21,16 @@ import numpy as np
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 from deepspeed_feplb.trace.format import Trace
 
-__all__ = ["compare_measured", "predicted_and_measured"]
+__all__ = ["compare_measured", "errors", "predicted_and_measured"]
 
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
                            recorded_costs: bool = False) -> np.ndarray:
     """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
-    allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the
-    piece and row costs are the domain's recorded fits (module docstring), the rest ``model``'s."""
+    allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the cost
+    per row is the domain's recorded fit and a piece costs nothing, as its planner had them
+    (module docstring); the rest is ``model``'s."""
     if trace.stage_us is None or trace.plan_moves is None:
         raise ValueError("the trace holds no runtime record (plan_moves, stage_us): record it with a FEPLB run's "
                          "feplb.stats.record_trace")
@@ -69,7 +70,11 @@ def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_s
     """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
     predicted against the measured makespan (`predicted_and_measured`); the signed median says
     whether the model runs fast (< 0) or slow."""
-    rows = predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs)
+    return errors(predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs))
+
+
+def errors(rows: np.ndarray) -> dict:
+    """`compare_measured`'s figures of `predicted_and_measured` rows ``[K, 5]``."""
     if not len(rows):
         raise ValueError("no micro-batch of the trace has every rank's stage time measured")
     relative = (rows[:, 3] - rows[:, 4]) / rows[:, 4]

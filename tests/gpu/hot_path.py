@@ -82,17 +82,22 @@ def _balanced_layer(cpu: bool, num_experts: int = 16, residency: str = "micro_ba
     return layer.to(dev), dev
 
 
-def _syncs_worker(cpu: bool) -> dict:
+def _warm_layer(cpu: bool):
+    """`_balanced_layer` after three micro-batches (the domain opens, the scheduler serves, buffers
+    are allocated), and the measured micro-batch's input (requiring gradients) and output weight."""
     import moe_cases
     if not cpu:
         torch.cuda.set_device(0)
     layer, dev = _balanced_layer(cpu)
-    for seed in range(3):  # the domain opens, the scheduler serves, buffers are allocated
+    for seed in range(3):
         x, w = moe_cases.rank_inputs(seed)
         moe_cases.run_layer(layer, x.to(dev), w.to(dev))
     x, w = moe_cases.rank_inputs(9)
-    x = x.to(dev).requires_grad_(True)
-    w = w.to(dev)
+    return layer, x.to(dev).requires_grad_(True), w.to(dev)
+
+
+def _syncs_worker(cpu: bool) -> dict:
+    layer, x, w = _warm_layer(cpu)
     figures: dict = {}
     with _count_syncs(cpu, figures, "forward"):
         out, l_aux, _ = layer(x)
@@ -116,16 +121,7 @@ def syncs(cpu: bool) -> dict:
 
 def _launches_worker(cpu: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
-
-    import moe_cases
-    if not cpu:
-        torch.cuda.set_device(0)
-    layer, dev = _balanced_layer(cpu)
-    for seed in range(3):
-        x, w = moe_cases.rank_inputs(seed)
-        moe_cases.run_layer(layer, x.to(dev), w.to(dev))
-    x, w = moe_cases.rank_inputs(9)
-    x, w = x.to(dev).requires_grad_(True), w.to(dev)
+    layer, x, w = _warm_layer(cpu)
     activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
     counts = {}
     with profile(activities=activities) as forward:
