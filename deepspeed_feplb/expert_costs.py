@@ -1,8 +1,11 @@
 """What this rank's expert compute costs: timed calls, the fitted cost per row and per piece.
 
 `ComputeTimes` keeps the last micro-batch's expert times (the ``auto`` copy budget, the placement's
-time per token) and a `PieceFit` over recent timed expert calls, from which `ComputeTimes.model`
-builds the planner's `plan.timeline.TimeModel`.
+time per token), a `PieceFit` over recent timed forward expert calls (the static experts' and
+each of phase 2's) and a `StageFactor` from those calls to the whole stage, forward and backward
+(`ExpertStage._measure` times it); `ComputeTimes.model` builds the planner's
+`plan.timeline.TimeModel` from them, and a recorded trace carries them for the simulator's check
+(`sim.measured`).
 """
 from __future__ import annotations
 
@@ -19,15 +22,16 @@ from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS, TimeModel
 
 @dataclass
 class PieceFit:
-    """Expert time ``t = k * piece_s + n * row_s`` for a call of ``k`` expert pieces and ``n`` rows
-    (forward seconds). ``piece_s`` is what a one-row call costs (`ComputeTimes.probe`); ``row_s`` is
-    the least-squares fit of the rest over the timed calls, each micro-batch's calls weighing
-    ``decay`` times the previous one's, so it follows a change of speed within a few micro-batches.
-    (A straight line through calls of a few hundred to a few thousand rows would put the GEMMs'
-    better efficiency at large sizes into the intercept: milliseconds per piece on a CPU where a
-    call costs tens of µs, which would make the planner shun every split.)"""
+    """Forward expert time ``t = k * piece_s + n * row_s`` for a call of ``k`` expert pieces and
+    ``n`` rows: the least-squares fit of both costs over the timed calls, each micro-batch's calls
+    weighing ``decay`` times the previous one's, so it follows a change of speed (another process
+    taking a core) within a few micro-batches. The calls of one micro-batch differ in shape (the
+    static experts: several pieces of few rows; a dynamic expert's piece: one piece of many rows),
+    which separates the two costs; where they do not (every call alike), or the fit would make one
+    cost negative, the cost of a piece is the caller's (`ComputeTimes.probe`: a one-row call) and
+    the fit gives the cost per row."""
     decay: float = 0.7
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # kn, nn, nt
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # kk, kn, nn, kt, nt
     warm: bool = False  # the first timed micro-batch pays one-time costs (first calls, allocations): dropped
 
     def add(self, samples: Sequence[tuple[int, int, float]]) -> None:
@@ -38,14 +42,47 @@ class PieceFit:
             self.warm = True
             return
         k, n, t = (np.array(c, dtype=np.float64) for c in zip(*samples))
-        self.sums = self.sums * self.decay + np.array([k @ n, n @ n, n @ t])
+        self.sums = self.sums * self.decay + np.array([k @ k, k @ n, n @ n, k @ t, n @ t])
 
-    def solve(self, piece_s: float) -> Optional[float]:
-        """row_s >= 0 given the cost of a piece, or None before any sample."""
-        kn, nn, nt = self.sums
+    def solve(self, piece_s: Optional[float] = None) -> Optional[tuple[float, float]]:
+        """(piece_s, row_s), both >= 0; ``piece_s``: the cost of a piece where the calls do not
+        tell it (None: then no fit). None before any sample."""
+        kk, kn, nn, kt, nt = self.sums
         if nn <= 0:
             return None
-        return max((nt - piece_s * kn) / nn, 0.0)
+        det = kk * nn - kn * kn
+        if det > _WELL_CONDITIONED * kk * nn:
+            piece, row = (kt * nn - nt * kn) / det, (kk * nt - kn * kt) / det
+            if piece >= 0 and row >= 0:
+                return float(piece), float(row)
+        if piece_s is None:
+            return None
+        return piece_s, max(float(nt - piece_s * kn) / nn, 0.0)
+
+
+# calls whose rows per piece differ by ~2x or more separate the two costs (det / (kk nn) = 1 - cos²)
+_WELL_CONDITIONED = 0.05
+
+
+@dataclass
+class StageFactor:
+    """What the fitted forward calls of a stage become in the whole stage: (forward + backward stage
+    time, less the waits for the plan and for peers) / (its forward expert calls as `PieceFit`
+    prices them), decayed like `PieceFit`. It holds the backward (which autograd runs where no call
+    can be timed alone) and the stage's own host work (publishing the counts, concatenating, phase
+    2's bookkeeping) in proportion to the expert compute. Host clock only: on CUDA it stays at
+    `FWD_BWD_GEMMS`."""
+    decay: float = 0.7
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(2))  # busy, calls
+
+    def add(self, busy_s: float, calls_s: float) -> None:
+        if calls_s > 0 and busy_s > 0:
+            self.sums = self.sums * self.decay + np.array([busy_s, calls_s])
+
+    @property
+    def value(self) -> float:
+        busy, calls = self.sums
+        return float(busy / calls) if calls > 0 else float(FWD_BWD_GEMMS)
 
 
 @dataclass
@@ -62,6 +99,9 @@ class ComputeTimes:
     rows: int = 0  # rows this rank computed in the timed micro-batch (before balancing)
     pending: Optional[tuple] = None  # CUDA marks not read yet: (begin, static done, end, pieces)
     fit: PieceFit = field(default_factory=PieceFit)
+    factor: StageFactor = field(default_factory=StageFactor)  # micro-batches balanced through the domain
+    local_factor: StageFactor = field(default_factory=StageFactor)  # those computed here alone (`run_local`)
+    calls: tuple = (0, 0)  # the last micro-batch's timed forward calls on the host: (pieces, rows)
     piece_s: Optional[float] = None  # what a one-row expert call costs, once `probe` was read
     probe_marks: Optional[list] = None  # its marks (host seconds, or CUDA events not read yet)
 
@@ -118,28 +158,46 @@ class ComputeTimes:
         self.rows = int(rows)
         if isinstance(begin, float):
             self.static_seconds, self.expert_seconds = static_done - begin, end - begin
+            self.calls = (sum(k for k, _, _, _ in pieces), sum(n for _, n, _, _ in pieces))
             self.fit.add([(k, n, b - a) for k, n, a, b in pieces])
         else:
             self.pending = (begin, static_done, end, list(pieces))
 
-    def fitted_us(self) -> Optional[tuple[float, float]]:
-        """(piece_us, row_us), forward + backward; None before the probe and a micro-batch were timed."""
+    def stage_done(self, busy_s: float, calls: tuple, balanced: bool = True) -> None:
+        """A micro-batch's stage has run its backward: ``busy_s`` host seconds of forward and
+        backward, less its waits, for forward expert calls of ``calls`` = (pieces, rows)
+        (`StageFactor`); ``balanced``: it went through the domain (phase 2's own work, a backward
+        per piece) rather than computing every expert here."""
+        fit = self.fit.solve(self.piece_s) if self.piece_s is not None else None
+        if fit is not None:
+            (self.factor if balanced else self.local_factor).add(busy_s, calls[0] * fit[0] + calls[1] * fit[1])
+
+    def fitted_us(self, balanced: bool = True) -> Optional[tuple[float, float]]:
+        """(piece_us, row_us), forward + backward (`PieceFit` x `StageFactor`) of a micro-batch
+        balanced through the domain (``balanced``, what the planner prices) or computed here
+        alone; None before the probe and a micro-batch were timed."""
         self.resolve()
-        row_s = self.fit.solve(self.piece_s) if self.piece_s is not None else None
-        return None if row_s is None else (FWD_BWD_GEMMS * self.piece_s * 1e6, FWD_BWD_GEMMS * row_s * 1e6)
+        fit = self.fit.solve(self.piece_s) if self.piece_s is not None else None
+        if fit is None:
+            return None
+        factor = (self.factor if balanced else self.local_factor).value * 1e6
+        return fit[0] * factor, fit[1] * factor
 
-    def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int,
-              message_us: float = 0.0) -> Optional[TimeModel]:
+    def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int, message_us: float = 0.0,
+              sends_after_static: bool = False) -> Optional[TimeModel]:
         """The planner's time model from these times (None before anything was timed):
-        ``feplb.fixed_costs`` "measured" prices the fitted cost per row and ``message_us``.
-
-        It charges no fixed cost per piece: most of a one-row call is reading the weights, which a
-        large call overlaps with its GEMMs, so charging it would overstate what splitting a large
-        piece costs (benchmarks/LAYER.md). The one-row cost decides where no move can pay at all
-        (`plan.policy.balancing_may_pay`)."""
+        ``feplb.fixed_costs`` "measured" prices the fitted costs of a piece and of a row
+        (`fitted_us`) and ``message_us``; the simulator's replay of a recorded run
+        (`sim.measured`) prices them alike. ``sends_after_static``: a home can send its chunks only
+        after its static experts (one grouped call on the CPU: no point in between to send). The
+        plan's own latency is left out: every candidate plan waits for it alike."""
         stage = TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
-        if config.fixed_costs == "ignore" or stage is None:
+        if stage is None:
+            return None
+        stage = replace(stage, sends_after_static=sends_after_static)
+        if config.fixed_costs == "ignore":
             return stage
         fitted = self.fitted_us()  # none when no call was timed alone (every expert dynamic): the whole stage's
-        row_us = fitted[1] if fitted is not None and fitted[1] > 0 else stage.row_us
-        return replace(stage, row_us=row_us, message_us=message_us)
+        if fitted is None or fitted[1] <= 0:
+            return replace(stage, message_us=message_us)
+        return replace(stage, piece_us=fitted[0], row_us=fitted[1], message_us=message_us)

@@ -130,7 +130,7 @@ class ExpertStage:
         self._exchange_us = float("nan")  # this rank's last count exchange
         self._rows_here = 0  # this rank's rows in the current micro-batch
         self.records = False  # a trace recorder reads `last` (`trace.record`)
-        self.last: Optional[dict] = None  # with `records`: what the last micro-batch did (`_record`)
+        self.last: Optional[dict] = None  # with `records`: what the last micro-batch did (`_measure`)
 
     # ------------------------------------------------------------------ group facts
     def announce(self) -> tuple[float, ...]:
@@ -227,19 +227,25 @@ class ExpertStage:
         if not math.isnan(facts.exchange_seconds):  # a backend that exchanged nothing leaves the last figure
             self._exchange_us = facts.exchange_seconds * 1e6
         config = self.config
-        record = {} if self.records and torch.is_grad_enabled() and not recomputing() else None
-        if record is not None and not rows.requires_grad:
+        # measured (`_measure`): a training micro-batch of a balancing layer, or any with a recorder
+        measured = (self.balances or self.records) and torch.is_grad_enabled() and not recomputing()
+        record = {} if measured else None
+        if self.records and record is not None and not rows.requires_grad:
             # the recorded backward ends at the rows' gradient: a layer fed without gradients (a test's
             # first layer; a model's hidden states have them) computes that gradient when recording
             rows = rows.detach().requires_grad_()
+        self.compute_times.calls = (0, 0)
         start = time.perf_counter()
-        if self.balances_now(facts):
+        balanced = self.balances_now(facts)
+        if self.records and record is not None:
+            record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
+        if balanced:
             out, stats = run_experts(rows, counts, experts.modules, experts.params(), experts.spec, self.domain,
                                      config, self.expert_bytes, self.compute_times, self.stage_times,
                                      experts.static_fn, self.residency, step_ends, self._mean_rows(facts), record)
             if stats is not None:
                 self.stats = stats
-            return self._record(record, rows, out, start)
+            return self._measure(record, rows, out, start)
         if experts.direct is None or (self.balances and dist.get_world_size() > self.ep_size):
             # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
             # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
@@ -253,36 +259,54 @@ class ExpertStage:
                         experts.static_fn)
         if config.stats.enabled and not recomputing():
             self.stats = self._local_stats(counts, facts)
-        return self._record(record, rows, out, start)
+        return self._measure(record, rows, out, start)
 
-    def _record(self, record: Optional[dict], rows: torch.Tensor, out: torch.Tensor, start: float) -> torch.Tensor:
-        """With a trace recorder: keep in `last` what this micro-batch did: ``moves`` int64 [M, 5] =
-        (home EP rank, local expert, helper EP rank, rows, fresh) of its domain's plan, ``plan_us``,
-        ``fit_us`` (this rank's fitted piece and row cost), and the stage's host time, ``forward_us``
-        now and ``backward_us`` once its backward ran (from the output's gradient to the rows'; NaN
+    def _measure(self, record: Optional[dict], rows: torch.Tensor, out: torch.Tensor, start: float) -> torch.Tensor:
+        """Time the stage's forward (from ``start``) and, through two gradient hooks, its backward
+        (from the output's gradient to the rows'). Once the backward ran, the stage's busy time (both,
+        less the waits for the plan and the domain) goes to `ComputeTimes.stage_done` (host clock
+        only: on CUDA the host's time is not the device's). With a trace recorder, `last` keeps what
+        this micro-batch did: ``moves`` int64 [M, 5] = (home EP rank, local expert, helper EP rank,
+        rows, fresh) of its domain's plan, ``plan_us`` (when the plan was in hand, from the stage's
+        start; NaN: not balanced), ``fit_us`` (the fitted piece and row cost of the path it took, as
+        they were before it: `ComputeTimes.fitted_us`), and
+        the stage's host time, ``forward_us`` now and ``backward_us`` once its backward ran (NaN
         until then). Returns ``out``."""
         if record is None:
             return out
-        first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
-        moves = record.get("moves", np.zeros((0, 4), np.int64))
-        fresh = record.get("fresh", np.ones(len(moves), np.bool_))
-        self.last = {"moves": np.column_stack([moves[:, 0] + first, moves[:, 1], moves[:, 2] + first, moves[:, 3],
-                                               fresh]).astype(np.int64).reshape(-1, 5),
-                     "plan_us": record.get("plan_us", float("nan")),
-                     "fit_us": self.compute_times.fitted_us() or (float("nan"), float("nan")),
-                     "forward_us": (time.perf_counter() - start) * 1e6, "backward_us": float("nan")}
-        if out.requires_grad and rows.requires_grad:
-            last, begun = self.last, []
+        forward_s = time.perf_counter() - start
+        calls = self.compute_times.calls if self.device.type != "cuda" else (0, 0)
+        phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
+        last = None
+        if self.records:
+            first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
+            moves = record.get("moves", np.zeros((0, 4), np.int64))
+            fresh = record.get("fresh", np.ones(len(moves), np.bool_))
+            last = self.last = {
+                "moves": np.column_stack([moves[:, 0] + first, moves[:, 1], moves[:, 2] + first, moves[:, 3],
+                                          fresh]).astype(np.int64).reshape(-1, 5),
+                "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
+                "fit_us": record["fit_us"] or (float("nan"), float("nan")),
+                "forward_us": forward_s * 1e6, "backward_us": float("nan")}
+        if not (out.requires_grad and rows.requires_grad) or (last is None and not calls[0]):
+            return out
+        begun, times = [], self.compute_times
 
-            def backward_begins(grad):
-                begun.append(time.perf_counter())
+        def backward_begins(grad):
+            begun.append(time.perf_counter())
 
-            def backward_ends(grad):
-                if begun:
-                    last["backward_us"] = (time.perf_counter() - begun[0]) * 1e6
+        def backward_ends(grad):
+            if not begun:
+                return
+            backward_s = time.perf_counter() - begun[0]
+            if last is not None:
+                last["backward_us"] = backward_s * 1e6
+            if calls[0]:
+                waits = plan_wait_s + (phase2.wait_s if phase2 is not None else 0.0)
+                times.stage_done(forward_s + backward_s - waits, calls, balanced=phase2 is not None)
 
-            out.register_hook(backward_begins)
-            rows.register_hook(backward_ends)
+        out.register_hook(backward_begins)
+        rows.register_hook(backward_ends)
         return out
 
     def _mean_rows(self, facts: GroupFacts) -> float:
@@ -320,18 +344,24 @@ def functional_calls(modules: Sequence[torch.nn.Module], params: list[list[torch
 
 def timed_pieces(rows: torch.Tensor, blocks: list, experts: Sequence[int], mark: Callable[[], object],
                  call: ExpertCall, static_fn: Optional[StaticFn] = None,
-                 pieces: Optional[list] = None) -> list[torch.Tensor]:
+                 pieces: Optional[list] = None, between: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
     """Outputs of ``experts`` (local ids, ascending) on their rows (``blocks[e]`` ``[n_e, H]``, a
-    split of ``rows``): ``call(e, x)`` each, or ``static_fn`` for all at once; appends one sample
+    split of ``rows``): ``call(e, x)`` each, then ``between()``, or ``static_fn`` for all at once (and
+    ``between()`` after it); appends one sample
     (k pieces with rows, n rows, start mark, end mark) for them all to ``pieces``: the fit
     ``t = k * piece + n * row`` holds for a sum of calls as for one, and one pair of marks per
     stage (CUDA events on a GPU) costs the host less than a pair per expert."""
     sizes = [len(blocks[e]) for e in experts]
     start = mark() if pieces is not None and sum(sizes) else None
+    between = between or (lambda: None)
     if static_fn is not None:
         outs = list(static_fn(rows, blocks, list(experts)).split(sizes))
+        between()
     else:
-        outs = [call(e, blocks[e]) for e in experts]
+        outs = []
+        for e in experts:
+            outs.append(call(e, blocks[e]))
+            between()
     if start is not None:
         pieces.append((sum(n > 0 for n in sizes), sum(sizes), start, mark()))
     return outs
@@ -371,9 +401,10 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     ``residency`` is the layer's weight residency (None: none) and ``step_ends`` says whether this
     micro-batch is the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank
     over the whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean); ``record``:
-    a dict that receives the plan's ``moves``, their ``fresh`` flags and ``plan_us`` (a trace
-    recorder's, `ExpertStage._record`). A forward that activation checkpointing recomputes in
-    backward leaves residency alone and returns no stats.
+    a dict that receives the plan's ``moves``, their ``fresh`` flags, the micro-batch's
+    `Phase2MicroBatch` (``phase2``), how long the plan was waited for (``plan_wait_s``) and when it
+    was in hand (``plan_in_hand``, host seconds), for `ExpertStage._measure`. A forward that
+    activation checkpointing recomputes in backward leaves residency alone and returns no stats.
     """
     stage_times = stage_times if stage_times is not None else StageTimes()
     recompute = recomputing()
@@ -387,7 +418,9 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     blocks = list(rows.split(counts.tolist()))
     seq = domain.next_seq()
     row_bytes = rows.shape[1] * rows.element_size()
-    model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us)
+    # a grouped static call on the CPU leaves no point to send from before it ends (`timed_pieces`)
+    model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us,
+                        sends_after_static=static_fn is not None and rows.device.type != "cuda")
     constraints = replace(PlanConstraints.from_config(config, expert_bytes, model), mean_rows=float(mean_rows))
     if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
         constraints = replace(constraints, dynamic_experts=0)  # nothing timed yet: no move is known to pay
@@ -407,23 +440,40 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if needs_grad:
         dyn_x, *dyn_params = Phase2Anchor.apply(box, len(spec.param_names), dyn_x, *dyn_params)
     ready = domain.transport.mark()
+    row_counts = [int(counts[e]) for e in dynamic]
+    got: dict = {}  # the plan once in hand: "planned", "phase2", "at" (host seconds)
+
+    def take(planned) -> None:
+        """Phase 2 of this plan, its chunks sent now (static experts may still be computing)."""
+        phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic, row_counts,
+                                  list(modules), spec, needs_grad, with_grads, stage_times, residency, step_ends,
+                                  ready, mark)
+        phase2.send_forward(dyn_x.detach(), [[p.detach() for p in params[e]] for e in dynamic])
+        got.update(planned=planned, phase2=phase2, at=time.perf_counter())
+
+    def poll() -> None:  # between static experts: send as soon as the plan is there, as the time model has it
+        if not got and domain.scheduler.plan_ready(seq):
+            take(domain.scheduler.plan(seq))
+
     outs: list = [None] * len(modules)
     pieces: list = []
     with stage_times.measure("static experts"):
-        for e, y in zip(static, timed_pieces(rows, blocks, static, mark, call, static_fn, pieces)):
+        for e, y in zip(static, timed_pieces(rows, blocks, static, mark, call, static_fn, pieces, between=poll)):
             outs[e] = y
     static_done = mark()
 
-    with stage_times.measure("plan wait"):
-        planned = domain.scheduler.plan(seq)
-    phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic,
-                              [int(counts[e]) for e in dynamic], list(modules), spec, needs_grad, with_grads,
-                              stage_times, residency, step_ends, ready)
+    waited = time.perf_counter()
+    if not got:
+        with stage_times.measure("plan wait"):
+            take(domain.scheduler.plan(seq))
+    plan_wait_s = got["at"] - waited if got["at"] > waited else 0.0
+    planned, phase2 = got["planned"], got["phase2"]
     box["step"] = phase2
     if record is not None:
-        record.update(moves=planned.plan.moves, fresh=phase2.fresh, plan_us=planned.seconds * 1e6)
+        record.update(moves=planned.plan.moves, fresh=phase2.fresh, phase2=phase2, plan_wait_s=plan_wait_s,
+                      plan_in_hand=got["at"])
     dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x, *dyn_params)
-    for e, y in zip(dynamic, dyn_y.split([int(counts[e]) for e in dynamic])):
+    for e, y in zip(dynamic, dyn_y.split(row_counts)):
         outs[e] = y
     stats = None
     if config.stats.enabled and not recompute:
@@ -431,5 +481,5 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
                             residency_stats(phase2.fresh, phase2.copy_kept, len(phase2.flush_entries),
                                             expert_bytes), seq)
     if not recompute:
-        times.finish(begin, static_done, mark(), int(counts.sum()), pieces)
+        times.finish(begin, static_done, mark(), int(counts.sum()), pieces + phase2.timed)
     return torch.cat(outs), stats

@@ -13,14 +13,40 @@ from deepspeed_feplb.testing import run_distributed
 import moe_cases
 
 
-def test_the_fit_recovers_the_cost_per_row_after_dropping_the_warm_up():
+def test_the_fit_recovers_both_costs_from_calls_of_different_shapes_after_dropping_the_warm_up():
     fit = PieceFit()
     fit.add([(1, 10, 5.0)])  # the first timed micro-batch (first calls, allocations): dropped
     assert fit.solve(2e-4) is None
-    fit.add([(1, 100, 2e-4 + 100 * 1e-6), (1, 10, 2e-4 + 10 * 1e-6)])
-    fit.add([(3, 300, 3 * 2e-4 + 300 * 1e-6)])  # a grouped call: 3 pieces, 300 rows
-    assert fit.solve(2e-4) == pytest.approx(1e-6, rel=1e-6)
-    assert fit.solve(1.0) == 0.0  # never a negative cost per row
+    fit.add([(1, 100, 3e-4 + 100 * 1e-6), (1, 10, 3e-4 + 10 * 1e-6)])
+    fit.add([(3, 30, 3 * 3e-4 + 30 * 1e-6)])  # the static experts: 3 pieces, 30 rows
+    assert fit.solve(2e-4) == (pytest.approx(3e-4, rel=1e-6), pytest.approx(1e-6, rel=1e-6))  # the calls tell both
+
+
+def test_the_fit_takes_the_given_piece_cost_where_the_calls_cannot_separate_the_two():
+    fit = PieceFit()
+    fit.add([(1, 10, 1.0)])
+    fit.add([(2, 100, 2 * 3e-4 + 100 * 1e-6)])
+    fit.add([(1, 50, 3e-4 + 50 * 1e-6)])  # the same rows per piece: only their sum is known
+    assert fit.solve(None) is None
+    assert fit.solve(3e-4) == (3e-4, pytest.approx(1e-6, rel=1e-6))
+    assert fit.solve(1.0)[1] == 0.0  # never a negative cost per row
+    fit.add([(5, 5000, 1e-3)])  # a line through these would make a piece cost less than nothing
+    assert fit.solve(2e-4)[0] == 2e-4
+
+
+def test_the_stage_factor_turns_forward_calls_into_the_stage_time():
+    from deepspeed_feplb.expert_costs import StageFactor
+    from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS
+
+    factor = StageFactor()
+    assert factor.value == FWD_BWD_GEMMS  # nothing measured: a GEMM's forward and its two backward ones
+    factor.add(busy_s=5.0, calls_s=2.0)
+    assert factor.value == pytest.approx(2.5)
+    factor.add(busy_s=1.0, calls_s=0.0)  # no call timed: no sample
+    assert factor.value == pytest.approx(2.5)
+    for _ in range(30):
+        factor.add(busy_s=4.0, calls_s=1.0)  # the machine slowed down: it follows
+    assert factor.value == pytest.approx(4.0, rel=1e-3)
 
 
 def test_the_piece_cost_is_a_one_row_call_and_dropout_draws_the_same_masks():
@@ -38,7 +64,7 @@ def test_the_piece_cost_is_a_one_row_call_and_dropout_draws_the_same_masks():
     assert 0 < times.piece_s < 0.05 and len(times.probe_marks) == 4
     assert times.fitted_us() is None  # no micro-batch timed yet
     times.fit.add([(1, 1, 1.0)])
-    times.fit.add([(1, 4, times.piece_s + 4e-6)])
+    times.fit.add([(1, 4, times.piece_s + 4e-6)])  # one shape of call: the probe is the cost of a piece
     assert times.fitted_us() == (pytest.approx(3e6 * times.piece_s), pytest.approx(3.0))
 
 

@@ -3,6 +3,7 @@ metrics against an independent computation, and the CLI contract (docs/ARCHITECT
 import json
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -304,3 +305,23 @@ def test_the_recorded_costs_replace_the_profiles_compute_costs():
     slow = TimeModel(1, 7.0, 50.0, 5.0, 5.0, 0.1)  # a profile far from the run: 7 µs per row, 50 per piece
     rows = predicted_and_measured(_recorded_trace(1.0), slow, ranks_per_node=2, recorded_costs=True)
     assert rows[:, 3].tolist() == [30.0, 30.0]  # the run's 1 µs per row and free pieces (see the test above)
+
+
+def test_copies_wait_for_the_plan_and_on_cpu_ranks_for_the_homes_other_experts():
+    from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+
+    counts = np.array([[30, 10], [5, 5]])
+    moves = np.array([[0, 0, 1, 10]])  # 10 rows of rank 0's expert 0 to rank 1, with its weights
+    model = TimeModel(1, 1.0, 0.0, 5.0, 5.0, 0.1)
+    # the copy engine: the chunk arrives at 6 µs, rank 1 computes it from 10 to 20 µs (its gradients
+    # are home at 25, rank 0 ends its own 30 rows at 30)
+    assert rank_finish_us(counts, moves, model).tolist() == [30.0, 20.0]
+    # a grouped static call on the CPU: the chunk leaves once expert 1's 10 rows are computed (arrives at 16),
+    # rank 1 computes it from 16 to 26 µs, its gradients are home at 31
+    grouped = rank_finish_us(counts, moves, replace(model, sends_after_static=True))
+    assert grouped.tolist() == [31.0, 26.0]
+    # the plan is there at 25 µs: every rank waits for it, the chunk leaves then (arrives at 31)
+    late = rank_finish_us(counts, moves, replace(model, sends_after_static=True, plan_us=25.0))
+    assert late.tolist() == [46.0, 41.0]
+    late_model = replace(model, plan_us=25.0, sends_after_static=True)
+    assert TimeModel.from_array(late_model.as_array()) == late_model  # as the mailbox carries it

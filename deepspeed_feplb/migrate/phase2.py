@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -125,6 +125,9 @@ class Phase2MicroBatch:
     `grad_experts`, taken before the plan: at a step's end its admission keeps nothing new).
     ready: the transport's `mark` of when the rows were ready (right after phase 1): forward's
     sends wait for it, not for whatever the caller queued since (the static experts).
+    mark: marks "now" for the timed forward calls (`expert_costs.ComputeTimes.clock`: host
+    seconds, or CUDA events); ``timed`` receives (1 piece, n rows, start, end) per forward call,
+    and ``wait_s`` the host seconds spent blocked on a peer (receives, sends to finish).
     """
     transport: Transport
     seq: int
@@ -140,12 +143,16 @@ class Phase2MicroBatch:
     residency: Optional[LayerResidency] = None
     step_ends: bool = True
     ready: object = None
+    mark: Callable[[], object] = time.perf_counter
     home_pieces: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
     def __post_init__(self):
         self.view = RankView.of(self.moves, self.local_rank, self.dynamic, self.row_counts)
         self._compute_s = 0.0
+        self.wait_s = 0.0
+        self._forward_sends: Optional[list] = None  # `send_forward`'s futures
+        self.timed: list = []
         M = self.moves.shape[0]
         if self.residency is not None:
             self.fresh, self.copy_kept = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
@@ -189,13 +196,16 @@ class Phase2MicroBatch:
         self._compute_s = 0.0
 
     # ------------------------------------------------------------------ forward
-    def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
-        """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
-        start = time.perf_counter()
-        outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
-        sends = []
+    def send_forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> None:
+        """Send the moved chunks (rows, and weights unless the helper keeps a copy) to their helpers,
+        once: as soon as the plan is in hand, while the caller still computes its static experts
+        (`expert_stage.run_experts` polls for the plan between them); `forward` sends them if
+        nobody did. dyn_x ``[N_dyn, H]``, params: per dynamic expert (no gradient is taken here)."""
+        if self._forward_sends is not None:
+            return
+        starts, sends = self.view.starts, []
         prints = self._fingerprints(params)
-        for helper, chunks in outgoing.items():
+        for helper, chunks in self.view.outgoing.items():
             carries = [self._carries_weights(m, self.dynamic[i], helper, prints.get(i)) for i, _, _, m in chunks]
             layout = messages.rows_to_helper(carries, len(self.spec.param_names), len(self.spec.buffer_names))
             parts = [{"weights": params[i], "buffers": self.spec.buffers(self.experts[self.dynamic[i]]),
@@ -203,6 +213,14 @@ class Phase2MicroBatch:
                      for i, offset, tokens, _ in chunks]
             payload = [_flags_tensor(carries, dyn_x), *layout.pack(parts)]
             sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload, after=self.ready))
+        self._forward_sends = sends
+
+    def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
+        """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
+        start = time.perf_counter()
+        outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
+        self.send_forward(dyn_x, params)
+        sends = self._forward_sends
 
         with torch.enable_grad():
             for i, expert_id in enumerate(self.dynamic):
@@ -213,12 +231,11 @@ class Phase2MicroBatch:
 
         results = {}
         for helper, chunks in outgoing.items():
-            parts = messages.outputs_to_home(len(chunks)).unpack(self.transport.recv(helper, tag(self.seq,
+            parts = messages.outputs_to_home(len(chunks)).unpack(self._recv(helper, tag(self.seq,
                                                                                                  FWD_RESULTS)),
                                                                  "forward results")
             results[helper] = [part["outputs"][0] for part in parts]
-        for future in sends:
-            future.result()
+        self._settle(sends)
         self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
@@ -232,8 +249,21 @@ class Phase2MicroBatch:
             return dyn_x.new_zeros((0, dyn_x.shape[1]))
         return torch.cat([y for _, y in sorted(blocks, key=lambda block: block[0])])
 
-    def _compute(self, module, params, buffers, x) -> _Piece:
+    def _recv(self, src: int, message_tag: int) -> list[torch.Tensor]:
         start = time.perf_counter()
+        try:
+            return self.transport.recv(src, message_tag)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def _settle(self, sends: list) -> None:
+        start = time.perf_counter()
+        for future in sends:
+            future.result()
+        self.wait_s += time.perf_counter() - start
+
+    def _compute(self, module, params, buffers, x) -> _Piece:
+        start, began = time.perf_counter(), self.mark()
         x = x.detach().requires_grad_(self.needs_grad)
         leaves = [p.detach().requires_grad_(self.needs_grad) for p in params]
         # keep what the piece's graph saves even under activation checkpointing's saved-tensor hooks:
@@ -243,6 +273,8 @@ class Phase2MicroBatch:
             y = self.spec.call(module, leaves, buffers, x)
         if not self.needs_grad:
             y = y.detach()
+        if len(x):
+            self.timed.append((1, len(x), began, self.mark()))
         self._compute_s += time.perf_counter() - start
         return _Piece(x, leaves, y)
 
@@ -274,7 +306,7 @@ class Phase2MicroBatch:
         n_params, n_buffers = len(self.spec.param_names), len(self.spec.buffer_names)
         sends = []
         for home, experts in self.view.incoming.items():
-            message = self.transport.recv(home, tag(self.seq, FWD_TOKENS))
+            message = self._recv(home, tag(self.seq, FWD_TOKENS))
             carries = _read_flags(message[0], len(experts))
             parts = messages.rows_to_helper(carries, n_params, n_buffers).unpack(message[1:], "forward rows")
             pieces = []
@@ -326,7 +358,7 @@ class Phase2MicroBatch:
         n_params = len(self.spec.param_names)
         for home, pieces in self.served.items():
             grads = messages.output_grads_to_helper(len(pieces)).unpack(
-                self.transport.recv(home, tag(self.seq, BWD_GRADS)), "backward output-gradients")
+                self._recv(home, tag(self.seq, BWD_GRADS)), "backward output-gradients")
             parts = []
             for piece, grad in zip(pieces, grads):
                 gx, *gp = self._vjp(piece, grad["output_grads"][0])
@@ -339,15 +371,14 @@ class Phase2MicroBatch:
         grad_params = list(grad_params)
         for helper, chunks in outgoing.items():
             layout = messages.grads_to_home([not self.copy_kept[m] for *_, m in chunks], n_params)
-            parts = layout.unpack(self.transport.recv(helper, tag(self.seq, BWD_RESULTS)), "backward results")
+            parts = layout.unpack(self._recv(helper, tag(self.seq, BWD_RESULTS)), "backward results")
             for (i, offset, tokens, _), part in zip(chunks, parts):
                 grad_x[starts[i] + offset:starts[i] + offset + tokens] = part["input_grads"][0]
                 if part["weight_grads"]:
                     grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
         grad_params += [None] * (len(self.grad_experts) - len(grad_params))
         sends += self._flush(grad_params)
-        for future in sends:
-            future.result()
+        self._settle(sends)
         self.served = {}
         self._report(" bwd", start)
         return grad_x, grad_params
@@ -369,7 +400,7 @@ class Phase2MicroBatch:
         for helper in sorted({j for h, _, j in entries if h == self.local_rank}):
             mine = [e for h, e, j in entries if h == self.local_rank and j == helper]
             parts = messages.flushed_to_home(len(mine), n_params).unpack(
-                self.transport.recv(helper, tag(self.seq, FLUSH)), "kept-copy gradients")
+                self._recv(helper, tag(self.seq, FLUSH)), "kept-copy gradients")
             for e, part in zip(mine, parts):
                 k, gp = position[e], part["weight_grads"]
                 grad_params[k] = list(gp) if grad_params[k] is None else [a + b for a, b in zip(grad_params[k], gp)]

@@ -380,19 +380,28 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
-    whose accumulated gradients go home at the end of this micro-batch; model float64 [7]
+    whose accumulated gradients go home at the end of this micro-batch; model float64 [9]
     (`timeline.TimeModel.as_array`). Returns float64 [G]. The model is described in `timeline`."""
     G, E = counts.shape
     M = moves.shape[0]
-    wcopy, gcopy, rcopy, latency = model[3], model[4], model[5], model[6]
+    wcopy, gcopy, rcopy, latency, plan_ready = model[3], model[4], model[5], model[6], model[7]
     kept = counts.copy()
+    moving = np.zeros((G, E), np.bool_)
     for m in range(M):
         kept[moves[m, 0], moves[m, 1]] -= moves[m, 3]
-    t = np.zeros(G)
+        moving[moves[m, 0], moves[m, 1]] = True
+    t = np.zeros(G)  # the experts that move nothing first, then, once the plan is there, the others
+    dynamic = np.zeros(G)
     for r in range(G):
         for e in range(E):
-            t[r] += _piece_us(kept[r, e], model)
-    out_free = np.zeros(G)
+            if moving[r, e]:
+                dynamic[r] += _piece_us(kept[r, e], model)
+            else:
+                t[r] += _piece_us(kept[r, e], model)
+    out_free = np.full(G, plan_ready)
+    if model[8] > 0:  # one thread computes and sends: a home's sends follow its other experts
+        out_free = np.maximum(out_free, t)
+    t = np.maximum(t, plan_ready) + dynamic
     in_free = np.zeros(G)
     arrive = np.empty(M)
     for m in range(M):
@@ -455,7 +464,7 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
-    (``model`` float64 [7]; empty: tokens only, one pass); returns the one with the smallest
+    (``model`` float64 [9]; empty: tokens only, one pass); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
     slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch).

@@ -3,11 +3,14 @@
 Per micro-batch and rank of a domain (all times µs, forward and backward together):
 
 * a rank first computes its own rows: every local expert's rows that stay home, each a GEMM
-  piece of ``piece_us + ceil(n / tile_rows) * tile_rows * row_us``;
+  piece of ``piece_us + ceil(n / tile_rows) * tile_rows * row_us``; the experts it moves rows of
+  (its dynamic ones) only once the plan is there, ``plan_us`` after the stage began (the static
+  experts compute meanwhile);
 * each move (home -> helper, ``n`` rows) is one copy over the home's outgoing and the helper's
   incoming copy-engine link (each link carries one copy at a time, moves in plan order): the
   expert's weights when the helper holds no copy yet (``weight_copy_us``) plus the rows
-  (``n * row_copy_us``);
+  (``n * row_copy_us``). No copy starts before the plan; with ``sends_after_static`` (one host
+  thread computes and sends, as on CPU ranks) not before its home computed its other experts;
 * a helper starts a moved chunk once it has finished its own rows and the chunk has arrived,
   chunks in arrival order;
 * the chunk's outputs go home (``n * row_copy_us``), and, unless the helper keeps the weight copy
@@ -46,7 +49,10 @@ class TimeModel:
     weight_copy_us:  one expert's weights over one copy-engine link;
     grad_copy_us:    one expert's weight-gradients over one link;
     row_copy_us:     one row's activations over one link;
-    message_us:      fixed latency of one message, on top of its copy.
+    message_us:      fixed latency of one message, on top of its copy;
+    plan_us:         when the plan is there, from the stage's start;
+    sends_after_static: a home sends its chunks once its other experts are computed (CPU ranks:
+                     one thread does both), not as soon as the plan is there (the copy engine).
     """
 
     tile_rows: int
@@ -56,6 +62,8 @@ class TimeModel:
     grad_copy_us: float
     row_copy_us: float
     message_us: float = 0.0
+    plan_us: float = 0.0
+    sends_after_static: bool = False
 
     @classmethod
     def of(cls, shape, profile) -> "TimeModel":
@@ -78,9 +86,15 @@ class TimeModel:
                    row_bytes / bw)
 
     def as_array(self) -> np.ndarray:
-        """float64 [7], the order `passes.finish_us` takes."""
+        """float64 [9], the order `passes.finish_us` takes."""
         return np.array([self.tile_rows, self.row_us, self.piece_us, self.weight_copy_us, self.grad_copy_us,
-                         self.row_copy_us, self.message_us], dtype=np.float64)
+                         self.row_copy_us, self.message_us, self.plan_us, self.sends_after_static], dtype=np.float64)
+
+    @classmethod
+    def from_array(cls, values) -> "TimeModel":
+        """The inverse of `as_array`."""
+        tile, *rest, after = [float(v) for v in values]
+        return cls(int(tile), *rest, sends_after_static=bool(after))
 
     @property
     def finite(self) -> bool:

@@ -34,6 +34,10 @@ class Scheduler(Protocol):
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the same on every rank; never hangs past the configured timeouts."""
 
+    def plan_ready(self, seq: int) -> bool:
+        """Whether `plan` for ``seq`` would return without waiting (for a peer or the planner): the
+        caller polls it between its static experts and sends phase 2's chunks as soon as it can."""
+
     def scheduler_pid(self) -> int:
         """Pid of the scheduler process serving the domain, 0 when none."""
 

@@ -72,6 +72,10 @@ class InlineScheduler:
         counts, constraints, resident = self._wait_counts(seq)
         return self._plan_here(counts, constraints, resident, fallback=False)
 
+    def plan_ready(self, seq: int) -> bool:
+        """Every rank's counts for ``seq`` are in: `plan` plans at once."""
+        return self.mailbox.has_counts(seq)
+
     @staticmethod
     def _plan_here(counts: np.ndarray, constraints: PlanConstraints, resident: np.ndarray,
                    fallback: bool) -> DomainPlan:
@@ -171,6 +175,10 @@ class ProcessScheduler(InlineScheduler):
         # a fallback once a process has served this domain (also while a restarted one comes up);
         # every rank reads the same word, so they agree
         return self._plan_here(counts, constraints, resident, fallback=bool(self.mailbox.header[SERVED]))
+
+    def plan_ready(self, seq: int) -> bool:
+        """The process's (or the domain's first rank's) plan for ``seq`` is published."""
+        return self.mailbox.has_plan(seq)
 
     def _leader_plan(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
                      resident: np.ndarray) -> DomainPlan:

@@ -25,7 +25,7 @@ from deepspeed_feplb.plan.policy import Plan, PlanConstraints
 from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
 
-_NO_MODEL = np.zeros(7, np.float64)
+_NO_MODEL = np.zeros(9, np.float64)
 
 RING = 4
 E_MAX = 1024
@@ -36,7 +36,7 @@ SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  #
 CONSTRAINTS_DTYPE = np.dtype([
     ("experts", np.int64), ("dynamic_experts", np.int64), ("max_helpers", np.int64), ("chunk_align", np.int64),
     ("expert_bytes", np.int64), ("ce_budget_bytes", np.float64), ("keep_copies", np.int64), ("has_model", np.int64),
-    ("model", np.float64, (7, )),  # `TimeModel.as_array`
+    ("model", np.float64, (9, )),  # `TimeModel.as_array`
     ("max_rows_over_mean", np.float64), ("mean_rows", np.float64)])
 
 
@@ -127,8 +127,7 @@ class Mailbox:
         if key != self._meta:  # the constraints change once per micro-batch at most: build them then
             model = None
             if meta["has_model"]:
-                tile, *rest = meta["model"].tolist()
-                model = TimeModel(int(tile), *rest)
+                model = TimeModel.from_array(meta["model"])
             self._constraints = PlanConstraints(
                 int(meta["dynamic_experts"]), int(meta["max_helpers"]), int(meta["chunk_align"]),
                 float(meta["ce_budget_bytes"]), int(meta["expert_bytes"]), model, bool(meta["keep_copies"]),
@@ -169,6 +168,15 @@ class Mailbox:
         entry["begin"][0] = seq
         self.header[PLAN_BELL] = seq
         self.plan_bell.notify()
+
+    def has_counts(self, seq: int) -> bool:
+        """Whether every rank published its counts for ``seq`` (`read_counts` would return them)."""
+        return self._complete(seq)
+
+    def has_plan(self, seq: int) -> bool:
+        """Whether the plan for ``seq`` is published (`read_plan` would return it)."""
+        entry = self._plan[seq % RING]
+        return entry["begin"][0] == seq and entry["end"][0] == seq
 
     def read_plan(self, seq: int) -> tuple[Plan | None, int] | None:
         """The published `Plan` for ``seq`` and its planning time (ns), or None if not (yet) there;

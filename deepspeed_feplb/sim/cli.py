@@ -310,7 +310,7 @@ def _compare_measured(args, trace, setup) -> dict:
     model = TimeModel.of(setup.shape, setup.profile)
     out = {"profile": setup.profile.name, "model": dataclasses.asdict(model)}
     for recorded, key, what in ((False, "profile_costs", f"profile {setup.profile.name}'s compute costs"),
-                                (True, "recorded_costs", "the run's own fitted row cost, as its planner used it")):
+                                (True, "recorded_costs", "the run's own fitted costs, as its planner had them")):
         try:
             rows = predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded)
             figures = errors(rows)

@@ -7,9 +7,13 @@ domain) where every rank of the domain was measured, `compare_measured` predicts
 makespan with the time model (`timeline.rank_finish_us`: the same evaluation the planner
 minimises) and sets it beside the measured one, the slowest rank's forward + backward stage time.
 The compute costs come from the cost profile (what the simulator uses for other machines), or,
-with ``recorded_costs``, from the domain's own fits at that micro-batch, as its planner used them
-(`expert_costs.ComputeTimes.model`: the fitted cost per row, the median over the domain's ranks,
-and no cost per piece), so that the check isolates how the model composes them.
+with ``recorded_costs``, from the domain's own fits as its planner had them at that micro-batch
+(`expert_costs.ComputeTimes.fitted_us`: the costs of a piece and of a row, forward and backward,
+fitted from earlier micro-batches; the medians over the domain's ranks) and the plan's latency of
+the micro-batch before (what the runtime knew then): the check then tests how the model composes
+them. ``sends_after_static``: the run's homes sent their chunks only after their static experts
+(`TimeModel.sends_after_static`: a grouped static call on CPU ranks); otherwise as soon as the plan
+was in hand, which is what the runtime does between its static experts' calls.
 This is what "how far to trust the simulator" rests on.
 """
 from __future__ import annotations
@@ -25,12 +29,12 @@ __all__ = ["compare_measured", "errors", "predicted_and_measured"]
 
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
-                           recorded_costs: bool = False) -> np.ndarray:
+                           recorded_costs: bool = False, sends_after_static: bool = False) -> np.ndarray:
     """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
-    allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the cost
-    per row is the domain's recorded fit and a piece costs nothing, as its planner had them
-    (module docstring); the rest is ``model``'s."""
+    allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the costs
+    of a piece and of a row are the domain's recorded fits, the plan's latency the previous
+    micro-batch's (module docstring); the rest is ``model``'s."""
     if trace.stage_us is None or trace.plan_moves is None:
         raise ValueError("the trace holds no runtime record (plan_moves, stage_us): record it with a FEPLB run's "
                          "feplb.stats.record_trace")
@@ -41,6 +45,7 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
     per_rank = experts // ranks
     stage = trace.stage_us[..., 0] + trace.stage_us[..., 1]  # [steps, layers, ranks] forward + backward
     moves = trace.plan_moves
+    model = replace(model, sends_after_static=sends_after_static)
     out = []
     for step in range(skip_steps, trace.steps):
         for layer in range(trace.layers):
@@ -52,10 +57,12 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                     continue
                 here_model = model
                 if recorded_costs:
-                    row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 4])
-                    if not np.isfinite(row_us):
+                    piece_us, row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 3:5], axis=0)
+                    if not np.isfinite(row_us) or not np.isfinite(piece_us):
                         continue
-                    here_model = replace(model, tile_rows=1, piece_us=0.0, row_us=float(row_us))
+                    plan_us = np.median(trace.stage_us[step - 1, layer, first:first + ranks_per_node, 2]) if step else 0
+                    here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
+                                         plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
@@ -66,11 +73,12 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
 
 
 def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
-                     recorded_costs: bool = False) -> dict:
+                     recorded_costs: bool = False, sends_after_static: bool = False) -> dict:
     """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
     predicted against the measured makespan (`predicted_and_measured`); the signed median says
     whether the model runs fast (< 0) or slow."""
-    return errors(predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs))
+    return errors(predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs,
+                                         sends_after_static))
 
 
 def errors(rows: np.ndarray) -> dict:

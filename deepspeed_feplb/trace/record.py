@@ -12,8 +12,9 @@ layer completed) with :func:`deepspeed_feplb.trace.format.save_trace`, at :meth:
 
 What the runtime did is recorded too (`trace.format`: ``plan_moves``, ``stage_us``): each call
 also gathers, over the same group, what the layer's expert stage did in the previous micro-batch
-(`ExpertStage.last`: its domain's plan, and the stage's forward and backward time and plan
-latency on each rank), whose backward has run by then; the last micro-batch's stays unmeasured.
+(`ExpertStage.last`: its domain's plan, and on each rank the stage's forward and backward time,
+when its plan was in hand and the costs its planner priced), whose backward has run by then; the
+last micro-batch's stays unmeasured.
 
 Eval-mode forwards are not recorded (they are not training micro-batches); a forward recomputed
 by activation checkpointing would be recorded twice.
