@@ -351,7 +351,7 @@ def test_simulate_compares_the_model_with_a_recorded_run(tmp_path, capsys):
     assert measured["recorded_costs"] != measured["profile_costs"]
     printed = capsys.readouterr().out
     assert "time model vs measured, profile h100's compute costs (2 micro-batches x domains): median |error|" in printed
-    assert "time model vs measured, the run's own fitted row cost, as its planner used it" in printed
+    assert "time model vs measured, the run's own fitted costs, as its planner had them" in printed
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", "--trace", str(plain), "--ranks-per-node", "2", "--policies", "feplb",
               "--compare-measured", "--no-progress"])
