@@ -94,13 +94,13 @@ def compare(trace_path: str, ranks: int) -> dict:
     from deepspeed_feplb.plan.cost import ExpertShape
     from deepspeed_feplb.plan.timeline import TimeModel
     from deepspeed_feplb.sim.calibrate import calibrate_cpu
-    from deepspeed_feplb.sim.measured import compare_measured
+    from deepspeed_feplb.sim.measured import compare_measured, cpu_share
     from deepspeed_feplb.trace.format import load_trace
 
     trace = load_trace(trace_path)
     shape = ExpertShape(hidden=trace.hidden, ffn_hidden=trace.ffn_hidden, mats=2, dtype_bytes=4)  # fp32 MLP
     model = replace(TimeModel.of(shape, calibrate_cpu(shape)), message_us=ShmTransport.message_us)
-    return {"profile_costs": compare_measured(trace, model, ranks),
+    return {"cpu_share": cpu_share(trace, skip_steps=WARM), "profile_costs": compare_measured(trace, model, ranks),
             "recorded_costs": compare_measured(trace, model, ranks, recorded_costs=True),
             # the same once the scheduler process has loaded its planner
             f"recorded_costs_from_{WARM}": compare_measured(trace, model, ranks, skip_steps=WARM, recorded_costs=True)}
@@ -132,7 +132,8 @@ def main() -> int:
                   f"{row['recorded_costs']['p90_abs_rel_error']:.1%}, signed "
                   f"{row['recorded_costs']['median_rel_error']:+.1%}; from micro-batch {WARM} "
                   f"{late['median_abs_rel_error']:.1%}, p90 {late['p90_abs_rel_error']:.1%}); "
-                  f"load {load_before[0]:.1f}", flush=True)
+                  f"a rank had {row['cpu_share']:.0%} of a core during its stage; load {load_before[0]:.1f}",
+                  flush=True)
             if args.no_floor:
                 continue
             load_before = os.getloadavg()

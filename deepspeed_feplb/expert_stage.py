@@ -235,7 +235,7 @@ class ExpertStage:
             # first layer; a model's hidden states have them) computes that gradient when recording
             rows = rows.detach().requires_grad_()
         self.compute_times.calls = (0, 0)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         balanced = self.balances_now(facts)
         if self.records and record is not None:
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
@@ -245,7 +245,7 @@ class ExpertStage:
                                      experts.static_fn, self.residency, step_ends, self._mean_rows(facts), record)
             if stats is not None:
                 self.stats = stats
-            return self._measure(record, rows, out, start)
+            return self._measure(record, rows, out, start, cpu_start)
         if experts.direct is None or (self.balances and dist.get_world_size() > self.ep_size):
             # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
             # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
@@ -259,9 +259,10 @@ class ExpertStage:
                         experts.static_fn)
         if config.stats.enabled and not recomputing():
             self.stats = self._local_stats(counts, facts)
-        return self._measure(record, rows, out, start)
+        return self._measure(record, rows, out, start, cpu_start)
 
-    def _measure(self, record: Optional[dict], rows: torch.Tensor, out: torch.Tensor, start: float) -> torch.Tensor:
+    def _measure(self, record: Optional[dict], rows: torch.Tensor, out: torch.Tensor, start: float,
+                 cpu_start: float) -> torch.Tensor:
         """Time the stage's forward (from ``start``) and, through two gradient hooks, its backward
         (from the output's gradient to the rows'). Once the backward ran, the stage's busy time (both,
         less the waits for the plan and the domain) goes to `ComputeTimes.stage_done` (host clock
@@ -269,12 +270,13 @@ class ExpertStage:
         this micro-batch did: ``moves`` int64 [M, 5] = (home EP rank, local expert, helper EP rank,
         rows, fresh) of its domain's plan, ``plan_us`` (when the plan was in hand, from the stage's
         start; NaN: not balanced), ``fit_us`` (the fitted piece and row cost of the path it took, as
-        they were before it: `ComputeTimes.fitted_us`), and
-        the stage's host time, ``forward_us`` now and ``backward_us`` once its backward ran (NaN
-        until then). Returns ``out``."""
+        they were before it: `ComputeTimes.fitted_us`), the stage's host time, ``forward_us`` now
+        and ``backward_us`` once its backward ran, and ``cpu_us``, the CPU time this process used
+        meanwhile (all its threads: on an oversubscribed host far less than the two; NaN until the
+        backward ran). Returns ``out``."""
         if record is None:
             return out
-        forward_s = time.perf_counter() - start
+        forward_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         calls = self.compute_times.calls if self.device.type != "cuda" else (0, 0)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
         last = None
@@ -287,13 +289,13 @@ class ExpertStage:
                                           fresh]).astype(np.int64).reshape(-1, 5),
                 "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
                 "fit_us": record["fit_us"] or (float("nan"), float("nan")),
-                "forward_us": forward_s * 1e6, "backward_us": float("nan")}
+                "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan")}
         if not (out.requires_grad and rows.requires_grad) or (last is None and not calls[0]):
             return out
         begun, times = [], self.compute_times
 
         def backward_begins(grad):
-            begun.append(time.perf_counter())
+            begun.extend((time.perf_counter(), time.process_time()))
 
         def backward_ends(grad):
             if not begun:
@@ -301,6 +303,7 @@ class ExpertStage:
             backward_s = time.perf_counter() - begun[0]
             if last is not None:
                 last["backward_us"] = backward_s * 1e6
+                last["cpu_us"] = (cpu_s + time.process_time() - begun[1]) * 1e6
             if calls[0]:
                 waits = plan_wait_s + (phase2.wait_s if phase2 is not None else 0.0)
                 times.stage_done(forward_s + backward_s - waits, calls, balanced=phase2 is not None)

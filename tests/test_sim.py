@@ -307,6 +307,17 @@ def test_the_recorded_costs_replace_the_profiles_compute_costs():
     assert rows[:, 3].tolist() == [30.0, 30.0]  # the run's 1 µs per row and free pieces (see the test above)
 
 
+def test_the_cpu_share_says_whether_the_ranks_had_a_core_each():
+    from deepspeed_feplb.sim.measured import cpu_share
+
+    trace = _recorded_trace(1.0)
+    assert cpu_share(trace) is None  # recorded before the CPU time was
+    stage = np.concatenate([trace.stage_us, np.full(trace.stage_us.shape[:-1] + (1, ), np.nan)], axis=-1)
+    stage[1:, 0, 0, 5] = 0.5 * (stage[1:, 0, 0, 0] + stage[1:, 0, 0, 1])  # rank 0 shared its core
+    stage[1:, 0, 1, 5] = stage[1:, 0, 1, 0] + stage[1:, 0, 1, 1]
+    assert cpu_share(replace(trace, stage_us=stage)) == pytest.approx(0.75)
+
+
 def test_copies_wait_for_the_plan_and_on_cpu_ranks_for_the_homes_other_experts():
     from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 

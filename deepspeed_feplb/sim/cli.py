@@ -306,9 +306,12 @@ def _compare_measured(args, trace, setup) -> dict:
     each and, with ``--plot``, draws predicted against measured per micro-batch."""
     from deepspeed_feplb.plan.timeline import TimeModel
 
-    from .measured import errors, predicted_and_measured
+    from .measured import cpu_share, errors, predicted_and_measured
     model = TimeModel.of(setup.shape, setup.profile)
-    out = {"profile": setup.profile.name, "model": dataclasses.asdict(model)}
+    out = {"profile": setup.profile.name, "model": dataclasses.asdict(model), "cpu_share": cpu_share(trace)}
+    if out["cpu_share"] is not None:
+        print(f"the recorded ranks used {out['cpu_share']:.0%} of a core during their stage (median); the time model "
+              "has each rank on its own processor")
     for recorded, key, what in ((False, "profile_costs", f"profile {setup.profile.name}'s compute costs"),
                                 (True, "recorded_costs", "the run's own fitted costs, as its planner had them")):
         try:

@@ -19,13 +19,14 @@ This is what "how far to trust the simulator" rests on.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import numpy as np
 
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 from deepspeed_feplb.trace.format import Trace
 
-__all__ = ["compare_measured", "errors", "predicted_and_measured"]
+__all__ = ["compare_measured", "cpu_share", "errors", "predicted_and_measured"]
 
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
@@ -89,3 +90,17 @@ def errors(rows: np.ndarray) -> dict:
     return {"median_abs_rel_error": float(np.median(np.abs(relative))),
             "p90_abs_rel_error": float(np.percentile(np.abs(relative), 90)),
             "median_rel_error": float(np.median(relative)), "micro_batches": int(len(rows))}
+
+
+def cpu_share(trace: Trace, skip_steps: int = 1) -> Optional[float]:
+    """The median over ranks and measured micro-batches (after the first ``skip_steps``) of the
+    CPU time a rank's process used during its stage over the stage's wall time, or None when the
+    trace does not hold it. About 1 where each rank had its own core; on an oversubscribed host
+    (more busy threads than cores) well below: the ranks then did not run side by side, which the
+    time model assumes (each rank owns its processor, as each GPU does)."""
+    if trace.stage_us is None or trace.stage_us.shape[-1] < 6:
+        return None
+    stage = trace.stage_us[skip_steps:]
+    share = stage[..., 5] / (stage[..., 0] + stage[..., 1])
+    share = share[np.isfinite(share)]
+    return float(np.median(share)) if share.size else None

@@ -13,8 +13,8 @@ layer completed) with :func:`deepspeed_feplb.trace.format.save_trace`, at :meth:
 What the runtime did is recorded too (`trace.format`: ``plan_moves``, ``stage_us``): each call
 also gathers, over the same group, what the layer's expert stage did in the previous micro-batch
 (`ExpertStage.last`: its domain's plan, and on each rank the stage's forward and backward time,
-when its plan was in hand and the costs its planner priced), whose backward has run by then; the
-last micro-batch's stays unmeasured.
+when its plan was in hand, the costs its planner priced and the CPU time the rank used), whose
+backward has run by then; the last micro-batch's stays unmeasured.
 
 Eval-mode forwards are not recorded (they are not training micro-batches); a forward recomputed
 by activation checkpointing would be recorded twice.
@@ -122,14 +122,14 @@ class TraceRecorder:
     def _runtime(self, steps: int, ranks: int, experts: int) -> dict:
         """``plan_moves`` and ``stage_us`` (`trace.format`) of the steps kept, or nothing when no
         stage recorded anything (FEPLB off)."""
-        stage_us = np.full((steps, len(self.stages), ranks, 5), np.nan)
+        stage_us = np.full((steps, len(self.stages), ranks, 6), np.nan)
         moves = set()  # every rank of a domain holds its domain's plan: one copy of each move
         for layer, per_step in enumerate(self.stages):
             for step, everyone in enumerate(per_step[:steps]):
                 for rank, last in enumerate(everyone):
                     if last is not None:
                         stage_us[step, layer, rank] = (last["forward_us"], last["backward_us"], last["plan_us"],
-                                                       *last["fit_us"])
+                                                       *last["fit_us"], last["cpu_us"])
                         moves |= {(step, layer, home * (experts // ranks) + e, home, helper, n, fresh)
                                   for home, e, helper, n, fresh in last["moves"].tolist()}
         if np.isnan(stage_us).all():
