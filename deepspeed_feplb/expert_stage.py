@@ -236,6 +236,8 @@ class ExpertStage:
             rows = rows.detach().requires_grad_()
         self.compute_times.calls = (0, 0)
         start, cpu_start = time.perf_counter(), time.process_time()
+        if self.records and record is not None and self.device.type == "cuda":
+            record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
         balanced = self.balances_now(facts)
         if self.records and record is not None:
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
@@ -269,14 +271,18 @@ class ExpertStage:
         only: on CUDA the host's time is not the device's). With a trace recorder, `last` keeps what
         this micro-batch did: ``moves`` int64 [M, 5] = (home EP rank, local expert, helper EP rank,
         rows, fresh) of its domain's plan, ``plan_us`` (when the plan was in hand, from the stage's
-        start; NaN: not balanced), ``fit_us`` (the fitted piece and row cost of the path it took, as
-        they were before it: `ComputeTimes.fitted_us`), the stage's host time, ``forward_us`` now
-        and ``backward_us`` once its backward ran, and ``cpu_us``, the CPU time this process used
-        meanwhile (all its threads: on an oversubscribed host far less than the two; NaN until the
-        backward ran). Returns ``out``."""
+        start, host clock; NaN: not balanced), ``fit_us`` (the fitted piece and row cost of the path
+        it took, as they were before it: `ComputeTimes.fitted_us`), the stage's time, ``forward_us``
+        now and ``backward_us`` once its backward ran (host clock; on CUDA also CUDA events, which
+        `recorded` reads), and ``cpu_us``, the CPU time this process used meanwhile (all its
+        threads: on an oversubscribed host far less than the two; NaN until the backward ran).
+        Returns ``out``."""
         if record is None:
             return out
         forward_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        events = record.get("events")
+        if events is not None:
+            events[1] = _device_mark()
         calls = self.compute_times.calls if self.device.type != "cuda" else (0, 0)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
         last = None
@@ -290,12 +296,16 @@ class ExpertStage:
                 "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
                 "fit_us": record["fit_us"] or (float("nan"), float("nan")),
                 "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan")}
+            if events is not None:
+                last["events"] = events
         if not (out.requires_grad and rows.requires_grad) or (last is None and not calls[0]):
             return out
         begun, times = [], self.compute_times
 
         def backward_begins(grad):
             begun.extend((time.perf_counter(), time.process_time()))
+            if events is not None:
+                events[2] = _device_mark()
 
         def backward_ends(grad):
             if not begun:
@@ -304,6 +314,8 @@ class ExpertStage:
             if last is not None:
                 last["backward_us"] = backward_s * 1e6
                 last["cpu_us"] = (cpu_s + time.process_time() - begun[1]) * 1e6
+                if events is not None:
+                    events[3] = _device_mark()
             if calls[0]:
                 waits = plan_wait_s + (phase2.wait_s if phase2 is not None else 0.0)
                 times.stage_done(forward_s + backward_s - waits, calls, balanced=phase2 is not None)
@@ -311,6 +323,14 @@ class ExpertStage:
         out.register_hook(backward_begins)
         rows.register_hook(backward_ends)
         return out
+
+    def recorded(self) -> Optional[dict]:
+        """`last` for a trace recorder: on CUDA its forward and backward times on the device's clock
+        (the stage's CUDA events, waited for: only a recording run pays that), else as it is."""
+        last = self.last
+        if last is None or "events" not in last:
+            return last
+        return _device_times(last)
 
     def _mean_rows(self, facts: GroupFacts) -> float:
         """Rows per rank over the EP group (0: not known, as with the DeepEP dispatcher; the
@@ -326,6 +346,27 @@ class ExpertStage:
         first = dist.get_rank(self.ep_group) // G * G
         ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
         return unbalanced_stats(facts.received[first:first + G], ranks)
+
+
+def _device_mark():
+    """A CUDA event recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _device_times(last: dict) -> dict:
+    """``last`` without its ``events`` (stage begin, forward end, backward begin, backward end; None:
+    not reached), with ``forward_us`` and ``backward_us`` read from them where they were reached."""
+    begin, forward_end, backward_begin, backward_end = last["events"]
+    out = {key: value for key, value in last.items() if key != "events"}
+    if forward_end is not None:
+        forward_end.synchronize()
+        out["forward_us"] = begin.elapsed_time(forward_end) * 1e3
+    if backward_end is not None:
+        backward_end.synchronize()
+        out["backward_us"] = backward_begin.elapsed_time(backward_end) * 1e3
+    return out
 
 
 def _typical(fits: np.ndarray) -> tuple[float, float]:

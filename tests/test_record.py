@@ -100,3 +100,28 @@ def test_shipped_real_trace_is_valid_and_skewed():
     expert_loads = trace.counts.sum(axis=(0, 2)).astype(float)
     assert expert_loads.max() / expert_loads.mean() > 1.5
     assert loads.max() > loads.mean()
+
+
+def test_on_a_gpu_the_recorded_stage_times_are_the_devices():
+    """`ExpertStage.recorded` reads the stage's CUDA events (here stand-ins with the same methods),
+    waiting for each, and leaves a backward that has not run unmeasured."""
+    from deepspeed_feplb.expert_stage import _device_times
+
+    class Event:
+        def __init__(self, ms):
+            self.ms, self.waited = ms, False
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    begin, forward_end, backward_begin, backward_end = Event(1.0), Event(3.5), Event(10.0), Event(17.0)
+    last = {"moves": np.zeros((0, 5), np.int64), "forward_us": 99.0, "backward_us": float("nan"),
+            "events": [begin, forward_end, backward_begin, backward_end]}
+    read = _device_times(last)
+    assert "events" not in read and read["forward_us"] == 2500.0 and read["backward_us"] == 7000.0
+    assert forward_end.waited and backward_end.waited
+    unfinished = _device_times({**last, "events": [begin, forward_end, None, None]})
+    assert unfinished["forward_us"] == 2500.0 and np.isnan(unfinished["backward_us"])

@@ -10,12 +10,12 @@ simulator's time model can be checked against it (``simulate --compare-measured`
 ``plan_moves`` int64 ``[M, 7]`` = (step, layer, expert, home_rank, helper_rank, rows, fresh):
 the plans' moves (EP ranks; ``fresh``: the chunk carried the expert's weights), and
 ``stage_us`` float64 ``[steps, layers, ranks, 6]``: per EP rank, the expert stage's measured
-forward and backward time, when its plan was in hand (from the stage's start; NaN: the
-micro-batch was not balanced), the rank's fitted cost of an expert piece and of a row (forward +
-backward, `expert_costs.ComputeTimes.fitted_us` of the path the micro-batch took, as they stood
-before it: what its planner priced), and the CPU time the rank's process used over the forward
-and the backward (traces recorded before 2026-12-02 lack this column), all µs, NaN where not
-measured.
+forward and backward time (host clock on CPU ranks, CUDA events on GPUs), when its plan was in
+hand (from the stage's start, host clock; NaN: the micro-batch was not balanced), the rank's
+fitted cost of an expert piece and of a row (forward + backward,
+`expert_costs.ComputeTimes.fitted_us` of the path the micro-batch took, as they stood before it:
+what its planner priced), and the CPU time the rank's process used over the forward and the
+backward (traces recorded before 2026-12-02 lack this column), all µs, NaN where not measured.
 """
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ layer completed) with :func:`deepspeed_feplb.trace.format.save_trace`, at :meth:
 
 What the runtime did is recorded too (`trace.format`: ``plan_moves``, ``stage_us``): each call
 also gathers, over the same group, what the layer's expert stage did in the previous micro-batch
-(`ExpertStage.last`: its domain's plan, and on each rank the stage's forward and backward time,
-when its plan was in hand, the costs its planner priced and the CPU time the rank used), whose
-backward has run by then; the last micro-batch's stays unmeasured.
+(`ExpertStage.recorded`: its domain's plan, and on each rank the stage's forward and backward time
+(CUDA events on a GPU), when its plan was in hand, the costs its planner priced and the CPU time
+the rank used), whose backward has run by then; the last micro-batch's stays unmeasured.
 
 Eval-mode forwards are not recorded (they are not training micro-batches); a forward recomputed
 by activation checkpointing would be recorded twice.
@@ -72,7 +72,7 @@ class TraceRecorder:
             return
         stage = getattr(layer, "stage", None)
         # the previous micro-batch's stage record, whose backward has run (every rank calls this alike)
-        previous = stage.last if stage is not None else None
+        previous = stage.recorded() if stage is not None else None
         everyone = gather_small(previous, group=group, device=expert_ids.device) if group is not None else [previous]
         num_experts = layer.ep_size * layer.num_local_experts
         flat = expert_ids.reshape(-1).long()

@@ -357,7 +357,7 @@ def main(argv=None) -> int:
     baseline = 0 if args.cpu else torch.cuda.memory_allocated(0)
     segments_before = set(leftover_segments())
     import hot_path
-    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed")}
+    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed", "parity")}
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport, "layer": layer,
               "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
               "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}

@@ -12,6 +12,10 @@ code on CPU stand-ins with tiny shapes (CI's dry run), where syncs and kernels c
   the bound of docs/GPU.md.
 * `layer_speed`: one GPU, EP = 1, bf16, 64 experts top-8, 8k tokens, hidden 2048 / ffn 1408:
   forward + backward of the FEPLB layer against DeepSpeed's MoE.
+* `parity` (issue "the model is the runtime"): 2 ranks on one GPU train a balancing layer (bf16,
+  16 experts top-2, 8k tokens per rank, hidden 2048 / ffn 1408, costs measured) with a recorded
+  trace; the time model replays its plans with the costs its planner had (`sim.measured`):
+  median |error| <= 15%, p90 <= 30% of the measured stage makespan (CUDA events).
 """
 from __future__ import annotations
 
@@ -264,3 +268,62 @@ def layer_speed(cpu: bool) -> dict:
     from deepspeed_feplb.testing import run_distributed
     (figures, ) = run_distributed(_layer_speed_worker, 1, cpu, timeout=200)
     return {"ok": cpu or figures["feplb_over_deepspeed"] <= 1.0, **figures}
+
+
+PARITY_STEPS, PARITY_SKIP = 40, 10  # micro-batches trained, and skipped before comparing (fits settle)
+
+
+def _parity_worker(cpu: bool, trace_path: str) -> dict:
+    import deepspeed_feplb
+    from deepspeed_feplb.trace.record import get_recorder
+
+    import moe_cases
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if not cpu:
+        torch.cuda.set_device(0)
+    tokens, hidden, ffn = (256, 32, 64) if cpu else (8192, 2048, 1408)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "transport": "shm" if cpu else "cuda_ce",
+             "scheduler": {"start_after_steps": 0}, "stats": {"record_trace": trace_path}}
+    torch.manual_seed(0)
+    expert = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
+    layer = deepspeed_feplb.MoE(hidden_size=hidden, expert=expert, num_experts=16, ep_size=2, k=2, min_capacity=0,
+                                drop_tokens=False, use_rts=False, feplb_config=feplb)
+    moe_cases.skew_gate(layer.deepspeed_moe.gate.wg.weight, spread=False)
+    layer.set_deepspeed_parallelism()
+    layer.to(dev, dtype)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(PARITY_STEPS):
+        x = (torch.randn(tokens, hidden, generator=g) + 1.0).to(dev, dtype).requires_grad_(True)
+        out, l_aux, _ = layer(x)
+        (out.float().square().mean() + l_aux).backward()
+    get_recorder(trace_path).flush()
+    dist.barrier()
+    return {"hidden": hidden, "ffn": ffn, "dtype_bytes": torch.finfo(dtype).bits // 8}
+
+
+def parity(cpu: bool) -> dict:
+    import tempfile
+    from dataclasses import replace
+
+    from deepspeed_feplb.plan.cost import PROFILES, ExpertShape
+    from deepspeed_feplb.plan.timeline import TimeModel
+    from deepspeed_feplb.sim.measured import compare_measured
+    from deepspeed_feplb.testing import run_distributed
+    from deepspeed_feplb.trace.format import load_trace
+    with tempfile.TemporaryDirectory(prefix="feplb-parity-") as folder:
+        path = f"{folder}/parity.npz"
+        (shape, _) = run_distributed(_parity_worker, 2, cpu, path, timeout=200)
+        trace = load_trace(path)
+    expert = ExpertShape(hidden=shape["hidden"], ffn_hidden=shape["ffn"], mats=2, dtype_bytes=shape["dtype_bytes"])
+    # copies and messages as the transport moves them; compute from the run's own fits
+    if cpu:
+        from deepspeed_feplb.migrate.shm import ShmTransport as Transport
+    else:
+        from deepspeed_feplb.migrate.cuda_ce import CudaCETransport as Transport
+    model = replace(TimeModel.of(expert, PROFILES["h200"]), message_us=Transport.message_us)
+    figures = compare_measured(trace, model, ranks_per_node=2, skip_steps=PARITY_SKIP, recorded_costs=True)
+    figures["moves"] = int(len(trace.plan_moves))
+    if cpu:
+        return {**figures, "note": "CPU dry run: the path runs; the figures are a GPU's only on CUDA"}
+    return {"ok": figures["median_abs_rel_error"] <= 0.15 and figures["p90_abs_rel_error"] <= 0.30, **figures}
