@@ -100,10 +100,13 @@ def compare(trace_path: str, ranks: int) -> dict:
     trace = load_trace(trace_path)
     shape = ExpertShape(hidden=trace.hidden, ffn_hidden=trace.ffn_hidden, mats=2, dtype_bytes=4)  # fp32 MLP
     model = replace(TimeModel.of(shape, calibrate_cpu(shape)), message_us=ShmTransport.message_us)
-    return {"cpu_share": cpu_share(trace, skip_steps=WARM), "profile_costs": compare_measured(trace, model, ranks),
-            "recorded_costs": compare_measured(trace, model, ranks, recorded_costs=True),
+    D = json.loads((ROOT / "examples" / "ds_config.json").read_text())["feplb"]["dynamic_experts_per_rank"]
+    return {"cpu_share": cpu_share(trace, skip_steps=WARM),
+            "profile_costs": compare_measured(trace, model, ranks, dynamic_experts=D),
+            "recorded_costs": compare_measured(trace, model, ranks, recorded_costs=True, dynamic_experts=D),
             # the same once the scheduler process has loaded its planner
-            f"recorded_costs_from_{WARM}": compare_measured(trace, model, ranks, skip_steps=WARM, recorded_costs=True)}
+            f"recorded_costs_from_{WARM}": compare_measured(trace, model, ranks, skip_steps=WARM, recorded_costs=True,
+                                                           dynamic_experts=D)}
 
 
 def main() -> int:

@@ -74,10 +74,15 @@ class StageFactor:
     `FWD_BWD_GEMMS`."""
     decay: float = 0.7
     sums: np.ndarray = field(default_factory=lambda: np.zeros(2))  # busy, calls
+    warm: bool = False  # the first sample (first calls, the first backward's allocations): dropped
 
     def add(self, busy_s: float, calls_s: float) -> None:
-        if calls_s > 0 and busy_s > 0:
-            self.sums = self.sums * self.decay + np.array([busy_s, calls_s])
+        if calls_s <= 0 or busy_s <= 0:
+            return
+        if not self.warm:
+            self.warm = True
+            return
+        self.sums = self.sums * self.decay + np.array([busy_s, calls_s])
 
     @property
     def value(self) -> float:

@@ -235,10 +235,10 @@ class ExpertStage:
             # first layer; a model's hidden states have them) computes that gradient when recording
             rows = rows.detach().requires_grad_()
         self.compute_times.calls = (0, 0)
+        balanced = self.balances_now(facts)  # may open the domain: a one-off, not part of the stage
         start, cpu_start = time.perf_counter(), time.process_time()
         if self.records and record is not None and self.device.type == "cuda":
             record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
-        balanced = self.balances_now(facts)
         if self.records and record is not None:
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
         if balanced:
@@ -387,27 +387,43 @@ def functional_calls(modules: Sequence[torch.nn.Module], params: list[list[torch
 
 
 def timed_pieces(rows: torch.Tensor, blocks: list, experts: Sequence[int], mark: Callable[[], object],
-                 call: ExpertCall, static_fn: Optional[StaticFn] = None,
-                 pieces: Optional[list] = None, between: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+                 call: ExpertCall, static_fn: Optional[StaticFn] = None, pieces: Optional[list] = None,
+                 between: Optional[Callable[[], Optional[Callable[[], None]]]] = None) -> list[torch.Tensor]:
     """Outputs of ``experts`` (local ids, ascending) on their rows (``blocks[e]`` ``[n_e, H]``, a
-    split of ``rows``): ``call(e, x)`` each, then ``between()``, or ``static_fn`` for all at once (and
-    ``between()`` after it); appends one sample
-    (k pieces with rows, n rows, start mark, end mark) for them all to ``pieces``: the fit
-    ``t = k * piece + n * row`` holds for a sum of calls as for one, and one pair of marks per
-    stage (CUDA events on a GPU) costs the host less than a pair per expert."""
+    split of ``rows``): ``call(e, x)`` each, or ``static_fn`` for all at once. Appends samples
+    (k pieces with rows, n rows, start mark, end mark) of the calls to ``pieces``: one for them all
+    (the fit ``t = k * piece + n * row`` holds for a sum of calls as for one, and one pair of marks
+    per stage, CUDA events on a GPU, costs the host less than a pair per expert), split where
+    ``between()``, asked after each call (after the grouped one), returns work to do there (phase
+    2's sends, once the plan is in hand): that work is not expert compute."""
     sizes = [len(blocks[e]) for e in experts]
-    start = mark() if pieces is not None and sum(sizes) else None
-    between = between or (lambda: None)
+    timed = pieces is not None and sum(sizes) > 0
+    k = n = 0
+    start = mark() if timed else None
+
+    def called(pieces_with_rows: int, rows_: int) -> None:
+        nonlocal k, n, start
+        k, n = k + pieces_with_rows, n + rows_
+        work = between() if between is not None else None
+        if work is None:
+            return
+        if timed and n:
+            pieces.append((k, n, start, mark()))
+        work()
+        k = n = 0
+        if timed:
+            start = mark()
+
     if static_fn is not None:
         outs = list(static_fn(rows, blocks, list(experts)).split(sizes))
-        between()
+        called(sum(size > 0 for size in sizes), sum(sizes))
     else:
         outs = []
-        for e in experts:
+        for e, size in zip(experts, sizes):
             outs.append(call(e, blocks[e]))
-            between()
-    if start is not None:
-        pieces.append((sum(n > 0 for n in sizes), sum(sizes), start, mark()))
+            called(int(size > 0), size)
+    if timed and n:
+        pieces.append((k, n, start, mark()))
     return outs
 
 
@@ -489,15 +505,17 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
 
     def take(planned) -> None:
         """Phase 2 of this plan, its chunks sent now (static experts may still be computing)."""
+        got["at"] = time.perf_counter()
         phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic, row_counts,
                                   list(modules), spec, needs_grad, with_grads, stage_times, residency, step_ends,
                                   ready, mark)
         phase2.send_forward(dyn_x.detach(), [[p.detach() for p in params[e]] for e in dynamic])
-        got.update(planned=planned, phase2=phase2, at=time.perf_counter())
+        got.update(planned=planned, phase2=phase2)
 
-    def poll() -> None:  # between static experts: send as soon as the plan is there, as the time model has it
-        if not got and domain.scheduler.plan_ready(seq):
-            take(domain.scheduler.plan(seq))
+    def poll():  # between static experts: send as soon as the plan is there, as the time model has it
+        if got or not domain.scheduler.plan_ready(seq):
+            return None
+        return lambda: take(domain.scheduler.plan(seq))
 
     outs: list = [None] * len(modules)
     pieces: list = []

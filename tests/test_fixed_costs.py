@@ -34,12 +34,32 @@ def test_the_fit_takes_the_given_piece_cost_where_the_calls_cannot_separate_the_
     assert fit.solve(2e-4)[0] == 2e-4
 
 
+def test_the_static_sample_leaves_out_what_runs_between_the_calls():
+    """Phase 2's sends, issued between two static experts once the plan is in hand, split the
+    static experts' timing sample instead of counting as expert compute."""
+    import torch
+
+    from deepspeed_feplb.expert_stage import timed_pieces
+
+    clock, ran = iter(range(100)), []
+    rows = torch.zeros(5, 2)
+    blocks = list(rows.split([2, 0, 3]))
+    asked = iter([lambda: ran.append("sends"), None, None])
+    pieces: list = []
+    outs = timed_pieces(rows, blocks, [0, 1, 2], lambda: next(clock), lambda e, x: x + e, pieces=pieces,
+                        between=lambda: next(asked))
+    assert [len(y) for y in outs] == [2, 0, 3] and ran == ["sends"]
+    assert pieces == [(1, 2, 0, 1), (1, 3, 2, 3)]  # marks 1 -> 2 are the sends'
+
+
 def test_the_stage_factor_turns_forward_calls_into_the_stage_time():
     from deepspeed_feplb.expert_costs import StageFactor
     from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS
 
     factor = StageFactor()
     assert factor.value == FWD_BWD_GEMMS  # nothing measured: a GEMM's forward and its two backward ones
+    factor.add(busy_s=500.0, calls_s=2.0)  # the first stage (first calls, allocations): dropped
+    assert factor.value == FWD_BWD_GEMMS
     factor.add(busy_s=5.0, calls_s=2.0)
     assert factor.value == pytest.approx(2.5)
     factor.add(busy_s=1.0, calls_s=0.0)  # no call timed: no sample

@@ -334,5 +334,9 @@ def test_copies_wait_for_the_plan_and_on_cpu_ranks_for_the_homes_other_experts()
     # the plan is there at 25 µs: every rank waits for it, the chunk leaves then (arrives at 31)
     late = rank_finish_us(counts, moves, replace(model, sends_after_static=True, plan_us=25.0))
     assert late.tolist() == [46.0, 41.0]
+    # an unmoved dynamic expert (rank 0's hottest, its 30 rows) waits for the plan too
+    waiting = rank_finish_us(counts, np.zeros((0, 4), np.int64), replace(model, plan_us=25.0), dynamic_experts=1)
+    assert waiting.tolist() == [25.0 + 30.0, 25.0 + 5.0]
+    assert rank_finish_us(counts, np.zeros((0, 4), np.int64), replace(model, plan_us=25.0)).tolist() == [40.0, 25.0]
     late_model = replace(model, plan_us=25.0, sends_after_static=True)
     assert TimeModel.from_array(late_model.as_array()) == late_model  # as the mailbox carries it

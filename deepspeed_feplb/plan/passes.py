@@ -364,6 +364,21 @@ def plan_pass(counts, D, max_helpers, align, copies, resident, chain, floor):
     return out
 
 
+@njit("boolean[:, ::1](int64[:, ::1], int64)", cache=True)
+def dynamic_mask(counts, D):
+    """bool [G, E]: each rank's D hottest experts (`hottest`), the ones it computes after the plan."""
+    G, E = counts.shape
+    d = max(0, min(D, E))
+    top_e = np.zeros((G, d), np.int64)
+    top_n = np.zeros((G, d), np.int64)
+    mask = np.zeros((G, E), np.bool_)
+    for r in range(G):
+        hottest(counts, r, top_e, top_n)
+        for i in range(d):
+            mask[r, top_e[r, i]] = True
+    return mask
+
+
 @njit("float64(int64, float64[::1])", cache=True)
 def _piece_us(n, model):
     if n <= 0:
@@ -372,8 +387,9 @@ def _piece_us(n, model):
     return model[2] + ((n + tile - 1) // tile) * tile * model[1]
 
 
-@njit("float64[::1](int64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], int64[:, ::1], float64[::1])", cache=True)
-def finish_us(counts, moves, fresh, grads_back, flush, model):
+@njit("float64[::1](int64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], int64[:, ::1], float64[::1], "
+      "boolean[:, ::1])", cache=True)
+def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     """Each rank's finish time (µs) under the model.
 
     counts int64 [G, E]: rows per (rank, local expert) before the plan; moves int64 [M, 4] =
@@ -381,27 +397,29 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
     whose accumulated gradients go home at the end of this micro-batch; model float64 [9]
-    (`timeline.TimeModel.as_array`). Returns float64 [G]. The model is described in `timeline`."""
+    (`timeline.TimeModel.as_array`); dynamic bool [G, E]: each rank's dynamic experts, computed
+    once the plan is there (an expert with moves always is). Returns float64 [G]. The model is
+    described in `timeline`."""
     G, E = counts.shape
     M = moves.shape[0]
     wcopy, gcopy, rcopy, latency, plan_ready = model[3], model[4], model[5], model[6], model[7]
     kept = counts.copy()
-    moving = np.zeros((G, E), np.bool_)
+    after_plan = dynamic.copy()
     for m in range(M):
         kept[moves[m, 0], moves[m, 1]] -= moves[m, 3]
-        moving[moves[m, 0], moves[m, 1]] = True
-    t = np.zeros(G)  # the experts that move nothing first, then, once the plan is there, the others
-    dynamic = np.zeros(G)
+        after_plan[moves[m, 0], moves[m, 1]] = True
+    t = np.zeros(G)  # the static experts first, then, once the plan is there, the dynamic ones
+    later = np.zeros(G)
     for r in range(G):
         for e in range(E):
-            if moving[r, e]:
-                dynamic[r] += _piece_us(kept[r, e], model)
+            if after_plan[r, e]:
+                later[r] += _piece_us(kept[r, e], model)
             else:
                 t[r] += _piece_us(kept[r, e], model)
     out_free = np.full(G, plan_ready)
-    if model[8] > 0:  # one thread computes and sends: a home's sends follow its other experts
+    if model[8] > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
         out_free = np.maximum(out_free, t)
-    t = np.maximum(t, plan_ready) + dynamic
+    t = np.maximum(t, plan_ready) + later
     in_free = np.zeros(G)
     arrive = np.empty(M)
     for m in range(M):
@@ -431,8 +449,8 @@ def finish_us(counts, moves, fresh, grads_back, flush, model):
     return finish
 
 
-@njit("float64(int64[:, ::1], int64[::1], int64[:, :, ::1], boolean, float64[::1])", cache=True)
-def _makespan(counts, flat, resident, keep, model):
+@njit("float64(int64[:, ::1], int64[::1], int64[:, :, ::1], boolean, float64[::1], boolean[:, ::1])", cache=True)
+def _makespan(counts, flat, resident, keep, model, dynamic):
     """The slowest rank's finish (µs, `timeline.finish_us`) of a `plan_pass` result ``flat``."""
     G = counts.shape[0]
     moves = flat[G:].reshape(-1, 4)
@@ -441,7 +459,8 @@ def _makespan(counts, flat, resident, keep, model):
     for m in range(M):
         fresh[m] = not holds(resident, moves[m, 0], moves[m, 1], moves[m, 2])
     grads_back = fresh & (not keep)
-    return finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64), model).max()
+    return finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64), model,
+                     dynamic).max()
 
 
 @njit("int64(int64[:, ::1], int64[::1], int64[:, :, ::1])", cache=True)
@@ -484,12 +503,14 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
     none = np.zeros((0, 4), np.int64)
-    no_moves = finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_), np.zeros((0, 2), np.int64), model)
-    best_t = _makespan(counts, best, resident, keep, model)
+    dynamic = dynamic_mask(counts, D)
+    no_moves = finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_), np.zeros((0, 2), np.int64), model,
+                         dynamic)
+    best_t = _makespan(counts, best, resident, keep, model, dynamic)
     if row_cap > 0:
         capped = plan_pass(counts, D, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] > G and capped[:G].max() <= limit:
-            t = _makespan(counts, capped, resident, keep, model)
+            t = _makespan(counts, capped, resident, keep, model, dynamic)
             if t <= best_t:
                 best, best_t = capped, t
     k = _most_copies(counts, best, resident)
@@ -498,7 +519,7 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
         cand = plan_pass(counts, D, max_helpers, align, k, resident, False, 0)
         if cand[:G].max() > limit:
             continue
-        t = _makespan(counts, cand, resident, keep, model)
+        t = _makespan(counts, cand, resident, keep, model, dynamic)
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
         best, best_t = cand, min(t, best_t)

@@ -3,9 +3,9 @@
 Per micro-batch and rank of a domain (all times µs, forward and backward together):
 
 * a rank first computes its own rows: every local expert's rows that stay home, each a GEMM
-  piece of ``piece_us + ceil(n / tile_rows) * tile_rows * row_us``; the experts it moves rows of
-  (its dynamic ones) only once the plan is there, ``plan_us`` after the stage began (the static
-  experts compute meanwhile);
+  piece of ``piece_us + ceil(n / tile_rows) * tile_rows * row_us``; its dynamic experts (its D
+  hottest, and any it moves rows of) only once the plan is there, ``plan_us`` after the stage
+  began (the static experts compute meanwhile);
 * each move (home -> helper, ``n`` rows) is one copy over the home's outgoing and the helper's
   incoming copy-engine link (each link carries one copy at a time, moves in plan order): the
   expert's weights when the helper holds no copy yet (``weight_copy_us``) plus the rows
@@ -102,11 +102,13 @@ class TimeModel:
 
 
 def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fresh: np.ndarray | None = None,
-                   grads_back: np.ndarray | None = None, flush: np.ndarray | None = None) -> np.ndarray:
+                   grads_back: np.ndarray | None = None, flush: np.ndarray | None = None,
+                   dynamic_experts: int = 0) -> np.ndarray:
     """Each rank's finish time under ``model`` (`passes.finish_us`, see the module docstring).
     counts int64 [G, E]; moves int64 [M, 4]; fresh / grads_back bool [M] (default: every move
-    copies weights and returns gradients, i.e. no residency); flush int64 [F, 2] or None.
-    Returns float64 [G] µs."""
+    copies weights and returns gradients, i.e. no residency); flush int64 [F, 2] or None;
+    ``dynamic_experts``: D, each rank's D hottest experts wait for the plan (as do those with
+    moves, whatever D). Returns float64 [G] µs."""
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     moves = np.ascontiguousarray(np.asarray(moves, dtype=np.int64).reshape(-1, 4))
     M = moves.shape[0]
@@ -114,5 +116,5 @@ def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fres
     grads_back = fresh.copy() if grads_back is None else np.ascontiguousarray(grads_back, dtype=np.bool_)
     flush = (np.zeros((0, 2), np.int64) if flush is None
              else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2)))
-    from deepspeed_feplb.plan.passes import finish_us
-    return finish_us(counts, moves, fresh, grads_back, flush, model.as_array())
+    from deepspeed_feplb.plan.passes import dynamic_mask, finish_us
+    return finish_us(counts, moves, fresh, grads_back, flush, model.as_array(), dynamic_mask(counts, dynamic_experts))

@@ -315,7 +315,8 @@ def _compare_measured(args, trace, setup) -> dict:
     for recorded, key, what in ((False, "profile_costs", f"profile {setup.profile.name}'s compute costs"),
                                 (True, "recorded_costs", "the run's own fitted costs, as its planner had them")):
         try:
-            rows = predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded)
+            rows = predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded,
+                                          dynamic_experts=setup.dynamic_experts)
             figures = errors(rows)
         except ValueError as e:
             if recorded:  # a run that fitted nothing (fixed_costs "ignore") has no recorded costs

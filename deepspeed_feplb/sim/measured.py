@@ -30,12 +30,17 @@ __all__ = ["compare_measured", "cpu_share", "errors", "predicted_and_measured"]
 
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
-                           recorded_costs: bool = False, sends_after_static: bool = False) -> np.ndarray:
+                           recorded_costs: bool = False, sends_after_static: bool = False,
+                           dynamic_experts: int = 0) -> np.ndarray:
     """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
     allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the costs
     of a piece and of a row are the domain's recorded fits, the plan's latency the previous
-    micro-batch's (module docstring); the rest is ``model``'s."""
+    micro-batch's (module docstring); the rest is ``model``'s. ``dynamic_experts``: the run's D
+    (each rank's D hottest experts wait for the plan). A trace recorded before 2026-12-02 (5
+    columns of ``stage_us``) has a probe's cost where the fitted piece cost is now and the planning
+    time where the plan's arrival is: its pieces cost nothing and its plan latency is 0, as its
+    planner had them."""
     if trace.stage_us is None or trace.plan_moves is None:
         raise ValueError("the trace holds no runtime record (plan_moves, stage_us): record it with a FEPLB run's "
                          "feplb.stats.record_trace")
@@ -47,6 +52,7 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
     stage = trace.stage_us[..., 0] + trace.stage_us[..., 1]  # [steps, layers, ranks] forward + backward
     moves = trace.plan_moves
     model = replace(model, sends_after_static=sends_after_static)
+    current = trace.stage_us.shape[-1] >= 6  # an older record means other things by columns 2 and 3
     out = []
     for step in range(skip_steps, trace.steps):
         for layer in range(trace.layers):
@@ -59,27 +65,29 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                 here_model = model
                 if recorded_costs:
                     piece_us, row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 3:5], axis=0)
+                    piece_us = piece_us if current else 0.0
                     if not np.isfinite(row_us) or not np.isfinite(piece_us):
                         continue
-                    plan_us = np.median(trace.stage_us[step - 1, layer, first:first + ranks_per_node, 2]) if step else 0
+                    plan_us = np.median(trace.stage_us[step - 1, layer, first:first + ranks_per_node, 2]) \
+                        if step and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
                 finish = rank_finish_us(received[first:first + ranks_per_node], local, here_model,
-                                        fresh=mine[:, 6].astype(bool))
+                                        fresh=mine[:, 6].astype(bool), dynamic_experts=dynamic_experts)
                 out.append((step, layer, domain, float(finish.max()), float(measured.max())))
     return np.array(out, np.float64).reshape(-1, 5)
 
 
 def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
-                     recorded_costs: bool = False, sends_after_static: bool = False) -> dict:
+                     recorded_costs: bool = False, sends_after_static: bool = False, dynamic_experts: int = 0) -> dict:
     """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
     predicted against the measured makespan (`predicted_and_measured`); the signed median says
     whether the model runs fast (< 0) or slow."""
     return errors(predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs,
-                                         sends_after_static))
+                                         sends_after_static, dynamic_experts))
 
 
 def errors(rows: np.ndarray) -> dict:

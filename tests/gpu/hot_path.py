@@ -322,7 +322,8 @@ def parity(cpu: bool) -> dict:
     else:
         from deepspeed_feplb.migrate.cuda_ce import CudaCETransport as Transport
     model = replace(TimeModel.of(expert, PROFILES["h200"]), message_us=Transport.message_us)
-    figures = compare_measured(trace, model, ranks_per_node=2, skip_steps=PARITY_SKIP, recorded_costs=True)
+    figures = compare_measured(trace, model, ranks_per_node=2, skip_steps=PARITY_SKIP, recorded_costs=True,
+                               dynamic_experts=2)
     figures["moves"] = int(len(trace.plan_moves))
     if cpu:
         return {**figures, "note": "CPU dry run: the path runs; the figures are a GPU's only on CUDA"}
