@@ -1,6 +1,7 @@
 """The scheduler process from a rank's side, in one process playing every rank of a domain:
 it starts only after ``start_after_steps`` steps, sleeps while nothing happens, answers when the
 counts arrive, and planning in-process before it is up is not reported as a fallback."""
+import os
 import secrets
 import time
 import warnings
@@ -198,3 +199,53 @@ def test_before_the_process_is_up_only_the_first_rank_plans():
     assert results[0]["numba_after"]
     assert not any(r["numba_after"] for r in results[1:]), "a rank that only reads plans loaded numba"
 
+
+def test_a_step_answered_twice_while_the_process_comes_up_keeps_one_plan():
+    """While the process comes up, the domain's first rank and the process may both answer a step.
+    Whoever publishes first wins: the first rank adopts a plan the process published, and the
+    process never plans a step that already has one (the other ranks may have read it)."""
+    import threading
+
+    from deepspeed_feplb.plan.policy import Plan
+    from deepspeed_feplb.scheduler.mailbox import Mailbox
+    from deepspeed_feplb.scheduler.process import serve
+
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=0.05, peer_timeout_s=10.0, restart=True,
+                         create=True, start_after_steps=1000, moves_at_once=False)
+    c._start_process = lambda: None  # still loading: the first rank would publish a plan without moves
+    c.mailbox.header[client_module.STARTING] = 1
+    try:
+        x = counts(0)
+        theirs = Plan(np.array([[0, 1, 2, 5]], np.int64), x.sum(axis=1))
+        for r in range(1, RANKS):
+            c.mailbox.publish(r, 0, x[r], CONSTRAINTS)
+        c.publish(0, x[0], CONSTRAINTS)
+        c.mailbox.write_plan(0, theirs, 7)  # the process came up and answered step 0 first
+        assert np.array_equal(c.plan(0).plan.moves, theirs.moves)
+        # the other way round: the first rank answered step 1; the process, now serving, leaves it
+        x = counts(1)
+        for r in range(1, RANKS):
+            c.mailbox.publish(r, 1, x[r], CONSTRAINTS)
+        c.mailbox.publish(0, 1, x[0], CONSTRAINTS)
+        mine = Plan(np.zeros((0, 4), np.int64), x.sum(axis=1))
+        c.mailbox.write_plan(1, mine, 11)
+        process_side = Mailbox(c.mailbox.name, RANKS, create=False)
+        server = threading.Thread(target=serve, args=(process_side, os.getppid()), daemon=True)
+        server.start()
+        x2 = counts(2)
+        for r in range(RANKS):
+            c.mailbox.publish(r, 2, x2[r], CONSTRAINTS)
+        deadline = time.monotonic() + 30
+        while c.mailbox.read_plan(2) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.mailbox.read_plan(2) is not None, "the process did not serve the next step"
+        kept, ns = c.mailbox.read_plan(1)
+        assert ns == 11 and kept.moves.shape == (0, 4), "the process replaced a published plan"
+        c.mailbox.request_shutdown()
+        server.join(timeout=10)
+        assert not server.is_alive()
+        process_side.close()
+    finally:
+        c.close()
+    assert not leftover_segments(name)

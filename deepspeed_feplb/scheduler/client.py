@@ -193,6 +193,15 @@ class ProcessScheduler(InlineScheduler):
                 planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
             else:
                 planned = self._plan_here(counts, constraints, resident, fallback=False)
+            # the process may have come up and answered this step meanwhile: the other ranks may
+            # have read its plan already, so it is the step's plan (the process, in turn, never
+            # plans a step that has one). Checked and written apart, not atomically: a narrow window
+            # remains in which both publish.
+            published = self.mailbox.read_plan(seq)
+            if published is not None:
+                if published[0] is None:  # too large for the mailbox: the same plan, computed here
+                    return self._plan_here(counts, constraints, resident, fallback=False)
+                return DomainPlan(published[0], counts, published[1] * 1e-9, False)
             self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
             return planned
         plan, plan_ns = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,
