@@ -173,7 +173,7 @@ class ComputeTimes:
         backward, less its waits, for forward expert calls of ``calls`` = (pieces, rows)
         (`StageFactor`); ``balanced``: it went through the domain (phase 2's own work, a backward
         per piece) rather than computing every expert here."""
-        fit = self.fit.solve(self.piece_s) if self.piece_s is not None else None
+        fit = self._forward_fit()
         if fit is not None:
             (self.factor if balanced else self.local_factor).add(busy_s, calls[0] * fit[0] + calls[1] * fit[1])
 
@@ -182,11 +182,15 @@ class ComputeTimes:
         balanced through the domain (``balanced``, what the planner prices) or computed here
         alone; None before the probe and a micro-batch were timed."""
         self.resolve()
-        fit = self.fit.solve(self.piece_s) if self.piece_s is not None else None
+        fit = self._forward_fit()
         if fit is None:
             return None
         factor = (self.factor if balanced else self.local_factor).value * 1e6
         return fit[0] * factor, fit[1] * factor
+
+    def _forward_fit(self) -> Optional[tuple[float, float]]:
+        """`PieceFit.solve`'s forward (piece_s, row_s), once the probe was read; else None."""
+        return self.fit.solve(self.piece_s) if self.piece_s is not None else None
 
     def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int, message_us: float = 0.0,
               sends_after_static: bool = False) -> Optional[TimeModel]:

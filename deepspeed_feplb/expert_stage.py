@@ -237,9 +237,9 @@ class ExpertStage:
         self.compute_times.calls = (0, 0)
         balanced = self.balances_now(facts)  # may open the domain: a one-off, not part of the stage
         start, cpu_start = time.perf_counter(), time.process_time()
-        if self.records and record is not None and self.device.type == "cuda":
-            record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
         if self.records and record is not None:
+            if self.device.type == "cuda":
+                record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
         if balanced:
             out, stats = run_experts(rows, counts, experts.modules, experts.params(), experts.spec, self.domain,
@@ -283,7 +283,7 @@ class ExpertStage:
         events = record.get("events")
         if events is not None:
             events[1] = _device_mark()
-        calls = self.compute_times.calls if self.device.type != "cuda" else (0, 0)
+        calls = self.compute_times.calls  # (0, 0) on CUDA: only host-timed calls are counted (`finish`)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
         last = None
         if self.records:
@@ -528,7 +528,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if not got:
         with stage_times.measure("plan wait"):
             take(domain.scheduler.plan(seq))
-    plan_wait_s = got["at"] - waited if got["at"] > waited else 0.0
+    plan_wait_s = max(0.0, got["at"] - waited)
     planned, phase2 = got["planned"], got["phase2"]
     box["step"] = phase2
     if record is not None:

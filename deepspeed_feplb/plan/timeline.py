@@ -9,8 +9,9 @@ Per micro-batch and rank of a domain (all times µs, forward and backward togeth
 * each move (home -> helper, ``n`` rows) is one copy over the home's outgoing and the helper's
   incoming copy-engine link (each link carries one copy at a time, moves in plan order): the
   expert's weights when the helper holds no copy yet (``weight_copy_us``) plus the rows
-  (``n * row_copy_us``). No copy starts before the plan; with ``sends_after_static`` (one host
-  thread computes and sends, as on CPU ranks) not before its home computed its other experts;
+  (``n * row_copy_us``). No copy starts before the plan (the runtime sends between two static
+  experts once it is in hand); with ``sends_after_static`` (a grouped static call on CPU ranks,
+  which leaves no point to send from) not before its home computed its static experts;
 * a helper starts a moved chunk once it has finished its own rows and the chunk has arrived,
   chunks in arrival order;
 * the chunk's outputs go home (``n * row_copy_us``), and, unless the helper keeps the weight copy
@@ -51,8 +52,8 @@ class TimeModel:
     row_copy_us:     one row's activations over one link;
     message_us:      fixed latency of one message, on top of its copy;
     plan_us:         when the plan is there, from the stage's start;
-    sends_after_static: a home sends its chunks once its other experts are computed (CPU ranks:
-                     one thread does both), not as soon as the plan is there (the copy engine).
+    sends_after_static: a home sends its chunks once its static experts are computed (a grouped
+                     static call on CPU ranks), not as soon as the plan is there.
     """
 
     tile_rows: int

@@ -198,14 +198,13 @@ class ProcessScheduler(InlineScheduler):
             # plans a step that has one). Checked and written apart, not atomically: a narrow window
             # remains in which both publish.
             published = self.mailbox.read_plan(seq)
-            if published is not None:
-                if published[0] is None:  # too large for the mailbox: the same plan, computed here
-                    return self._plan_here(counts, constraints, resident, fallback=False)
-                return DomainPlan(published[0], counts, published[1] * 1e-9, False)
-            self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
-            return planned
-        plan, plan_ns = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,
+            if published is None:
+                self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
+                return planned
+        else:
+            published = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,
                                   "the plan of the domain's first rank", self.watch.check if self.watch else None)
+        plan, plan_ns = published
         if plan is None:  # too large for the mailbox: the same plan, computed here
             return self._plan_here(counts, constraints, resident, fallback=False)
         return DomainPlan(plan, counts, plan_ns * 1e-9, False)

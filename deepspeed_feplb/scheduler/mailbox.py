@@ -181,15 +181,15 @@ class Mailbox:
     def read_plan(self, seq: int) -> tuple[Plan | None, int] | None:
         """The published `Plan` for ``seq`` and its planning time (ns), or None if not (yet) there;
         the plan is None when it was too large to publish (`write_plan`)."""
-        entry = self._plan[seq % RING]
-        if entry["begin"][0] != seq or entry["end"][0] != seq:
+        if not self.has_plan(seq):
             return None
+        entry = self._plan[seq % RING]
         count, plan_ns = int(entry["moves_count"][0]), int(entry["plan_ns"][0])
         if count < 0:
             return None, plan_ns
         rank_rows = entry["rank_rows"][0].copy()
         moves = entry["moves"][0, :count].copy()
-        if entry["begin"][0] != seq or entry["end"][0] != seq:
+        if not self.has_plan(seq):  # overwritten while we copied
             return None
         return Plan(moves, rank_rows), plan_ns
 
