@@ -972,11 +972,10 @@ def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
     if fault:
         original = phase2.Phase2MicroBatch._vjp
 
-        def scaled(self, piece, grad):
-            gx, *gp = original(self, piece, grad)
-            if any(piece is q for pieces in self.served.values() for q in pieces):
-                gp = [g * (1.0 + fault) for g in gp]
-            return [gx, *gp]
+        def scaled(self, pieces, grads):
+            served = [any(piece is q for q_pieces in self.served.values() for q in q_pieces) for piece in pieces]
+            return [[gx, *[g * (1.0 + fault) for g in gp]] if helper else [gx, *gp]
+                    for helper, (gx, *gp) in zip(served, original(self, pieces, grads))]
         phase2.Phase2MicroBatch._vjp = scaled
 
     def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks

@@ -47,14 +47,14 @@ def tiny_model(preset: str, seed: int = 0):
 
 
 def ds_config(preset: str, feplb: bool, zero: int = 0, bf16: bool = False, gas: int = 1,
-              fixed_costs: str = "ignore", dynamic: int = 2) -> dict:
+              fixed_costs: str = "ignore", dynamic: int = 2, grouped: bool = True) -> dict:
     return {
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
-        "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": preset},
+        "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": preset, "use_grouped_mm": grouped},
         # fixed_costs "ignore": moves at toy sizes; "measured": the skip rule decides from timed costs
         "feplb": {"enabled": feplb, "dynamic_experts_per_rank": dynamic, "fixed_costs": fixed_costs},
     }
@@ -65,9 +65,11 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 1, fixed_costs: str = "ignore"):
+def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 1, fixed_costs: str = "ignore",
+                     grouped: bool = True):
     """FEPLB on vs off on AutoEP layers; with ``gas`` > 1, every engine step is one micro-batch of
-    a ``gas``-micro-batch optimizer step (weight residency keeps copies across them)."""
+    a ``gas``-micro-batch optimizer step (weight residency keeps copies across them); ``grouped``:
+    AutoEP's ``use_grouped_mm`` (phase 2 then computes its pieces with the grouped GEMM too)."""
     import torch
     import torch.distributed as dist
 
@@ -77,9 +79,10 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 
     model = tiny_model(preset)
     reference = copy.deepcopy(model)
     ours, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(preset, True, zero, bf16, gas, fixed_costs))
+                                               config=ds_config(preset, True, zero, bf16, gas, fixed_costs,
+                                                                grouped=grouped))
     ref, _, _, _ = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
-                                              config=ds_config(preset, False, zero, bf16, gas))
+                                              config=ds_config(preset, False, zero, bf16, gas, grouped=grouped))
     swapped = [type(m.experts) for m in ours.module.modules() if hasattr(m, "experts") and hasattr(m, "router")]
     assert swapped and all(t is FEPLBGroupedExperts for t in swapped), swapped
     assert not any(isinstance(m, FEPLBGroupedExperts) for m in ref.module.modules())
@@ -133,12 +136,79 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 
             "resident_hits": sum(s.get("resident_hits", 0) for seen in stats_seen for s in seen.values())}
 
 
+def phase2_calls_case(grouped: bool) -> dict:
+    """One forward and backward of the FEPLB model with AutoEP's ``use_grouped_mm`` = ``grouped``: how
+    phase 2 computed its pieces (grouped calls, pieces in them, one-piece calls), how many pieces it
+    had to compute (a home's dynamic experts, the chunks it served), and the backward's
+    ``aten::select_backward`` calls (a full-size zero-filled weight gradient each)."""
+    import torch
+
+    import deepspeed_feplb
+    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
+    from deepspeed_feplb.migrate import phase2
+    from deepspeed_feplb.migrate.phase2 import Phase2MicroBatch
+
+    model = tiny_model("mixtral")
+    engine, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
+                                                 config=ds_config("mixtral", True, grouped=grouped))
+    seen = {"grouped_calls": 0, "grouped_pieces": 0, "single_calls": 0, "home_computes": 0, "served_chunks": 0,
+            "stacked_in_place": 0}
+    grouped_fn, single_fn, forward_fn, stack_fn, serve_fn = (
+        FEPLBGroupedExperts._grouped, Phase2MicroBatch._compute_one, Phase2MicroBatch.forward, phase2._stack,
+        Phase2MicroBatch._serve_forward)
+    serving = []
+
+    def counted_stack(tensors):  # served chunks' weights, taken as they lie
+        stacked = stack_fn(tensors)
+        seen["stacked_in_place"] += bool(serving) and stacked.data_ptr() == tensors[0].data_ptr()
+        return stacked
+
+    def counted_serve(self, device):
+        serving.append(True)
+        try:
+            return serve_fn(self, device)
+        finally:
+            serving.pop()
+
+    def counted_grouped(self, weights, x, sizes):
+        seen["grouped_calls"] += 1
+        seen["grouped_pieces"] += len(sizes)
+        return grouped_fn(self, weights, x, sizes)
+
+    def counted_single(self, *args):
+        seen["single_calls"] += 1
+        return single_fn(self, *args)
+
+    def counted_forward(self, dyn_x, params):
+        seen["home_computes"] += len(self.dynamic)
+        seen["served_chunks"] += sum(len(chunks) for chunks in self.view.incoming.values())
+        return forward_fn(self, dyn_x, params)
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    FEPLBGroupedExperts._grouped, Phase2MicroBatch._compute_one = counted_grouped, counted_single
+    Phase2MicroBatch.forward, phase2._stack = counted_forward, counted_stack
+    Phase2MicroBatch._serve_forward = counted_serve
+    try:
+        loss = engine(ids, labels=ids).loss
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.backward(loss)
+    finally:
+        FEPLBGroupedExperts._grouped, Phase2MicroBatch._compute_one = grouped_fn, single_fn
+        Phase2MicroBatch.forward, phase2._stack, Phase2MicroBatch._serve_forward = forward_fn, stack_fn, serve_fn
+    seen["select_backward"] = sum(e.count for e in prof.key_averages() if e.key == "aten::select_backward")
+    seen["phase2_micro_batches"] = sum(1 for m in engine.module.modules()
+                                      if isinstance(m, FEPLBGroupedExperts) and m.stage and m.stage.stats)
+    return seen
+
+
 def autoep_cases():
     return {"mixtral": equivalence_case("mixtral"), "qwen3_moe": equivalence_case("qwen3_moe"),
             "mixtral_zero2": equivalence_case("mixtral", zero=2),
             "qwen3_moe_bf16_zero1": equivalence_case("qwen3_moe", zero=1, bf16=True),
             "mixtral_accumulation": equivalence_case("mixtral", gas=4),
-            "mixtral_measured": equivalence_case("mixtral", fixed_costs="measured")}
+            "mixtral_measured": equivalence_case("mixtral", fixed_costs="measured"),
+            "mixtral_loop": equivalence_case("mixtral", grouped=False),
+            "calls_grouped": phase2_calls_case(True), "calls_loop": phase2_calls_case(False)}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +217,7 @@ def results():
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "mixtral_zero2", "qwen3_moe_bf16_zero1",
-                                  "mixtral_accumulation", "mixtral_measured"])
+                                  "mixtral_accumulation", "mixtral_measured", "mixtral_loop"])
 def test_feplb_matches_autoep(results, case):
     tol = 2e-2 if "bf16" in case else TOL  # bf16: dynamic experts run a per-expert loop, static ones grouped GEMM
     for rank, per_rank in enumerate(results):
@@ -158,6 +228,36 @@ def test_feplb_matches_autoep(results, case):
             assert any(k.startswith("grad ") and "experts.w1" in k for k in errors), sorted(errors)[:5]
     if case != "mixtral_measured":  # there the skip rule decides, `test_the_skip_rule_decides_alike_on_every_rank`
         assert sum(per_rank[case]["migrated"] for per_rank in results) > 0, "no migration happened: the test is vacuous"
+
+
+def test_phase2_computes_with_the_layers_grouped_gemm(results):
+    """With AutoEP's grouped GEMM, phase 2 computes a home's dynamic pieces in one grouped call and
+    each message's served chunks in one, never one piece at a time."""
+    for rank, per_rank in enumerate(results):
+        seen = per_rank["calls_grouped"]
+        assert seen["home_computes"] > 0 and seen["single_calls"] == 0, (rank, seen)
+        assert seen["grouped_pieces"] == seen["home_computes"] + seen["served_chunks"], (rank, seen)
+        # per layer: one call for the home's pieces, at most one per home it served
+        assert seen["grouped_calls"] <= 2 * seen["phase2_micro_batches"], (rank, seen)
+    assert sum(per_rank["calls_grouped"]["served_chunks"] for per_rank in results) > 0, "nothing was served"
+    # a helper's first chunks carry their weights, received into stacked buffers: a grouped call over
+    # them takes each parameter's stack as it lies (3 parameters)
+    assert sum(per_rank["calls_grouped"]["stacked_in_place"] for per_rank in results) >= 3, results
+
+
+def test_phase2_loops_where_autoep_loops(results):
+    for rank, per_rank in enumerate(results):
+        seen = per_rank["calls_loop"]
+        assert seen["grouped_calls"] == 0, (rank, seen)
+        assert seen["single_calls"] == seen["home_computes"] + seen["served_chunks"] > 0, (rank, seen)
+
+
+def test_backward_assembles_each_stacked_weight_gradient_once(results):
+    """The dynamic experts' weights are views from one unbind per stacked parameter: no
+    ``select_backward`` (a full-size ``[E_local, F, H]`` zero-fill per expert and parameter). (AutoEP's
+    own loop, ``use_grouped_mm: false``, indexes every expert: there it makes one per expert itself.)"""
+    for rank, per_rank in enumerate(results):
+        assert per_rank["calls_grouped"]["select_backward"] == 0, (rank, per_rank["calls_grouped"])
 
 
 def test_the_skip_rule_decides_alike_on_every_rank(results):

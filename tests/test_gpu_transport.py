@@ -49,21 +49,30 @@ def _message(src: int, dst: int, round_: int) -> list[torch.Tensor]:
             torch.randn(4, 6, generator=g)[:, ::2]]  # non-contiguous
 
 
+def second_of_two(descriptions: list) -> list[torch.Tensor]:
+    """A receiver's ``into``: each tensor lands in the second half of a buffer twice its size."""
+    return [torch.full((2, *shape), 7, dtype=dtype)[1] for shape, dtype in descriptions]
+
+
 def all_to_all_rounds(capacity: int, rounds: int) -> dict:
-    """Every rank sends a message to every other rank per round; returns capacities and a check."""
+    """Every rank sends a message to every other rank per round (odd rounds received into the
+    caller's buffers, `second_of_two`); returns capacities and a check."""
     name, backend, transport = _make(capacity)
     rank, size = dist.get_rank(), dist.get_world_size()
+    into_kept = 0
     for r in range(rounds):
         futures = [transport.send(dst, (r << 4) | 1, _message(rank, dst, r)) for dst in range(size) if dst != rank]
         for src in range(size):
             if src == rank:
                 continue
-            got = transport.recv(src, (r << 4) | 1)
+            got = transport.recv(src, (r << 4) | 1, second_of_two) if r % 2 else transport.recv(src, (r << 4) | 1)
             want = _message(src, rank, r)
             assert len(got) == len(want)
             for a, b in zip(got, want):
                 assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
                 assert torch.equal(a, b.contiguous())
+            if r % 2:
+                into_kept += all(t._base is not None and t.data_ptr() == t._base.data_ptr() + t.nbytes for t in got)
         for f in futures:
             f.result(timeout=20)
     capacities, parts = transport.capacities(), transport.extra_parts
@@ -71,7 +80,7 @@ def all_to_all_rounds(capacity: int, rounds: int) -> dict:
     transport.close()
     live = backend.live()
     dist.barrier()
-    return {"capacities": capacities, "extra_parts": parts, "live": live,
+    return {"capacities": capacities, "extra_parts": parts, "live": live, "into_kept": into_kept,
             "leftover": [n for n in leftover_segments() if n.startswith(name)]}
 
 
@@ -127,6 +136,7 @@ def test_messages_arrive_intact_in_order_on_three_ranks(protocol_results):
         assert sorted(result["capacities"]) == [r for r in range(3) if r != rank]
         assert all(c == 1 << 20 for c in result["capacities"].values())
         assert result["extra_parts"] == 0  # every message fit its 1 MiB slot
+        assert result["into_kept"] == 2 * 2  # 2 odd rounds x 2 peers: into the receiver's buffers, as given
 
 
 def test_a_message_larger_than_its_slot_travels_in_parts_through_it(protocol_results):
@@ -135,6 +145,7 @@ def test_a_message_larger_than_its_slot_travels_in_parts_through_it(protocol_res
         result = suite["parts"]
         assert all(c == 512 for c in result["capacities"].values()), result
         assert result["extra_parts"] >= 2 * 5 * 2, result  # 2 peers x 5 rounds, at least 3 parts each
+        assert result["into_kept"] == 2 * 2, result  # rounds 1 and 3: each part into the receiver's buffers
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
         assert result["leftover"] == []
 

@@ -34,6 +34,26 @@ def test_transport_messages_arrive_intact_in_order(sends):
     assert leftover_segments(name) == []
 
 
+def test_a_message_lands_in_the_receivers_buffers_and_a_wrong_one_is_refused():
+    name = f"feplb-test-{secrets.token_hex(4)}"
+    a = ShmTransport(name, 0, 2, timeout_s=5, create=True)
+    b = ShmTransport(name, 1, 2, timeout_s=5, create=False)
+    try:
+        message = [torch.arange(12.0).view(3, 4), torch.ones(2, dtype=torch.bfloat16)]
+        stacked = torch.zeros(2, 3, 4)
+        a.send(1, 0x11, message).result(timeout=5)
+        got = b.recv(0, 0x11, lambda found: [stacked[1], torch.empty(found[1][0], dtype=found[1][1])])
+        assert got[0].data_ptr() == stacked[1].data_ptr() and torch.equal(stacked[1], message[0])
+        assert torch.equal(got[1], message[1]) and not stacked[0].any()
+        a.send(1, 0x12, message).result(timeout=5)
+        with pytest.raises(RuntimeError, match=r"receive buffer 0 is torch.float32 \(4, 3\), the message's tensor "
+                                               r"torch.float32 \(3, 4\)"):
+            b.recv(0, 0x12, lambda found: [torch.empty(4, 3), torch.empty(2, dtype=torch.bfloat16)])
+    finally:
+        b.close()
+        a.close()
+
+
 def test_a_message_of_another_step_is_refused():
     name = f"feplb-test-{secrets.token_hex(4)}"
     a = ShmTransport(name, 0, 2, timeout_s=5, create=True)

@@ -10,8 +10,10 @@ objects, their names (``...experts.w1`` etc., which DeepSpeed's checkpoints matc
 state and ZeRO's hooks. Its ``forward`` runs the expert stage (`expert_stage.ExpertStage`), as the
 DeepSpeed-MoE layer does: the skip rule on the EP group's counts (one small all-gather, since
 AutoEP's dispatch does not tell them), static experts through AutoEP's own grouped GEMM while the
-scheduler plans, dynamic experts (per-expert slices of the stacked weights, run by a SwiGLU
-template module) through the phase-2 transport to helpers and back, gradients home. Where FEPLB
+scheduler plans, dynamic experts (per-expert views of the stacked weights) through the phase-2
+transport to helpers and back, gradients home. Phase 2 computes its pieces with the same grouped
+GEMM (one call for a home's pieces, one per message a helper serves); where AutoEP runs its loop
+(``use_grouped_mm: false``), one call per piece through a SwiGLU template module. Where FEPLB
 cannot balance (EP 1, no dynamic experts, a domain of one rank) AutoEP's own forward runs.
 
 Counts are the ones AutoEP hands its experts: in the comm path each expert's group is padded to
@@ -93,8 +95,9 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
                             hidden=slices[0].shape[1])
         if stage.balances:  # otherwise AutoEP's own forward, untouched
             self.stage = stage
+            grouped = self._grouped if _runs_grouped(self) else None  # else the loop, as AutoEP's own
             self._local_experts = LocalExperts([self._template] * self.num_experts, self._slices,
-                                               ExpertSpec.of(self._template), static_fn=self._static)
+                                               ExpertSpec.of(self._template, grouped), static_fn=self._static)
         self._feplb_ready = True
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -121,9 +124,18 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         return out
 
     def _slices(self) -> list[list[torch.Tensor]]:
-        """Each local expert's weights, slices ``[w1[e], w2[e], w3[e]]`` of the stacked parameters."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        return [[w1[e], w2[e], w3[e]] for e in range(self.num_experts)]
+        """Each local expert's weights ``[w1[e], w2[e], w3[e]]``: views from one ``unbind`` per stacked
+        parameter, whose backward assembles that parameter's gradient once (an index per expert
+        would zero-fill a full-size ``[E_local, F, H]`` gradient for each expert and parameter)."""
+        return [list(weights) for weights in zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0))]
+
+    def _grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """k experts at once through the layer's own grouped GEMM (AutoEP's kernel choice and
+        activation): weights ``[w1 [k, F, H], w2 [k, H, F], w3 [k, F, H]]``, x ``[N, H]`` with ``sizes[i]``
+        rows of expert i -> ``[N, H]``. Phase 2 computes a home's dynamic pieces, and a helper the
+        pieces of one message, with one call each."""
+        counts = torch.tensor(sizes, dtype=torch.int64).to(x.device, non_blocking=True)
+        return GroupedExperts.forward(_StackedAs(self, weights), x, counts)
 
     def _static(self, rows: torch.Tensor, blocks: list, static: list) -> torch.Tensor:
         """The experts ``static`` (their rows ``blocks[e]``, a split of ``rows``) through AutoEP's own
@@ -134,6 +146,22 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             return rows.new_zeros((0, rows.shape[1]))
         x = rows if len(static) == len(blocks) else torch.cat([blocks[e] for e in static])  # all: no copy
         return GroupedExperts.forward(self, x, torch.as_tensor(static_counts, device=rows.device))
+
+
+class _StackedAs:
+    """A `GroupedExperts` as its ``forward`` reads it, with other stacked weights (``w1, w2, w3``)."""
+
+    def __init__(self, layer: "GroupedExperts", weights: list[torch.Tensor]):
+        self._layer = layer
+        self.w1, self.w2, self.w3 = weights
+
+    def __getattr__(self, name: str):
+        return getattr(self._layer, name)
+
+
+def _runs_grouped(experts: "GroupedExperts") -> bool:
+    """Whether AutoEP computes these experts with a grouped GEMM (``torch._grouped_mm`` or Triton's)."""
+    return bool(getattr(experts, "use_grouped_mm", False) or getattr(experts, "use_triton_grouped_mm", False))
 
 
 def autoep_layers(model: torch.nn.Module) -> dict:

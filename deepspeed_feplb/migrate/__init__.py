@@ -14,11 +14,15 @@ message semantics (per-pair FIFO, tag check, private copies on receive), and sel
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+
+# into(descriptions) -> tensors: where a received message's tensors go; ``descriptions`` its
+# tensors' (shape, dtype) in order, the result one contiguous tensor of that shape and dtype each
+Into = Callable[[list], list]
 
 
 class Transport(Protocol):
@@ -67,9 +71,11 @@ class Transport(Protocol):
         the call is done, or, with ``after`` (a `mark`), once the work queued before that mark is:
         rows ready before later work was queued need not wait for it."""
 
-    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+    def recv(self, src: int, tag: int, into: Optional[Into] = None) -> list[torch.Tensor]:
         """Block until the next message from ``src`` arrives; raise if its tag is not ``tag``;
-        return tensors this rank owns (the sender may reuse its buffer at once)."""
+        return tensors this rank owns (the sender may reuse its buffer at once): new ones, or the
+        ones ``into`` returns for the message's (shape, dtype) list (views into buffers the caller
+        laid out, such as stacked weights), which are then written and returned."""
 
     def close(self) -> None:
         """Stop copying, unmap and free what this rank owns (idempotent; also after a peer died)."""
@@ -120,4 +126,4 @@ def transport_class(config: FEPLBConfig, expert_params) -> type:
     return ShmTransport
 
 
-__all__ = ["Transport", "cuda_available", "transport_class", "transport_kind", "validate_transport"]
+__all__ = ["Into", "Transport", "cuda_available", "transport_class", "transport_kind", "validate_transport"]

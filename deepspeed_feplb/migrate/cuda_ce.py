@@ -384,8 +384,9 @@ class CudaCETransport:
             self.backend.ipc_close(ptr)
 
     # ---------------------------------------------------------------- consumer side
-    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
-        """Block until the next message from ``src`` arrives; return private copies of its tensors.
+    def recv(self, src: int, tag: int, into=None) -> list[torch.Tensor]:
+        """Block until the next message from ``src`` arrives; return private copies of its tensors
+        (in the tensors ``into`` gives, if given: `Transport.recv`).
 
         The copy out of the slot runs on this source's receive stream (after the sender's copies),
         not on the caller's compute stream, which only waits for it; the returned tensors can be
@@ -411,10 +412,11 @@ class CudaCETransport:
                 backend.stream_wait_event(stream, self._caller_at[src])
                 if src not in self._ready_peer:
                     self._ready_peer[src] = backend.event_open(_get_handle(channel, READY_H))
-                for row in channel[META:META + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist():
-                    dtype, offset, shape = wire.read(row)
-                    tensors.append(backend.empty(shape, dtype))
-                    offsets.append(offset)
+                found = [wire.read(row) for row in channel[META:META + count * wire.FIELDS].reshape(
+                    count, wire.FIELDS).tolist()]
+                offsets = [offset for _, offset, _ in found]
+                tensors = [backend.empty(shape, dtype) for dtype, _, shape in found] if into is None else \
+                    wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found])
             backend.stream_wait_event(stream, self._ready_peer[src])
             for out, offset in zip(tensors, offsets):
                 for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):

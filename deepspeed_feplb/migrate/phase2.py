@@ -43,15 +43,26 @@ def tag(seq: int, phase: int) -> int:
     return (seq << 4) | phase
 
 
+# grouped(weights, x, sizes) -> y: k experts at once, ``weights[j]`` the k experts' parameter j stacked
+# ``[k, *shape_j]``, ``x`` ``[N, H]`` their rows in order (``sizes[i]`` rows of expert i) -> ``[N, H_out]``
+GroupedCall = Callable[[list, torch.Tensor, list], torch.Tensor]
+
+
 @dataclass
 class ExpertSpec:
-    """How to run any local expert functionally: its module and parameter/buffer names."""
+    """How to run any local expert functionally: its module and parameter/buffer names; ``grouped``:
+    how to run several at once (a grouped GEMM, for experts without buffers), or None: one call each."""
     param_names: list[str]
     buffer_names: list[str]
+    grouped: Optional[GroupedCall] = None
 
     @classmethod
-    def of(cls, expert: torch.nn.Module) -> "ExpertSpec":
-        return cls([n for n, _ in expert.named_parameters()], [n for n, _ in expert.named_buffers()])
+    def of(cls, expert: torch.nn.Module, grouped: Optional[GroupedCall] = None) -> "ExpertSpec":
+        buffer_names = [n for n, _ in expert.named_buffers()]
+        if grouped is not None and buffer_names:
+            raise ValueError(f"a grouped expert call takes stacked parameters only; this expert has buffers "
+                             f"{buffer_names}")
+        return cls([n for n, _ in expert.named_parameters()], buffer_names, grouped)
 
     @staticmethod
     def buffers(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -64,13 +75,26 @@ class ExpertSpec:
 
 
 @dataclass
+class _GroupedCall:
+    """Several pieces computed in one grouped call (`ExpertSpec.grouped`): its leaves ``x`` ``[N, H]``
+    (the pieces' rows, concatenated) and ``params`` (per parameter, the pieces' stacked ``[k, ...]``),
+    its output ``y`` ``[N, H_out]`` (graph kept for backward); ``sizes``: rows per piece."""
+    x: torch.Tensor
+    params: list[torch.Tensor]
+    y: torch.Tensor
+    sizes: list[int]
+
+
+@dataclass
 class _Piece:
-    """One computed block: its differentiable leaves and output (graph kept for backward); ``held``:
-    the kept copy whose weight-gradients stay with this helper (None: they go home now)."""
+    """One computed block: its differentiable leaves and output (graph kept for backward; views of
+    its ``call``'s when computed with others in one grouped call); ``held``: the kept copy whose
+    weight-gradients stay with this helper (None: they go home now)."""
     x: torch.Tensor
     params: list[torch.Tensor]
     y: torch.Tensor
     held: Optional[HeldCopy] = None
+    call: Optional[_GroupedCall] = None
 
 
 @dataclass(frozen=True)
@@ -223,11 +247,10 @@ class Phase2MicroBatch:
         sends = self._forward_sends
 
         with torch.enable_grad():
-            for i, expert_id in enumerate(self.dynamic):
-                expert = self.experts[expert_id]
-                self.home_pieces.append(self._compute(expert, params[i], self.spec.buffers(expert),
-                                                      dyn_x[starts[i]:starts[i] + home_rows[i]]))
-            sends += self._serve_forward()
+            self.home_pieces = self._compute([(self.experts[e], params[i], self.spec.buffers(self.experts[e]),
+                                               dyn_x[starts[i]:starts[i] + home_rows[i]])
+                                              for i, e in enumerate(self.dynamic)])
+            sends += self._serve_forward(dyn_x.device)
 
         results = {}
         for helper, chunks in outgoing.items():
@@ -249,10 +272,11 @@ class Phase2MicroBatch:
             return dyn_x.new_zeros((0, dyn_x.shape[1]))
         return torch.cat([y for _, y in sorted(blocks, key=lambda block: block[0])])
 
-    def _recv(self, src: int, message_tag: int) -> list[torch.Tensor]:
+    def _recv(self, src: int, message_tag: int, into=None) -> list[torch.Tensor]:
         start = time.perf_counter()
         try:
-            return self.transport.recv(src, message_tag)
+            return self.transport.recv(src, message_tag) if into is None else self.transport.recv(src, message_tag,
+                                                                                                  into)
         finally:
             self.wait_s += time.perf_counter() - start
 
@@ -262,7 +286,27 @@ class Phase2MicroBatch:
             future.result()
         self.wait_s += time.perf_counter() - start
 
-    def _compute(self, module, params, buffers, x) -> _Piece:
+    def _compute(self, pieces: list[tuple]) -> list[_Piece]:
+        """Compute ``pieces`` ``(module, params, buffers, x [n, H])``: one grouped call for them all
+        (`ExpertSpec.grouped`), or one functional call each; one timed sample per call."""
+        if self.spec.grouped is None or not any(len(x) for *_, x in pieces):
+            return [self._compute_one(*piece) for piece in pieces]
+        start, began = time.perf_counter(), self.mark()
+        sizes = [len(x) for *_, x in pieces]
+        x = torch.cat([x.detach() for *_, x in pieces]).requires_grad_(self.needs_grad)
+        params = [_stack([piece[1][j].detach() for piece in pieces]).requires_grad_(self.needs_grad)
+                  for j in range(len(self.spec.param_names))]
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):  # as in `_compute_one`
+            y = self.spec.grouped(params, x, sizes)
+        if not self.needs_grad:
+            y = y.detach()
+        self.timed.append((sum(n > 0 for n in sizes), len(x), began, self.mark()))
+        self._compute_s += time.perf_counter() - start
+        call = _GroupedCall(x, params, y, sizes)
+        return [_Piece(x_i, [p[i] for p in params], y_i, call=call)
+                for i, (x_i, y_i) in enumerate(zip(x.split(sizes), y.split(sizes)))]
+
+    def _compute_one(self, module, params, buffers, x) -> _Piece:
         start, began = time.perf_counter(), self.mark()
         x = x.detach().requires_grad_(self.needs_grad)
         leaves = [p.detach().requires_grad_(self.needs_grad) for p in params]
@@ -295,27 +339,45 @@ class Phase2MicroBatch:
                                f"{expert} of local rank {home}")
         return self.residency.held[key]
 
-    def _vjp(self, piece: "_Piece", grad: torch.Tensor) -> list[torch.Tensor]:
+    def _vjp(self, pieces: list[_Piece], grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per piece, the gradients of its rows and parameters from ``grads[i]`` (its output's
+        gradient); pieces of one grouped call come together, and its backward runs once."""
         start = time.perf_counter()
-        grads = _vjp(piece, grad)
+        out: list = [None] * len(pieces)
+        calls: dict = {}
+        for i, (piece, grad) in enumerate(zip(pieces, grads)):
+            if piece.call is None:
+                out[i] = _vjp(piece.y, [piece.x, *piece.params], grad)
+            else:
+                calls.setdefault(id(piece.call), []).append(i)
+        for members in calls.values():
+            call = pieces[members[0]].call
+            if len(members) != len(call.sizes):
+                raise RuntimeError("FEPLB phase 2: a grouped call's backward needs all its pieces' gradients")
+            gx, *gp = _vjp(call.y, [call.x, *call.params], torch.cat([grads[i] for i in members]))
+            for k, (i, gx_k) in enumerate(zip(members, gx.split(call.sizes))):
+                out[i] = [gx_k, *[g[k] for g in gp]]
         self._compute_s += time.perf_counter() - start
-        return grads
+        return out
 
-    def _serve_forward(self):
+    def _serve_forward(self, device: torch.device):
         template = self.experts[0]
         n_params, n_buffers = len(self.spec.param_names), len(self.spec.buffer_names)
         sends = []
         for home, experts in self.view.incoming.items():
-            message = self._recv(home, tag(self.seq, FWD_TOKENS))
+            into = _stacked_weights(len(experts), n_params, n_buffers, device) if self.spec.grouped else None
+            message = self._recv(home, tag(self.seq, FWD_TOKENS), into)
             carries = _read_flags(message[0], len(experts))
             parts = messages.rows_to_helper(carries, n_params, n_buffers).unpack(message[1:], "forward rows")
-            pieces = []
-            for (expert, m), carry, part in zip(experts, carries, parts):
-                held = self._held_copy(home, expert, m, part["weights"] if carry else None)
-                piece = self._compute(template, held.params if held is not None else part["weights"], part["buffers"],
-                                      part["rows"][0])
-                piece.held = held
-                pieces.append(piece)
+            # a kept copy may hold on to the message's stacked weights only if every copy in them is kept
+            whole = into is None or all(self.copy_kept[m] for (_, m), carry in zip(experts, carries) if carry)
+            held = [self._held_copy(home, expert, m, None if not carry else part["weights"] if whole or not
+                                    self.copy_kept[m] else [w.clone() for w in part["weights"]])
+                    for (expert, m), carry, part in zip(experts, carries, parts)]
+            pieces = self._compute([(template, part["weights"] if carry else h.params, part["buffers"], part["rows"][0])
+                                    for h, carry, part in zip(held, carries, parts)])
+            for piece, h in zip(pieces, held):
+                piece.held = h
             if self.needs_grad:
                 self.served[home] = pieces
             results = messages.outputs_to_home(len(pieces)).pack([{"outputs": [p.y.detach()]} for p in pieces])
@@ -339,8 +401,9 @@ class Phase2MicroBatch:
         width = self.home_pieces[0].x.shape[1] if self.home_pieces else 0
         grad_x = torch.zeros((int(starts[-1]), width), dtype=grad_y.dtype, device=grad_y.device)
         grad_params = []
-        for i, piece in enumerate(self.home_pieces):
-            gx, *gp = self._vjp(piece, grad_y[starts[i]:starts[i] + home_rows[i]])
+        home_grads = self._vjp(self.home_pieces, [grad_y[starts[i]:starts[i] + home_rows[i]]
+                                                  for i in range(len(self.home_pieces))])
+        for i, (gx, *gp) in enumerate(home_grads):
             grad_x[starts[i]:starts[i] + home_rows[i]] = gx
             grad_params.append(gp)
         self.home_pieces = []
@@ -360,8 +423,7 @@ class Phase2MicroBatch:
             grads = messages.output_grads_to_helper(len(pieces)).unpack(
                 self._recv(home, tag(self.seq, BWD_GRADS)), "backward output-gradients")
             parts = []
-            for piece, grad in zip(pieces, grads):
-                gx, *gp = self._vjp(piece, grad["output_grads"][0])
+            for piece, (gx, *gp) in zip(pieces, self._vjp(pieces, [grad["output_grads"][0] for grad in grads])):
                 if piece.held is not None:
                     piece.held.accumulate(gp)  # goes home once, at the step's end
                 parts.append({"input_grads": [gx], "weight_grads": gp if piece.held is None else []})
@@ -420,14 +482,56 @@ def _flags_tensor(flags: list[bool], like: torch.Tensor) -> torch.Tensor:
 
 
 def _read_flags(t: torch.Tensor, n: int) -> list[bool]:
-    mask = int(t.shape[1])
+    return _flags_of(int(t.shape[1]), n)
+
+
+def _flags_of(mask: int, n: int) -> list[bool]:
     return [bool((mask >> k) & 1) for k in range(n)]
 
 
-def _vjp(piece: _Piece, grad: torch.Tensor) -> list[torch.Tensor]:
-    """Gradients of ``piece`` w.r.t. its input rows and parameters; zeros for unused leaves."""
-    leaves = [piece.x, *piece.params]
-    grads = torch.autograd.grad(piece.y, leaves, grad, allow_unused=True)
+def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.device):
+    """A `Transport.recv` ``into`` for a forward-rows message of ``chunks`` chunks: the weights of the
+    chunks that carry them land in one buffer per parameter, stacked ``[k, *shape]`` in chunk order,
+    so that a grouped call computes from them without another copy (`_stack`)."""
+    def into(descriptions: list) -> list[torch.Tensor]:
+        carries = _flags_of(int(descriptions[0][0][1]), chunks)
+        layout = messages.rows_to_helper(carries, n_params, n_buffers)
+        at, weights = 1, [[] for _ in range(n_params)]  # per parameter: message positions of the chunks' copies
+        for chunk in layout.parts:
+            for name, count in chunk:
+                if name == "weights":
+                    for j in range(count):
+                        weights[j].append(at + j)
+                at += count
+        outs: list = [None] * len(descriptions)
+        for positions in weights:
+            if positions:
+                shape, dtype = descriptions[positions[0]]
+                stacked = torch.empty((len(positions), *shape), dtype=dtype, device=device)
+                for k, i in enumerate(positions):
+                    outs[i] = stacked[k]
+        return [out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+                for out, (shape, dtype) in zip(outs, descriptions)]
+    return into
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)`` ``[k, ...]``, or a view of them where they already lie back to back in
+    one storage (weights received into stacked buffers, `_stacked_weights`): no copy then."""
+    first = tensors[0]
+    size = first.numel()
+    back_to_back = all(
+        t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.storage_offset() == first.storage_offset() + k * size for k, t in enumerate(tensors))
+    if back_to_back and first.is_contiguous():
+        return first.as_strided((len(tensors), *first.shape), (size, *first.stride()))
+    return torch.stack(tensors)
+
+
+def _vjp(y: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of ``y`` w.r.t. ``leaves`` given ``grad``; zeros for unused leaves."""
+    grads = torch.autograd.grad(y, leaves, grad, allow_unused=True)
     return [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
 
 

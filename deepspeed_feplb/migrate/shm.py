@@ -27,7 +27,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from deepspeed_feplb.migrate import wire
+from deepspeed_feplb.migrate import arena, wire
 from deepspeed_feplb.migrate.link import Link
 from deepspeed_feplb.segments import (
     PeerWatch,
@@ -193,8 +193,9 @@ class ShmTransport:
         self._word(self.local_rank, dst, _SEQ).notify()
 
     # ---------------------------------------------------------------- consumer side
-    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
-        """Block until the next message from ``src`` arrives; return private copies of its tensors."""
+    def recv(self, src: int, tag: int, into=None) -> list[torch.Tensor]:
+        """Block until the next message from ``src`` arrives; return private copies of its tensors
+        (in the tensors ``into`` gives, if given: `Transport.recv`)."""
         channel = self._control[src, self.local_rank]
         expected = self._expected[src] + 1
         wait_until(lambda: channel[_SEQ] >= expected, self.timeout_s,
@@ -211,12 +212,16 @@ class ShmTransport:
         count = int(buf[8:16].view(torch.int64)[0])
         header = buf[:_round_up((2 + count * wire.FIELDS) * 8)].view(torch.int64).numpy()
         wire.check_tag(tag, header[0], src)
-        tensors = []
-        for i in range(count):
-            dtype, offset, shape = wire.read(header[2 + i * wire.FIELDS:2 + (i + 1) * wire.FIELDS])
-            size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-            tensors.append(buf[offset:offset + size].view(dtype).view(shape).clone())
-        del buf, header
+        found = [wire.read(header[2 + i * wire.FIELDS:2 + (i + 1) * wire.FIELDS]) for i in range(count)]
+        sources = [buf[offset:offset + arena.nbytes_of(dtype, shape)].view(dtype).view(shape)
+                   for dtype, offset, shape in found]
+        if into is None:
+            tensors = [source.clone() for source in sources]
+        else:
+            tensors = wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found])
+            for out, source in zip(tensors, sources):
+                out.copy_(source)
+        del buf, header, sources
         self._expected[src] = expected
         channel[_ACK] = expected
         self._word(src, self.local_rank, _ACK).notify()

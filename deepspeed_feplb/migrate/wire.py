@@ -40,3 +40,17 @@ def check_tag(expected: int, got: int, src: int) -> None:
     if got != expected:
         raise RuntimeError(f"FEPLB transport out of step: expected message {expected:#x} from local rank {src}, "
                            f"got {int(got):#x}")
+
+
+def checked_into(into, descriptions: list) -> list[torch.Tensor]:
+    """The tensors a receiver's ``into`` gives for a message's ``descriptions`` ((shape, dtype) each,
+    `Transport.recv`), checked: one contiguous tensor of that shape and dtype per description."""
+    outs = list(into(descriptions))
+    if len(outs) != len(descriptions):
+        raise RuntimeError(f"FEPLB transport: {len(outs)} receive buffers for a message of {len(descriptions)} tensors")
+    for i, (out, (shape, dtype)) in enumerate(zip(outs, descriptions)):
+        if list(out.shape) != list(shape) or out.dtype != dtype or not out.is_contiguous():
+            raise RuntimeError(f"FEPLB transport: receive buffer {i} is {out.dtype} {tuple(out.shape)}"
+                               f"{'' if out.is_contiguous() else ' (not contiguous)'}, the message's tensor "
+                               f"{dtype} {tuple(shape)}")
+    return outs

@@ -1,0 +1,102 @@
+"""Phase 2's grouped calls (`migrate.phase2`): a helper receives the weights of a message's chunks
+into one stacked buffer per parameter and computes from it without another copy; weights that do
+not lie back to back are stacked."""
+import os
+
+import torch
+
+from deepspeed_feplb.migrate import messages
+from deepspeed_feplb.migrate.phase2 import _flags_tensor, _stack, _stacked_weights
+
+
+def _descriptions(carries: list[bool]) -> list:
+    """A forward-rows message's (shape, dtype) list: flags, then per chunk its weights (two, when
+    it carries them), no buffers and its rows."""
+    like = torch.zeros(0)
+    out = [(list(_flags_tensor(carries, like).shape), torch.float32)]
+    for k, carry in enumerate(carries):
+        if carry:
+            out += [([6, 4], torch.bfloat16), ([4, 6], torch.bfloat16)]
+        out.append(([k + 1, 4], torch.float32))
+    return out
+
+
+def test_carried_weights_land_stacked_in_chunk_order_and_are_taken_in_place():
+    carries = [True, False, True, True]
+    descriptions = _descriptions(carries)
+    outs = _stacked_weights(len(carries), 2, 0, torch.device("cpu"))(descriptions)
+    assert [(list(t.shape), t.dtype) for t in outs] == descriptions
+    parts = messages.rows_to_helper(carries, 2, 0).unpack(outs[1:], "forward rows")
+    carried = [part["weights"] for part in parts if part["weights"]]
+    for j in range(2):
+        stacked = _stack([weights[j] for weights in carried])
+        assert stacked.shape == (3, *carried[0][j].shape)
+        assert stacked.data_ptr() == carried[0][j].data_ptr()  # a view: no copy
+        stacked[2].fill_(5)
+        assert (carried[2][j] == 5).all()
+    assert all(part["rows"][0]._base is None for part in parts)  # rows get their own tensors
+
+
+def test_weights_apart_are_stacked_by_copy():
+    w = torch.arange(24.0).view(4, 6)
+    apart = [w[0], w[2]]  # not back to back
+    stacked = _stack(apart)
+    assert torch.equal(stacked, torch.stack(apart)) and stacked.data_ptr() != w.data_ptr()
+    reversed_ = _stack([w[1], w[0]])  # back to back, but in the other order
+    assert torch.equal(reversed_, torch.stack([w[1], w[0]])) and reversed_.data_ptr() != w[1].data_ptr()
+    in_place = _stack([w[1], w[2], w[3]])
+    assert torch.equal(in_place, w[1:]) and in_place.data_ptr() == w[1].data_ptr()
+
+
+def _mixed_message_case() -> dict:
+    """Home 0 sends two chunks with weights to helper 1, which may keep one copy only
+    (``max_resident_experts: 1``): the kept copy must not pin the message's stacked buffer."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.migrate.phase2 import ExpertSpec, Phase2MicroBatch
+    from deepspeed_feplb.migrate.resident import LayerResidency
+    from deepspeed_feplb.migrate.shm import ShmTransport
+
+    rank = dist.get_rank()
+    names = [f"feplb-test-grouped-{os.getpid()}"]
+    dist.broadcast_object_list(names, 0)
+    if rank == 0:
+        transport = ShmTransport(names[0], 0, 2, 20, True)
+    dist.barrier()
+    if rank:
+        transport = ShmTransport(names[0], 1, 2, 20, False)
+    torch.manual_seed(0)
+    template = torch.nn.Linear(8, 8, bias=False)
+    weights = [torch.randn(8, 8) for _ in range(2)]
+
+    def grouped(stacked, x, sizes):  # x @ w.T per expert
+        return torch.cat([x_i @ w_i.t() for x_i, w_i in zip(x.split(sizes), stacked[0])])
+
+    spec = ExpertSpec.of(template, grouped)
+    residency = LayerResidency.create(2, 2, FEPLBConfig(weight_residency="step", max_resident_experts=1))
+    moves = np.array([[0, 0, 1, 3], [0, 1, 1, 2]], np.int64)  # home 0's experts 0 and 1: 3 and 2 rows to helper 1
+    dynamic, counts = ([0, 1], [5, 4]) if rank == 0 else ([], [])
+    x = torch.randn(sum(counts), 8, generator=torch.Generator().manual_seed(1))
+    step = Phase2MicroBatch(transport, 1, rank, moves, dynamic, counts, [template, template], spec, False, dynamic,
+                            residency=residency, step_ends=False)
+    y = step.forward(x, [[weights[e]] for e in dynamic])
+    out = {"kept": step.copy_kept.tolist()}
+    if rank == 0:
+        out["exact"] = torch.equal(y, torch.cat([x[:5] @ weights[0].t(), x[5:] @ weights[1].t()]))
+    else:
+        held = residency.held[(0, 0)].params[0]
+        out.update(held_own=held._base is None, held_equal=torch.equal(held, weights[0]),
+                   others=sorted(residency.held))
+    dist.barrier()
+    transport.close()
+    return out
+
+
+def test_a_kept_copy_from_a_message_with_dropped_copies_owns_its_weights():
+    from deepspeed_feplb.testing import run_distributed
+
+    home, helper = run_distributed(_mixed_message_case, 2, timeout=120)
+    assert home["kept"] == [True, False] and home["exact"], home
+    assert helper["held_own"] and helper["held_equal"] and helper["others"] == [(0, 0)], helper
