@@ -38,7 +38,7 @@ from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.arena import slot_bytes
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Anchor, Phase2MicroBatch, grad_experts
-from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
+from deepspeed_feplb.migrate.resident import Fingerprints, LayerResidency, copy_bytes
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
 from deepspeed_feplb.stats import (
     MicroBatchStats,
@@ -501,6 +501,9 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         dyn_x, *dyn_params = Phase2Anchor.apply(box, len(spec.param_names), dyn_x, *dyn_params)
     ready = domain.transport.mark()
     row_counts = [int(counts[e]) for e in dynamic]
+    # on CUDA read before the static experts are queued: reading them once the plan is in hand waits for nothing
+    prints = (Fingerprints([params[e] for e in dynamic])
+              if residency is not None and residency.table.max_resident and rows.is_cuda else None)
     got: dict = {}  # the plan once in hand: "planned", "phase2", "at" (host seconds)
 
     def take(planned) -> None:
@@ -508,7 +511,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         got["at"] = time.perf_counter()
         phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic, row_counts,
                                   list(modules), spec, needs_grad, with_grads, stage_times, residency, step_ends,
-                                  ready, mark)
+                                  ready, mark, prints)
         phase2.send_forward(dyn_x.detach(), [[p.detach() for p in params[e]] for e in dynamic])
         got.update(planned=planned, phase2=phase2)
 

@@ -271,3 +271,20 @@ def test_weights_written_mid_step_through_data_or_load_state_dict_are_resent():
     check_exact(results)
     for write, case in results[0].items():
         assert case["traffic"]["resident_hits"] > 0, f"{write}: no copy was kept, the test shows nothing"
+
+
+def test_fingerprints_read_on_the_host_are_each_experts_own():
+    """`Fingerprints` on host tensors: computed when read, for the experts asked for only."""
+    import torch
+
+    from deepspeed_feplb.migrate.resident import Fingerprints, fingerprint
+
+    params = [[torch.randn(4, 3), torch.randn(3)] for _ in range(3)]
+    prints = Fingerprints(params)
+    assert prints.of([]) == {}
+    got = prints.of([0, 2])
+    assert sorted(got) == [0, 2]
+    for i in (0, 2):
+        assert got[i] == tuple(fingerprint(params[i]).tolist())
+    params[2][0].data[1, 1] += 1.0  # read when asked: a change before then shows
+    assert prints.of([2])[2] != got[2]

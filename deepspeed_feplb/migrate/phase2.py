@@ -33,7 +33,7 @@ import torch
 from torch.func import functional_call
 
 from deepspeed_feplb.migrate import Transport, messages
-from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency, fingerprint
+from deepspeed_feplb.migrate.resident import Fingerprints, HeldCopy, LayerResidency
 from deepspeed_feplb.stats import StageTimes
 
 FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
@@ -150,8 +150,10 @@ class Phase2MicroBatch:
     ready: the transport's `mark` of when the rows were ready (right after phase 1): forward's
     sends wait for it, not for whatever the caller queued since (the static experts).
     mark: marks "now" for the timed forward calls (`expert_costs.ComputeTimes.clock`: host
-    seconds, or CUDA events); ``timed`` receives (1 piece, n rows, start, end) per forward call,
+    seconds, or CUDA events); ``timed`` receives (k pieces, n rows, start, end) per forward call,
     and ``wait_s`` the host seconds spent blocked on a peer (receives, sends to finish).
+    fingerprints: the dynamic experts' parameter fingerprints for weight residency, taken before
+    the static experts were queued (`resident.Fingerprints`; None: read when needed).
     """
     transport: Transport
     seq: int
@@ -168,6 +170,7 @@ class Phase2MicroBatch:
     step_ends: bool = True
     ready: object = None
     mark: Callable[[], object] = time.perf_counter
+    fingerprints: Optional[Fingerprints] = None
     home_pieces: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
@@ -193,14 +196,9 @@ class Phase2MicroBatch:
 
     def _fingerprints(self, params: list[list[torch.Tensor]]) -> dict:
         """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
-        copy (one device-to-host read for all of them)."""
+        copy (`resident.Fingerprints`: the caller's, taken when the stage began, or read now)."""
         held = sorted({i for chunks in self.view.outgoing.values() for i, _, _, m in chunks if self.copy_kept[m]})
-        if not held:
-            return {}
-        prints = [fingerprint(params[i]) for i in held]
-        values = torch.cat(prints).tolist()
-        width = len(prints[0])
-        return {i: tuple(values[k * width:(k + 1) * width]) for k, i in enumerate(held)}
+        return (self.fingerprints or Fingerprints(params)).of(held)
 
     def _carries_weights(self, m: int, expert: int, helper: int, now: Optional[tuple]) -> bool:
         """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights: unless the helper keeps a

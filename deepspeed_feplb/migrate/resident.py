@@ -25,7 +25,7 @@ import torch
 
 from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable
 
-__all__ = ["HeldCopy", "LayerResidency", "copy_bytes", "fingerprint"]
+__all__ = ["Fingerprints", "HeldCopy", "LayerResidency", "copy_bytes", "fingerprint"]
 
 
 def copy_bytes(params) -> int:
@@ -76,6 +76,42 @@ def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Fingerprints:
+    """The `fingerprint` of each of a rank's dynamic experts for one micro-batch, read on the host
+    once the plan says which chunks go to helpers that keep copies.
+
+    On CUDA they are taken when the stage begins, before the static experts are queued, and copied
+    to pinned host memory behind an event: reading them when the plan arrives (which may be between
+    two static experts' launches) waits for that copy alone, where a ``.tolist()`` of device values
+    would wait for every static expert launched so far and leave the device idle while the host
+    launches the rest. Elsewhere (host tensors: no wait to avoid) they are computed when read,
+    only for the experts asked for. params: per dynamic expert, its parameters.
+    """
+
+    def __init__(self, params: list[list[torch.Tensor]]):
+        self._params = params
+        self._event = None
+        if params and params[0] and params[0][0].is_cuda:
+            prints = torch.stack([fingerprint(p) for p in params])  # [D, 3 * parameters]
+            self._host = torch.empty(prints.shape, dtype=prints.dtype, pin_memory=True)
+            self._host.copy_(prints, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def of(self, experts: list[int]) -> dict[int, tuple]:
+        """``{i: fingerprint of dynamic expert i as a tuple}`` for ``experts`` (indices into ``params``)."""
+        if not experts:
+            return {}
+        if self._event is not None:
+            self._event.synchronize()
+            rows = self._host.tolist()
+            return {i: tuple(rows[i]) for i in experts}
+        prints = [fingerprint(self._params[i]) for i in experts]
+        values = torch.cat(prints).tolist()  # one read for all of them
+        width = len(prints[0])
+        return {i: tuple(values[k * width:(k + 1) * width]) for k, i in enumerate(experts)}
 
 
 def _weights(n: int, device) -> torch.Tensor:
