@@ -154,7 +154,8 @@ class PlacementConfig(FEPLBConfigModel):
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
     redundant_experts_per_rank: int = Field(0, ge=0, le=0)
-    """Redundant replicas of hot experts per rank (EPLB-style); must be 0: replicas are not built yet."""
+    """Replica slots per rank for hot experts on other nodes; must be 0: the runtime does not build replicas
+    yet (the simulator models them: ``simulate --redundant-per-rank``)."""
 
     network_gbps: float = Field(50.0, gt=0)
     """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""

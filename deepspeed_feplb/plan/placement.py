@@ -17,10 +17,13 @@ All functions are pure numpy and deterministic.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from deepspeed_feplb.plan import replicas
 
 __all__ = ["balanced_packing", "replicate_experts", "rebalance_experts", "place_experts", "node_loads", "holdings",
            "slot_holdings", "transfer_us", "placement_rows", "improve_placement", "CrossNodePlacer"]
@@ -408,6 +411,9 @@ def improve_placement(w: np.ndarray, expert_to_rank: np.ndarray, num_nodes: int,
     return best
 
 
+RECENT_SAMPLES = 16  # micro-batches the replica choice is judged on
+
+
 @dataclass
 class CrossNodePlacer:
     """Periodic, cost-accounted cross-node re-placement for one MoE layer.
@@ -428,6 +434,11 @@ class CrossNodePlacer:
     intra_gbps:      intra-node bandwidth per GPU (GB/s) for experts that change rank inside a
                      node (inf: free).
     warmup:          observations before the first decision (None: ``interval``).
+    redundant:       replica slots per rank (`plan.replicas`): each decision also chooses which
+                     hot experts get a replica on another node (`replicas.choose`, on the last
+                     `RECENT_SAMPLES` micro-batches), where the gain pays for their gradient
+                     exchange at every optimizer step (``micro_batches_per_step`` micro-batches)
+                     and their creation (an expert's ``weight_bytes`` each).
 
     A decision (`refresh`) takes the candidate of `improve_placement` with the largest
     ``gain - cost`` (none when nothing pays); ``last_cost_us`` is the transfer time of the last
@@ -456,7 +467,11 @@ class CrossNodePlacer:
     intra_gbps: float = math.inf
     warmup: Optional[int] = None
     max_retention: float = 0.95
+    redundant: int = 0
+    weight_bytes: float = 0.0
+    micro_batches_per_step: int = 1
     expert_to_rank: np.ndarray = field(init=False)
+    replica_at: np.ndarray = field(init=False)
     ema: Optional[np.ndarray] = field(init=False, default=None)
     seen: int = field(init=False, default=0)
     migrated_experts: int = field(init=False, default=0)
@@ -467,16 +482,27 @@ class CrossNodePlacer:
     retention: Optional[float] = field(init=False, default=None)
     _decided_at: int = field(init=False, default=0, repr=False)
     _probe: Optional[tuple] = field(init=False, default=None, repr=False)
+    _recent: deque = field(init=False, repr=False)
 
     def __post_init__(self):
         R = self.num_nodes * self.ranks_per_node
         self.expert_to_rank = np.arange(self.experts, dtype=np.int64) // (self.experts // R)
+        self.replica_at = np.full((R, self.redundant), -1, np.int64)
+        self._recent = deque(maxlen=RECENT_SAMPLES)
+
+    @property
+    def slots(self) -> np.ndarray:
+        """int64 [R, E / R + redundant]: each rank's primary experts (ascending), then its replicas
+        (-1: an empty slot)."""
+        return replicas.slot_experts(self.expert_to_rank, self.replica_at)
 
     def observe(self, loads: np.ndarray, refresh: bool = True) -> None:
         """Feed one micro-batch's per-expert loads (int [E]); re-place when `due`
         (``refresh=False``: the caller calls `refresh` when `due`, e.g. at an optimizer step)."""
         loads = np.asarray(loads, dtype=np.float64)
         self.ema = loads.copy() if self.ema is None else (1 - self.decay) * self.ema + self.decay * loads
+        if self.redundant:  # replicas are judged on recent micro-batches as they were (`replicas.choose`)
+            self._recent.append(loads)
         self.seen += 1
         if self._probe is not None:
             old, cand, _, acc = self._probe
@@ -511,13 +537,32 @@ class CrossNodePlacer:
         new, gain_us, cost_us = improve_placement(
             self.ema, self.expert_to_rank, self.num_nodes, self.ranks_per_node, self.dynamic_experts,
             self.us_per_token, horizon, self.expert_state_bytes, self.net_gbps, self.intra_gbps)
-        if np.array_equal(new, self.expert_to_rank):
+        moved = not np.array_equal(new, self.expert_to_rank)
+        if moved:
+            self.migrated_experts += int(np.sum(new != self.expert_to_rank))
+            self.expert_to_rank = new
+        replicated = self.redundant and self._choose_replicas(horizon)
+        if not (moved or replicated):
             return False
-        self.migrated_experts += int(np.sum(new != self.expert_to_rank))
         self.migration_us += cost_us
-        self.last_cost_us = cost_us
+        self.last_cost_us += cost_us
         self.refreshes += 1
-        self.expert_to_rank = new
+        return True
+
+    def _choose_replicas(self, horizon: float) -> bool:
+        """The replicas for the (new) primaries (`replicas.choose`); their creation's transfer time
+        joins ``last_cost_us``. Returns whether they changed."""
+        before = self.slots
+        choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
+                                 self.dynamic_experts, self.us_per_token, self.micro_batches_per_step, horizon,
+                                 self.weight_bytes, self.net_gbps, self.replica_at)
+        new = choice.replica_at
+        if np.array_equal(new, self.replica_at):
+            return False
+        self.replica_at = new
+        made = replicas.replication_us(before, self.slots, self.weight_bytes, self.net_gbps)
+        self.last_cost_us += made
+        self.migration_us += made
         return True
 
     @property

@@ -161,6 +161,11 @@ def add_parser(subparsers) -> None:
                    help="micro-batches before the first re-placement decision of EPLB and of feplb's placement "
                         "layer, taken at the end of the optimizer step that reaches it (default: one step, "
                         "--micro-batches-per-step)")
+    p.add_argument("--redundant-per-rank", type=whole_number(0), default=0, metavar="SLOTS",
+                   help="replica slots per rank of feplb's placement layer: hot experts get replicas on other nodes "
+                        "where the gain pays for their gradient all-reduce at every optimizer step (over the "
+                        "profile's inter-node bandwidth, counted in the expert time) and their creation; each "
+                        "micro-batch splits a replicated expert's rows between the nodes (default: %(default)s)")
     p.add_argument("--sweep-d", type=_d_list, metavar="LIST",
                    help="comma list of D for the token-straggler-vs-D figure and the d_sweep of OUT.json "
                         "(default with --plot: 0, 1, 2, 4, ... up to the experts per rank)")
@@ -297,7 +302,8 @@ def _setup(args, trace, D):
                     placement=args.placement, placement_interval=args.placement_interval,
                     placement_horizon=args.placement_horizon, placement_warmup=args.placement_warmup,
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
-                    max_resident=args.max_resident, max_rows_over_mean=args.max_rows_over_mean)
+                    max_resident=args.max_resident, max_rows_over_mean=args.max_rows_over_mean,
+                    redundant_per_rank=args.redundant_per_rank)
 
 
 def _compare_measured(args, trace, setup) -> dict:

@@ -32,6 +32,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
+from deepspeed_feplb.plan.replicas import allreduce_us, route
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
@@ -50,6 +51,12 @@ class SimSetup:
                max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``).
     max_rows_over_mean: ``feplb``'s bound on rows before time (``feplb.max_rows_over_mean``; None:
                time alone), relative to the mean over all G x N ranks.
+    redundant_per_rank: replica slots per rank of ``feplb``'s cross-node layer
+               (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
+               replicas on other nodes where they pay; each micro-batch splits a replicated
+               expert's rows between its holders (`replicas.route`); every optimizer step
+               all-reduces their gradients over the inter-node link, **added to the expert time of
+               the micro-batch that ends the step** (``replica_allreduce_us``).
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
     a runtime does them: at the end of the first step that is at least ``placement_warmup``
@@ -88,6 +95,7 @@ class SimSetup:
     residency: str = "step"
     max_resident: int = 8
     max_rows_over_mean: Optional[float] = None
+    redundant_per_rank: int = 0
 
     @property
     def ranks(self) -> int:
@@ -363,23 +371,26 @@ class _NodePolicy:
                                             setup.placement_interval, setup.eplb_decay, setup.state_bytes,
                                             setup.profile.net_gbps, us_tok, dynamic_experts=setup.dynamic_experts,
                                             horizon=setup.placement_horizon, intra_gbps=setup.profile.ce_gbps,
-                                            warmup=setup.warmup) for _ in range(layers)]
+                                            warmup=setup.warmup, redundant=setup.redundant_per_rank,
+                                            weight_bytes=setup.shape.weight_bytes,
+                                            micro_batches_per_step=setup.micro_batches_per_step)
+                            for _ in range(layers)]
         self.budget_copies = []
+        self.replica_allreduce_us = 0.0
         keep = setup.max_resident if setup.residency == "step" and self.uses_residency else 0
-        G, E = setup.ranks_per_node, setup.experts_per_rank
+        G, E = setup.ranks_per_node, setup.experts_per_rank + (setup.redundant_per_rank if self.placers else 0)
         self.residency = [[ResidencyTable(G, E, keep) for _ in range(setup.nodes)] for _ in range(layers)]
 
     uses_placement = False
     uses_residency = False
 
     def slots(self, layer: int) -> np.ndarray:
-        """int64 [R, E_local]: the global expert id of each rank's local experts (ascending)."""
+        """int64 [R, S]: the global expert id of each rank's local experts (ascending), then, with
+        the cross-node layer, its replica slots (-1: empty)."""
         s = self.setup
         if self.placers is None:
             return np.arange(s.experts, dtype=np.int64).reshape(s.ranks, s.experts_per_rank)
-        e2r = self.placers[layer].expert_to_rank
-        order = np.lexsort((np.arange(s.experts), e2r))
-        return order.reshape(s.ranks, s.experts_per_rank).astype(np.int64)
+        return self.placers[layer].slots
 
     def constraints(self, node_counts: np.ndarray, mean_rows: float = 0.0) -> tuple[PlanConstraints, np.ndarray]:
         """The plan's constraints for one node and its ranks' static GEMM time float64 [G];
@@ -401,7 +412,9 @@ class _NodePolicy:
         G = s.ranks_per_node
         loads = src.sum(axis=0)
         slots = self.slots(layer)
-        counts = loads[slots]  # [R, E_local]
+        replicated = self.placers is not None and s.redundant_per_rank > 0
+        # [R, S]: with replicas, each micro-batch splits a replicated expert's rows between the nodes
+        counts = route(src, slots, G, s.experts_per_rank) if replicated else loads[slots]
         ranks, tokens, moves_out = [], [], []
         lb = 0
         ce = {"ce_us": 0.0, "exposed_us": 0.0, "static_us": 0.0, "copies": 0}
@@ -429,6 +442,11 @@ class _NodePolicy:
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
+        if replicated and ends:  # the replicas' gradients are all-reduced at every optimizer step
+            reduce_us = allreduce_us(slots, s.shape.weight_bytes, s.profile.net_gbps, s.experts_per_rank)
+            timing["expert_us"] += reduce_us
+            timing["replica_allreduce_us"] = reduce_us
+            self.replica_allreduce_us += reduce_us
         if self.placers is not None:
             placer = self.placers[layer]
             placer.observe(loads, refresh=False)
@@ -459,10 +477,14 @@ class _NodePolicy:
     def summary(self) -> dict:
         if self.placers is None:
             return {}
-        return {"placement_refreshes": sum(p.refreshes for p in self.placers),
-                "placement_decisions": sum(p.decisions for p in self.placers),
-                "placement_migrated_experts": sum(p.migrated_experts for p in self.placers),
-                "placement_migration_us": sum(p.migration_us for p in self.placers)}
+        out = {"placement_refreshes": sum(p.refreshes for p in self.placers),
+               "placement_decisions": sum(p.decisions for p in self.placers),
+               "placement_migrated_experts": sum(p.migrated_experts for p in self.placers),
+               "placement_migration_us": sum(p.migration_us for p in self.placers)}
+        if self.setup.redundant_per_rank:
+            out.update(replicas=sum(int((p.replica_at >= 0).sum()) for p in self.placers),
+                       replica_allreduce_us=self.replica_allreduce_us)
+        return out
 
 
 class FEPLB(_NodePolicy):

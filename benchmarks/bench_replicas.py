@@ -1,0 +1,98 @@
+"""Replicas of hot experts across nodes, simulated: feplb with 0, 1 and 2 replica slots per rank
+against EPLB, at EP 64 (8 x 8) and EP 16 (2 x 8).
+
+    .venv/bin/python benchmarks/bench_replicas.py --out benchmarks/data/replicas_sim.json
+
+Every case is one ``python -m deepspeed_feplb simulate`` command (printed as it runs), on seeded
+generated traces (``python -m deepspeed_feplb trace``, written to a temporary folder) and on the
+two shipped recordings replayed on 16 ranks (``--merge-sources``: their rows per rank halve). D = 4,
+8 micro-batches per optimizer step, GLM-5-like experts (6144 x 2048 SwiGLU), the h100 profile
+(inter-node 50 GB/s per rank); the replicas' gradient exchange is in the expert time. The
+simulator is deterministic: the figures do not depend on the machine's load, only its wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(ROOT, "deepspeed_feplb", "trace", "data")
+
+# name -> (trace generator arguments or a shipped file, ranks per node, nodes)
+CASES = {
+    "EP64 no-aux 32k": (["--kind", "noaux", "--ranks", "64", "--experts", "256", "--tokens-per-rank", "4096"], 8, 8),
+    "EP64 no-aux 4k": (["--kind", "noaux", "--ranks", "64", "--experts", "256", "--tokens-per-rank", "512"], 8, 8),
+    "EP64 zipf 32k": (["--kind", "zipf", "--ranks", "64", "--experts", "256", "--tokens-per-rank", "4096"], 8, 8),
+    "EP16 no-aux 16k": (["--kind", "noaux", "--ranks", "16", "--experts", "128", "--tokens-per-rank", "2048"], 8, 2),
+    "EP16 biased 16k": (["--kind", "biased", "--ranks", "16", "--experts", "128", "--tokens-per-rank", "2048"], 8, 2),
+    "EP16 recorded 2k": ("stdlib_moe_ep8_4k.npz", 8, 2),
+    "EP16 recorded 16k": ("stdlib_moe_ep8_32k.npz", 8, 2),
+}
+TRACE_STEPS = {"EP64": "64", "EP16": "96"}
+
+
+def _run(cmd: list[str]) -> None:
+    print(" ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--slots", default="0,1,2", help="replica slots per rank to compare (default: %(default)s)")
+    args = parser.parse_args()
+    slots = [int(s) for s in args.slots.split(",")]
+    py = [sys.executable, "-m"]
+    results: dict = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (source, G, N) in CASES.items():
+            extra = []
+            if isinstance(source, str):
+                trace, extra = os.path.join(SHIPPED, source), ["--merge-sources"]
+            else:
+                trace = os.path.join(tmp, name.replace(" ", "_") + ".npz")
+                _run(py + ["deepspeed_feplb", "trace", "--out", trace, *source, "--steps", TRACE_STEPS[name[:4]],
+                           "--layers", "1", "--top-k", "8", "--seed", "3" if name.startswith("EP64") else "1"])
+            for r in slots:
+                out = os.path.join(tmp, "out.json")
+                _run(py + ["deepspeed_feplb", "simulate", "--trace", trace, "--ranks-per-node", str(G), "--nodes", str(N),
+                           "--dynamic-experts", "4", "--policies", "vanilla,eplb,feplb", "--hidden", "6144",
+                           "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--redundant-per-rank", str(r),
+                           "--no-progress", "--json", out, *extra])
+                with open(out) as f:
+                    policies = json.load(f)["policies"]
+                eplb, feplb = policies["eplb"], policies["feplb"]
+                results.setdefault(name, {})[r] = {
+                    "eplb": {k: eplb[k] for k in ("token_max_over_mean", "token_straggler", "expert_time_us")},
+                    "feplb": {k: feplb.get(k, 0) for k in ("token_max_over_mean", "token_straggler", "expert_time_us",
+                                                           "replicas", "replica_allreduce_us")}}
+    print(f"\n{time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}\n")
+    print("| case | slots | feplb max/mean | straggler vs EPLB | expert time µs | vs EPLB | replicas at end |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, per in results.items():
+        for r, res in per.items():
+            e, f = res["eplb"], res["feplb"]
+            print(f"| {name} | {r} | {f['token_max_over_mean']:.3f} | {e['token_straggler'] / f['token_straggler']:.1f}x "
+                  f"lower | {f['expert_time_us']:,.0f} | {f['expert_time_us'] / e['expert_time_us']:.3f}x | "
+                  f"{f['replicas']} |")
+    with open(args.out, "w") as f:
+        json.dump({"cases": results, "commit": _commit()}, f, indent=1)
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

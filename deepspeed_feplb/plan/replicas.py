@@ -1,0 +1,248 @@
+"""Redundant expert replicas across nodes (``feplb.placement.redundant_experts_per_rank``).
+
+The cross-node placement (`plan.placement`) puts every expert on one rank and moves experts only
+at optimizer steps, so all of a hot expert's rows land on one node whatever a micro-batch brings.
+A replica of that expert on another node lets each micro-batch split its rows between the nodes:
+`route` sends each (source rank, expert) pair of the micro-batch to the holder whose node is
+lightest so far, computed alike on every rank from the routes phase 1 all-gathers; FEPLB then
+balances inside each node as before. A replica holds the expert's weights only: its gradient is
+summed into the expert's before the optimizer step, and the stepped weights come back to it. It
+costs a slot on its rank, its weights' transfer when it is created (`replication_us`), and that
+gradient exchange with the expert's other holders over the inter-node link at every optimizer
+step (`allreduce_us`); `choose` adds one only where the predicted gain over the following
+micro-batches pays for both.
+
+Slots: rank q holds ``slots[q]`` (int64 [R, S]): its primary experts (the placement's, ascending
+ids), then its ``redundant`` replica slots (-1: empty). All functions are pure numpy and
+deterministic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Choice", "slot_experts", "route", "expected_counts", "predicted_rows", "allreduce_us", "replication_us",
+           "choose"]
+
+
+def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarray:
+    """expert_to_rank int64 [E] (primaries, E / R per rank), replica_at int64 [R, redundant] (-1:
+    empty) -> slots int64 [R, E / R + redundant]."""
+    e2r = np.asarray(expert_to_rank, np.int64)
+    replica_at = np.asarray(replica_at, np.int64)
+    R = replica_at.shape[0]
+    order = np.lexsort((np.arange(e2r.shape[0]), e2r))
+    return np.concatenate([order.reshape(R, -1), replica_at], axis=1).astype(np.int64)
+
+
+def _holders(slots: np.ndarray, experts: int, primaries: int) -> list[list[tuple[int, int]]]:
+    """Per expert, its (rank, slot) holders: the primary first, then replicas by rank."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(experts)]
+    for q, s in zip(*np.nonzero(slots >= 0)):
+        out[int(slots[q, s])].append((int(q), int(s)))
+    return [sorted(h, key=lambda qs: (qs[1] >= primaries, qs[0])) for h in out]
+
+
+def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
+    """One micro-batch's rows per slot: src int64/float [R_src, E] (rows each source rank sends to
+    each expert), slots int64 [R, S] whose first ``primaries`` columns are the primary experts.
+
+    An expert held once gets all its rows there. The (source, expert) pairs of replicated experts,
+    largest first (ties: lower expert, then lower source), each go to the holder on the node with
+    the fewest rows so far (ties: the source's own node, then the lower node): a greedy balance of
+    the nodes. Returns counts [R, S] of ``src``'s dtype."""
+    src = np.asarray(src)
+    slots = np.asarray(slots, np.int64)
+    R, S = slots.shape
+    E = src.shape[1]
+    N = R // ranks_per_node
+    counts = np.zeros((R, S), dtype=src.dtype)
+    node_rows = np.zeros(N, np.float64)
+    held = np.zeros((R, S), bool)
+    held[:, :primaries] = True
+    held[:, primaries:] = slots[:, primaries:] >= 0
+    copies = np.bincount(slots[held], minlength=E)
+    loads = src.sum(axis=0)
+    single = held & (copies[np.maximum(slots, 0)] == 1)
+    counts[single] = loads[slots[single]]
+    node_rows += np.bincount(np.nonzero(single)[0] // ranks_per_node, weights=counts[single].astype(np.float64),
+                             minlength=N)
+    replicated = np.flatnonzero(copies > 1)
+    if not len(replicated):
+        return counts
+    holders = _holders(np.where(held, slots, -1), E, primaries)
+    pairs = [(-float(src[s, e]), int(e), s) for e in replicated.tolist() for s in range(src.shape[0]) if src[s, e] > 0]
+    pairs.sort()
+    src_node = np.arange(src.shape[0]) * N // src.shape[0]  # a source rank's node, when replayed on R ranks
+    for minus_rows, e, s in pairs:
+        best = min(holders[e], key=lambda qs: (node_rows[qs[0] // ranks_per_node],
+                                               qs[0] // ranks_per_node != src_node[s], qs[0] // ranks_per_node))
+        counts[best] += src[s, e]
+        node_rows[best[0] // ranks_per_node] -= minus_rows
+    return counts
+
+
+def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
+    """Rows per slot float [R, S] for expected loads ``w`` float [E]: experts held once at their slot;
+    each replicated expert (heaviest first) split continuously over its holders' nodes, filling the
+    lightest first (the limit of `route` with many small sources; fast enough to weigh candidates)."""
+    w = np.asarray(w, np.float64)
+    slots = np.asarray(slots, np.int64)
+    R, S = slots.shape
+    N = R // ranks_per_node
+    held = slots >= 0
+    held[:, :primaries] = True
+    copies = np.bincount(slots[held], minlength=w.shape[0])
+    counts = np.zeros((R, S))
+    single = held & (copies[np.maximum(slots, 0)] == 1)
+    counts[single] = w[slots[single]]
+    node_rows = counts.sum(axis=1).reshape(N, ranks_per_node).sum(axis=1)
+    replicated = np.flatnonzero(copies > 1)
+    for e in replicated[np.argsort(-w[replicated], kind="stable")].tolist():
+        q, j = np.nonzero(held & (slots == e))
+        nodes = q // ranks_per_node
+        level = _water_level(node_rows[nodes], w[e])
+        add = np.maximum(level - node_rows[nodes], 0.0)
+        node_rows[nodes] += add
+        counts[q, j] += add
+    return counts
+
+
+def _water_level(levels: np.ndarray, amount: float) -> float:
+    """The level to which ``amount`` fills containers at ``levels`` (lowest first)."""
+    ordered = np.sort(levels)
+    filled = np.cumsum(ordered)
+    for k in range(len(ordered), 0, -1):
+        level = (amount + filled[k - 1]) / k
+        if level >= ordered[k - 1]:
+            return float(level)
+    return float(ordered[0] + amount)
+
+
+def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int,
+                   dynamic_experts: int) -> float:
+    """The predicted busiest rank's rows of one micro-batch with expected loads ``w`` float [E]:
+    `expected_counts`, then the lower bound of intra-node balancing over the nodes,
+    ``max_n max(mean rank rows of node n, max_{r in n} (rows_r - its D largest slots))`` (as
+    `plan.placement.placement_rows` without replicas)."""
+    return _bound(expected_counts(w, slots, ranks_per_node, primaries), ranks_per_node, dynamic_experts)
+
+
+def allreduce_us(slots: np.ndarray, grad_bytes: float, net_gbps: float, primaries: int) -> float:
+    """One optimizer step's all-reduce of the replicated experts' gradients (µs): each expert with
+    c > 1 holders all-reduces over them (a ring: 2 (c - 1) / c of its gradient in and out of every
+    holder over the inter-node link, ``net_gbps``), the ranks' links in parallel, each rank its
+    experts one after the other; the slowest rank's time."""
+    slots = np.asarray(slots, np.int64)
+    held = np.zeros(slots.shape, bool)
+    held[:, :primaries] = True
+    held[:, primaries:] = slots[:, primaries:] >= 0
+    copies = np.bincount(slots[held], minlength=int(slots.max()) + 1)
+    c = np.where(held, copies[np.maximum(slots, 0)], 1)
+    per_rank = np.where(c > 1, 2.0 * (c - 1) / c, 0.0).sum(axis=1)
+    return float(per_rank.max() * grad_bytes / (net_gbps * 1e3)) if math.isfinite(net_gbps) else 0.0
+
+
+def replication_us(old: np.ndarray, new: np.ndarray, state_bytes: float, net_gbps: float) -> float:
+    """Creating replicas: every (rank, expert) newly held arrives with ``state_bytes`` over the
+    inter-node link, each rank's one after the other, ranks in parallel (µs). old, new: int64
+    [R, S] slots."""
+    per_rank = [len(set(n[n >= 0].tolist()) - set(o[o >= 0].tolist())) for o, n in zip(old, new)]
+    return max(per_rank, default=0) * state_bytes / (net_gbps * 1e3)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` decided: ``replica_at`` int64 [R, redundant] (-1: empty), its predicted gain and
+    cost (µs per micro-batch)."""
+    replica_at: np.ndarray
+    gain_us: float
+    cost_us: float
+
+
+def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int, redundant: int,
+           dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, horizon: float,
+           weight_bytes: float, net_gbps: float, current: np.ndarray | None = None) -> Choice:
+    """The replicas to hold over the primaries ``expert_to_rank``, judged on ``samples`` float [K, E]:
+    the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
+    catches, and what a moving average hides).
+
+    The candidates are the prefixes of one sequence: the experts by falling mean load over the
+    earlier half of the samples (a heavy expert moves the most rows between nodes from one
+    micro-batch to the next), each replicated on the node with the fewest expected rows so far
+    that does not hold it, in its rank with the fewest rows, slots filling level by level (every
+    rank's first replica slot before any second, so more slots extend the sequence of fewer). The
+    prefix with the largest net gain per micro-batch on the later half of the samples is
+    returned (held out: drift is what a choice judged on the very samples it was made from would
+    hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
+    the step's gradient exchange (`allreduce_us` / ``micro_batches_per_step``) and their creation
+    (`replication_us` against ``current``, spread over ``horizon`` micro-batches); none when no
+    prefix pays. A replica holds the expert's weights only (``weight_bytes``, also its gradient's
+    size): its gradient is summed into the expert's before the optimizer step, and the stepped
+    weights reach it with the exchange's return half."""
+    samples = np.atleast_2d(np.asarray(samples, np.float64))
+    e2r = np.asarray(expert_to_rank, np.int64)
+    E = samples.shape[1]
+    R = int(e2r.max()) + 1 if E else 0
+    G = ranks_per_node
+    N = R // G
+    primaries = E // R
+    none = np.full((R, redundant), -1, np.int64)
+    if redundant <= 0 or N <= 1:
+        return Choice(none, 0.0, 0.0)
+    before = slot_experts(e2r, none if current is None else current)
+    half = len(samples) // 2
+    fit, judge = (samples[:half], samples[half:]) if half else (samples, samples)
+
+    def judged_rows(replicas: np.ndarray) -> float:
+        slots = slot_experts(e2r, replicas)
+        return float(np.mean([predicted_rows(w, slots, G, primaries, dynamic_experts) for w in judge]))
+
+    def cost(replicas: np.ndarray) -> float:
+        slots = slot_experts(e2r, replicas)
+        return (allreduce_us(slots, weight_bytes, net_gbps, primaries) / micro_batches_per_step
+                + replication_us(before, slots, weight_bytes, net_gbps) / max(horizon, 1.0))
+
+    expected = fit.mean(axis=0)
+    sequence, replica_at = [], none.copy()
+    for e in np.argsort(-expected, kind="stable").tolist():
+        if expected[e] <= 0 or not (replica_at < 0).any():
+            break
+        slots = slot_experts(e2r, replica_at)
+        rank_rows = expected_counts(expected, slots, G, primaries).sum(axis=1)
+        holding = {int(q) // G for q in np.nonzero((slots == e).any(axis=1))[0]}
+        used = (replica_at >= 0).sum(axis=1)
+        # slots fill level by level (every rank's first, then its second ...): more slots per rank
+        # extend the sequence of fewer instead of crowding the nodes that look light now
+        ranks = next((q for q in (np.flatnonzero((used == level)).tolist()
+                                  for level in range(used.min(), redundant))
+                      if any(r // G not in holding for r in q)), [])
+        ranks = [r for r in ranks if r // G not in holding]
+        if not ranks:
+            continue
+        n = min({r // G for r in ranks}, key=lambda n: (rank_rows[n * G:(n + 1) * G].sum(), n))
+        q = min((r for r in ranks if r // G == n), key=lambda r: (rank_rows[r], r))
+        replica_at = replica_at.copy()
+        replica_at[q, int(np.argmax(replica_at[q] < 0))] = e
+        sequence.append(replica_at)
+    base = judged_rows(none)
+    best = (none, 0.0, 0.0)
+    stride = max(1, len(sequence) // 32)  # at most ~32 prefixes weighed
+    for k in sorted({*range(stride - 1, len(sequence), stride), len(sequence) - 1} - {-1}):
+        gain = (base - judged_rows(sequence[k])) * us_per_row
+        spent = cost(sequence[k])
+        if gain - spent > best[1] - best[2]:
+            best = (sequence[k], gain, spent)
+    return Choice(*best)
+
+
+def _bound(counts: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> float:
+    """`predicted_rows` of slot rows ``counts`` float [R, S]."""
+    per_rank = counts.sum(axis=1)
+    node_mean = per_rank.reshape(-1, ranks_per_node).mean(axis=1).max()
+    if dynamic_experts <= 0:
+        return float(node_mean)
+    top = np.sort(counts, axis=1)[:, ::-1][:, :dynamic_experts].sum(axis=1)
+    return float(max(node_mean, (per_rank - top).max()))

@@ -1,0 +1,106 @@
+"""Redundant expert replicas across nodes (`plan.replicas`): slots, the per-micro-batch split of a
+replicated expert's rows, the gradient exchange's price, and the choice of replicas that pay."""
+import numpy as np
+import pytest
+
+from deepspeed_feplb.plan import replicas as rp
+from deepspeed_feplb.plan.placement import CrossNodePlacer
+
+G, N, E = 2, 2, 8  # 4 ranks, 2 primaries each
+R = G * N
+PRIMARIES = E // R
+
+
+def _slots(replica_at) -> np.ndarray:
+    return rp.slot_experts(np.arange(E) // PRIMARIES, np.asarray(replica_at, np.int64).reshape(R, -1))
+
+
+def test_slots_hold_the_primaries_in_order_then_the_replicas():
+    slots = _slots([[-1], [-1], [0], [-1]])
+    assert slots.tolist() == [[0, 1, -1], [2, 3, -1], [4, 5, 0], [6, 7, -1]]
+
+
+def test_a_replicated_experts_rows_split_between_the_nodes_and_none_are_lost():
+    src = np.zeros((R, E), np.int64)
+    src[:, 0] = [40, 30, 20, 10]  # expert 0 (node 0) is hot: 100 rows
+    src[:, 5] = 5  # node 1's own load: 20 rows
+    plain = rp.route(src, _slots([[-1]] * R), G, PRIMARIES)
+    assert plain[:, :PRIMARIES].sum(axis=1).tolist() == [100, 0, 20, 0]
+    split = rp.route(src, _slots([[-1], [-1], [0], [-1]]), G, PRIMARIES)
+    assert split.sum() == src.sum()
+    assert split[0, 0] + split[2, 2] == 100 and split[2, 1] == 20
+    nodes = split.sum(axis=1).reshape(N, G).sum(axis=1)
+    assert nodes.tolist() == [60, 60]  # 40 stay on node 0's expert, 20 + 40 come to node 1 (pairs whole, largest first)
+    again = rp.route(src, _slots([[-1], [-1], [0], [-1]]), G, PRIMARIES)
+    assert np.array_equal(split, again)  # the same on every rank
+
+
+def test_expected_counts_fill_the_lightest_node_first():
+    w = np.zeros(E)
+    w[0], w[5] = 100.0, 20.0
+    counts = rp.expected_counts(w, _slots([[-1], [-1], [0], [-1]]), G, PRIMARIES)
+    assert counts.sum() == pytest.approx(120.0)
+    assert counts.sum(axis=1).reshape(N, G).sum(axis=1) == pytest.approx([60.0, 60.0])
+
+
+def test_the_gradient_exchange_is_priced_per_holder_and_rank():
+    slots = _slots([[-1], [-1], [0], [1]])  # experts 0 and 1 (both on rank 0) have a replica each
+    # rank 0 exchanges two gradients (2 (c - 1) / c = 1 each, c = 2), ranks 2 and 3 one each: 2 x 1e6 bytes at 1 GB/s
+    assert rp.allreduce_us(slots, 1e6, 1.0, PRIMARIES) == pytest.approx(2 * 1e6 / 1e3)
+    assert rp.allreduce_us(_slots([[-1]] * R), 1e6, 1.0, PRIMARIES) == 0.0
+    assert rp.replication_us(_slots([[-1]] * R), slots, 1e6, 1.0) == pytest.approx(1e3)
+
+
+def _skewed_samples(hot: float) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    samples = rng.uniform(80, 120, (8, E))
+    samples[:, 0] += hot  # node 0 carries the hot expert in every micro-batch
+    return samples
+
+
+def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
+    e2r = np.arange(E) // PRIMARIES
+    args = dict(ranks_per_node=G, redundant=1, dynamic_experts=1, micro_batches_per_step=8, horizon=100)
+    choice = rp.choose(_skewed_samples(400.0), e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args)
+    cheap = choice.replica_at
+    assert (cheap >= 0).sum() >= 1 and 0 in cheap and choice.gain_us > choice.cost_us > 0
+    assert not np.isin(cheap[:G], [0, 1]).any()  # a replica goes to another node than its expert's
+    dear = rp.choose(_skewed_samples(400.0), e2r, us_per_row=1.0, weight_bytes=1e9, net_gbps=1.0, **args)
+    assert (dear.replica_at < 0).all() and dear.gain_us == dear.cost_us == 0.0
+    even = rp.choose(np.full((8, E), 100.0), e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args)
+    assert (even.replica_at < 0).all()  # balanced nodes: nothing to gain
+    drifting = np.full((8, E), 100.0)
+    drifting[:4, 0] += 400.0  # hot in the earlier micro-batches only: the later ones show no gain
+    assert (rp.choose(drifting, e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args).replica_at < 0).all()
+
+
+def test_the_placer_adds_replicas_at_its_decision_and_charges_their_creation():
+    placer = CrossNodePlacer(E, N, G, interval=8, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
+                             dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8)
+    for loads in _skewed_samples(400.0):
+        placer.observe(loads, refresh=False)
+    assert placer.due and placer.refresh()
+    assert (placer.replica_at >= 0).any() and placer.last_cost_us > 0
+    assert placer.slots.shape == (R, PRIMARIES + 1)
+
+
+def test_the_simulator_replicates_hot_experts_across_nodes_where_it_pays():
+    """EP 16 (2 x 8), 32k rows per rank, hot experts that drift between micro-batches: with a replica
+    slot per rank feplb splits hot experts' rows between the nodes, and its expert time, the
+    gradient exchange included, falls; a replica whose exchange costs more than it saves is never
+    made."""
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.sim.policies import SimSetup
+    from deepspeed_feplb.sim.simulate import simulate
+    from deepspeed_feplb.trace.generators import skewed_trace
+
+    trace = skewed_trace(48, 1, 16, 64, tokens_per_rank=4096, top_k=8, skew=1.2, drift=0.5, memory=0.5, seed=4)
+    shape = ExpertShape(hidden=6144, ffn_hidden=2048)
+    runs = {}
+    for redundant in (0, 1):
+        setup = SimSetup(ranks_per_node=8, nodes=2, experts=64, shape=shape, micro_batches_per_step=8,
+                         redundant_per_rank=redundant)
+        runs[redundant] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]
+    assert runs[1]["replicas"] > 0 and runs[1]["replica_allreduce_us"] > 0
+    assert runs[1]["token_max_over_mean"] < runs[0]["token_max_over_mean"]
+    assert runs[1]["expert_time_us"] < runs[0]["expert_time_us"]
