@@ -62,9 +62,9 @@ def main() -> int:
             for r in slots:
                 out = os.path.join(tmp, "out.json")
                 _run(py + ["deepspeed_feplb", "simulate", "--trace", trace, "--ranks-per-node", str(G),
-                           "--nodes", str(N), "--dynamic-experts", "4", "--policies", "vanilla,eplb,feplb", "--hidden", "6144",
-                           "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--redundant-per-rank", str(r),
-                           "--no-progress", "--json", out, *extra])
+                           "--nodes", str(N), "--dynamic-experts", "4", "--policies", "vanilla,eplb,feplb",
+                           "--hidden", "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8",
+                           "--redundant-per-rank", str(r), "--no-progress", "--json", out, *extra])
                 with open(out) as f:
                     policies = json.load(f)["policies"]
                 eplb, feplb = policies["eplb"], policies["feplb"]
