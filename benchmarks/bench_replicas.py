@@ -9,6 +9,7 @@ two shipped recordings replayed on 16 ranks (``--merge-sources``: their rows per
 8 micro-batches per optimizer step, GLM-5-like experts (6144 x 2048 SwiGLU), the h100 profile
 (inter-node 50 GB/s per rank); the replicas' gradient exchange is in the expert time. The
 simulator is deterministic: the figures do not depend on the machine's load, only its wall time.
+Then `scale`: how long a replica decision and one micro-batch's split take at EP 64 and EP 256.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def main() -> int:
                     "eplb": {k: eplb[k] for k in ("token_max_over_mean", "token_straggler", "expert_time_us")},
                     "feplb": {k: feplb.get(k, 0) for k in ("token_max_over_mean", "token_straggler", "expert_time_us",
                                                            "replicas", "replica_allreduce_us")}}
+    timing = scale()
     print(f"\n{time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}\n")
     print("| case | slots | feplb max/mean | straggler vs EPLB | expert time µs | vs EPLB | replicas at end |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -82,8 +84,44 @@ def main() -> int:
             print(f"| {name} | {r} | {f['token_max_over_mean']:.3f} | {lower:.1f}x lower | "
                   f"{f['expert_time_us']:,.0f} | {f['expert_time_us'] / e['expert_time_us']:.3f}x | {f['replicas']} |")
     with open(args.out, "w") as f:
-        json.dump({"cases": results, "commit": _commit()}, f, indent=1)
+        json.dump({"cases": results, "scale": timing, "load_average": os.getloadavg()[0], "commit": _commit()}, f,
+                  indent=1)
     return 0
+
+
+def scale() -> dict:
+    """Wall time of a replica decision (`replicas.choose`, on 16 micro-batches) and of one
+    micro-batch's split (`replicas.route`) at EP 64 (256 experts) and EP 256 (512 experts), nodes of
+    8, one replica slot per rank, 32k rows per rank of Zipf(1.3) popularity that drifts per
+    micro-batch (median of 5 splits)."""
+    import numpy as np
+
+    from deepspeed_feplb.plan import replicas
+
+    out = {}
+    for G, N, E in ((8, 8, 256), (8, 32, 512)):
+        R = G * N
+        rng = np.random.default_rng(0)
+        popularity = rng.zipf(1.3, E).astype(float)
+        popularity /= popularity.sum()
+        samples = np.stack([rng.multinomial(R * 32768, rng.dirichlet(popularity * 200 + 1e-3))
+                            for _ in range(16)]).astype(float)
+        expert_to_rank = np.arange(E) // (E // R)
+        start = time.perf_counter()
+        choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 40, 75.5e6, 50.0)
+        decide_s = time.perf_counter() - start
+        slots = replicas.slot_experts(expert_to_rank, choice.replica_at)
+        src = rng.multinomial(32768, popularity, size=R)
+        splits = []
+        for _ in range(5):
+            start = time.perf_counter()
+            replicas.route(src, slots, G, E // R)
+            splits.append(time.perf_counter() - start)
+        out[f"EP{R}"] = {"experts": E, "decision_s": decide_s, "replicas": int((choice.replica_at >= 0).sum()),
+                         "route_ms": float(np.median(splits)) * 1e3}
+        print(f"EP {R}, {E} experts: decision {decide_s:.2f} s ({out[f'EP{R}']['replicas']} replicas), "
+              f"one micro-batch's split {out[f'EP{R}']['route_ms']:.1f} ms", flush=True)
+    return out
 
 
 def _commit() -> str:
