@@ -1,12 +1,13 @@
 """Phase 2's grouped calls (`migrate.phase2`): a helper receives the weights of a message's chunks
-into one stacked buffer per parameter and computes from it without another copy; weights that do
-not lie back to back are stacked."""
+into one stacked buffer per parameter (and their rows into one buffer) and computes from them
+without another copy; weights that do not lie back to back are not grouped (a stacked copy would
+live from forward to backward)."""
 import os
 
 import torch
 
 from deepspeed_feplb.migrate import messages
-from deepspeed_feplb.migrate.phase2 import _flags_tensor, _stack, _stacked_weights
+from deepspeed_feplb.migrate.phase2 import _flags_tensor, _stacked_view, _stacked_weights
 
 
 def _descriptions(carries: list[bool]) -> list:
@@ -29,23 +30,23 @@ def test_carried_weights_land_stacked_in_chunk_order_and_are_taken_in_place():
     parts = messages.rows_to_helper(carries, 2, 0).unpack(outs[1:], "forward rows")
     carried = [part["weights"] for part in parts if part["weights"]]
     for j in range(2):
-        stacked = _stack([weights[j] for weights in carried])
+        stacked = _stacked_view([weights[j] for weights in carried])
         assert stacked.shape == (3, *carried[0][j].shape)
         assert stacked.data_ptr() == carried[0][j].data_ptr()  # a view: no copy
         stacked[2].fill_(5)
         assert (carried[2][j] == 5).all()
-    assert all(part["rows"][0]._base is None for part in parts)  # rows get their own tensors
+    rows = _stacked_view([part["rows"][0] for part in parts], join=True)  # every chunk's rows, one buffer
+    assert rows.shape == (1 + 2 + 3 + 4, 4) and rows.data_ptr() == parts[0]["rows"][0].data_ptr()
 
 
-def test_weights_apart_are_stacked_by_copy():
+def test_weights_apart_are_not_taken_as_a_stack():
     w = torch.arange(24.0).view(4, 6)
-    apart = [w[0], w[2]]  # not back to back
-    stacked = _stack(apart)
-    assert torch.equal(stacked, torch.stack(apart)) and stacked.data_ptr() != w.data_ptr()
-    reversed_ = _stack([w[1], w[0]])  # back to back, but in the other order
-    assert torch.equal(reversed_, torch.stack([w[1], w[0]])) and reversed_.data_ptr() != w[1].data_ptr()
-    in_place = _stack([w[1], w[2], w[3]])
+    assert _stacked_view([w[0], w[2]]) is None  # not back to back
+    assert _stacked_view([w[1], w[0]]) is None  # back to back, but in the other order
+    in_place = _stacked_view([w[1], w[2], w[3]])
     assert torch.equal(in_place, w[1:]) and in_place.data_ptr() == w[1].data_ptr()
+    assert torch.equal(_stacked_view([w[:1], w[1:3]], join=True), w[:3])
+    assert _stacked_view([w[:1], w[2:3]], join=True) is None
 
 
 def _mixed_message_case() -> dict:

@@ -104,3 +104,21 @@ def test_the_simulator_replicates_hot_experts_across_nodes_where_it_pays():
     assert runs[1]["replicas"] > 0 and runs[1]["replica_allreduce_us"] > 0
     assert runs[1]["token_max_over_mean"] < runs[0]["token_max_over_mean"]
     assert runs[1]["expert_time_us"] < runs[0]["expert_time_us"]
+
+
+def test_replica_slots_without_the_cross_node_layer_are_refused():
+    from deepspeed_feplb.sim.policies import SimSetup
+
+    with pytest.raises(ValueError, match="1 replica slots per rank need feplb's cross-node placement layer"):
+        SimSetup(ranks_per_node=8, nodes=1, experts=64, redundant_per_rank=1).check()
+    SimSetup(ranks_per_node=8, nodes=2, experts=64, redundant_per_rank=1).check()
+
+
+def test_two_holders_on_one_node_share_its_part():
+    w = np.zeros(E)
+    w[0] = 100.0
+    counts = rp.expected_counts(w, _slots([[-1], [-1], [0], [0]]), G, PRIMARIES)  # both ranks of node 1 hold it
+    assert counts.sum() == pytest.approx(100.0)
+    nodes = counts.sum(axis=1).reshape(N, G).sum(axis=1)
+    assert nodes == pytest.approx([50.0, 50.0])
+    assert counts[2, 2] == pytest.approx(25.0) and counts[3, 2] == pytest.approx(25.0)

@@ -46,8 +46,8 @@ def test_a_message_lands_in_the_receivers_buffers_and_a_wrong_one_is_refused():
         assert got[0].data_ptr() == stacked[1].data_ptr() and torch.equal(stacked[1], message[0])
         assert torch.equal(got[1], message[1]) and not stacked[0].any()
         a.send(1, 0x12, message).result(timeout=5)
-        with pytest.raises(RuntimeError, match=r"receive buffer 0 is torch.float32 \(4, 3\), the message's tensor "
-                                               r"torch.float32 \(3, 4\)"):
+        with pytest.raises(RuntimeError, match=r"receive buffer 0 is torch.float32 \(4, 3\) on cpu, the message's "
+                                               r"tensor torch.float32 \(3, 4\) on cpu"):
             b.recv(0, 0x12, lambda found: [torch.empty(4, 3), torch.empty(2, dtype=torch.bfloat16)])
     finally:
         b.close()

@@ -12,8 +12,9 @@ DeepSpeed-MoE layer does: the skip rule on the EP group's counts (one small all-
 AutoEP's dispatch does not tell them), static experts through AutoEP's own grouped GEMM while the
 scheduler plans, dynamic experts (per-expert views of the stacked weights) through the phase-2
 transport to helpers and back, gradients home. Phase 2 computes its pieces with the same grouped
-GEMM (one call for a home's pieces, one per message a helper serves); where AutoEP runs its loop
-(``use_grouped_mm: false``), one call per piece through a SwiGLU template module. Where FEPLB
+GEMM where their weights lie stacked (one call per message a helper serves; a home's pieces where
+they are neighbours); otherwise, and where AutoEP runs its loop (``use_grouped_mm: false``), one
+call per piece through a SwiGLU template module. Where FEPLB
 cannot balance (EP 1, no dynamic experts, a domain of one rank) AutoEP's own forward runs.
 
 Counts are the ones AutoEP hands its experts: in the comm path each expert's group is padded to
@@ -132,8 +133,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
     def _grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """k experts at once through the layer's own grouped GEMM (AutoEP's kernel choice and
         activation): weights ``[w1 [k, F, H], w2 [k, H, F], w3 [k, F, H]]``, x ``[N, H]`` with ``sizes[i]``
-        rows of expert i -> ``[N, H]``. Phase 2 computes a home's dynamic pieces, and a helper the
-        pieces of one message, with one call each."""
+        rows of expert i -> ``[N, H]``: the pieces of one message a helper serves, or a home's dynamic
+        pieces whose weights are neighbours (`phase2.Phase2MicroBatch._compute`)."""
         counts = torch.tensor(sizes, dtype=torch.int64).to(x.device, non_blocking=True)
         return GroupedExperts.forward(_StackedAs(self, weights), x, counts)
 

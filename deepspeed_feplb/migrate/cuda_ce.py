@@ -416,7 +416,8 @@ class CudaCETransport:
                     count, wire.FIELDS).tolist()]
                 offsets = [offset for _, offset, _ in found]
                 tensors = [backend.empty(shape, dtype) for dtype, _, shape in found] if into is None else \
-                    wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found])
+                    wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found],
+                                      backend.device.type)
             backend.stream_wait_event(stream, self._ready_peer[src])
             for out, offset in zip(tensors, offsets):
                 for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):

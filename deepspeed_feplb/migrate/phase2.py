@@ -198,6 +198,8 @@ class Phase2MicroBatch:
         """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
         copy (`resident.Fingerprints`: the caller's, taken when the stage began, or read now)."""
         held = sorted({i for chunks in self.view.outgoing.values() for i, _, _, m in chunks if self.copy_kept[m]})
+        if not held:
+            return {}
         return (self.fingerprints or Fingerprints(params)).of(held)
 
     def _carries_weights(self, m: int, expert: int, helper: int, now: Optional[tuple]) -> bool:
@@ -285,24 +287,35 @@ class Phase2MicroBatch:
         self.wait_s += time.perf_counter() - start
 
     def _compute(self, pieces: list[tuple]) -> list[_Piece]:
-        """Compute ``pieces`` ``(module, params, buffers, x [n, H])``: one grouped call for them all
-        (`ExpertSpec.grouped`), or one functional call each; one timed sample per call."""
-        if self.spec.grouped is None or not any(len(x) for *_, x in pieces):
+        """Compute ``pieces`` ``(module, params, buffers, x [n, H])``: those with rows in one grouped
+        call (`ExpertSpec.grouped`) where each parameter of theirs already lies stacked in one
+        buffer (weights received so, `_stacked_weights`, or neighbours in the layer's stacked
+        parameters): a stacked copy would stay alive from forward to backward. Otherwise, and for
+        pieces without rows, one functional call each. One timed sample per call."""
+        with_rows = [i for i, (*_, x) in enumerate(pieces) if len(x)]
+        stacked = None
+        if self.spec.grouped is not None and with_rows:
+            stacked = [_stacked_view([pieces[i][1][j].detach() for i in with_rows])
+                       for j in range(len(self.spec.param_names))]
+        if stacked is None or any(w is None for w in stacked):
             return [self._compute_one(*piece) for piece in pieces]
         start, began = time.perf_counter(), self.mark()
-        sizes = [len(x) for *_, x in pieces]
-        x = torch.cat([x.detach() for *_, x in pieces]).requires_grad_(self.needs_grad)
-        params = [_stack([piece[1][j].detach() for piece in pieces]).requires_grad_(self.needs_grad)
-                  for j in range(len(self.spec.param_names))]
+        sizes = [len(pieces[i][3]) for i in with_rows]
+        rows = [pieces[i][3].detach() for i in with_rows]
+        x = (_stacked_view(rows, join=True) if len(rows) > 1 else rows[0])
+        x = (torch.cat(rows) if x is None else x).requires_grad_(self.needs_grad)
+        params = [w.requires_grad_(self.needs_grad) for w in stacked]
         with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):  # as in `_compute_one`
             y = self.spec.grouped(params, x, sizes)
         if not self.needs_grad:
             y = y.detach()
-        self.timed.append((sum(n > 0 for n in sizes), len(x), began, self.mark()))
+        self.timed.append((len(sizes), len(x), began, self.mark()))
         self._compute_s += time.perf_counter() - start
         call = _GroupedCall(x, params, y, sizes)
-        return [_Piece(x_i, [p[i] for p in params], y_i, call=call)
-                for i, (x_i, y_i) in enumerate(zip(x.split(sizes), y.split(sizes)))]
+        out = [None if len(piece[3]) else self._compute_one(*piece) for piece in pieces]
+        for k, (i, x_k, y_k) in enumerate(zip(with_rows, x.split(sizes), y.split(sizes))):
+            out[i] = _Piece(x_k, [w[k] for w in params], y_k, call=call)
+        return out
 
     def _compute_one(self, module, params, buffers, x) -> _Piece:
         start, began = time.perf_counter(), self.mark()
@@ -490,16 +503,19 @@ def _flags_of(mask: int, n: int) -> list[bool]:
 def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.device):
     """A `Transport.recv` ``into`` for a forward-rows message of ``chunks`` chunks: the weights of the
     chunks that carry them land in one buffer per parameter, stacked ``[k, *shape]`` in chunk order,
-    so that a grouped call computes from them without another copy (`_stack`)."""
+    and the chunks' rows in one ``[sum n, H]``, so that a grouped call computes from them without
+    another copy (`_stacked_view`)."""
     def into(descriptions: list) -> list[torch.Tensor]:
         carries = _flags_of(int(descriptions[0][0][1]), chunks)
         layout = messages.rows_to_helper(carries, n_params, n_buffers)
-        at, weights = 1, [[] for _ in range(n_params)]  # per parameter: message positions of the chunks' copies
+        at, weights, rows = 1, [[] for _ in range(n_params)], []  # message positions, per parameter and of rows
         for chunk in layout.parts:
             for name, count in chunk:
                 if name == "weights":
                     for j in range(count):
                         weights[j].append(at + j)
+                elif name == "rows":
+                    rows.append(at)
                 at += count
         outs: list = [None] * len(descriptions)
         for positions in weights:
@@ -508,23 +524,30 @@ def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.d
                 stacked = torch.empty((len(positions), *shape), dtype=dtype, device=device)
                 for k, i in enumerate(positions):
                     outs[i] = stacked[k]
+        shape, dtype = descriptions[rows[0]]
+        joined = torch.empty((sum(descriptions[i][0][0] for i in rows), *shape[1:]), dtype=dtype, device=device)
+        for i, part in zip(rows, joined.split([descriptions[i][0][0] for i in rows])):
+            outs[i] = part
         return [out if out is not None else torch.empty(shape, dtype=dtype, device=device)
                 for out, (shape, dtype) in zip(outs, descriptions)]
     return into
 
 
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(tensors)`` ``[k, ...]``, or a view of them where they already lie back to back in
-    one storage (weights received into stacked buffers, `_stacked_weights`): no copy then."""
+def _stacked_view(tensors: list[torch.Tensor], join: bool = False) -> Optional[torch.Tensor]:
+    """``torch.stack(tensors)`` ``[k, ...]`` (``join``: ``torch.cat``, ``[sum n, ...]``) as a view, where
+    they already lie back to back in one storage, in order (received so, `_stacked_weights`, or
+    neighbours in a layer's stacked parameters); None where that would take a copy."""
     first = tensors[0]
-    size = first.numel()
-    back_to_back = all(
-        t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype
-        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and t.storage_offset() == first.storage_offset() + k * size for k, t in enumerate(tensors))
-    if back_to_back and first.is_contiguous():
-        return first.as_strided((len(tensors), *first.shape), (size, *first.stride()))
-    return torch.stack(tensors)
+    at = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.shape[1:] != first.shape[1:] or (not join and t.shape != first.shape)
+                or t.dtype != first.dtype or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != at):
+            return None
+        at += t.numel()
+    if join:
+        return first.as_strided((sum(len(t) for t in tensors), *first.shape[1:]), first.stride())
+    return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
 
 
 def _vjp(y: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:

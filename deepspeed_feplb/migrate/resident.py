@@ -98,7 +98,7 @@ class Fingerprints:
             self._host = torch.empty(prints.shape, dtype=prints.dtype, pin_memory=True)
             self._host.copy_(prints, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(params[0][0].device))  # the stream the copy is on
 
     def of(self, experts: list[int]) -> dict[int, tuple]:
         """``{i: fingerprint of dynamic expert i as a tuple}`` for ``experts`` (indices into ``params``)."""

@@ -218,7 +218,7 @@ class ShmTransport:
         if into is None:
             tensors = [source.clone() for source in sources]
         else:
-            tensors = wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found])
+            tensors = wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found], "cpu")
             for out, source in zip(tensors, sources):
                 out.copy_(source)
         del buf, header, sources

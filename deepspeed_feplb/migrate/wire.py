@@ -42,15 +42,17 @@ def check_tag(expected: int, got: int, src: int) -> None:
                            f"got {int(got):#x}")
 
 
-def checked_into(into, descriptions: list) -> list[torch.Tensor]:
+def checked_into(into, descriptions: list, device_type: str) -> list[torch.Tensor]:
     """The tensors a receiver's ``into`` gives for a message's ``descriptions`` ((shape, dtype) each,
-    `Transport.recv`), checked: one contiguous tensor of that shape and dtype per description."""
+    `Transport.recv`), checked: one contiguous tensor of that shape and dtype per description, on
+    a device of ``device_type`` (the transport's: "cpu" or "cuda")."""
     outs = list(into(descriptions))
     if len(outs) != len(descriptions):
         raise RuntimeError(f"FEPLB transport: {len(outs)} receive buffers for a message of {len(descriptions)} tensors")
     for i, (out, (shape, dtype)) in enumerate(zip(outs, descriptions)):
-        if list(out.shape) != list(shape) or out.dtype != dtype or not out.is_contiguous():
-            raise RuntimeError(f"FEPLB transport: receive buffer {i} is {out.dtype} {tuple(out.shape)}"
-                               f"{'' if out.is_contiguous() else ' (not contiguous)'}, the message's tensor "
-                               f"{dtype} {tuple(shape)}")
+        if (list(out.shape) != list(shape) or out.dtype != dtype or not out.is_contiguous()
+                or out.device.type != device_type):
+            raise RuntimeError(f"FEPLB transport: receive buffer {i} is {out.dtype} {tuple(out.shape)} on "
+                               f"{out.device}{'' if out.is_contiguous() else ' (not contiguous)'}, the message's "
+                               f"tensor {dtype} {tuple(shape)} on {device_type}")
     return outs

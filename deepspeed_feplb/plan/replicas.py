@@ -102,11 +102,11 @@ def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, prima
     replicated = np.flatnonzero(copies > 1)
     for e in replicated[np.argsort(-w[replicated], kind="stable")].tolist():
         q, j = np.nonzero(held & (slots == e))
-        nodes = q // ranks_per_node
+        nodes, first, per_node = np.unique(q // ranks_per_node, return_index=True, return_counts=True)
         level = _water_level(node_rows[nodes], w[e])
         add = np.maximum(level - node_rows[nodes], 0.0)
         node_rows[nodes] += add
-        counts[q, j] += add
+        counts[q, j] += (add / per_node)[np.searchsorted(nodes, q // ranks_per_node)]  # a node's holders share
     return counts
 
 

@@ -149,6 +149,12 @@ class SimSetup:
             raise ValueError(f"micro-batches per step must be >= 1, got {self.micro_batches_per_step}")
         if self.residency not in ("step", "micro_batch"):
             raise ValueError(f"residency must be 'step' or 'micro_batch', got {self.residency!r}")
+        if self.redundant_per_rank < 0:
+            raise ValueError(f"redundant replica slots per rank must be >= 0, got {self.redundant_per_rank}")
+        if self.redundant_per_rank and not (self.placement == "on" or (self.placement == "auto" and self.nodes > 1)):
+            raise ValueError(f"{self.redundant_per_rank} replica slots per rank need feplb's cross-node placement "
+                             f"layer, which is off here (placement {self.placement!r}, {self.nodes} node(s)): replicas "
+                             "go to other nodes")
 
 
 @dataclass
