@@ -38,7 +38,7 @@ def test_a_replicated_experts_rows_split_between_the_nodes_and_none_are_lost():
 def test_expected_counts_fill_the_lightest_node_first():
     w = np.zeros(E)
     w[0], w[5] = 100.0, 20.0
-    counts = rp.expected_counts(w, _slots([[-1], [-1], [0], [-1]]), G, PRIMARIES)
+    counts = rp.expected_counts(w, _slots([[-1], [-1], [0], [-1]]), G)
     assert counts.sum() == pytest.approx(120.0)
     assert counts.sum(axis=1).reshape(N, G).sum(axis=1) == pytest.approx([60.0, 60.0])
 
@@ -46,8 +46,8 @@ def test_expected_counts_fill_the_lightest_node_first():
 def test_the_gradient_exchange_is_priced_per_holder_and_rank():
     slots = _slots([[-1], [-1], [0], [1]])  # experts 0 and 1 (both on rank 0) have a replica each
     # rank 0 exchanges two gradients (2 (c - 1) / c = 1 each, c = 2), ranks 2 and 3 one each: 2 x 1e6 bytes at 1 GB/s
-    assert rp.allreduce_us(slots, 1e6, 1.0, PRIMARIES) == pytest.approx(2 * 1e6 / 1e3)
-    assert rp.allreduce_us(_slots([[-1]] * R), 1e6, 1.0, PRIMARIES) == 0.0
+    assert rp.allreduce_us(slots, 1e6, 1.0) == pytest.approx(2 * 1e6 / 1e3)
+    assert rp.allreduce_us(_slots([[-1]] * R), 1e6, 1.0) == 0.0
     assert rp.replication_us(_slots([[-1]] * R), slots, 1e6, 1.0) == pytest.approx(1e3)
 
 
@@ -117,7 +117,7 @@ def test_replica_slots_without_the_cross_node_layer_are_refused():
 def test_two_holders_on_one_node_share_its_part():
     w = np.zeros(E)
     w[0] = 100.0
-    counts = rp.expected_counts(w, _slots([[-1], [-1], [0], [0]]), G, PRIMARIES)  # both ranks of node 1 hold it
+    counts = rp.expected_counts(w, _slots([[-1], [-1], [0], [0]]), G)  # both ranks of node 1 hold it
     assert counts.sum() == pytest.approx(100.0)
     nodes = counts.sum(axis=1).reshape(N, G).sum(axis=1)
     assert nodes == pytest.approx([50.0, 50.0])

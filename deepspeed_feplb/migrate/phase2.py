@@ -275,8 +275,7 @@ class Phase2MicroBatch:
     def _recv(self, src: int, message_tag: int, into=None) -> list[torch.Tensor]:
         start = time.perf_counter()
         try:
-            return self.transport.recv(src, message_tag) if into is None else self.transport.recv(src, message_tag,
-                                                                                                  into)
+            return self.transport.recv(src, message_tag, into)
         finally:
             self.wait_s += time.perf_counter() - start
 
@@ -302,7 +301,7 @@ class Phase2MicroBatch:
         start, began = time.perf_counter(), self.mark()
         sizes = [len(pieces[i][3]) for i in with_rows]
         rows = [pieces[i][3].detach() for i in with_rows]
-        x = (_stacked_view(rows, join=True) if len(rows) > 1 else rows[0])
+        x = _stacked_view(rows, join=True)
         x = (torch.cat(rows) if x is None else x).requires_grad_(self.needs_grad)
         params = [w.requires_grad_(self.needs_grad) for w in stacked]
         with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):  # as in `_compute_one`

@@ -37,6 +37,12 @@ def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarr
     return np.concatenate([order.reshape(R, -1), replica_at], axis=1).astype(np.int64)
 
 
+def _copies(slots: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(held bool [R, S]: the slot holds an expert, copies int64 [E]: each expert's holders)."""
+    held = slots >= 0
+    return held, np.bincount(slots[held], minlength=experts)
+
+
 def _holders(slots: np.ndarray, experts: int, primaries: int) -> list[list[tuple[int, int]]]:
     """Per expert, its (rank, slot) holders: the primary first, then replicas by rank."""
     out: list[list[tuple[int, int]]] = [[] for _ in range(experts)]
@@ -60,10 +66,7 @@ def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
     N = R // ranks_per_node
     counts = np.zeros((R, S), dtype=src.dtype)
     node_rows = np.zeros(N, np.float64)
-    held = np.zeros((R, S), bool)
-    held[:, :primaries] = True
-    held[:, primaries:] = slots[:, primaries:] >= 0
-    copies = np.bincount(slots[held], minlength=E)
+    held, copies = _copies(slots, E)
     loads = src.sum(axis=0)
     single = held & (copies[np.maximum(slots, 0)] == 1)
     counts[single] = loads[slots[single]]
@@ -72,7 +75,7 @@ def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
     replicated = np.flatnonzero(copies > 1)
     if not len(replicated):
         return counts
-    holders = _holders(np.where(held, slots, -1), E, primaries)
+    holders = _holders(slots, E, primaries)
     pairs = [(-float(src[s, e]), int(e), s) for e in replicated.tolist() for s in range(src.shape[0]) if src[s, e] > 0]
     pairs.sort()
     src_node = np.arange(src.shape[0]) * N // src.shape[0]  # a source rank's node, when replayed on R ranks
@@ -84,7 +87,7 @@ def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
     return counts
 
 
-def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
+def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int) -> np.ndarray:
     """Rows per slot float [R, S] for expected loads ``w`` float [E]: experts held once at their slot;
     each replicated expert (heaviest first) split continuously over its holders' nodes, filling the
     lightest first (the limit of `route` with many small sources; fast enough to weigh candidates)."""
@@ -92,9 +95,7 @@ def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, prima
     slots = np.asarray(slots, np.int64)
     R, S = slots.shape
     N = R // ranks_per_node
-    held = slots >= 0
-    held[:, :primaries] = True
-    copies = np.bincount(slots[held], minlength=w.shape[0])
+    held, copies = _copies(slots, w.shape[0])
     counts = np.zeros((R, S))
     single = held & (copies[np.maximum(slots, 0)] == 1)
     counts[single] = w[slots[single]]
@@ -102,7 +103,7 @@ def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, prima
     replicated = np.flatnonzero(copies > 1)
     for e in replicated[np.argsort(-w[replicated], kind="stable")].tolist():
         q, j = np.nonzero(held & (slots == e))
-        nodes, first, per_node = np.unique(q // ranks_per_node, return_index=True, return_counts=True)
+        nodes, per_node = np.unique(q // ranks_per_node, return_counts=True)
         level = _water_level(node_rows[nodes], w[e])
         add = np.maximum(level - node_rows[nodes], 0.0)
         node_rows[nodes] += add
@@ -121,25 +122,21 @@ def _water_level(levels: np.ndarray, amount: float) -> float:
     return float(ordered[0] + amount)
 
 
-def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int,
-                   dynamic_experts: int) -> float:
+def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> float:
     """The predicted busiest rank's rows of one micro-batch with expected loads ``w`` float [E]:
     `expected_counts`, then the lower bound of intra-node balancing over the nodes,
     ``max_n max(mean rank rows of node n, max_{r in n} (rows_r - its D largest slots))`` (as
     `plan.placement.placement_rows` without replicas)."""
-    return _bound(expected_counts(w, slots, ranks_per_node, primaries), ranks_per_node, dynamic_experts)
+    return _bound(expected_counts(w, slots, ranks_per_node), ranks_per_node, dynamic_experts)
 
 
-def allreduce_us(slots: np.ndarray, grad_bytes: float, net_gbps: float, primaries: int) -> float:
+def allreduce_us(slots: np.ndarray, grad_bytes: float, net_gbps: float) -> float:
     """One optimizer step's all-reduce of the replicated experts' gradients (µs): each expert with
     c > 1 holders all-reduces over them (a ring: 2 (c - 1) / c of its gradient in and out of every
     holder over the inter-node link, ``net_gbps``), the ranks' links in parallel, each rank its
     experts one after the other; the slowest rank's time."""
     slots = np.asarray(slots, np.int64)
-    held = np.zeros(slots.shape, bool)
-    held[:, :primaries] = True
-    held[:, primaries:] = slots[:, primaries:] >= 0
-    copies = np.bincount(slots[held], minlength=int(slots.max()) + 1)
+    held, copies = _copies(slots, int(slots.max()) + 1)
     c = np.where(held, copies[np.maximum(slots, 0)], 1)
     per_rank = np.where(c > 1, 2.0 * (c - 1) / c, 0.0).sum(axis=1)
     return float(per_rank.max() * grad_bytes / (net_gbps * 1e3)) if math.isfinite(net_gbps) else 0.0
@@ -188,7 +185,6 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     R = int(e2r.max()) + 1 if E else 0
     G = ranks_per_node
     N = R // G
-    primaries = E // R
     none = np.full((R, redundant), -1, np.int64)
     if redundant <= 0 or N <= 1:
         return Choice(none, 0.0, 0.0)
@@ -198,11 +194,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     def judged_rows(replicas: np.ndarray) -> float:
         slots = slot_experts(e2r, replicas)
-        return float(np.mean([predicted_rows(w, slots, G, primaries, dynamic_experts) for w in judge]))
+        return float(np.mean([predicted_rows(w, slots, G, dynamic_experts) for w in judge]))
 
     def cost(replicas: np.ndarray) -> float:
         slots = slot_experts(e2r, replicas)
-        return (allreduce_us(slots, weight_bytes, net_gbps, primaries) / micro_batches_per_step
+        return (allreduce_us(slots, weight_bytes, net_gbps) / micro_batches_per_step
                 + replication_us(before, slots, weight_bytes, net_gbps) / max(horizon, 1.0))
 
     expected = fit.mean(axis=0)
@@ -211,16 +207,16 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         if expected[e] <= 0 or not (replica_at < 0).any():
             break
         slots = slot_experts(e2r, replica_at)
-        rank_rows = expected_counts(expected, slots, G, primaries).sum(axis=1)
+        rank_rows = expected_counts(expected, slots, G).sum(axis=1)
         holding = {int(q) // G for q in np.nonzero((slots == e).any(axis=1))[0]}
         used = (replica_at >= 0).sum(axis=1)
         # slots fill level by level (every rank's first, then its second ...): more slots per rank
         # extend the sequence of fewer instead of crowding the nodes that look light now
-        ranks = next((q for q in (np.flatnonzero((used == level)).tolist()
-                                  for level in range(used.min(), redundant))
-                      if any(r // G not in holding for r in q)), [])
-        ranks = [r for r in ranks if r // G not in holding]
-        if not ranks:
+        for level in range(used.min(), redundant):
+            ranks = [r for r in np.flatnonzero(used == level).tolist() if r // G not in holding]
+            if ranks:
+                break
+        else:
             continue
         n = min({r // G for r in ranks}, key=lambda n: (rank_rows[n * G:(n + 1) * G].sum(), n))
         q = min((r for r in ranks if r // G == n), key=lambda r: (rank_rows[r], r))

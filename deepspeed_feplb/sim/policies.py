@@ -449,7 +449,7 @@ class _NodePolicy:
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
         if replicated and ends:  # the replicas' gradients are all-reduced at every optimizer step
-            reduce_us = allreduce_us(slots, s.shape.weight_bytes, s.profile.net_gbps, s.experts_per_rank)
+            reduce_us = allreduce_us(slots, s.shape.weight_bytes, s.profile.net_gbps)
             timing["expert_us"] += reduce_us
             timing["replica_allreduce_us"] = reduce_us
             self.replica_allreduce_us += reduce_us
