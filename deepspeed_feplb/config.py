@@ -153,9 +153,8 @@ class PlacementConfig(FEPLBConfigModel):
     history_decay: float = Field(0.1, gt=0, le=1)
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
-    redundant_experts_per_rank: int = Field(0, ge=0, le=0)
-    """Replica slots per rank for hot experts on other nodes; must be 0: the runtime does not build replicas
-    yet (the simulator models them: ``simulate --redundant-per-rank``)."""
+    redundant_experts_per_rank: int = Field(0, ge=0)
+    """Replica slots per rank (DeepSpeed MoE layers): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step, and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step."""
 
     network_gbps: float = Field(50.0, gt=0)
     """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""

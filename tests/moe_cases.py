@@ -674,6 +674,68 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
             **counters, "monitored": monitored, "bundle_bytes": placement.bundle_bytes}
 
 
+def _one_hot_expert_model(num_experts: int, ep_size: int):
+    """TinyMoEModel (top-2) whose gate puts expert 0 in nearly every token's top 2 (half of all
+    rows: more than a node of 2 of 4 ranks can balance by placement alone) and spreads the rest;
+    the router and the layer before it are frozen."""
+    torch.manual_seed(11)
+    model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
+                                      ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
+                                      top2_2nd_expert_sampling=False))
+    with torch.no_grad():
+        weight = model.moe.deepspeed_moe.gate.wg.weight
+        weight.mul_(0.2)
+        weight[0] += 6.0 / HIDDEN
+    # the router and its input layer do not learn: stationary loads, so "balanced once replicated"
+    # is measurable on every micro-batch that follows
+    for p in (weight, *model.inp.parameters()):
+        p.requires_grad_(False)
+    diversify_experts(model.moe)
+    return model
+
+
+def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1) -> dict:
+    """feplb.placement with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
+    with half of all rows (`_one_hot_expert_model`), ``gas`` micro-batches per step: FEPLB and
+    DeepSpeed's MoE trained side by side. Returns both loss curves, the parameter errors (FEPLB's
+    experts back in DeepSpeed's layout), each micro-batch's rows per rank before balancing
+    (this rank's domain: ``ranks``, ``tokens_before``), the replica table after each step and the
+    replicas' refresh and gradient-send counts."""
+    import deepspeed
+
+    from deepspeed_feplb.integration.placement import placed_layers
+    world = dist.get_world_size()
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "copy_engine_gbps": 1e6,
+             "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5, "network_gbps": 1e6,
+                           "redundant_experts_per_rank": redundant}}
+    config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
+    models = {name: _one_hot_expert_model(4 * world, world) for name in ("reference", "feplb")}
+    engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
+        model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
+    ours = engines["feplb"]
+    losses = {name: [] for name in engines}
+    micro, replica_at = [], []
+    for step in range(steps):
+        for m in range(gas):
+            x, target = _placed_inputs(step * gas + m, 256)
+            for name, engine in engines.items():
+                losses[name].append(train_step(engine, x, target))
+            stats = ours.module.moe.feplb_stats
+            micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
+        replica_at.append(placed_layers(ours.module)[0].placement.replica_at.tolist())
+    layer = placed_layers(ours.module)[0]
+    placement = layer.placement
+    params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
+    reference = dict(engines["reference"].module.named_parameters())
+    with placement.canonical(params, ours.optimizer):
+        errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
+        names = sorted(ours.module.state_dict())
+    return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,
+            "refreshes": placement.replicas.refreshes, "grad_sends": placement.replicas.grad_sends,
+            "state_dict_keys": names, "reference_keys": sorted(engines["reference"].module.state_dict())}
+
+
 def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, save_at: int = 6) -> dict:
     """Save a FEPLB run with a non-trivial placement at step ``save_at``, then load the checkpoint into
     a fresh FEPLB run and into plain DeepSpeed MoE: all three continue with the same losses; and

@@ -160,7 +160,7 @@ BAD_VALUES = [
     ("placement.enabled", "yes please"),
     ("placement.interval_steps", 0),
     ("placement.history_decay", 1.5),
-    ("placement.redundant_experts_per_rank", 2),
+    ("placement.redundant_experts_per_rank", -1),
     ("placement.network_gbps", 0),
     ("stats", True),
     ("stats.enabled", "maybe"),

@@ -34,6 +34,7 @@ from deepspeed_feplb.integration.placement import (
     record_expert_order,
     state_bytes_per_expert,
 )
+from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -84,8 +85,13 @@ class FEPLBMOELayer(MOELayer):
         if not config.enabled:
             adopt_loaded_order(self)  # refuses a state dict in placement order
             return
-        self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size,
-                                 self.num_local_experts, expert_params, hidden)
+        placed = config.placement.enabled and self.ep_size > 1
+        # replica slots only where the EP group spans nodes (inside one, phase 2 does their work)
+        redundant = config.placement.redundant_experts_per_rank if placed and self.ep_size > domain_size(
+            config, self.ep_size) else 0
+        local_slots = self.num_local_experts + redundant  # the primary slots, then the replica slots
+        self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size, local_slots,
+                                 expert_params, hidden)
         self.stage.records = self.recorder is not None  # the trace carries what the stage did
         install_exit_handlers()
         refuse_stateful_experts(experts[0], hidden, migrating=config.dynamic_experts_per_rank > 0 and self.ep_size > 1)
@@ -94,19 +100,24 @@ class FEPLBMOELayer(MOELayer):
         self.gate.drop_tokens = False  # FEPLB is dropless
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating, seams.data_parallel_group())
-        if config.placement.enabled and self.ep_size > 1:
-            self.placement = _make_placement(self, config, expert_params)
+        if placed:
+            self.placement = _make_placement(self, config, expert_params, redundant)
             self.stage.times_every_call = True
         adopt_loaded_order(self)
         spec = ExpertSpec.of(experts[0])
-        self.local_experts = LocalExperts(experts, self._expert_params, spec, direct=lambda e, x: _call(experts[e], x))
-        self.dispatcher = make_dispatcher(config, self.stage.ep_group, self.ep_size, self.num_local_experts,
+        # replica slots are computed functionally on their weights, and every rank of the EP group
+        # must run their gradient exchange (`ExpertGradOrder`): no direct calls then
+        direct = None if redundant else (lambda e, x: _call(experts[e], x))
+        self.local_experts = LocalExperts(experts + [experts[0]] * redundant, self._expert_params, spec, direct=direct)
+        self._linked_params: Optional[list[list[torch.Tensor]]] = None  # this forward's, with replica slots
+        self.dispatcher = make_dispatcher(config, self.stage.ep_group, self.ep_size, local_slots,
                                           expert_params, hidden=hidden, on_error=self.stage.check_peers,
                                           stage_times=self.stage.stage_times)
 
     def _layer_facts(self) -> dict:
         """What every rank of the EP group must have built alike (`expert_stage.check_group_agrees`)."""
         return {"num_experts": self.ep_size * self.num_local_experts, "top-k": getattr(self.gate, "k", None),
+                "feplb.placement": self.feplb_config.placement.model_dump() if self.feplb_config else None,
                 "hidden size": self.gate.wg.in_features,
                 "expert order of the loaded state dict": self.loaded_expert_order}
 
@@ -127,6 +138,9 @@ class FEPLBMOELayer(MOELayer):
         x = input[0].reshape(-1, d_model)
         used_token = input[1] if len(input) > 1 else None
         timed = self.stage.stage_times.measure
+        replicas = self.placement.replicas if self.placement is not None else None
+        if replicas is not None and replicas.stale and not recomputing():
+            replicas.refresh(self._primary_params())  # collective: the first forward after a step
         with timed("gate"):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
         if self.recorder is not None and not recomputing():
@@ -137,6 +151,8 @@ class FEPLBMOELayer(MOELayer):
             expert_ids = self.placement.route(expert_ids)
         with timed("dispatch"):
             rows, counts_by_source, handle, facts = self.dispatcher.dispatch(x, expert_ids, self.stage.announce())
+        if replicas is not None:
+            rows = self._link_replicas(rows, replicas)
         out = self.stage.run(rows, counts_by_source.sum(0), self.local_experts, facts, self.step_ends())
         with timed("combine"):
             return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
@@ -155,19 +171,41 @@ class FEPLBMOELayer(MOELayer):
         finally:
             gate.ep_group = group
 
+    def _primary_params(self) -> list[list[torch.Tensor]]:
+        return [list(expert.parameters()) for expert in self.experts.deepspeed_experts]
+
     def _expert_params(self) -> list[list[torch.Tensor]]:
-        """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow."""
-        params = [list(expert.parameters()) for expert in self.experts.deepspeed_experts]
+        """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow; with
+        replica slots, this forward's (`_link_replicas`)."""
+        if self._linked_params is not None:
+            return self._linked_params
+        params = self._primary_params()
         flat = [p for group in params for p in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
             return params
-        aliases = iter(ExpertGradOrder.apply(*flat))
+        aliases = iter(ExpertGradOrder.apply(None, *flat))
         return [[next(aliases) for _ in group] for group in params]
 
+    def _link_replicas(self, rows: torch.Tensor, replicas) -> torch.Tensor:
+        """This forward's local expert parameters with replica slots (primaries, then the replicas'
+        weights; `_expert_params` returns them), and ``rows`` through the same `ExpertGradOrder`
+        node: its backward, which sends the replicas' gradients home (collective over the EP group),
+        then runs on every rank after the expert stage's backward and before the dispatch's."""
+        params = self._primary_params() + replicas.weights
+        flat = [p for group in params for p in group]
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
+            self._linked_params = params
+            return rows
+        link = _ReplicaLink(replicas, self.step_ends(), self.num_local_experts, len(params[0]))
+        rows, *aliases = ExpertGradOrder.apply(link, rows, *flat)
+        aliases = iter(aliases)
+        self._linked_params = [[next(aliases) for _ in group] for group in params]
+        return rows
 
-def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params) -> ExpertPlacement:
+
+def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, redundant: int) -> ExpertPlacement:
     """The layer's `ExpertPlacement` over its EP group (nodes of ``nvlink_domain_size`` ranks) and its
-    expert-data-parallel replicas."""
+    expert-data-parallel replicas, with ``redundant`` replica slots per rank."""
     dp_group = seams.expert_data_parallel_group(layer.ep_size)
     placement = config.placement
     if layer.ep_size <= domain_size(config, layer.ep_size) and not _warned.get("one-node placement"):
@@ -176,11 +214,15 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params) 
             print(f"deepspeed_feplb: feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one "
                   "NVLink domain (feplb.nvlink_domain_size), so placement has no node to balance against another and "
                   "will not move experts; per-micro-batch balancing inside the domain does the work", flush=True)
-    return ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
-                           domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
-                           placement.network_gbps, state_bytes_per_expert(expert_params),
-                           dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-                           dp_group=dp_group, device=layer.gate.wg.weight.device)
+    placed = ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
+                             domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
+                             placement.network_gbps, state_bytes_per_expert(expert_params),
+                             dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
+                             dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant,
+                             weight_bytes=sum(p.numel() * p.element_size() for p in expert_params))
+    if redundant:
+        placed.replicas = ReplicaSlots(placed, expert_params, redundant)
+    return placed
 
 
 def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: bool) -> None:
@@ -235,22 +277,39 @@ def _warn_dropless_once() -> None:
 
 
 class ExpertGradOrder(torch.autograd.Function):
-    """Identity on all local expert parameters whose backward releases their gradients together.
+    """Identity on all local expert parameters whose backward releases their gradients together:
+    ``(link, *tensors) -> tensors``.
 
     Which experts are dynamic, and so when each expert's gradient is ready, differs between
     ranks and micro-batches. ZeRO-2 reduces gradients in buckets as they become ready and
     needs the same order on every data-parallel rank; this autograd node makes that order the fixed
     parameter order again (and gives every expert a gradient, zeros if it got no tokens,
-    as DeepSpeed's capacity buffer does).
+    as DeepSpeed's capacity buffer does). With replica slots, ``link`` (a `_ReplicaLink`) sends
+    their gradients home in the backward.
     """
 
     @staticmethod
-    def forward(ctx, *params):
-        return tuple(p.view_as(p) for p in params)
+    def forward(ctx, link, *tensors):
+        ctx.link = link
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return grads
+        return (None, *(grads if ctx.link is None else ctx.link.backward(grads)))
+
+
+class _ReplicaLink:
+    """What `ExpertGradOrder` carries with replica slots: its tensors are ``rows``, the primary
+    experts' parameters (``primaries`` x ``n``), then the replica slots' weights."""
+
+    def __init__(self, replicas, step_ends: bool, primaries: int, n: int):
+        self.replicas, self.step_ends, self.primaries, self.n = replicas, step_ends, primaries, n
+
+    def backward(self, grads: tuple) -> list:
+        rows, flat = grads[0], list(grads[1:])
+        groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
+        homes = self.replicas.backward(groups[:self.primaries], groups[self.primaries:], self.step_ends)
+        return [rows, *(g for group in homes for g in group), *([None] * (len(flat) - self.primaries * self.n))]
 
 
 def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfigError
 from deepspeed_feplb.integration import seams
+from deepspeed_feplb.plan import replicas
 from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads
 
 
@@ -141,11 +142,18 @@ class ExpertPlacement:
         intra_gbps: bandwidth of a move inside a node (``copy_engine_gbps``).
         dp_group: the layer's expert-data-parallel group (its replicas must place alike), or None.
         device: where the routing table lives (the gate's device).
+        redundant: replica slots per rank (``redundant_experts_per_rank``): each decision also
+            chooses which hot experts get a replica on another node (`plan.replicas.choose`), and
+            `route` splits their rows between their holders every micro-batch; the layer's local
+            experts are then its ``E / ep_size`` primary slots followed by ``redundant`` replica
+            slots (`integration.replicas.ReplicaSlots`, attached as ``replicas`` by the layer).
+        weight_bytes: one expert's weight bytes (a replica's creation and gradient exchange).
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
                  decay: float, network_gbps: float, state_bytes: int, dynamic_experts: int = 0,
-                 intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu"):
+                 intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
+                 redundant: int = 0, weight_bytes: int = 0):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         self.num_experts, self.ep_group, self.ep_size, self.dp_group = num_experts, ep_group, ep_size, dp_group
@@ -155,9 +163,14 @@ class ExpertPlacement:
         # interval and warmup count micro-batches: set at the first step's end, when M is known
         self.placer = CrossNodePlacer(num_experts, ep_size // ranks_per_node, ranks_per_node, interval=interval_steps,
                                       decay=decay, expert_state_bytes=float(state_bytes), net_gbps=network_gbps,
-                                      dynamic_experts=dynamic_experts, intra_gbps=intra_gbps, warmup=1)
+                                      dynamic_experts=dynamic_experts, intra_gbps=intra_gbps, warmup=1,
+                                      redundant=redundant, weight_bytes=float(weight_bytes))
+        self.redundant = redundant
+        self.local_slots = self.per_rank + redundant  # the layer's local experts: primaries, then replica slots
+        self.replicas = None  # ReplicaSlots, attached by the layer when redundant > 0
         self.expert_at = np.arange(num_experts, dtype=np.int64)  # slot -> logical expert
         self.slot_of = torch.arange(num_experts, dtype=torch.long, device=device)  # logical expert -> slot
+        self.device = torch.device(device)
         self.pending: list[torch.Tensor] = []  # this rank's route counts per training micro-batch, float64 [E]
         self.steps = 0
         self.refreshes = self.moved_experts = self.moved_bytes = 0  # moved_bytes: what this rank sent
@@ -168,12 +181,72 @@ class ExpertPlacement:
 
     # ---------------------------------------------------------------- every forward
     def route(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Logical expert ids (any shape; -1 = no route; out-of-range ids pass through for the
-        dispatcher to report) -> slot ids."""
-        if self.identity:
+        """Logical expert ids (any shape; -1 = no route; out-of-range ids stay out of range for the
+        dispatcher to report) -> slot ids: ``rank * local_slots + local index``. With replicas held,
+        collective over the EP group (one all-gather of the ranks' per-expert route counts, from
+        which every rank computes the same split, `plan.replicas.split`): a replicated expert's
+        routes go to the slots of its split's parts, the first ones (in ``expert_ids``' order) to
+        the first part."""
+        if self.identity and not self.redundant:
             return expert_ids
         valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
-        return torch.where(valid, self.slot_of[expert_ids.clamp(0, self.num_experts - 1)], expert_ids)
+        table, seconds = self._micro_batch_slots(expert_ids[valid]) if self.holds_replicas else (
+            torch.from_numpy(self._primary_slot_ids()).to(self.device), [])
+        beyond = expert_ids + (self.ep_size * self.local_slots - self.num_experts)
+        slots = torch.where(valid, table[expert_ids.clamp(0, self.num_experts - 1)],
+                            torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
+        flat = slots.view(-1)
+        for expert, first, slot in seconds:
+            routes = torch.nonzero(expert_ids.reshape(-1) == expert).squeeze(1)
+            flat[routes[first:]] = slot
+        return slots
+
+    @property
+    def replica_at(self) -> np.ndarray:
+        """int64 [ep_size, redundant]: the logical expert each replica slot holds (-1: empty)."""
+        return self.placer.replica_at
+
+    @property
+    def holds_replicas(self) -> bool:
+        return bool((self.placer.replica_at >= 0).any())
+
+    def home_of(self, expert: int) -> tuple[int, int]:
+        """(EP rank, local index) of ``expert``'s primary slot."""
+        slot = int(np.flatnonzero(self.expert_at == expert)[0])
+        return slot // self.per_rank, slot % self.per_rank
+
+    def _primary_slot_ids(self) -> np.ndarray:
+        """int64 [E]: each expert's primary slot as a slot id (``rank * local_slots + local``)."""
+        slot = self.expert_at.argsort()
+        return slot // self.per_rank * self.local_slots + slot % self.per_rank
+
+    def _micro_batch_slots(self, routes: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """This rank's slots for one micro-batch, from its routes (logical ids): the EP group's route
+        counts are all-gathered and split between each replicated expert's holders
+        (`plan.replicas.split`, the simulator's split). Returns (logical expert -> slot id, long
+        [E]: a replicated expert's first part; (expert, rows of the first part, slot id of the
+        second) for each expert whose rows from here are split)."""
+        counts = torch.bincount(routes.reshape(-1), minlength=self.num_experts)
+        if self.ep_group is not None and self.ep_size > 1:
+            gathered = [torch.empty_like(counts) for _ in range(self.ep_size)]
+            dist.all_gather(gathered, counts, group=self.ep_group)
+            src = torch.stack(gathered).cpu().numpy()
+        else:
+            src = counts.cpu().numpy()[None]
+        me = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
+        parts = replicas.split(src, self.placer.slots, self.ranks_per_node, self.per_rank)
+        table = self._primary_slot_ids()
+        replica_slot = {(int(q), int(self.replica_at[q, j])): q * self.local_slots + self.per_rank + j
+                        for q, j in zip(*np.nonzero(self.replica_at >= 0))}
+        seconds, first_rows = [], {}
+        for e, q, n in zip(*(a[parts.source == me].tolist() for a in (parts.expert, parts.rank, parts.rows))):
+            slot = replica_slot.get((q, e), table[e])  # not a replica on q: the primary
+            if e in first_rows:
+                seconds.append((e, first_rows[e], int(slot)))
+            else:
+                first_rows[e] = int(n)
+                table[e] = slot
+        return torch.from_numpy(table).to(self.device), seconds
 
     @property
     def identity(self) -> bool:
@@ -226,10 +299,12 @@ class ExpertPlacement:
         self.last_loads = loads
         if self.steps == 0:  # as the simulator: first decision after one step, then every interval_steps steps
             self.placer.interval, self.placer.warmup = self.interval_steps * len(loads), len(loads)
+            self.placer.micro_batches_per_step = len(loads)  # a replica's gradient exchange, once per step
         for row in loads:
             self.placer.observe(row, refresh=False)
         self.steps += 1
         self.placer.us_per_token = float(both[0, -1]) / ranks
+        self._replicas_stale()  # the step changed the experts' weights
         if not self.placer.due:
             return False
         if not self.placer.refresh():
@@ -270,10 +345,20 @@ class ExpertPlacement:
                 self._move_slots(placed, expert_params, optimizer)
         finally:
             self._canonical_blocks -= 1
+            self._replicas_stale()  # a state dict may have been loaded in the block
+
+    def _replicas_stale(self) -> None:
+        """The replicas' weights may differ from their experts' now: the layer's next forward
+        refreshes them (`ReplicaSlots.refresh`, collective)."""
+        if self.replicas is not None:
+            self.replicas.stale = True
 
     def reset(self) -> None:
         """The slots hold the experts in their original order again (a canonical checkpoint was
-        loaded into them): the table becomes the identity, the history stays."""
+        loaded into them): the table becomes the identity, the history stays, replicas are
+        dropped (the next decision chooses them again)."""
+        self.placer.replica_at[:] = -1
+        self._replicas_stale()
         self.expert_at = np.arange(self.num_experts, dtype=np.int64)
         self.slot_of.copy_(torch.arange(self.num_experts))
         self.placer.expert_to_rank = np.arange(self.num_experts, dtype=np.int64) // self.per_rank
@@ -285,6 +370,8 @@ class ExpertPlacement:
         if not np.array_equal(np.sort(order), np.arange(self.num_experts)):
             raise ValueError(f"an expert order must be a permutation of the layer's {self.num_experts} experts, "
                              f"got {order.tolist()}")
+        self.placer.replica_at[:] = -1
+        self._replicas_stale()
         self.expert_at = order
         self.slot_of.copy_(torch.from_numpy(order.argsort()))
         self.placer.expert_to_rank = order.argsort() // self.per_rank

@@ -18,13 +18,14 @@ deterministic.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Choice", "slot_experts", "route", "expected_counts", "predicted_rows", "allreduce_us", "replication_us",
-           "choose"]
+__all__ = ["Choice", "slot_experts", "Split", "split", "route", "expected_counts", "predicted_rows", "allreduce_us",
+           "replication_us", "choose"]
 
 
 def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarray:
@@ -43,47 +44,139 @@ def _copies(slots: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
     return held, np.bincount(slots[held], minlength=experts)
 
 
-def _holders(slots: np.ndarray, experts: int, primaries: int) -> list[list[tuple[int, int]]]:
-    """Per expert, its (rank, slot) holders: the primary first, then replicas by rank."""
-    out: list[list[tuple[int, int]]] = [[] for _ in range(experts)]
-    for q, s in zip(*np.nonzero(slots >= 0)):
-        out[int(slots[q, s])].append((int(q), int(s)))
-    return [sorted(h, key=lambda qs: (qs[1] >= primaries, qs[0])) for h in out]
+def _holders(slots: np.ndarray, experts: int, primaries: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per expert its holders' ranks, the primary first, then replicas by rank: (ranks int64
+    [E, most holders], -1 padded; how many int64 [E])."""
+    held = slots >= 0
+    q, s = np.nonzero(held)
+    e = slots[q, s]
+    order = np.lexsort((q, s >= primaries, e))  # by expert, primary first, then by rank
+    q, e = q[order], e[order]
+    count = np.bincount(e, minlength=experts)
+    ranks = np.full((experts, max(int(count.max(initial=0)), 1)), -1, np.int64)
+    first = np.concatenate([[0], np.cumsum(count)[:-1]])
+    ranks[e, np.arange(len(e)) - first[e]] = q
+    return ranks, count
+
+
+def _split_pairs(pair_rows, pair_expert, pair_source, holder_ranks, holder_count, node_rows, ranks_per_node,
+                 src_node, out_rank, out_rows):
+    """`split`'s greedy over pairs (largest first). A pair goes to the holder whose node has the
+    fewest rows so far (ties: the source's own node, then the lower node, then the earlier
+    holder); when that would lift its node above the next lightest node that holds the expert, it
+    is split between the two so that both reach the same level (the lighter one takes the odd
+    row). Writes ``out_rank`` int64 [K, 2] (-1: no second part) and ``out_rows`` float64 [K, 2];
+    adds to ``node_rows`` float64 [N]."""
+    for i in range(pair_rows.shape[0]):
+        e, s = pair_expert[i], pair_source[i]
+        a, b = -1, -1  # the best holder and the best on another node
+        for h in range(holder_count[e]):
+            q = holder_ranks[e, h]
+            n = q // ranks_per_node
+            if a < 0:
+                a = q
+                continue
+            an = a // ranks_per_node
+            if node_rows[n] < node_rows[an] or (node_rows[n] == node_rows[an] and (
+                    (n == src_node[s]) > (an == src_node[s])
+                    or ((n == src_node[s]) == (an == src_node[s]) and n < an))):
+                if n != an:
+                    b = a
+                a = q
+            elif n != an:
+                bn = b // ranks_per_node
+                if b < 0 or node_rows[n] < node_rows[bn] or (node_rows[n] == node_rows[bn] and (
+                        (n == src_node[s]) > (bn == src_node[s])
+                        or ((n == src_node[s]) == (bn == src_node[s]) and n < bn))):
+                    b = q
+        rows = pair_rows[i]
+        an = a // ranks_per_node
+        out_rank[i, 0] = a
+        out_rows[i, 0] = rows
+        if b >= 0:
+            bn = b // ranks_per_node
+            x = np.floor((rows + node_rows[bn] - node_rows[an]) / 2.0)
+            if 0 < x < rows:
+                out_rows[i, 0] = x
+                out_rank[i, 1] = b
+                out_rows[i, 1] = rows - x
+                node_rows[bn] += rows - x
+        node_rows[an] += out_rows[i, 0]
+
+
+@functools.cache
+def _compiled_split():
+    """`_split_pairs` compiled by numba (``cache=True``), loaded on the first micro-batch that has a
+    replicated expert: importing this module (the runtime imports it) loads no compiler."""
+    from numba import njit
+    return njit(cache=True)(_split_pairs)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Where one micro-batch's rows of replicated experts go: part k is ``rows[k]`` of the rows that
+    source rank ``source[k]`` sends to expert ``expert[k]``, computed on rank ``rank[k]``; a pair's
+    first part comes first (a source sends its first rows of the expert there, the rest to the
+    second part's rank). int64 [K] each, rows float64 [K]."""
+    source: np.ndarray
+    expert: np.ndarray
+    rank: np.ndarray
+    rows: np.ndarray
+
+
+def split(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> Split:
+    """One micro-batch's split of the replicated experts' rows between their holders: src
+    int64/float [R_src, E] (rows each source rank sends to each expert), slots int64 [R, S] whose
+    first ``primaries`` columns are the primary experts. Experts held once are not in it (all
+    their rows go to their one slot).
+
+    The (source, expert) pairs of replicated experts with rows, largest first (ties: lower expert,
+    then lower source), are placed greedily on the nodes, each on its lightest holder node so far,
+    split with the next lightest where the whole pair would overshoot it (`_split_pairs`), over
+    the rows the experts held once put on each node. Deterministic: every rank computes the same
+    split from the same all-gathered routes."""
+    src = np.asarray(src)
+    slots = np.asarray(slots, np.int64)
+    R = slots.shape[0]
+    E = src.shape[1]
+    N = R // ranks_per_node
+    held, copies = _copies(slots, E)
+    single = held & (copies[np.maximum(slots, 0)] == 1)
+    loads = src.sum(axis=0).astype(np.float64)
+    node_rows = np.bincount(np.nonzero(single)[0] // ranks_per_node, weights=loads[slots[single]], minlength=N)
+    s_idx, e_idx = np.nonzero((src > 0) & (copies > 1)[None, :])
+    rows = src[s_idx, e_idx].astype(np.float64)
+    order = np.lexsort((s_idx, e_idx, -rows))  # largest first; ties: lower expert, then lower source
+    s_idx, e_idx, rows = s_idx[order].astype(np.int64), e_idx[order].astype(np.int64), rows[order]
+    out_rank = np.full((len(rows), 2), -1, np.int64)
+    out_rows = np.zeros((len(rows), 2))
+    if len(rows):
+        ranks, count = _holders(slots, E, primaries)
+        src_node = (np.arange(src.shape[0]) * N // src.shape[0]).astype(np.int64)  # replayed on R ranks
+        _compiled_split()(rows, e_idx, s_idx, ranks, count, node_rows.astype(np.float64), ranks_per_node, src_node,
+                          out_rank, out_rows)
+    part = out_rank >= 0
+    return Split(np.repeat(s_idx, part.sum(axis=1)), np.repeat(e_idx, part.sum(axis=1)), out_rank[part],
+                 out_rows[part])
 
 
 def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
-    """One micro-batch's rows per slot: src int64/float [R_src, E] (rows each source rank sends to
-    each expert), slots int64 [R, S] whose first ``primaries`` columns are the primary experts.
-
-    An expert held once gets all its rows there. The (source, expert) pairs of replicated experts,
-    largest first (ties: lower expert, then lower source), each go to the holder on the node with
-    the fewest rows so far (ties: the source's own node, then the lower node): a greedy balance of
-    the nodes. Returns counts [R, S] of ``src``'s dtype."""
+    """One micro-batch's rows per slot [R, S] (``src``'s dtype): an expert held once gets all its
+    rows at its slot; replicated experts' rows as `split` divides them."""
     src = np.asarray(src)
     slots = np.asarray(slots, np.int64)
     R, S = slots.shape
     E = src.shape[1]
-    N = R // ranks_per_node
-    counts = np.zeros((R, S), dtype=src.dtype)
-    node_rows = np.zeros(N, np.float64)
     held, copies = _copies(slots, E)
-    loads = src.sum(axis=0)
+    counts = np.zeros((R, S), dtype=src.dtype)
     single = held & (copies[np.maximum(slots, 0)] == 1)
-    counts[single] = loads[slots[single]]
-    node_rows += np.bincount(np.nonzero(single)[0] // ranks_per_node, weights=counts[single].astype(np.float64),
-                             minlength=N)
-    replicated = np.flatnonzero(copies > 1)
-    if not len(replicated):
-        return counts
-    holders = _holders(slots, E, primaries)
-    pairs = [(-float(src[s, e]), int(e), s) for e in replicated.tolist() for s in range(src.shape[0]) if src[s, e] > 0]
-    pairs.sort()
-    src_node = np.arange(src.shape[0]) * N // src.shape[0]  # a source rank's node, when replayed on R ranks
-    for minus_rows, e, s in pairs:
-        best = min(holders[e], key=lambda qs: (node_rows[qs[0] // ranks_per_node],
-                                               qs[0] // ranks_per_node != src_node[s], qs[0] // ranks_per_node))
-        counts[best] += src[s, e]
-        node_rows[best[0] // ranks_per_node] -= minus_rows
+    counts[single] = src.sum(axis=0)[slots[single]]
+    if (copies > 1).any():
+        parts = split(src, slots, ranks_per_node, primaries)
+        column = np.full((R, E), -1, np.int64)
+        q, j = np.nonzero(held)
+        column[q, slots[q, j]] = j
+        np.add.at(counts, (parts.rank, column[parts.rank, parts.expert]), parts.rows.astype(src.dtype))
     return counts
 
 
