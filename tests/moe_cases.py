@@ -674,18 +674,18 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
             **counters, "monitored": monitored, "bundle_bytes": placement.bundle_bytes}
 
 
-def _one_hot_expert_model(num_experts: int, ep_size: int):
-    """TinyMoEModel (top-2) whose gate puts expert 0 in nearly every token's top 2 (half of all
-    rows: more than a node of 2 of 4 ranks can balance by placement alone) and spreads the rest;
-    the router and the layer before it are frozen."""
+def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5):
+    """TinyMoEModel (top-1) whose gate sends most tokens to expert 0 (``hot`` raises its logit;
+    0.5: about 95% of all rows, far more than a node of 2 of 4 ranks should compute, which
+    placement alone cannot split) and spreads the rest; the router and the layer before it are
+    frozen."""
     torch.manual_seed(11)
     model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
-                                      ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
-                                      top2_2nd_expert_sampling=False))
+                                      ep_size=ep_size, k=1, min_capacity=0, drop_tokens=False, use_rts=False))
     with torch.no_grad():
         weight = model.moe.deepspeed_moe.gate.wg.weight
         weight.mul_(0.2)
-        weight[0] += 6.0 / HIDDEN
+        weight[0] += hot / HIDDEN
     # the router and its input layer do not learn: stationary loads, so "balanced once replicated"
     # is measurable on every micro-batch that follows
     for p in (weight, *model.inp.parameters()):
@@ -732,8 +732,47 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
         errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
         names = sorted(ours.module.state_dict())
     return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,
-            "refreshes": placement.replicas.refreshes, "grad_sends": placement.replicas.grad_sends,
+            "refreshes": placement.replicas.refreshes if placement.replicas else 0,
+            "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
             "state_dict_keys": names, "reference_keys": sorted(engines["reference"].module.state_dict())}
+
+
+def replica_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 7, save_at: int = 4) -> dict:
+    """`replica_slots_case`'s layer saved with replicas held at step ``save_at``, then loaded into a
+    fresh FEPLB job with replica slots and into plain DeepSpeed MoE: all three continue with the
+    same losses (the replicas are in no checkpoint; a loaded job makes them again)."""
+    import deepspeed
+
+    from deepspeed_feplb.integration.placement import placed_layers
+    world = dist.get_world_size()
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6,
+                           "redundant_experts_per_rank": 1}}
+    config = ds_config(zero_stage, feplb)
+
+    def engine(kind: str):
+        model = _one_hot_expert_model(4 * world, world)
+        init = deepspeed_feplb.initialize if kind == "feplb" else deepspeed.initialize
+        return init(model=model, model_parameters=param_groups(model), config=config)[0]
+
+    def train(e, steps) -> list:
+        out = []
+        for step in steps:
+            x, target = _placed_inputs(step, 256)
+            out.append(train_step(e, x, target))
+        return out
+
+    first = engine("feplb")
+    train(first, range(save_at))
+    replicas_at_save = placed_layers(first.module)[0].placement.replica_at.tolist()
+    first.save_checkpoint(tmp, tag="mid")
+    continued = train(first, range(save_at, steps))
+    resumed = {}
+    for kind in ("feplb", "deepspeed"):
+        e = engine(kind)
+        e.load_checkpoint(tmp, tag="mid")
+        resumed[kind] = train(e, range(save_at, steps))
+    return {"replicas_at_save": replicas_at_save, "continued": continued, "resumed": resumed}
 
 
 def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, save_at: int = 6) -> dict:
@@ -833,11 +872,13 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
             "fresh_refusals": fresh_refusals, "moved_by_saving": moved_by_saving}
 
 
-def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3) -> dict:
-    """Replay a routing trace (exact counts) through FEPLB with feplb.placement, ``gas`` micro-batches per
-    step. Returns, per micro-batch, the rows each rank received per local expert before balancing
-    (this rank's domain: ``ranks``, ``tokens_before``), and after each optimizer step the placement
-    (expert -> rank) and the bytes per expert move the policy priced."""
+def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3,
+                          redundant: int = 0) -> dict:
+    """Replay a routing trace (exact counts) through FEPLB with feplb.placement (``redundant`` replica
+    slots per rank), ``gas`` micro-batches per step. Returns, per micro-batch, the rows each rank
+    received per local expert before balancing (this rank's domain: ``ranks``, ``tokens_before``),
+    and after each optimizer step the placement (expert -> rank) and the replica table, the bytes
+    per expert move and per replica the policy priced."""
     from deepspeed_feplb.integration.placement import placed_layers
     from deepspeed_feplb.testing import TraceRouting, override_routing
 
@@ -846,7 +887,8 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     trace = routing.trace
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "copy_engine_gbps": 1e6,
-             "placement": {"enabled": True, "interval_steps": interval, "history_decay": decay, "network_gbps": 1e6}}
+             "placement": {"enabled": True, "interval_steps": interval, "history_decay": decay, "network_gbps": 1e6,
+                           "redundant_experts_per_rank": redundant}}
     config = {**ds_config(0, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
     torch.manual_seed(3)
     model = TinyMoEModel(deepspeed_feplb.MoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=trace.experts,
@@ -855,7 +897,7 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     override_routing(model, routing)
     engine = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
     tokens = routing.tokens_needed(world)
-    micro, placements, us_per_token = [], [], []  # us_per_token: the measured time the policy priced gains with
+    micro, placements, replica_at, us_per_token = [], [], [], []  # us_per_token: the measured time gains used
     for step in range(trace.steps // gas):
         for m in range(gas):
             x, target = _placed_inputs(step * gas + m, tokens)
@@ -864,9 +906,11 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
             micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
         placement = placed_layers(engine.module)[0].placement
         placements.append(placement.placer.expert_to_rank.tolist())
+        replica_at.append(placement.replica_at.tolist())
         us_per_token.append(placement.placer.us_per_token)
     return {"micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
-            "refreshes": placement.refreshes, "us_per_token": us_per_token}
+            "refreshes": placement.refreshes, "us_per_token": us_per_token, "replica_at": replica_at,
+            "weight_bytes": placement.placer.weight_bytes}
 
 
 class PacedExpert(torch.nn.Module):

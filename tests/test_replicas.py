@@ -30,9 +30,29 @@ def test_a_replicated_experts_rows_split_between_the_nodes_and_none_are_lost():
     assert split.sum() == src.sum()
     assert split[0, 0] + split[2, 2] == 100 and split[2, 1] == 20
     nodes = split.sum(axis=1).reshape(N, G).sum(axis=1)
-    assert nodes.tolist() == [60, 60]  # 40 stay on node 0's expert, 20 + 40 come to node 1 (pairs whole, largest first)
+    assert nodes.tolist() == [60, 60]  # pairs largest first, each split where it would overshoot the other node
     again = rp.route(src, _slots([[-1], [-1], [0], [-1]]), G, PRIMARIES)
     assert np.array_equal(split, again)  # the same on every rank
+
+
+def test_a_pair_that_would_overshoot_splits_so_that_both_nodes_reach_one_level():
+    src = np.zeros((R, E), np.int64)
+    src[0, 0] = 101  # one source sends all of hot expert 0's rows: no whole pair can balance the nodes
+    src[:, 5] = 5  # node 1's own load: 20 rows
+    slots = _slots([[-1], [-1], [0], [-1]])
+    parts = rp.split(src, slots, G, PRIMARIES)
+    # node 0 (0 rows so far) is the lightest holder: it takes floor((101 + 20 - 0) / 2) = 60 rows and
+    # node 1 the other 41, so the nodes end at 60 and 61 rows
+    assert parts.source.tolist() == [0, 0] and parts.expert.tolist() == [0, 0]
+    assert parts.rank.tolist() == [0, 2] and parts.rows.tolist() == [60.0, 41.0]
+    counts = rp.route(src, slots, G, PRIMARIES)
+    assert counts.sum(axis=1).reshape(N, G).sum(axis=1).tolist() == [60, 61]
+    # a pair that fits below the next node's level is not split
+    src[0, 0] = 10
+    parts = rp.split(src, slots, G, PRIMARIES)
+    assert parts.rank.tolist() == [0] and parts.rows.tolist() == [10.0]
+    # experts held once are not in the split
+    assert len(rp.split(src, _slots([[-1]] * R), G, PRIMARIES).rows) == 0
 
 
 def test_expected_counts_fill_the_lightest_node_first():

@@ -235,12 +235,13 @@ class ExpertPlacement:
             src = counts.cpu().numpy()[None]
         me = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
         parts = replicas.split(src, self.placer.slots, self.ranks_per_node, self.per_rank)
-        table = self._primary_slot_ids()
+        primary = self._primary_slot_ids()
+        table = primary.copy()
         replica_slot = {(int(q), int(self.replica_at[q, j])): q * self.local_slots + self.per_rank + j
                         for q, j in zip(*np.nonzero(self.replica_at >= 0))}
         seconds, first_rows = [], {}
         for e, q, n in zip(*(a[parts.source == me].tolist() for a in (parts.expert, parts.rank, parts.rows))):
-            slot = replica_slot.get((q, e), table[e])  # not a replica on q: the primary
+            slot = replica_slot.get((q, e), primary[e])  # not a replica on q: the primary
             if e in first_rows:
                 seconds.append((e, first_rows[e], int(slot)))
             else:

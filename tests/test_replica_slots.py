@@ -1,0 +1,96 @@
+"""Replica slots at runtime (feplb.placement.redundant_experts_per_rank): 4 gloo ranks as 2 nodes of
+2, one expert with half of all rows, which placement alone cannot balance. A replica on the other
+node takes its share of every micro-batch; the replicas' gradients reach the expert before the
+optimizer step, so training equals DeepSpeed's MoE; checkpoints hold no replica; and on a replayed
+trace the runtime makes the simulator's replica decisions and splits."""
+import numpy as np
+import pytest
+
+from deepspeed_feplb.testing import run_distributed
+
+import moe_cases
+
+
+def _node_rows(results: list, ranks_per_node: int = 2) -> np.ndarray:
+    """float [micro-batches, nodes]: rows per node before balancing, assembled from every rank's
+    stats (each reports its own domain)."""
+    out = []
+    for mb in range(len(results[0]["micro"])):
+        per_rank = {}
+        for x in results:
+            per_rank.update(zip(x["micro"][mb]["ranks"], x["micro"][mb]["tokens_before"]))
+        rows = np.array([per_rank[r] for r in range(len(per_rank))], dtype=np.float64)
+        out.append(rows.reshape(-1, ranks_per_node).sum(axis=1))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("zero_stage,redundant", [(0, 1), (1, 1), (2, 1), (2, 0)],
+                         ids=["zero0", "zero1", "zero2", "zero2-no-replicas"])
+def test_replicas_balance_every_micro_batch_and_train_exactly(zero_stage, redundant):
+    gas = 2
+    results = run_distributed(moe_cases.replica_slots_case, 4, zero_stage, 8, gas, redundant, timeout=600)
+    r = results[0]
+    assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
+    nodes = _node_rows(results)[gas:]  # after the first decision (at the first optimizer step)
+    ratio = nodes.max(axis=1) / nodes.min(axis=1)
+    if redundant:
+        assert any(q >= 0 for step in r["replica_at"] for row in step for q in row), "no replica was made"
+        assert ratio.max() <= 1.05, f"node rows per micro-batch after the first decision: {nodes.tolist()}"
+        # every step's replica gradients went home (each holder once per step), and fresh weights came back
+        assert sum(x["grad_sends"] for x in results) >= len(r["replica_at"]) - 1
+        assert r["refreshes"] >= len(r["replica_at"]) - 1
+    else:  # the control: placement alone cannot split the hot expert
+        assert ratio.min() > 1.3, f"the case is balanced without replicas, so it shows nothing: {nodes.tolist()}"
+    reference, ours = np.array(r["losses"]["reference"]), np.array(r["losses"]["feplb"])
+    assert np.allclose(ours, reference, rtol=1e-5, atol=1e-6), f"losses differ: {ours - reference}"
+    worst = max(max(x["param_errors"].values()) for x in results)
+    assert worst < 1e-5, f"parameters differ from DeepSpeed's MoE by {worst:.2e}"
+    assert r["state_dict_keys"] == r["reference_keys"], "replica slots leaked into the state dict"
+
+
+def test_checkpoints_hold_no_replica_and_load_both_ways(tmp_path):
+    results = run_distributed(moe_cases.replica_checkpoint_case, 4, str(tmp_path), 2, timeout=600)
+    r = results[0]
+    assert any(q >= 0 for row in r["replicas_at_save"] for q in row), "no replica at the save: nothing tested"
+    for kind in ("feplb", "deepspeed"):
+        assert np.allclose(r["resumed"][kind], r["continued"], rtol=1e-5, atol=1e-6), (kind, r["resumed"][kind],
+                                                                                        r["continued"])
+
+
+def test_runtime_replicas_equal_the_simulators(tmp_path):
+    """Simulator parity with replica slots: replaying a trace, the runtime chooses the simulator's
+    replicas at the same optimizer steps and every rank receives the rows the simulator's split
+    gives it, micro-batch by micro-batch."""
+    from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, scaled
+    from deepspeed_feplb.plan.replicas import route
+    from deepspeed_feplb.sim.policies import FEPLB, SimSetup
+    from deepspeed_feplb.trace.format import fold_sources, save_trace
+    from deepspeed_feplb.trace.generators import skewed_trace
+    trace = skewed_trace(steps=24, layers=1, ranks=4, experts=16, tokens_per_rank=48, top_k=2, skew=1.6,
+                         drift=0.3, memory=0.8, seed=4)
+    path = tmp_path / "trace.npz"
+    save_trace(path, trace)
+    gas, interval, decay = 2, 2, 0.3
+    results = run_distributed(moe_cases.placement_replay_case, 4, str(path), gas, interval, decay, 1, timeout=600)
+    r = results[0]
+    assert all(x["replica_at"] == r["replica_at"] for x in results)
+    setup = SimSetup(ranks_per_node=2, nodes=2, experts=trace.experts, dynamic_experts=1, chunk_align=1,
+                     shape=ExpertShape(hidden=16, ffn_hidden=32, mats=2, dtype_bytes=4),
+                     profile=scaled(PROFILES["h100"], net_gbps=1e6, ce_gbps=1e6), placement="on",
+                     placement_interval=interval * gas, eplb_decay=decay, expert_state_bytes=r["state_bytes"],
+                     micro_batches_per_step=gas, redundant_per_rank=1)
+    policy = FEPLB(setup, 1)
+    placer = policy.placers[0]
+    placer.weight_bytes = r["weight_bytes"]  # the runtime's expert, not the profile's shape
+    rows, replica_at = [], []
+    for step in range(trace.steps):
+        src = fold_sources(trace.counts[step, 0], 4)
+        rows.append(route(src, placer.slots, 2, setup.experts_per_rank).sum(axis=1).tolist())
+        placer.us_per_token = r["us_per_token"][step // gas]
+        policy.step(step, 0, src)
+        if setup.step_ends(step):
+            replica_at.append(placer.replica_at.tolist())
+    assert any(q >= 0 for step in replica_at for row in step for q in row), "no replica: parity shows nothing"
+    assert r["replica_at"] == replica_at
+    runtime_rows = [[int(v) for v in row] for row in _node_rows(results, 1)]
+    assert runtime_rows == rows
