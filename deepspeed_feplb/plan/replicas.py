@@ -3,9 +3,11 @@
 The cross-node placement (`plan.placement`) puts every expert on one rank and moves experts only
 at optimizer steps, so all of a hot expert's rows land on one node whatever a micro-batch brings.
 A replica of that expert on another node lets each micro-batch split its rows between the nodes:
-`route` sends each (source rank, expert) pair of the micro-batch to the holder whose node is
-lightest so far, computed alike on every rank from the routes phase 1 all-gathers; FEPLB then
-balances inside each node as before. A replica holds the expert's weights only: its gradient is
+`split` sends each (source rank, expert) pair of the micro-batch to the holder whose node is
+lightest so far, dividing the pair with the next lightest holder node where the whole would
+overshoot it; every rank computes it alike from the ranks' all-gathered route counts
+(`integration.placement.ExpertPlacement.route`), and `route` gives the rows per slot it makes.
+FEPLB then balances inside each node as before. A replica holds the expert's weights only: its gradient is
 summed into the expert's before the optimizer step, and the stepped weights come back to it. It
 costs a slot on its rank, its weights' transfer when it is created (`replication_us`), and that
 gradient exchange with the expert's other holders over the inter-node link at every optimizer
@@ -14,7 +16,7 @@ micro-batches pays for both.
 
 Slots: rank q holds ``slots[q]`` (int64 [R, S]): its primary experts (the placement's, ascending
 ids), then its ``redundant`` replica slots (-1: empty). All functions are pure numpy and
-deterministic.
+deterministic; `split`'s greedy loop is compiled by numba on first use.
 """
 from __future__ import annotations
 
