@@ -32,7 +32,8 @@ STRAGGLER_METRICS = ("token_straggler_before", "token_straggler_after", "gemm_st
 MIGRATION_METRICS = ("migrated_tokens", "migrated_bytes", "plan_latency_us", "fallbacks")
 # What the monitor logs besides those (integration/monitor.py, METRICS and the pipeline's warm start).
 OTHER_METRICS = ("gemm_max_ms", "warm_start_token_straggler", "weight_bytes", "weight_copies", "resident_hits",
-                 "flushed_copies", "grad_bytes", "placement_refreshes", "placement_moved_experts", "placement_bytes")
+                 "flushed_copies", "grad_bytes", "placement_refreshes", "placement_moved_experts", "placement_bytes",
+                 "placement_replicas")
 # Metrics whose per-step value is a sum over the step's micro-batches: summary.json also gives their total.
 SUMMED = ("migrated_tokens", "migrated_bytes", "fallbacks", "weight_bytes", "weight_copies", "resident_hits",
           "flushed_copies", "grad_bytes", "placement_refreshes", "placement_moved_experts", "placement_bytes")
@@ -71,6 +72,8 @@ METRIC_INFO = {
                                 "re-placement, with their parameters and optimizer state"),
     "placement_bytes": ("placement bytes", "bytes", "bytes the moved experts carried: parameters, fp32 master "
                         "copies and optimizer state"),
+    "placement_replicas": ("replicas held", "replicas", "replicas of hot experts on other nodes that the layer's "
+                           "EP group holds after the step (feplb.placement.redundant_experts_per_rank)"),
     "resident_hits": ("chunks from kept copies", "chunks", "chunks a helper computed with a copy kept from "
                       "earlier in the optimizer step (no copy needed)"),
     "flushed_copies": ("kept copies flushed", "copies", "kept copies whose accumulated gradients went home at "

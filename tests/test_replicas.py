@@ -142,3 +142,20 @@ def test_two_holders_on_one_node_share_its_part():
     nodes = counts.sum(axis=1).reshape(N, G).sum(axis=1)
     assert nodes == pytest.approx([50.0, 50.0])
     assert counts[2, 2] == pytest.approx(25.0) and counts[3, 2] == pytest.approx(25.0)
+
+
+def test_an_expert_hotter_than_a_node_gets_a_replica_on_several_nodes():
+    """4 nodes of 2 ranks, expert 0 with 80% of the rows: one replica leaves a node with 40%; with
+    one on every node each computes a fourth of it. The choice weighs both kinds of sequence."""
+    nodes, experts = 4, 32
+    samples = np.full((8, experts), 10.0)
+    samples[:, 0] = 1250.0
+    e2r = np.arange(experts) // (experts // (nodes * G))
+    choice = rp.choose(samples, e2r, G, redundant=1, dynamic_experts=1, us_per_row=1.0, micro_batches_per_step=8,
+                       horizon=100, weight_bytes=1.0, net_gbps=1e6)
+    holders = np.flatnonzero((choice.replica_at == 0).any(axis=1))
+    assert len({int(q) // G for q in holders}) == nodes - 1, choice.replica_at.tolist()
+    counts = rp.route(np.tile(samples[0] / (nodes * G), (nodes * G, 1)), rp.slot_experts(e2r, choice.replica_at), G,
+                      experts // (nodes * G))
+    node_rows = counts.sum(axis=1).reshape(nodes, G).sum(axis=1)
+    assert node_rows.max() / node_rows.mean() < 1.02, node_rows

@@ -35,6 +35,8 @@ every rank gets the same per-layer summary, and global rank 0 writes it to DeepS
 * ``placement_refreshes``, ``placement_moved_experts``, ``placement_bytes`` (``feplb.placement``):
   re-placements made at this step's end, the experts they moved between ranks and the bytes
   those carried (parameters, fp32 master copies, optimizer state), over the layer's EP group;
+  ``placement_replicas``: replicas of hot experts the layer's EP group holds after the step
+  (``placement.redundant_experts_per_rank``);
 * ``warm_start_token_straggler`` (pipeline engine only): the token straggler the plan computed
   ahead of time from the previous micro-batch's counts would have left on this micro-batch.
 
@@ -60,7 +62,7 @@ METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms
            "migrated_bytes", "weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes",
            "plan_latency_us", "fallbacks")
 # and, for layers with feplb.placement, per step (summed over layers in the totals):
-PLACEMENT = ("placement_refreshes", "placement_moved_experts", "placement_bytes")
+PLACEMENT = ("placement_refreshes", "placement_moved_experts", "placement_bytes", "placement_replicas")
 TRAFFIC = ("weight_bytes", "weight_copies", "resident_hits", "flushed_copies", "grad_bytes")  # summed stats
 
 
@@ -69,6 +71,7 @@ class PlacementStepStats(TypedDict, total=False):
     placement_refreshes: int
     placement_moved_experts: int
     placement_bytes: int
+    placement_replicas: int
 
 
 class LayerStepStats(PlacementStepStats):

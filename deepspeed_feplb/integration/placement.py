@@ -171,6 +171,7 @@ class ExpertPlacement:
         self.expert_at = np.arange(num_experts, dtype=np.int64)  # slot -> logical expert
         self.slot_of = torch.arange(num_experts, dtype=torch.long, device=device)  # logical expert -> slot
         self.device = torch.device(device)
+        self.slot_ids = torch.from_numpy(self._primary_slot_ids()).to(self.device)  # expert -> its primary's slot id
         self.pending: list[torch.Tensor] = []  # this rank's route counts per training micro-batch, float64 [E]
         self.steps = 0
         self.refreshes = self.moved_experts = self.moved_bytes = 0  # moved_bytes: what this rank sent
@@ -190,16 +191,26 @@ class ExpertPlacement:
         if self.identity and not self.redundant:
             return expert_ids
         valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
-        table, seconds = self._micro_batch_slots(expert_ids[valid]) if self.holds_replicas else (
-            torch.from_numpy(self._primary_slot_ids()).to(self.device), [])
+        clamped = expert_ids.clamp(0, self.num_experts - 1)
         beyond = expert_ids + (self.ep_size * self.local_slots - self.num_experts)
-        slots = torch.where(valid, table[expert_ids.clamp(0, self.num_experts - 1)],
-                            torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
-        flat = slots.view(-1)
-        for expert, first, slot in seconds:
-            routes = torch.nonzero(expert_ids.reshape(-1) == expert).squeeze(1)
-            flat[routes[first:]] = slot
-        return slots
+        if not self.holds_replicas:
+            return torch.where(valid, self.slot_ids[clamped],
+                               torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
+        # one copy to the host (the counts) and one back (the table and the split pairs)
+        counts = torch.bincount(torch.where(valid, expert_ids, self.num_experts).reshape(-1),
+                                minlength=self.num_experts + 1)[:self.num_experts]
+        table, seconds = self._micro_batch_slots(counts)
+        both = torch.from_numpy(np.concatenate([table, np.asarray(seconds, np.int64).reshape(-1)])).to(self.device)
+        table, split = both[:self.num_experts], both[self.num_experts:].view(-1, 3)  # split: expert, first rows, slot
+        slots = torch.where(valid, table[clamped], torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
+        if not seconds:
+            return slots
+        # a split expert's routes past its first part's rows go to the second part's slot: counted
+        # on the device (a cumulative sum per split expert)
+        hit = expert_ids.reshape(-1)[:, None] == split[None, :, 0]  # [N, K]
+        second = hit & (hit.cumsum(0) > split[None, :, 1])
+        to = split[:, 2][second.to(torch.long).argmax(1)]
+        return torch.where(second.any(1), to, slots.reshape(-1)).reshape(slots.shape)
 
     @property
     def replica_at(self) -> np.ndarray:
@@ -215,18 +226,23 @@ class ExpertPlacement:
         slot = int(np.flatnonzero(self.expert_at == expert)[0])
         return slot // self.per_rank, slot % self.per_rank
 
+    def _hold(self, expert_at: np.ndarray) -> None:
+        """The slots hold the experts in the order ``expert_at`` (slot -> logical expert) now."""
+        self.expert_at = expert_at
+        self.slot_of.copy_(torch.from_numpy(expert_at.argsort()))
+        self.slot_ids.copy_(torch.from_numpy(self._primary_slot_ids()))
+
     def _primary_slot_ids(self) -> np.ndarray:
         """int64 [E]: each expert's primary slot as a slot id (``rank * local_slots + local``)."""
         slot = self.expert_at.argsort()
         return slot // self.per_rank * self.local_slots + slot % self.per_rank
 
-    def _micro_batch_slots(self, routes: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """This rank's slots for one micro-batch, from its routes (logical ids): the EP group's route
-        counts are all-gathered and split between each replicated expert's holders
-        (`plan.replicas.split`, the simulator's split). Returns (logical expert -> slot id, long
-        [E]: a replicated expert's first part; (expert, rows of the first part, slot id of the
-        second) for each expert whose rows from here are split)."""
-        counts = torch.bincount(routes.reshape(-1), minlength=self.num_experts)
+    def _micro_batch_slots(self, counts: torch.Tensor) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """This rank's slots for one micro-batch, from its route counts per logical expert (long
+        [E]): the EP group's counts are all-gathered and split between each replicated expert's
+        holders (`plan.replicas.split`, the simulator's split). Returns (logical expert -> slot id,
+        int64 [E]: a replicated expert's first part; (expert, rows of the first part, slot id of
+        the second) for each expert whose rows from here are split)."""
         if self.ep_group is not None and self.ep_size > 1:
             gathered = [torch.empty_like(counts) for _ in range(self.ep_size)]
             dist.all_gather(gathered, counts, group=self.ep_group)
@@ -247,7 +263,7 @@ class ExpertPlacement:
             else:
                 first_rows[e] = int(n)
                 table[e] = slot
-        return torch.from_numpy(table).to(self.device), seconds
+        return table, seconds
 
     @property
     def identity(self) -> bool:
@@ -318,9 +334,10 @@ class ExpertPlacement:
         return True
 
     def take_report(self) -> dict:
-        """Refreshes, experts moved and the bytes they carried (whole EP group) since the last call."""
+        """Refreshes, experts moved and the bytes they carried (whole EP group) since the last call,
+        and the replicas held now."""
         report, self._report = self._report, dict.fromkeys(self._report, 0)
-        return report
+        return {**report, "placement_replicas": int((self.replica_at >= 0).sum())}
 
     def node_loads(self, loads: np.ndarray, expert_at: Optional[np.ndarray] = None) -> np.ndarray:
         """loads float [..., E] per logical expert -> [..., nodes] under the current placement (or
@@ -360,8 +377,7 @@ class ExpertPlacement:
         dropped (the next decision chooses them again)."""
         self.placer.replica_at[:] = -1
         self._replicas_stale()
-        self.expert_at = np.arange(self.num_experts, dtype=np.int64)
-        self.slot_of.copy_(torch.arange(self.num_experts))
+        self._hold(np.arange(self.num_experts, dtype=np.int64))
         self.placer.expert_to_rank = np.arange(self.num_experts, dtype=np.int64) // self.per_rank
 
     def adopt(self, expert_at) -> None:
@@ -373,8 +389,7 @@ class ExpertPlacement:
                              f"got {order.tolist()}")
         self.placer.replica_at[:] = -1
         self._replicas_stale()
-        self.expert_at = order
-        self.slot_of.copy_(torch.from_numpy(order.argsort()))
+        self._hold(order)
         self.placer.expert_to_rank = order.argsort() // self.per_rank
 
     # ---------------------------------------------------------------- moving
@@ -444,8 +459,7 @@ class ExpertPlacement:
             load_expert_state(expert_params[i], optimizer, keys, tensors)
         moved = int(np.sum(new_at != self.expert_at))
         sent_bytes = sum(t.numel() * t.element_size() for _, tensors in outgoing for t in tensors)
-        self.expert_at = np.asarray(new_at, dtype=np.int64).copy()
-        self.slot_of.copy_(torch.from_numpy(self.expert_at.argsort()))
+        self._hold(np.asarray(new_at, dtype=np.int64).copy())
         return moved, sent_bytes
 
 

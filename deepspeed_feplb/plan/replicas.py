@@ -261,11 +261,14 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
     catches, and what a moving average hides).
 
-    The candidates are the prefixes of one sequence: the experts by falling mean load over the
-    earlier half of the samples (a heavy expert moves the most rows between nodes from one
-    micro-batch to the next), each replicated on the node with the fewest expected rows so far
-    that does not hold it, in its rank with the fewest rows, slots filling level by level (every
-    rank's first replica slot before any second, so more slots extend the sequence of fewer). The
+    The candidates are the prefixes of two sequences of replicas (`_sequence`): each replica for
+    the expert with the largest mean load over the earlier half of the samples, one replica per
+    expert (hot experts that change from one micro-batch to the next are best spread), or per
+    holder, so that an expert hotter than a node's share gets a replica on several nodes (as EPLB
+    replicates by load per replica); each on the node with the fewest expected rows so far that
+    does not hold the expert, in its rank with the fewest rows, slots filling level by level
+    (every rank's first replica slot before any second, so more slots extend the sequence of
+    fewer). The
     prefix with the largest net gain per micro-batch on the later half of the samples is
     returned (held out: drift is what a choice judged on the very samples it was made from would
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
@@ -297,10 +300,31 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
                 + replication_us(before, slots, weight_bytes, net_gbps) / max(horizon, 1.0))
 
     expected = fit.mean(axis=0)
-    sequence, replica_at = [], none.copy()
-    for e in np.argsort(-expected, kind="stable").tolist():
-        if expected[e] <= 0 or not (replica_at < 0).any():
-            break
+    base = judged_rows(none)
+    best = (none, 0.0, 0.0)
+    for repeat in (False, True):
+        sequence = _sequence(expected, e2r, G, redundant, repeat)
+        stride = max(1, len(sequence) // 32)  # at most ~32 prefixes weighed
+        for k in sorted({*range(stride - 1, len(sequence), stride), len(sequence) - 1} - {-1}):
+            gain = (base - judged_rows(sequence[k])) * us_per_row
+            spent = cost(sequence[k])
+            if gain - spent > best[1] - best[2]:
+                best = (sequence[k], gain, spent)
+    return Choice(*best)
+
+
+def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:
+    """`choose`'s candidate sequence for expected loads float [E]: replica tables int64 [R, redundant],
+    each one replica more than the last. The next replica is for the expert with the largest
+    expected rows per holder (``repeat``: it may get several, on different nodes) or per expert
+    (one each)."""
+    R = int(e2r.max()) + 1
+    share = expected.copy()  # expected rows per holder
+    holders = np.ones(len(expected))
+    full = expected <= 0  # no (further) replica for it: cold, done, or no free slot off its nodes
+    sequence, replica_at = [], np.full((R, redundant), -1, np.int64)
+    while (replica_at < 0).any() and not full.all():
+        e = int(np.argmax(np.where(full, -np.inf, share)))  # ties: the lower id
         slots = slot_experts(e2r, replica_at)
         rank_rows = expected_counts(expected, slots, G).sum(axis=1)
         holding = {int(q) // G for q in np.nonzero((slots == e).any(axis=1))[0]}
@@ -312,21 +336,17 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
             if ranks:
                 break
         else:
+            full[e] = True  # slots only fill up: none will be free for it later in the sequence
             continue
         n = min({r // G for r in ranks}, key=lambda n: (rank_rows[n * G:(n + 1) * G].sum(), n))
         q = min((r for r in ranks if r // G == n), key=lambda r: (rank_rows[r], r))
         replica_at = replica_at.copy()
         replica_at[q, int(np.argmax(replica_at[q] < 0))] = e
+        holders[e] += 1
+        share[e] = expected[e] / holders[e]
+        full[e] |= not repeat
         sequence.append(replica_at)
-    base = judged_rows(none)
-    best = (none, 0.0, 0.0)
-    stride = max(1, len(sequence) // 32)  # at most ~32 prefixes weighed
-    for k in sorted({*range(stride - 1, len(sequence), stride), len(sequence) - 1} - {-1}):
-        gain = (base - judged_rows(sequence[k])) * us_per_row
-        spent = cost(sequence[k])
-        if gain - spent > best[1] - best[2]:
-            best = (sequence[k], gain, spent)
-    return Choice(*best)
+    return sequence
 
 
 def _bound(counts: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> float:
