@@ -42,6 +42,7 @@ class ReplicaSlots:
         self.weights = [[torch.zeros_like(p, memory_format=torch.contiguous_format).detach() for p in template]
                         for _ in range(slots)]  # [S][n]: what each slot computes with
         self._sums: list[Optional[list[torch.Tensor]]] = [None] * slots  # the step's gradients so far, per slot
+        self._experts = [-1] * slots  # the expert each of this rank's slots held at the last refresh
         self.stale = True  # the weights may differ from their experts' (set by the placement, cleared by refresh)
         self.refreshes = 0  # times the weights were sent
         self.grad_sends = 0  # replica gradients sent home
@@ -77,7 +78,11 @@ class ReplicaSlots:
             if ops:
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
-        self._sums = [None] * len(self.weights)
+        # a slot that now holds another expert starts its sum afresh; one that holds the same (a
+        # refresh in the middle of a step, after a `canonical_experts` block) keeps it
+        now = self.placement.replica_at[me].tolist()
+        self._sums = [s if e == before else None for s, e, before in zip(self._sums, now, self._experts)]
+        self._experts = now
         self.stale = False
         self.refreshes += 1
 
