@@ -72,7 +72,7 @@ def main() -> int:
                 results.setdefault(name, {})[r] = {
                     "eplb": {k: eplb[k] for k in ("token_max_over_mean", "token_straggler", "expert_time_us")},
                     "feplb": {k: feplb.get(k, 0) for k in ("token_max_over_mean", "token_straggler", "expert_time_us",
-                                                           "replicas", "replica_allreduce_us")}}
+                                                           "replicas", "replica_exchange_us")}}
     timing = scale()
     print(f"\n{time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}\n")
     print("| case | slots | feplb max/mean | straggler vs EPLB | expert time µs | vs EPLB | replicas at end |")

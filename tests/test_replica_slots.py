@@ -97,3 +97,23 @@ def test_runtime_replicas_equal_the_simulators(tmp_path):
     assert r["replica_at"] == replica_at
     runtime_rows = [[int(v) for v in row] for row in _node_rows(results, 1)]
     assert runtime_rows == rows
+
+
+def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_step():
+    """The step's last micro-batch ran no backward through the layer (a skipped non-finite loss):
+    its replicas' gradient sums never went home; at the optimizer step they are dropped with a
+    warning instead of joining the next step's gradients."""
+    import torch
+
+    from deepspeed_feplb.integration.replicas import ReplicaSlots
+
+    class OneRank:  # the placement as ReplicaSlots sees it: one rank, no group
+        ep_group = None
+        replica_at = np.array([[3]])
+
+    slots = ReplicaSlots(OneRank(), [torch.zeros(2, 2)], 1)
+    slots.backward([], [[torch.ones(2, 2, dtype=torch.bfloat16)]], step_ends=False)
+    assert slots._sums[0][0].dtype == torch.float32  # summed in fp32, rounded once at the home
+    with pytest.warns(RuntimeWarning, match="did not reach their experts"):
+        slots.end_step()
+    assert slots._sums == [None]

@@ -63,11 +63,16 @@ def test_expected_counts_fill_the_lightest_node_first():
     assert counts.sum(axis=1).reshape(N, G).sum(axis=1) == pytest.approx([60.0, 60.0])
 
 
-def test_the_gradient_exchange_is_priced_per_holder_and_rank():
+def test_the_gradient_exchange_is_priced_as_the_runtime_makes_it():
     slots = _slots([[-1], [-1], [0], [1]])  # experts 0 and 1 (both on rank 0) have a replica each
-    # rank 0 exchanges two gradients (2 (c - 1) / c = 1 each, c = 2), ranks 2 and 3 one each: 2 x 1e6 bytes at 1 GB/s
-    assert rp.allreduce_us(slots, 1e6, 1.0) == pytest.approx(2 * 1e6 / 1e3)
-    assert rp.allreduce_us(_slots([[-1]] * R), 1e6, 1.0) == 0.0
+    # rank 0 receives two gradients and later sends two sets of weights back; ranks 2 and 3 send
+    # one and receive one: the slowest rank's two phases are 2 x 2 x 1e6 bytes at 1 GB/s
+    assert rp.exchange_us(slots, PRIMARIES, 1e6, 1.0) == pytest.approx(4 * 1e6 / 1e3)
+    assert rp.exchange_us(_slots([[-1]] * R), PRIMARIES, 1e6, 1.0) == 0.0
+    # an expert with 3 holders: its home takes 2 gradients in and sends 2 weights out
+    assert rp.exchange_us(_slots([[-1], [-1], [0], [0]]), PRIMARIES, 1e6, 1.0) == pytest.approx(4 * 1e6 / 1e3)
+    # a rank that is a home and a holder at once sends and receives in the same phase
+    assert rp.exchange_us(_slots([[2], [-1], [0], [-1]]), PRIMARIES, 1e6, 1.0) == pytest.approx(2 * 1e6 / 1e3)
     assert rp.replication_us(_slots([[-1]] * R), slots, 1e6, 1.0) == pytest.approx(1e3)
 
 
@@ -121,7 +126,7 @@ def test_the_simulator_replicates_hot_experts_across_nodes_where_it_pays():
         setup = SimSetup(ranks_per_node=8, nodes=2, experts=64, shape=shape, micro_batches_per_step=8,
                          redundant_per_rank=redundant)
         runs[redundant] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]
-    assert runs[1]["replicas"] > 0 and runs[1]["replica_allreduce_us"] > 0
+    assert runs[1]["replicas"] > 0 and runs[1]["replica_exchange_us"] > 0
     assert runs[1]["token_max_over_mean"] < runs[0]["token_max_over_mean"]
     assert runs[1]["expert_time_us"] < runs[0]["expert_time_us"]
 

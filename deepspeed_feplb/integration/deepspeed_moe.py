@@ -36,6 +36,7 @@ from deepspeed_feplb.integration.placement import (
 )
 from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.plan.replicas import load_split
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
 
@@ -95,6 +96,11 @@ class FEPLBMOELayer(MOELayer):
         self.stage.records = self.recorder is not None  # the trace carries what the stage did
         install_exit_handlers()
         refuse_stateful_experts(experts[0], hidden, migrating=config.dynamic_experts_per_rank > 0 and self.ep_size > 1)
+        if redundant and any(True for _ in experts[0].buffers()):
+            raise FEPLBModelError(
+                f"feplb.placement.redundant_experts_per_rank={redundant}: the MoE expert has buffers "
+                f"({', '.join(n for n, _ in experts[0].named_buffers())}), and a replica slot holds an expert's "
+                "parameters only; use experts without buffers, or set redundant_experts_per_rank to 0")
         if getattr(self.gate, "drop_tokens", False):
             _warn_dropless_once()
         self.gate.drop_tokens = False  # FEPLB is dropless
@@ -139,14 +145,14 @@ class FEPLBMOELayer(MOELayer):
         used_token = input[1] if len(input) > 1 else None
         timed = self.stage.stage_times.measure
         replicas = self.placement.replicas if self.placement is not None else None
-        if replicas is not None and replicas.stale and not recomputing():
+        if replicas is not None and replicas.stale and not recomputing() and self.placement.holds_replicas:
             replicas.refresh(self._primary_params())  # collective: the first forward after a step
         with timed("gate"):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
         if self.recorder is not None and not recomputing():
             self.recorder.record(self, expert_ids)  # logical experts: a trace replays under any placement
         if self.placement is not None:
-            if self.training and torch.is_grad_enabled() and not recomputing():
+            if self.training and not recomputing():  # a reentrant checkpoint's first forward runs without grad
                 self.placement.record(expert_ids)
             expert_ids = self.placement.route(expert_ids)
         with timed("dispatch"):
@@ -222,6 +228,7 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, 
                              weight_bytes=sum(p.numel() * p.element_size() for p in expert_params))
     if redundant:
         placed.replicas = ReplicaSlots(placed, expert_params, redundant)
+        load_split()
     return placed
 
 

@@ -197,20 +197,26 @@ class ExpertPlacement:
             return torch.where(valid, self.slot_ids[clamped],
                                torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
         # one copy to the host (the counts) and one back (the table and the split pairs)
-        counts = torch.bincount(torch.where(valid, expert_ids, self.num_experts).reshape(-1),
-                                minlength=self.num_experts + 1)[:self.num_experts]
-        table, seconds = self._micro_batch_slots(counts)
-        both = torch.from_numpy(np.concatenate([table, np.asarray(seconds, np.int64).reshape(-1)])).to(self.device)
-        table, split = both[:self.num_experts], both[self.num_experts:].view(-1, 3)  # split: expert, first rows, slot
-        slots = torch.where(valid, table[clamped], torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
+        key = torch.where(valid, expert_ids, self.num_experts).reshape(-1)  # E: no valid route
+        counts = torch.bincount(key, minlength=self.num_experts + 1)
+        table, seconds = self._micro_batch_slots(counts[:self.num_experts])
+        first = np.full(self.num_experts, np.iinfo(np.int64).max)  # routes to the first part's slot, per expert
+        second = np.zeros(self.num_experts, np.int64)  # the second part's slot
+        for e, rows, slot in seconds:
+            first[e], second[e] = rows, slot
+        both = torch.from_numpy(np.concatenate([table, first, second])).to(self.device).view(3, -1)
+        slots = torch.where(valid, both[0][clamped], torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
         if not seconds:
             return slots
-        # a split expert's routes past its first part's rows go to the second part's slot: counted
-        # on the device (a cumulative sum per split expert)
-        hit = expert_ids.reshape(-1)[:, None] == split[None, :, 0]  # [N, K]
-        second = hit & (hit.cumsum(0) > split[None, :, 1])
-        to = split[:, 2][second.to(torch.long).argmax(1)]
-        return torch.where(second.any(1), to, slots.reshape(-1)).reshape(slots.shape)
+        # a split expert's routes past its first part's rows go to the second part's slot: each
+        # route's place among its expert's routes, from a stable sort (on the device, O(routes))
+        order = torch.argsort(key, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        place = torch.empty_like(order)
+        place[order] = torch.arange(len(key), device=key.device) - starts[key[order]]
+        ids = clamped.reshape(-1)
+        moved = valid.reshape(-1) & (place >= both[1][ids])
+        return torch.where(moved, both[2][ids], slots.reshape(-1)).reshape(slots.shape)
 
     @property
     def replica_at(self) -> np.ndarray:
@@ -219,7 +225,9 @@ class ExpertPlacement:
 
     @property
     def holds_replicas(self) -> bool:
-        return bool((self.placer.replica_at >= 0).any())
+        """Whether any replica slot holds an expert; not inside a `canonical` block, where the
+        experts sit in DeepSpeed's slots and forwards route to them alone."""
+        return not self._canonical_blocks and bool((self.placer.replica_at >= 0).any())
 
     def home_of(self, expert: int) -> tuple[int, int]:
         """(EP rank, local index) of ``expert``'s primary slot."""
@@ -298,6 +306,9 @@ class ExpertPlacement:
         """Collective over the ranks that hold the layer, after the optimizer step: agree on the
         step's loads, feed them to the policy and, every ``interval_steps`` steps, re-place (moving
         the experts' parameters and optimizer state). Returns whether the placement changed."""
+        self._replicas_stale()  # the step changed the experts' weights
+        if self.replicas is not None:
+            self.replicas.end_step()
         if not self.pending:
             return False
         local = torch.stack(self.pending)  # [M, E]
@@ -306,13 +317,15 @@ class ExpertPlacement:
         extra[0, 0] = us_per_token
         # on the routing table's device: an NCCL group reduces CUDA tensors only
         both = torch.cat([local.cpu(), extra], dim=1).to(self.slot_of.device)
-        ranks = 1
-        for group in (self.ep_group, self.dp_group):
-            if group is not None and dist.get_world_size(group) > 1:
+        sizes = [dist.get_world_size(g) if g is not None else 1 for g in (self.ep_group, self.dp_group)]
+        for group, size in zip((self.ep_group, self.dp_group), sizes):
+            if size > 1:
                 dist.all_reduce(both, group=group)
-                ranks *= dist.get_world_size(group)
+        ranks = sizes[0] * sizes[1]
         both = both.cpu()
-        loads = both[:, :-1].numpy()
+        # one EP group's loads (the mean over its expert-data-parallel replicas, which place alike):
+        # what a placement or a replica gains per micro-batch is in one group's rows
+        loads = both[:, :-1].numpy() / sizes[1]
         self.last_loads = loads
         if self.steps == 0:  # as the simulator: first decision after one step, then every interval_steps steps
             self.placer.interval, self.placer.warmup = self.interval_steps * len(loads), len(loads)
@@ -321,7 +334,6 @@ class ExpertPlacement:
             self.placer.observe(row, refresh=False)
         self.steps += 1
         self.placer.us_per_token = float(both[0, -1]) / ranks
-        self._replicas_stale()  # the step changed the experts' weights
         if not self.placer.due:
             return False
         if not self.placer.refresh():
@@ -609,6 +621,7 @@ def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missin
             f"{'placement' if recorded != sorted(recorded) else 'DeepSpeed'}'s order, but this job has re-placed them "
             "since (feplb.placement); load a checkpoint with engine.load_checkpoint, or load the state dict inside "
             "`with deepspeed_feplb.canonical_experts(engine):` (collective) when it was taken in DeepSpeed's order")
+    placement._replicas_stale()  # the experts' weights change: their replicas' come again at the next forward
 
 
 def adopt_loaded_order(layer) -> None:

@@ -20,6 +20,7 @@ same replica table (`ExpertPlacement.replica_at`).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -97,7 +98,9 @@ class ReplicaSlots:
         for q, j, _ in held:
             if q == me:
                 grads = replica_grads[j]
-                self._sums[j] = ([g.clone() for g in grads] if self._sums[j] is None
+                # in fp32, so that a step's sum is rounded once (as DeepSpeed accumulates a bf16
+                # model's gradients), and sent so
+                self._sums[j] = ([g.float() for g in grads] if self._sums[j] is None
                                  else [s.add_(g) for s, g in zip(self._sums[j], grads)])
         if not step_ends:
             return primary_grads
@@ -108,7 +111,7 @@ class ReplicaSlots:
                 ops += [dist.P2POp(dist.isend, s.contiguous(), self._peer(home)) for s in self._sums[j]]
                 self.grad_sends += 1
             elif home == me:
-                buffers = [torch.empty_like(g) for g in primary_grads[local]]
+                buffers = [torch.empty_like(g, dtype=torch.float32) for g in primary_grads[local]]
                 ops += [dist.P2POp(dist.irecv, b, self._peer(q)) for b in buffers]
                 arriving.append((local, buffers))
         if ops:
@@ -116,6 +119,17 @@ class ReplicaSlots:
                 request.wait()
         out = [list(grads) for grads in primary_grads]
         for local, buffers in arriving:
-            out[local] = [g + b for g, b in zip(out[local], buffers)]
+            out[local] = [(g.float() + b).to(g.dtype) for g, b in zip(out[local], buffers)]
         self._sums = [None] * len(self.weights)
         return out
+
+    def end_step(self) -> None:
+        """At the optimizer step: a replica gradient sum still here did not reach its expert (the
+        step's last micro-batch ran no backward through the layer, or ran one that did not end
+        the step): it is dropped, with a warning, rather than added to the next step's."""
+        lost = [j for j, sums in enumerate(self._sums) if sums is not None]
+        if lost:
+            warnings.warn(f"FEPLB: the gradients of replica slot(s) {lost} did not reach their experts before the "
+                          "optimizer step (its last micro-batch ran no backward through this MoE layer); they are "
+                          "dropped", RuntimeWarning, stacklevel=2)
+            self._sums = [None] * len(self.weights)

@@ -11,7 +11,7 @@ FEPLB then balances inside each node as before. A replica holds the expert's wei
 summed into the expert's before the optimizer step, and the stepped weights come back to it. It
 costs a slot on its rank, its weights' transfer when it is created (`replication_us`), and that
 gradient exchange with the expert's other holders over the inter-node link at every optimizer
-step (`allreduce_us`); `choose` adds one only where the predicted gain over the following
+step (`exchange_us`); `choose` adds one only where the predicted gain over the following
 micro-batches pays for both.
 
 Slots: rank q holds ``slots[q]`` (int64 [R, S]): its primary experts (the placement's, ascending
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Choice", "slot_experts", "Split", "split", "route", "expected_counts", "predicted_rows", "allreduce_us",
-           "replication_us", "choose"]
+__all__ = ["Choice", "slot_experts", "Split", "split", "load_split", "route", "expected_counts", "predicted_rows",
+           "exchange_us", "replication_us", "choose"]
 
 
 def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarray:
@@ -66,7 +66,7 @@ def _split_pairs(pair_rows, pair_expert, pair_source, holder_ranks, holder_count
     """`split`'s greedy over pairs (largest first). A pair goes to the holder whose node has the
     fewest rows so far (ties: the source's own node, then the lower node, then the earlier
     holder); when that would lift its node above the next lightest node that holds the expert, it
-    is split between the two so that both reach the same level (the lighter one takes the odd
+    is split between the two so that both reach the same level (the other one takes the odd
     row). Writes ``out_rank`` int64 [K, 2] (-1: no second part) and ``out_rows`` float64 [K, 2];
     adds to ``node_rows`` float64 [N]."""
     for i in range(pair_rows.shape[0]):
@@ -112,6 +112,13 @@ def _compiled_split():
     replicated expert: importing this module (the runtime imports it) loads no compiler."""
     from numba import njit
     return njit(cache=True)(_split_pairs)
+
+
+def load_split() -> None:
+    """Load (or compile) `split`'s loop now: a runtime does it when a layer with replica slots
+    attaches, so that no rank compiles inside a collective forward."""
+    slots = np.array([[0, -1], [1, 0]], np.int64)
+    split(np.ones((2, 2), np.int64), slots, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -225,15 +232,22 @@ def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynami
     return _bound(expected_counts(w, slots, ranks_per_node), ranks_per_node, dynamic_experts)
 
 
-def allreduce_us(slots: np.ndarray, grad_bytes: float, net_gbps: float) -> float:
-    """One optimizer step's all-reduce of the replicated experts' gradients (µs): each expert with
-    c > 1 holders all-reduces over them (a ring: 2 (c - 1) / c of its gradient in and out of every
-    holder over the inter-node link, ``net_gbps``), the ranks' links in parallel, each rank its
-    experts one after the other; the slowest rank's time."""
+def exchange_us(slots: np.ndarray, primaries: int, grad_bytes: float, net_gbps: float) -> float:
+    """One optimizer step's replica exchange (µs), as the runtime makes it
+    (`integration.replicas.ReplicaSlots`): in the step's last backward every replica sends its
+    gradient to the expert's home (its primary slot, the first ``primaries`` columns of ``slots``),
+    and before the next forward the home sends the stepped weights back, ``grad_bytes`` each over
+    the inter-node link (``net_gbps``, each direction). In each of the two phases a rank's link
+    carries, one after the other, one gradient in per replica of its own experts (an expert with
+    c holders: c - 1) and one out per replica it holds, sending and receiving at once; the slowest
+    rank's two phases."""
     slots = np.asarray(slots, np.int64)
     held, copies = _copies(slots, int(slots.max()) + 1)
     c = np.where(held, copies[np.maximum(slots, 0)], 1)
-    per_rank = np.where(c > 1, 2.0 * (c - 1) / c, 0.0).sum(axis=1)
+    home = np.arange(slots.shape[1]) < primaries
+    into_home = np.where(home & (c > 1), c - 1, 0).sum(axis=1)  # per rank: gradients in (weights out)
+    from_replica = np.where(~home & (c > 1), 1, 0).sum(axis=1)  # per rank: gradients out (weights in)
+    per_rank = 2.0 * np.maximum(into_home, from_replica)
     return float(per_rank.max() * grad_bytes / (net_gbps * 1e3)) if math.isfinite(net_gbps) else 0.0
 
 
@@ -272,7 +286,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     prefix with the largest net gain per micro-batch on the later half of the samples is
     returned (held out: drift is what a choice judged on the very samples it was made from would
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
-    the step's gradient exchange (`allreduce_us` / ``micro_batches_per_step``) and their creation
+    the step's gradient exchange (`exchange_us` / ``micro_batches_per_step``) and their creation
     (`replication_us` against ``current``, spread over ``horizon`` micro-batches); none when no
     prefix pays. A replica holds the expert's weights only (``weight_bytes``, also its gradient's
     size): its gradient is summed into the expert's before the optimizer step, and the stepped
@@ -296,7 +310,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     def cost(replicas: np.ndarray) -> float:
         slots = slot_experts(e2r, replicas)
-        return (allreduce_us(slots, weight_bytes, net_gbps) / micro_batches_per_step
+        return (exchange_us(slots, E // R, weight_bytes, net_gbps) / micro_batches_per_step
                 + replication_us(before, slots, weight_bytes, net_gbps) / max(horizon, 1.0))
 
     expected = fit.mean(axis=0)

@@ -32,7 +32,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
-from deepspeed_feplb.plan.replicas import allreduce_us, route
+from deepspeed_feplb.plan.replicas import exchange_us, route
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
@@ -56,7 +56,7 @@ class SimSetup:
                replicas on other nodes where they pay; each micro-batch splits a replicated
                expert's rows between its holders (`replicas.route`); every optimizer step
                all-reduces their gradients over the inter-node link, **added to the expert time of
-               the micro-batch that ends the step** (``replica_allreduce_us``).
+               the micro-batch that ends the step** (``replica_exchange_us``).
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
     a runtime does them: at the end of the first step that is at least ``placement_warmup``
@@ -382,7 +382,7 @@ class _NodePolicy:
                                             micro_batches_per_step=setup.micro_batches_per_step)
                             for _ in range(layers)]
         self.budget_copies = []
-        self.replica_allreduce_us = 0.0
+        self.replica_exchange_us = 0.0
         keep = setup.max_resident if setup.residency == "step" and self.uses_residency else 0
         G, E = setup.ranks_per_node, setup.experts_per_rank + (setup.redundant_per_rank if self.placers else 0)
         self.residency = [[ResidencyTable(G, E, keep) for _ in range(setup.nodes)] for _ in range(layers)]
@@ -449,10 +449,10 @@ class _NodePolicy:
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
         if replicated and ends:  # the replicas' gradients are all-reduced at every optimizer step
-            reduce_us = allreduce_us(slots, s.shape.weight_bytes, s.profile.net_gbps)
+            reduce_us = exchange_us(slots, s.experts_per_rank, s.shape.weight_bytes, s.profile.net_gbps)
             timing["expert_us"] += reduce_us
-            timing["replica_allreduce_us"] = reduce_us
-            self.replica_allreduce_us += reduce_us
+            timing["replica_exchange_us"] = reduce_us
+            self.replica_exchange_us += reduce_us
         if self.placers is not None:
             placer = self.placers[layer]
             placer.observe(loads, refresh=False)
@@ -489,7 +489,7 @@ class _NodePolicy:
                "placement_migration_us": sum(p.migration_us for p in self.placers)}
         if self.setup.redundant_per_rank:
             out.update(replicas=sum(int((p.replica_at >= 0).sum()) for p in self.placers),
-                       replica_allreduce_us=self.replica_allreduce_us)
+                       replica_exchange_us=self.replica_exchange_us)
         return out
 
 
