@@ -163,8 +163,9 @@ def add_parser(subparsers) -> None:
                         "--micro-batches-per-step)")
     p.add_argument("--redundant-per-rank", type=whole_number(0), default=0, metavar="SLOTS",
                    help="replica slots per rank of feplb's placement layer: hot experts get replicas on other nodes "
-                        "where the gain pays for their gradient all-reduce at every optimizer step (over the "
-                        "profile's inter-node bandwidth, counted in the expert time) and their creation; each "
+                        "where the gain pays for sending their gradients home and the stepped weights back at every "
+                        "optimizer step (over the profile's inter-node bandwidth, counted in the expert time) and "
+                        "their creation; each "
                         "micro-batch splits a replicated expert's rows between the nodes (default: %(default)s)")
     p.add_argument("--sweep-d", type=_d_list, metavar="LIST",
                    help="comma list of D for the token-straggler-vs-D figure and the d_sweep of OUT.json "

@@ -55,7 +55,8 @@ class SimSetup:
                (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
                replicas on other nodes where they pay; each micro-batch splits a replicated
                expert's rows between its holders (`replicas.route`); every optimizer step
-               all-reduces their gradients over the inter-node link, **added to the expert time of
+               sends their gradients home and the stepped weights back over the inter-node link
+               (`replicas.exchange_us`), **added to the expert time of
                the micro-batch that ends the step** (``replica_exchange_us``).
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
@@ -448,7 +449,7 @@ class _NodePolicy:
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
-        if replicated and ends:  # the replicas' gradients are all-reduced at every optimizer step
+        if replicated and ends:  # the replicas' gradients go home, the stepped weights come back
             reduce_us = exchange_us(slots, s.experts_per_rank, s.shape.weight_bytes, s.profile.net_gbps)
             timing["expert_us"] += reduce_us
             timing["replica_exchange_us"] = reduce_us
