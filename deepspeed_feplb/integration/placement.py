@@ -193,9 +193,9 @@ class ExpertPlacement:
         valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
         clamped = expert_ids.clamp(0, self.num_experts - 1)
         beyond = expert_ids + (self.ep_size * self.local_slots - self.num_experts)
+        invalid = torch.where(expert_ids >= self.num_experts, beyond, expert_ids)  # what an invalid id becomes
         if not self.holds_replicas:
-            return torch.where(valid, self.slot_ids[clamped],
-                               torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
+            return torch.where(valid, self.slot_ids[clamped], invalid)
         # one copy to the host (the counts) and one back (the table and the split pairs)
         key = torch.where(valid, expert_ids, self.num_experts).reshape(-1)  # E: no valid route
         counts = torch.bincount(key, minlength=self.num_experts + 1)
@@ -205,7 +205,7 @@ class ExpertPlacement:
         for e, rows, slot in seconds:
             first[e], second[e] = rows, slot
         both = torch.from_numpy(np.concatenate([table, first, second])).to(self.device).view(3, -1)
-        slots = torch.where(valid, both[0][clamped], torch.where(expert_ids >= self.num_experts, beyond, expert_ids))
+        slots = torch.where(valid, both[0][clamped], invalid)
         if not seconds:
             return slots
         # a split expert's routes past its first part's rows go to the second part's slot: each

@@ -1,6 +1,6 @@
 """Replica slots at runtime (``feplb.placement.redundant_experts_per_rank``): copies of hot experts on
 other nodes, chosen at placement decisions (`plan.replicas.choose`), each micro-batch's rows split
-between an expert's holders (`plan.replicas.holder_ranks`).
+between an expert's holders (`plan.replicas.split`).
 
 A replica holds the expert's weights only. It is neither a parameter of the model nor of the
 optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints never see it:

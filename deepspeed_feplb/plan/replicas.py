@@ -108,8 +108,8 @@ def _split_pairs(pair_rows, pair_expert, pair_source, holder_ranks, holder_count
 
 @functools.cache
 def _compiled_split():
-    """`_split_pairs` compiled by numba (``cache=True``), loaded on the first micro-batch that has a
-    replicated expert: importing this module (the runtime imports it) loads no compiler."""
+    """`_split_pairs` compiled by numba (``cache=True``), loaded on first use (`load_split`):
+    importing this module (the runtime imports it) loads no compiler."""
     from numba import njit
     return njit(cache=True)(_split_pairs)
 
@@ -162,8 +162,7 @@ def split(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
     if len(rows):
         ranks, count = _holders(slots, E, primaries)
         src_node = (np.arange(src.shape[0]) * N // src.shape[0]).astype(np.int64)  # replayed on R ranks
-        _compiled_split()(rows, e_idx, s_idx, ranks, count, node_rows.astype(np.float64), ranks_per_node, src_node,
-                          out_rank, out_rows)
+        _compiled_split()(rows, e_idx, s_idx, ranks, count, node_rows, ranks_per_node, src_node, out_rank, out_rows)
     part = out_rank >= 0
     return Split(np.repeat(s_idx, part.sum(axis=1)), np.repeat(e_idx, part.sum(axis=1)), out_rank[part],
                  out_rows[part])
