@@ -7,7 +7,8 @@ Every case is one ``python -m deepspeed_feplb simulate`` command (printed as it 
 generated traces (``python -m deepspeed_feplb trace``, written to a temporary folder) and on the
 two shipped recordings replayed on 16 ranks (``--merge-sources``: their rows per rank halve). D = 4,
 8 micro-batches per optimizer step, GLM-5-like experts (6144 x 2048 SwiGLU), the h100 profile
-(inter-node 50 GB/s per rank); the replicas' gradient exchange is in the expert time. The
+(inter-node 50 GB/s per rank, 370 GB/s inside a node); the replicas' exchange (fp32 gradient
+sums home, weights back, relayed over every link of the two nodes) is in the expert time. The
 simulator is deterministic: the figures do not depend on the machine's load, only its wall time.
 Then `scale`: how long a replica decision and one micro-batch's split take at EP 64 and EP 256.
 """
@@ -108,7 +109,8 @@ def scale() -> dict:
                             for _ in range(16)]).astype(float)
         expert_to_rank = np.arange(E) // (E // R)
         start = time.perf_counter()
-        choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 40, 75.5e6, 50.0)
+        choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 40, 75.5e6, 50.0, grad_bytes=151e6,
+                                 intra_gbps=370.0)
         decide_s = time.perf_counter() - start
         slots = replicas.slot_experts(expert_to_rank, choice.replica_at)
         src = rng.multinomial(32768, popularity, size=R)

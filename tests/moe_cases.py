@@ -674,11 +674,11 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
             **counters, "monitored": monitored, "bundle_bytes": placement.bundle_bytes}
 
 
-def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5):
+def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, learn_router: bool = False):
     """TinyMoEModel (top-1) whose gate sends most tokens to expert 0 (``hot`` raises its logit;
     0.5: about 95% of all rows, far more than a node of 2 of 4 ranks should compute, which
     placement alone cannot split) and spreads the rest; the router and the layer before it are
-    frozen."""
+    frozen unless ``learn_router``."""
     torch.manual_seed(11)
     model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
                                       ep_size=ep_size, k=1, min_capacity=0, drop_tokens=False, use_rts=False))
@@ -686,17 +686,19 @@ def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5):
         weight = model.moe.deepspeed_moe.gate.wg.weight
         weight.mul_(0.2)
         weight[0] += hot / HIDDEN
-    # the router and its input layer do not learn: stationary loads, so "balanced once replicated"
+    # frozen, the router and its input layer give stationary loads, so "balanced once replicated"
     # is measurable on every micro-batch that follows
     for p in (weight, *model.inp.parameters()):
-        p.requires_grad_(False)
+        p.requires_grad_(learn_router)
     diversify_experts(model.moe)
     return model
 
 
-def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1) -> dict:
+def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1,
+                       learn_router: bool = False) -> dict:
     """feplb.placement with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
-    with half of all rows (`_one_hot_expert_model`), ``gas`` micro-batches per step: FEPLB and
+    with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``), ``gas``
+    micro-batches per step: FEPLB and
     DeepSpeed's MoE trained side by side. Returns both loss curves, the parameter errors (FEPLB's
     experts back in DeepSpeed's layout), each micro-batch's rows per rank before balancing
     (this rank's domain: ``ranks``, ``tokens_before``), the replica table after each step and the
@@ -710,7 +712,8 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
              "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5, "network_gbps": 1e6,
                            "redundant_experts_per_rank": redundant}}
     config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
-    models = {name: _one_hot_expert_model(4 * world, world) for name in ("reference", "feplb")}
+    models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router)
+              for name in ("reference", "feplb")}
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
         model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
     ours = engines["feplb"]

@@ -1,5 +1,7 @@
 """Redundant expert replicas across nodes (`plan.replicas`): slots, the per-micro-batch split of a
 replicated expert's rows, the gradient exchange's price, and the choice of replicas that pay."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -63,17 +65,38 @@ def test_expected_counts_fill_the_lightest_node_first():
     assert counts.sum(axis=1).reshape(N, G).sum(axis=1) == pytest.approx([60.0, 60.0])
 
 
-def test_the_gradient_exchange_is_priced_as_the_runtime_makes_it():
-    slots = _slots([[-1], [-1], [0], [1]])  # experts 0 and 1 (both on rank 0) have a replica each
-    # rank 0 receives two gradients and later sends two sets of weights back; ranks 2 and 3 send
-    # one and receive one: the slowest rank's two phases are 2 x 2 x 1e6 bytes at 1 GB/s
-    assert rp.exchange_us(slots, PRIMARIES, 1e6, 1.0) == pytest.approx(4 * 1e6 / 1e3)
-    assert rp.exchange_us(_slots([[-1]] * R), PRIMARIES, 1e6, 1.0) == 0.0
-    # an expert with 3 holders: its home takes 2 gradients in and sends 2 weights out
-    assert rp.exchange_us(_slots([[-1], [-1], [0], [0]]), PRIMARIES, 1e6, 1.0) == pytest.approx(4 * 1e6 / 1e3)
-    # a rank that is a home and a holder at once sends and receives in the same phase
-    assert rp.exchange_us(_slots([[2], [-1], [0], [-1]]), PRIMARIES, 1e6, 1.0) == pytest.approx(2 * 1e6 / 1e3)
-    assert rp.replication_us(_slots([[-1]] * R), slots, 1e6, 1.0) == pytest.approx(1e3)
+def test_a_relay_is_priced_hop_by_hop_over_every_link_of_the_two_nodes():
+    one = np.array([[0, 2]])  # rank 0 (node 0) to rank 2 (node 1), 2 ranks per node
+    # in one piece: 1e6 bytes as 2 shards of 5e5: hop 0 (rank 0 -> 1) and hop 2 (rank 3 -> 2) move one
+    # shard each at 2 GB/s, hop 1 one shard per rail at 1 GB/s, one after the other
+    assert rp.relay_us(one, R, G, 1e6, 1.0, 2.0, chunk_bytes=1e6) == pytest.approx(250 + 500 + 250)
+    # in 5 pieces the hops overlap: 7 rounds, each as long as its slowest hop's piece
+    assert rp.relay_us(one, R, G, 1e6, 1.0, 2.0, chunk_bytes=1e5) == pytest.approx((50 + 5 * 100 + 50))
+    # the intra-node hops are free when the node's links are: the inter-node hop alone
+    assert rp.relay_us(one, R, G, 1e6, 1.0, chunk_bytes=1e6) == pytest.approx(500)
+    # one rank per node: no relay, the whole transfer over the sender's own link
+    assert rp.relay_us(one, R, 1, 1e6, 1.0, 2.0) == pytest.approx(1000)
+    # two transfers out of one node share its rails
+    assert rp.relay_us(np.array([[0, 2], [1, 3]]), R, G, 1e6, 1.0, chunk_bytes=1e6) == pytest.approx(1000)
+    assert rp.relay_us(np.zeros((0, 2)), R, G, 1e6, 1.0) == 0.0
+    with pytest.raises(ValueError, match="share a node"):
+        rp.relay_us(np.array([[0, 1]]), R, G, 1e6, 1.0)
+
+
+def test_the_exchange_is_priced_as_the_runtime_makes_it():
+    slots = _slots([[-1], [-1], [0], [1]])  # experts 0 and 1 (both homed on rank 0) have a replica each
+    relay = functools.partial(rp.relay_us, ranks=R, ranks_per_node=G, net_gbps=1.0, intra_gbps=2.0)
+    # the replicas' fp32 gradient sums (2e6 bytes) go home, then the weights (1e6) come back
+    expected = relay(np.array([[2, 0], [3, 0]]), nbytes=2e6) + relay(np.array([[0, 2], [0, 3]]), nbytes=1e6)
+    assert rp.exchange_us(slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0) == pytest.approx(expected)
+    # two replicas of one home share its node's links: rank 0 hands both of rank 1's shards over (hop 0), each
+    # rail carries two shards (hop 1), ranks 2 and 3 swap one (hop 2)
+    assert relay(np.array([[0, 2], [0, 3]]), nbytes=1e6, chunk_bytes=1e6) == pytest.approx(500 + 1000 + 250)
+    assert rp.exchange_us(_slots([[-1]] * R), PRIMARIES, G, 1e6, 2e6, 1.0, 2.0) == 0.0
+    # creating replicas: the weights of the slots that changed, from their homes
+    assert rp.replication_us(_slots([[-1]] * R), slots, PRIMARIES, G, 1e6, 1.0, 2.0) == pytest.approx(
+        relay(np.array([[0, 2], [0, 3]]), nbytes=1e6))
+    assert rp.replication_us(slots, slots, PRIMARIES, G, 1e6, 1.0, 2.0) == 0.0
 
 
 def _skewed_samples(hot: float) -> np.ndarray:

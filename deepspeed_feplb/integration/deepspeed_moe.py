@@ -225,7 +225,8 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, 
                              placement.network_gbps, state_bytes_per_expert(expert_params),
                              dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
                              dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant,
-                             weight_bytes=sum(p.numel() * p.element_size() for p in expert_params))
+                             weight_bytes=sum(p.numel() * p.element_size() for p in expert_params),
+                             grad_bytes=sum(p.numel() * 4 for p in expert_params))
     if redundant:
         placed.replicas = ReplicaSlots(placed, expert_params, redundant)
         load_split()

@@ -147,13 +147,14 @@ class ExpertPlacement:
             `route` splits their rows between their holders every micro-batch; the layer's local
             experts are then its ``E / ep_size`` primary slots followed by ``redundant`` replica
             slots (`integration.replicas.ReplicaSlots`, attached as ``replicas`` by the layer).
-        weight_bytes: one expert's weight bytes (a replica's creation and gradient exchange).
+        weight_bytes: one expert's weight bytes (a replica's creation, and its weights at every step).
+        grad_bytes: one expert's gradient in fp32 (a replica's gradient sum sent home at every step).
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
                  decay: float, network_gbps: float, state_bytes: int, dynamic_experts: int = 0,
                  intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
-                 redundant: int = 0, weight_bytes: int = 0):
+                 redundant: int = 0, weight_bytes: int = 0, grad_bytes: int = 0):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         self.num_experts, self.ep_group, self.ep_size, self.dp_group = num_experts, ep_group, ep_size, dp_group
@@ -164,7 +165,8 @@ class ExpertPlacement:
         self.placer = CrossNodePlacer(num_experts, ep_size // ranks_per_node, ranks_per_node, interval=interval_steps,
                                       decay=decay, expert_state_bytes=float(state_bytes), net_gbps=network_gbps,
                                       dynamic_experts=dynamic_experts, intra_gbps=intra_gbps, warmup=1,
-                                      redundant=redundant, weight_bytes=float(weight_bytes))
+                                      redundant=redundant, weight_bytes=float(weight_bytes),
+                                      grad_bytes=float(grad_bytes))
         self.redundant = redundant
         self.local_slots = self.per_rank + redundant  # the layer's local experts: primaries, then replica slots
         self.replicas = None  # ReplicaSlots, attached by the layer when redundant > 0

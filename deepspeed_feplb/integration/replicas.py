@@ -7,7 +7,7 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
 
 * **Weights** come from the expert's home (its primary slot) at the first forward after each
   optimizer step, and after anything that may have changed them (a decision, a checkpoint load,
-  a `canonical_experts` block): `ReplicaSlots.refresh`, point to point over the EP group.
+  a `canonical_experts` block): `ReplicaSlots.refresh`.
 * **Gradients**: the layer computes a replica slot like any local expert, on parameters that are
   aliases of the replica's weights (`deepspeed_moe.ExpertGradOrder`). Its backward hands the
   replicas' gradients to `ReplicaSlots.backward`, which sums them over the step's micro-batches
@@ -15,17 +15,62 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
   it joins the expert's own gradient before DeepSpeed reduces it (ZeRO 0/1/2 alike: to DeepSpeed
   it is part of that micro-batch's gradient). Training equals DeepSpeed's MoE.
 
-Every rank of the EP group runs `refresh` and `backward` alike (both are collective), from the
-same replica table (`ExpertPlacement.replica_at`).
+Both cross nodes, and both go through `relay`, which spreads each transfer over every
+inter-node link of the two nodes (a node has one per rank) and pipelines its three hops. Every
+rank of the EP group runs `refresh` and `backward` alike (both are collective), from the same
+replica table (`ExpertPlacement.replica_at`).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from collections import defaultdict
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES
+
+
+def relay(transfers: list[tuple[int, int, list[torch.Tensor]]], me: int, ranks_per_node: int,
+          peer: Callable[[int], int], device: torch.device, chunk_bytes: int = RELAY_CHUNK_BYTES) -> None:
+    """Move tensors between ranks of a process group, each transfer over every link of its two
+    nodes. Collective: every rank passes the same ``transfers`` in the same order.
+
+    A transfer ``(src, dst, tensors)`` copies ``tensors`` from rank ``src`` to rank ``dst`` (group
+    ranks; on ``src`` the data, on ``dst`` contiguous buffers written in place, on every other
+    rank tensors of the same shapes and dtypes, neither read nor written: ``meta`` ones do). Between
+    nodes of ``ranks_per_node`` ranks, each tensor is cut into ``ranks_per_node`` shards; shard k
+    goes from ``src`` to the k-th rank of its node, from there to the k-th rank of ``dst``'s node
+    (one inter-node link per rank: all of them carry a share), and on to ``dst``, the two ranks
+    between holding it in a buffer on ``device``. Each shard moves in
+    pieces of ``chunk_bytes``, piece c crossing hop h in round c + h, so the hops overlap; a round
+    is one `torch.distributed.batch_isend_irecv` (``peer``: group rank -> global rank).
+    `plan.replicas.relay_us` prices it."""
+    G = ranks_per_node
+    rounds: dict[int, list] = defaultdict(list)
+    for src, dst, tensors in transfers:
+        for tensor in tensors:
+            if me == dst and not tensor.is_contiguous():
+                raise ValueError(f"relay: the buffer on rank {dst} must be contiguous, got strides {tensor.stride()}")
+            flat = tensor.reshape(-1)
+            between_nodes = src // G != dst // G
+            for k, shard in enumerate(flat.tensor_split(G) if between_nodes else [flat]):
+                path = [src, src // G * G + k, dst // G * G + k, dst] if between_nodes else [src, dst]
+                path = [r for i, r in enumerate(path) if i == 0 or r != path[i - 1]]
+                if me not in path or not shard.numel():
+                    continue
+                i = path.index(me)
+                buffer = shard if me in (src, dst) else torch.empty(shard.shape, dtype=shard.dtype, device=device)
+                for c, piece in enumerate(buffer.split(max(1, chunk_bytes // shard.element_size()))):
+                    if i > 0:
+                        rounds[c + i - 1].append(dist.P2POp(dist.irecv, piece, peer(path[i - 1])))
+                    if i < len(path) - 1:
+                        rounds[c + i].append(dist.P2POp(dist.isend, piece, peer(path[i + 1])))
+    for r in sorted(rounds):
+        for request in dist.batch_isend_irecv(rounds[r]):
+            request.wait()
 
 
 class ReplicaSlots:
@@ -53,6 +98,16 @@ class ReplicaSlots:
         group = self.placement.ep_group
         return dist.get_rank(group) if group is not None else 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.weights[0][0].device
+
+    @staticmethod
+    def _shapes(tensors: list[torch.Tensor], dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+        """Storage-less stand-ins of ``tensors`` (their shapes, and ``dtype`` or theirs), for `relay`
+        on a rank that neither sends nor receives the transfer."""
+        return [torch.empty(t.shape, dtype=dtype or t.dtype, device="meta") for t in tensors]
+
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.placement.ep_group, int(rank))
 
@@ -65,20 +120,16 @@ class ReplicaSlots:
         """Collective over the EP group: every held replica slot receives its expert's current
         weights from the expert's home (``expert_params``: this rank's primary experts' parameters,
         ``[E_local][n]``)."""
-        me, ops = self.me, []
+        me, transfers = self.me, []
         with torch.no_grad():
             for q, j, e in self._held():
                 home, local = self.placement.home_of(e)
                 if home == me == q:
                     raise AssertionError(f"expert {e} has a replica on its own home rank {me}")
-                if home == me:
-                    ops += [dist.P2POp(dist.isend, p.detach().contiguous(), self._peer(q))
-                            for p in expert_params[local]]
-                elif q == me:
-                    ops += [dist.P2POp(dist.irecv, w, self._peer(home)) for w in self.weights[j]]
-            if ops:
-                for request in dist.batch_isend_irecv(ops):
-                    request.wait()
+                tensors = ([p.detach().contiguous() for p in expert_params[local]] if home == me
+                           else self.weights[j] if q == me else self._shapes(self.weights[0]))
+                transfers.append((home, q, tensors))
+            relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
         # a slot that now holds another expert starts its sum afresh; one that holds the same (a
         # refresh in the middle of a step, after a `canonical_experts` block) keeps it
         now = self.placement.replica_at[me].tolist()
@@ -104,19 +155,19 @@ class ReplicaSlots:
                                  else [s.add_(g) for s, g in zip(self._sums[j], grads)])
         if not step_ends:
             return primary_grads
-        ops, arriving = [], []
+        transfers, arriving = [], []
         for q, j, e in held:
             home, local = self.placement.home_of(e)
             if q == me:
-                ops += [dist.P2POp(dist.isend, s.contiguous(), self._peer(home)) for s in self._sums[j]]
+                tensors = self._sums[j]
                 self.grad_sends += 1
             elif home == me:
-                buffers = [torch.empty_like(g, dtype=torch.float32) for g in primary_grads[local]]
-                ops += [dist.P2POp(dist.irecv, b, self._peer(q)) for b in buffers]
-                arriving.append((local, buffers))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+                tensors = [torch.empty(w.shape, dtype=torch.float32, device=self.device) for w in self.weights[0]]
+                arriving.append((local, tensors))
+            else:
+                tensors = self._shapes(self.weights[0], torch.float32)
+            transfers.append((q, home, tensors))
+        relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
         out = [list(grads) for grads in primary_grads]
         for local, buffers in arriving:
             out[local] = [(g.float() + b).to(g.dtype) for g, b in zip(out[local], buffers)]

@@ -72,6 +72,11 @@ class ExpertShape:
         return self.mats * self.hidden * self.ffn_hidden * self.dtype_bytes
 
     @property
+    def grad_bytes(self) -> int:
+        """One expert's gradient in fp32, as a replica's gradient sum travels."""
+        return self.mats * self.hidden * self.ffn_hidden * 4
+
+    @property
     def row_bytes(self) -> int:
         return self.hidden * self.dtype_bytes
 

@@ -437,8 +437,9 @@ class CrossNodePlacer:
     redundant:       replica slots per rank (`plan.replicas`): each decision also chooses which
                      hot experts get a replica on another node (`replicas.choose`, on the last
                      `RECENT_SAMPLES` micro-batches), where the gain pays for their gradient
-                     exchange at every optimizer step (``micro_batches_per_step`` micro-batches)
-                     and their creation (an expert's ``weight_bytes`` each).
+                     exchange at every optimizer step (``micro_batches_per_step`` micro-batches:
+                     its gradient sum, ``grad_bytes`` (None: ``weight_bytes``), goes home and the
+                     weights come back) and their creation (an expert's ``weight_bytes`` each).
 
     A decision (`refresh`) takes the candidate of `improve_placement` with the largest
     ``gain - cost`` (none when nothing pays); ``last_cost_us`` is the transfer time of the last
@@ -469,6 +470,7 @@ class CrossNodePlacer:
     max_retention: float = 0.95
     redundant: int = 0
     weight_bytes: float = 0.0
+    grad_bytes: Optional[float] = None
     micro_batches_per_step: int = 1
     expert_to_rank: np.ndarray = field(init=False)
     replica_at: np.ndarray = field(init=False)
@@ -555,12 +557,14 @@ class CrossNodePlacer:
         before = self.slots
         choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
                                  self.dynamic_experts, self.us_per_token, self.micro_batches_per_step, horizon,
-                                 self.weight_bytes, self.net_gbps, self.replica_at)
+                                 self.weight_bytes, self.net_gbps, self.replica_at, grad_bytes=self.grad_bytes,
+                                 intra_gbps=self.intra_gbps)
         new = choice.replica_at
         if np.array_equal(new, self.replica_at):
             return False
         self.replica_at = new
-        made = replicas.replication_us(before, self.slots, self.weight_bytes, self.net_gbps)
+        made = replicas.replication_us(before, self.slots, self.experts // len(self.replica_at), self.ranks_per_node,
+                                       self.weight_bytes, self.net_gbps, self.intra_gbps)
         self.last_cost_us += made
         self.migration_us += made
         return True

@@ -10,8 +10,8 @@ overshoot it; every rank computes it alike from the ranks' all-gathered route co
 FEPLB then balances inside each node as before. A replica holds the expert's weights only: its gradient is
 summed into the expert's before the optimizer step, and the stepped weights come back to it. It
 costs a slot on its rank, its weights' transfer when it is created (`replication_us`), and that
-gradient exchange with the expert's other holders over the inter-node link at every optimizer
-step (`exchange_us`); `choose` adds one only where the predicted gain over the following
+exchange with the expert's home at every optimizer step (`exchange_us`), each transfer relayed
+over all the links of the two nodes (`relay_us`); `choose` adds one only where the predicted gain over the following
 micro-batches pays for both.
 
 Slots: rank q holds ``slots[q]`` (int64 [R, S]): its primary experts (the placement's, ascending
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Choice", "slot_experts", "Split", "split", "load_split", "route", "expected_counts", "predicted_rows",
-           "exchange_us", "replication_us", "choose"]
+           "RELAY_CHUNK_BYTES", "relay_us", "exchange_us", "replication_us", "choose"]
 
 
 def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarray:
@@ -231,31 +231,74 @@ def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynami
     return _bound(expected_counts(w, slots, ranks_per_node), ranks_per_node, dynamic_experts)
 
 
-def exchange_us(slots: np.ndarray, primaries: int, grad_bytes: float, net_gbps: float) -> float:
-    """One optimizer step's replica exchange (µs), as the runtime makes it
-    (`integration.replicas.ReplicaSlots`): in the step's last backward every replica sends its
-    gradient to the expert's home (its primary slot, the first ``primaries`` columns of ``slots``),
-    and before the next forward the home sends the stepped weights back, ``grad_bytes`` each over
-    the inter-node link (``net_gbps``, each direction). In each of the two phases a rank's link
-    carries, one after the other, one gradient in per replica of its own experts (an expert with
-    c holders: c - 1) and one out per replica it holds, sending and receiving at once; the slowest
-    rank's two phases."""
+RELAY_CHUNK_BYTES = 4 << 20  # `integration.replicas.relay` moves a shard in pieces of this size, hops pipelined
+
+
+def relay_us(transfers: np.ndarray, ranks: int, ranks_per_node: int, nbytes: float, net_gbps: float,
+             intra_gbps: float = math.inf, chunk_bytes: float = RELAY_CHUNK_BYTES) -> float:
+    """Time (µs) to move ``nbytes`` along each of ``transfers`` int64 [T, 2] (source rank,
+    destination rank, on different nodes) the way the runtime relays them
+    (`integration.replicas.relay`): each is cut into ``ranks_per_node`` shards; shard k goes from
+    the source to the k-th rank of its node (hop 0, ``intra_gbps``), over the inter-node link to
+    the k-th rank of the destination's node (hop 1, ``net_gbps``), and on to the destination (hop
+    2, ``intra_gbps``), so a transfer uses every link of the two nodes. A hop takes as long as its
+    busiest rank (sending and receiving at once; all transfers share it). The shards move in C
+    pieces of ``chunk_bytes``, piece c crossing hop h in round c + h: the C + 2 rounds each take
+    their slowest hop's share (1 / C of it)."""
+    transfers = np.asarray(transfers, np.int64).reshape(-1, 2)
+    if not len(transfers) or not math.isfinite(net_gbps):
+        return 0.0
+    G = ranks_per_node
+    s, d = np.repeat(transfers[:, 0], G), np.repeat(transfers[:, 1], G)
+    if np.any(s // G == d // G):
+        raise ValueError("relay_us prices transfers between nodes; some source and destination share a node")
+    shard = nbytes / G
+    rails = np.tile(np.arange(G), len(transfers))
+    carry_s, carry_d = s // G * G + rails, d // G * G + rails  # the ranks that carry shard k
+    hops = np.zeros((3, 2, ranks))  # bytes [hop, sent / received, rank]
+    for h, (a, b) in enumerate(((s, carry_s), (carry_s, carry_d), (carry_d, d))):
+        moving = a != b
+        np.add.at(hops[h, 0], a[moving], shard)
+        np.add.at(hops[h, 1], b[moving], shard)
+    rate = np.array([intra_gbps, net_gbps, intra_gbps]) * 1e3
+    hop_us = hops.max(axis=(1, 2)) / rate  # [hop]
+    C = max(1, math.ceil(shard / chunk_bytes))
+    return float(sum(max(hop_us[h] for h in range(3) if 0 <= r - h < C) for r in range(C + 2)) / C)
+
+
+def _replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
+    """int64 [T, 2]: (home rank, holder rank) of every held replica slot of ``slots`` [R, S], in
+    holder-rank then slot order (the runtime's order)."""
     slots = np.asarray(slots, np.int64)
-    held, copies = _copies(slots, int(slots.max()) + 1)
-    c = np.where(held, copies[np.maximum(slots, 0)], 1)
-    home = np.arange(slots.shape[1]) < primaries
-    into_home = np.where(home & (c > 1), c - 1, 0).sum(axis=1)  # per rank: gradients in (weights out)
-    from_replica = np.where(~home & (c > 1), 1, 0).sum(axis=1)  # per rank: gradients out (weights in)
-    per_rank = 2.0 * np.maximum(into_home, from_replica)
-    return float(per_rank.max() * grad_bytes / (net_gbps * 1e3)) if math.isfinite(net_gbps) else 0.0
+    q, j = np.nonzero(slots[:, primaries:] >= 0)
+    e = slots[q, primaries + j]
+    home = np.zeros(int(slots.max(initial=-1)) + 1, np.int64)
+    home[slots[:, :primaries].ravel()] = np.repeat(np.arange(slots.shape[0]), primaries)
+    return np.stack([home[e], q], axis=1)
 
 
-def replication_us(old: np.ndarray, new: np.ndarray, state_bytes: float, net_gbps: float) -> float:
-    """Creating replicas: every (rank, expert) newly held arrives with ``state_bytes`` over the
-    inter-node link, each rank's one after the other, ranks in parallel (µs). old, new: int64
-    [R, S] slots."""
-    per_rank = [len(set(n[n >= 0].tolist()) - set(o[o >= 0].tolist())) for o, n in zip(old, new)]
-    return max(per_rank, default=0) * state_bytes / (net_gbps * 1e3)
+def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float, grad_bytes: float,
+                net_gbps: float, intra_gbps: float = math.inf) -> float:
+    """One optimizer step's replica exchange (µs), as the runtime makes it
+    (`integration.replicas.ReplicaSlots`): in the step's last backward every replica's gradient
+    sum (``grad_bytes``: fp32) goes to the expert's home (its primary slot, the first
+    ``primaries`` columns of ``slots``), and before the next forward the home sends the stepped
+    weights (``weight_bytes``) back, each relayed over every link of the two nodes (`relay_us`)."""
+    pairs = _replica_pairs(slots, primaries)
+    R = np.asarray(slots).shape[0]
+    return (relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
+            + relay_us(pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps))
+
+
+def replication_us(old: np.ndarray, new: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float,
+                   net_gbps: float, intra_gbps: float = math.inf) -> float:
+    """Creating replicas (µs): every replica slot of ``new`` int64 [R, S] that held another expert
+    (or none) in ``old`` receives its expert's weights from the home (`relay_us`)."""
+    old, new = np.asarray(old, np.int64), np.asarray(new, np.int64)
+    made = new.copy()
+    made[:, primaries:][new[:, primaries:] == old[:, primaries:]] = -1
+    return relay_us(_replica_pairs(made, primaries), new.shape[0], ranks_per_node, weight_bytes, net_gbps,
+                    intra_gbps)
 
 
 @dataclass(frozen=True)
@@ -269,7 +312,8 @@ class Choice:
 
 def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int, redundant: int,
            dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, horizon: float,
-           weight_bytes: float, net_gbps: float, current: np.ndarray | None = None) -> Choice:
+           weight_bytes: float, net_gbps: float, current: np.ndarray | None = None, *,
+           grad_bytes: float | None = None, intra_gbps: float = math.inf) -> Choice:
     """The replicas to hold over the primaries ``expert_to_rank``, judged on ``samples`` float [K, E]:
     the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
     catches, and what a moving average hides).
@@ -287,9 +331,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
     the step's gradient exchange (`exchange_us` / ``micro_batches_per_step``) and their creation
     (`replication_us` against ``current``, spread over ``horizon`` micro-batches); none when no
-    prefix pays. A replica holds the expert's weights only (``weight_bytes``, also its gradient's
-    size): its gradient is summed into the expert's before the optimizer step, and the stepped
-    weights reach it with the exchange's return half."""
+    prefix pays. A replica holds the expert's weights only (``weight_bytes``; its gradient sum
+    travels as ``grad_bytes``, default ``weight_bytes``): the sum joins the expert's gradient
+    before the optimizer step, and the stepped weights reach it with the exchange's return half,
+    both relayed over every link of the two nodes (``net_gbps`` between nodes, ``intra_gbps``
+    inside one)."""
     samples = np.atleast_2d(np.asarray(samples, np.float64))
     e2r = np.asarray(expert_to_rank, np.int64)
     E = samples.shape[1]
@@ -300,6 +346,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     if redundant <= 0 or N <= 1:
         return Choice(none, 0.0, 0.0)
     before = slot_experts(e2r, none if current is None else current)
+    grad = weight_bytes if grad_bytes is None else grad_bytes
     half = len(samples) // 2
     fit, judge = (samples[:half], samples[half:]) if half else (samples, samples)
 
@@ -309,8 +356,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     def cost(replicas: np.ndarray) -> float:
         slots = slot_experts(e2r, replicas)
-        return (exchange_us(slots, E // R, weight_bytes, net_gbps) / micro_batches_per_step
-                + replication_us(before, slots, weight_bytes, net_gbps) / max(horizon, 1.0))
+        links = (net_gbps, intra_gbps)
+        return (exchange_us(slots, E // R, G, weight_bytes, grad, *links) / micro_batches_per_step
+                + replication_us(before, slots, E // R, G, weight_bytes, *links) / max(horizon, 1.0))
 
     expected = fit.mean(axis=0)
     base = judged_rows(none)

@@ -55,8 +55,8 @@ class SimSetup:
                (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
                replicas on other nodes where they pay; each micro-batch splits a replicated
                expert's rows between its holders (`replicas.route`); every optimizer step
-               sends their gradients home and the stepped weights back over the inter-node link
-               (`replicas.exchange_us`), **added to the expert time of
+               sends their gradient sums (fp32) home and the stepped weights back, relayed over
+               every link of the two nodes (`replicas.exchange_us`), **added to the expert time of
                the micro-batch that ends the step** (``replica_exchange_us``).
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
@@ -380,6 +380,7 @@ class _NodePolicy:
                                             horizon=setup.placement_horizon, intra_gbps=setup.profile.ce_gbps,
                                             warmup=setup.warmup, redundant=setup.redundant_per_rank,
                                             weight_bytes=setup.shape.weight_bytes,
+                                            grad_bytes=setup.shape.grad_bytes,
                                             micro_batches_per_step=setup.micro_batches_per_step)
                             for _ in range(layers)]
         self.budget_copies = []
@@ -450,7 +451,8 @@ class _NodePolicy:
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
         if replicated and ends:  # the replicas' gradients go home, the stepped weights come back
-            reduce_us = exchange_us(slots, s.experts_per_rank, s.shape.weight_bytes, s.profile.net_gbps)
+            reduce_us = exchange_us(slots, s.experts_per_rank, G, s.shape.weight_bytes, s.shape.grad_bytes,
+                                    s.profile.net_gbps, s.profile.ce_gbps)
             timing["expert_us"] += reduce_us
             timing["replica_exchange_us"] = reduce_us
             self.replica_exchange_us += reduce_us
