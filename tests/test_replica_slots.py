@@ -24,13 +24,17 @@ def _node_rows(results: list, ranks_per_node: int = 2) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("world,zero_stage,redundant", [(4, 0, 1), (4, 1, 1), (4, 2, 1), (4, 2, 0), (8, 2, 1)],
-                         ids=["zero0", "zero1", "zero2", "zero2-no-replicas", "zero2-4-nodes"])
-def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage, redundant):
+@pytest.mark.parametrize("world,zero_stage,redundant,steps,learn",
+                         [(4, 0, 1, 8, False), (4, 1, 1, 8, False), (4, 2, 1, 8, False), (4, 2, 0, 8, False),
+                          (8, 2, 1, 6, False), (4, 1, 1, 30, True)],
+                         ids=["zero0", "zero1", "zero2", "zero2-no-replicas", "zero2-4-nodes", "zero1-learning-30"])
+def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage, redundant, steps, learn):
     """2 nodes of 2 ranks, and 4 nodes of 2 (where the hot expert needs a replica on every other
-    node: `replicas.choose` may give an expert several)."""
+    node: `replicas.choose` may give an expert several). With a frozen router every micro-batch
+    after the first decision is balanced; a learning one (30 steps) spreads its rows as it learns,
+    so the replicas change with it and follow up to a decision (2 steps) behind."""
     gas = 2
-    results = run_distributed(moe_cases.replica_slots_case, world, zero_stage, 6 if world > 4 else 8, gas, redundant,
+    results = run_distributed(moe_cases.replica_slots_case, world, zero_stage, steps, gas, redundant, learn,
                               timeout=900)
     r = results[0]
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
@@ -38,7 +42,12 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
     ratio = nodes.max(axis=1) / nodes.min(axis=1)
     if redundant:
         assert any(q >= 0 for step in r["replica_at"] for row in step for q in row), "no replica was made"
-        assert ratio.max() <= 1.05, f"node rows per micro-batch after the first decision: {nodes.tolist()}"
+        balanced = ratio <= 1.05
+        # (the learning router of this case: 42 of 58 within 5%, the rest while the replicas catch up)
+        assert balanced.mean() >= 0.5 if learn else balanced.all(), \
+            f"node rows per micro-batch after the first decision: {nodes.tolist()}"
+        if learn:
+            assert len({str(step) for step in r["replica_at"]}) > 2, "the replicas did not follow the router"
         # every step's replica gradients went home (each holder once per step), and fresh weights came back
         assert sum(x["grad_sends"] for x in results) >= len(r["replica_at"]) - 1
         assert r["refreshes"] >= len(r["replica_at"]) - 1
