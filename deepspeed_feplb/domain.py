@@ -199,6 +199,35 @@ def _at_exit() -> None:
     global _exiting
     _exiting = True  # from here on the interpreter only exits: see `_on_sigterm`
     shutdown()
+    _let_gloo_workers_settle()
+
+
+def _let_gloo_workers_settle(timeout_s: float = 0.5) -> None:
+    """Release the GIL until every gloo worker thread (``pt_gloo_runloop``) has slept twice in a row.
+
+    Nothing destroys the process groups at exit (DeepSpeed and the model hold them), so their
+    workers live into interpreter finalization. A worker that still holds its last collective's
+    tensors then takes the GIL to free them, and Python 3.11 ends such a thread with pthread_exit
+    inside a noexcept destructor: "terminate called without an active exception" (SIGABRT) after
+    the program's last line (PyTorch PR 179291). Linux only (it reads /proc/self/task); elsewhere,
+    and after ``timeout_s``, it returns."""
+    deadline, calm = time.monotonic() + timeout_s, 0
+    while calm < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)  # without the GIL: a worker waiting for it finishes now
+        try:
+            tasks = os.listdir("/proc/self/task")
+        except OSError:
+            return
+        busy = False
+        for tid in tasks:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+            busy |= name == "pt_gloo_runloop" and state not in "SD"
+        calm = 0 if busy else calm + 1
 
 
 def _on_sigterm(signum, frame) -> None:
