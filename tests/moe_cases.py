@@ -630,7 +630,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     DeepSpeed's placement and under FEPLB's final one, and the placement counters."""
     import deepspeed
 
-    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.integration.placement import ModuleExperts, placed_layers
     world = dist.get_world_size()
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
@@ -667,7 +667,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
                 "moved_bytes": placement.moved_bytes, "expert_at": placement.expert_at.tolist()}
     params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
     reference = dict(engines["reference"].module.named_parameters())
-    with placement.canonical(params, ours.optimizer):
+    with placement.canonical(ModuleExperts(params, ours.optimizer)):
         errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
     return {"losses": losses, "param_errors": errors, "identity_node_loads": identity_nodes.tolist(),
             "placed_node_loads": np.sum(placed, axis=0).tolist(), "expert_loads": loads.tolist(),
@@ -705,7 +705,7 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     replicas' refresh and gradient-send counts."""
     import deepspeed
 
-    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.integration.placement import ModuleExperts, placed_layers
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "copy_engine_gbps": 1e6,
@@ -731,7 +731,7 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     placement = layer.placement
     params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
     reference = dict(engines["reference"].module.named_parameters())
-    with placement.canonical(params, ours.optimizer):
+    with placement.canonical(ModuleExperts(params, ours.optimizer)):
         errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
         names = sorted(ours.module.state_dict())
     return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,

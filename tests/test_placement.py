@@ -147,17 +147,6 @@ def test_placement_refuses_what_it_cannot_move(ds_config, problem):
         _check_placement(model, ds_config)
 
 
-def test_placement_refuses_autoep_layers(monkeypatch):
-    import torch
-
-    from deepspeed_feplb.config import FEPLBConfigError, load_config
-    from deepspeed_feplb.integration import autoep
-    monkeypatch.setattr(autoep, "autoep_layers", lambda model: {"model.layers.0.mlp": object()})
-    config = load_config({"feplb": {"placement": {"enabled": True}}})
-    with pytest.raises(FEPLBConfigError, match="feplb.placement.enabled: .*AutoEP layers .*model.layers.0.mlp"):
-        autoep.install(torch.nn.Linear(2, 2), config)
-
-
 def one_node_placement_warning() -> list:
     import contextlib
     import io

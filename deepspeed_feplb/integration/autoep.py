@@ -30,17 +30,26 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import validate_domain_size
+from deepspeed_feplb.domain import domain_size, validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.placement import (
+    ExpertPlacement,
+    StackedExperts,
+    adopt_loaded_order,
+    check_expert_order,
+    record_expert_order,
+    state_bytes_per_expert,
+)
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
-from deepspeed_feplb.stats import unbalanced_stats
+from deepspeed_feplb.stats import recomputing, unbalanced_stats
 
 try:  # DeepSpeed without AutoEP: nothing to install
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
     from deepspeed.moe.ep_experts import GroupedExperts, apply_expert_activation
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 except ImportError:  # pragma: no cover - depends on the DeepSpeed version
-    AutoEPMoELayer = GroupedExperts = None
+    AutoEPMoELayer = GroupedExperts = TokenChoiceTopKRouter = None
 
 
 class SwiGLUExpert(torch.nn.Module):
@@ -67,11 +76,26 @@ class SwiGLUExpert(torch.nn.Module):
 class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torch.nn.Module):
     """AutoEP's ``GroupedExperts`` with FEPLB's expert stage (module docstring); set up by `install`."""
 
+    # under a cross-node placement, a state dict taken outside `canonical_experts` names the stacked
+    # weights so (`integration.placement.record_expert_order`)
+    feplb_expert_keys = (("w1", "feplb_placed_w1"), ("w2", "feplb_placed_w2"), ("w3", "feplb_placed_w3"))
+
+    def expert_states(self, optimizer) -> StackedExperts:
+        """The local experts as placement moves them: rows of ``w1, w2, w3`` (with ``optimizer``'s
+        state)."""
+        return StackedExperts([self.w1, self.w2, self.w3], optimizer)
+
     def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int, layer_facts: dict, step_ends=None) -> None:
         """``layer_facts``: what every rank of the EP group must have built alike (top-k, hidden
         size, experts); ``step_ends`` says whether the current micro-batch ends the optimizer step
         (`seams.step_ends`; default: every one does)."""
         self.feplb_config = config
+        self.placement: Optional[ExpertPlacement] = None  # cross-node placement, set by `install` (feplb.placement)
+        self.loaded_expert_order: Optional[list[int]] = None  # a placement-order state dict's, loaded before it
+        if not getattr(self, "_feplb_state_hooks", False):  # install may run twice on one model
+            self._feplb_state_hooks = True
+            self.register_state_dict_post_hook(record_expert_order)
+            self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
         self.feplb_ep_group = ep_group
         self.feplb_ep_size = ep_size
         self._layer_facts = layer_facts
@@ -86,6 +110,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         return self.stage.stats if self.stage is not None else self._plain_stats
 
     def _feplb_attach(self) -> None:
+        adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order
         config = self.feplb_config
         if self.feplb_ep_size > 1 and dist.is_initialized():
             check_group_agrees(config, self.feplb_ep_group, self._layer_facts)
@@ -182,9 +207,6 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
     layers = autoep_layers(model)
     if not config.enabled:
         return {}
-    if layers and config.placement.enabled:
-        raise FEPLBConfigError(f"feplb.placement.enabled: cross-node placement does not cover AutoEP layers yet "
-                               f"({', '.join(sorted(layers))}); set feplb.placement.enabled to false")
     installed = {}
     for name, layer in layers.items():
         experts = layer.experts
@@ -202,11 +224,61 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
         validate_domain_size(config, layer.ep_size)
         if type(experts) is not FEPLBGroupedExperts:
             seams.become(experts, FEPLBGroupedExperts)
-        facts = {"num_experts": layer.num_experts, "top-k": layer.top_k, "hidden size": layer.hidden_size}
+        facts = {"num_experts": layer.num_experts, "top-k": layer.top_k, "hidden size": layer.hidden_size,
+                 "feplb.placement": config.placement.model_dump()}
         experts.feplb_setup(config, layer.ep_group, layer.ep_size, facts,
                             seams.step_ends(engine) if engine is not None else None)
+        if config.placement.enabled and layer.ep_size > 1:
+            _place(name, layer, experts, config)
         installed[name] = experts
     return installed
+
+
+def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) -> None:
+    """Cross-node placement for one AutoEP layer (``feplb.placement``): an `ExpertPlacement` on its
+    experts (which `integration.placement.install` drives at every optimizer step, moving rows of
+    the stacked weights with their optimizer state) and its router's routes sent to the experts'
+    slots (`PlacedRouter`)."""
+    redundant = config.placement.redundant_experts_per_rank
+    if redundant and layer.ep_size > domain_size(config, layer.ep_size):
+        raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank "
+                               f"do not cover AutoEP layers yet ({name}); set it to 0 (placement still moves "
+                               "experts between nodes)")
+    one_expert = [w[0] for w in (experts.w1, experts.w2, experts.w3)]
+    placement = config.placement
+    experts.placement = ExpertPlacement(
+        layer.num_experts, layer.ep_group, layer.ep_size, domain_size(config, layer.ep_size),
+        placement.interval_steps, placement.history_decay, placement.network_gbps, state_bytes_per_expert(one_expert),
+        dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
+        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device)
+    if type(layer.router) is not PlacedRouter:
+        seams.become(layer.router, PlacedRouter)
+    object.__setattr__(layer.router, "_feplb_layer", layer)  # not a submodule: the layer holds the router
+
+
+class PlacedRouter(TokenChoiceTopKRouter if TokenChoiceTopKRouter is not None else torch.nn.Module):
+    """AutoEP's router whose routes go to the experts' slots under a cross-node placement.
+
+    The router picks logical experts; AutoEP dispatches expert id ``e`` to rank ``e // E_local``.
+    This router returns each route's slot id instead (`ExpertPlacement.route`) and the counts per
+    slot, so AutoEP's dispatch, its split plan and the experts module see slots, as DeepSpeed's MoE
+    layer does under placement. What stays logical: the scores, the router's own bias, and the
+    layer's ``tokens_per_expert`` (what AutoEP's load-balancing bias update reads), to which the
+    difference between the logical and the slot counts is added, since AutoEP adds the returned
+    counts. Training micro-batches (not recomputed ones) feed the placement's history."""
+
+    def forward(self, x: torch.Tensor, expert_bias: Optional[torch.Tensor] = None):
+        top_scores, selected, counts, *rest = super().forward(x, expert_bias)
+        layer = self._feplb_layer
+        placement = layer.experts.placement
+        if self.training and not recomputing():
+            placement.record(selected)
+        if placement.identity:
+            return (top_scores, selected, counts, *rest)
+        slot_counts = torch.empty_like(counts).scatter_(0, placement.slot_of.to(counts.device), counts)
+        with torch.no_grad():
+            layer.tokens_per_expert.add_(counts - slot_counts)
+        return (top_scores, placement.route(selected), slot_counts, *rest)
 
 
 def autoep_stats(model: torch.nn.Module) -> dict:

@@ -29,6 +29,7 @@ from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
+    ModuleExperts,
     adopt_loaded_order,
     check_expert_order,
     record_expert_order,
@@ -179,6 +180,10 @@ class FEPLBMOELayer(MOELayer):
 
     def _primary_params(self) -> list[list[torch.Tensor]]:
         return [list(expert.parameters()) for expert in self.experts.deepspeed_experts]
+
+    def expert_states(self, optimizer) -> ModuleExperts:
+        """The local experts as placement moves them (with ``optimizer``'s state)."""
+        return ModuleExperts(self._primary_params(), optimizer)
 
     def _expert_params(self) -> list[list[torch.Tensor]]:
         """Every local expert's parameters, routed through `ExpertGradOrder` when gradients flow; with

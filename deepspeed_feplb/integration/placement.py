@@ -127,6 +127,89 @@ def state_bytes_per_expert(params: list[torch.Tensor], optimizer_states: int = 2
     return own + master + 4 * numel * optimizer_states
 
 
+class ModuleExperts:
+    """A layer's local experts as DeepSpeed MoE holds them, each with its own parameters
+    (``params`` ``[E_local][n]``): what `ExpertPlacement` moves and whose gradient norms it
+    reorders. One part (`parts`): the experts' whole state, read and written per expert."""
+
+    def __init__(self, params: list[list[torch.Tensor]], optimizer):
+        self.params, self.optimizer = params, optimizer
+
+    def parts(self):
+        keys = hp_state_keys(self.optimizer)
+        yield (lambda j: expert_state(self.params[j], self.optimizer, keys),
+               lambda i, tensors: load_expert_state(self.params[i], self.optimizer, keys, tensors))
+
+    def norm_table(self, norms: dict) -> torch.Tensor:
+        """float32 [E_local, n]: each local expert's parameters' gradient norms (``norms``: param ->
+        0-dim norm, where it has one)."""
+        return torch.stack([torch.stack([norms[p] if p in norms else p.new_zeros((), dtype=torch.float32)
+                                         for p in expert]) for expert in self.params])
+
+    def set_norms(self, table: torch.Tensor, norms: dict) -> None:
+        """Write per-expert norms ``table`` [E_local, n] back into ``norms`` (param -> norm)."""
+        for i, expert in enumerate(self.params):
+            for j, p in enumerate(expert):
+                if p in norms:
+                    norms[p] = table[i, j]
+
+
+class StackedExperts:
+    """A layer's local experts stacked in parameters ``[E_local, ...]`` (AutoEP's ``w1, w2, w3``):
+    expert ``i`` is row ``i`` of each. One part per parameter (`parts`), so that a move holds one
+    parameter's full state at a time: its value, and its fp32 master and optimizer states (ZeRO 1/2
+    and the bf16 optimizer through DeepSpeed's ``safe_get/set_full_*``; ZeRO 0 the torch
+    optimizer's per-parameter state, whose entries shaped like the parameter move by row; scalar
+    ones such as Adam's step count are the parameter's, shared by its rows, and stay)."""
+
+    def __init__(self, stacked: list[torch.Tensor], optimizer):
+        self.stacked, self.optimizer = stacked, optimizer
+
+    def parts(self):
+        from deepspeed.utils import (
+            safe_get_full_fp32_param,
+            safe_get_full_optimizer_state,
+            safe_set_full_fp32_param,
+            safe_set_full_optimizer_state,
+        )
+        keys = hp_state_keys(self.optimizer)
+        for p in self.stacked:
+            if hasattr(p, "_hp_mapping"):
+                full = [p.detach().clone(), safe_get_full_fp32_param(p),
+                        *(safe_get_full_optimizer_state(p, key) for key in keys)]
+            else:
+                state = _torch_state(self.optimizer, p) if self.optimizer is not None else {}
+                full = [p.data, *(state[k] for k in sorted(state)
+                                  if torch.is_tensor(state[k]) and state[k].shape == p.shape)]
+
+            def read(j, full=full):
+                return [t[j].detach().clone() for t in full]
+
+            def write(i, tensors, full=full):
+                with torch.no_grad():
+                    for t, value in zip(full, tensors):
+                        t[i].copy_(value)
+
+            yield read, write
+            if hasattr(p, "_hp_mapping"):
+                with torch.no_grad():
+                    p.copy_(full[0])
+                safe_set_full_fp32_param(p, full[1])
+                for key, value in zip(keys, full[2:]):
+                    safe_set_full_optimizer_state(p, value, key)
+
+    def norm_table(self, norms: dict) -> torch.Tensor:
+        """float32 [E_local, n]: each row's gradient norm of each stacked parameter."""
+        return torch.stack([p.grad.detach().float().flatten(1).norm(2, dim=1) if p in norms
+                            else p.new_zeros(p.shape[0], dtype=torch.float32) for p in self.stacked], dim=1)
+
+    def set_norms(self, table: torch.Tensor, norms: dict) -> None:
+        """Each stacked parameter's norm from its rows' ``table`` [E_local, n]."""
+        for j, p in enumerate(self.stacked):
+            if p in norms:
+                norms[p] = table[:, j].pow(2).sum().sqrt()
+
+
 class ExpertPlacement:
     """One MoE layer's logical-expert -> slot table, its load history and its moves.
 
@@ -304,10 +387,11 @@ class ExpertPlacement:
         self.pending.append(torch.bincount(ids, minlength=self.num_experts).to(torch.float64))
 
     # ---------------------------------------------------------------- at the optimizer step
-    def end_step(self, expert_params: list[list[torch.Tensor]], optimizer, us_per_token: float) -> bool:
+    def end_step(self, experts, us_per_token: float) -> bool:
         """Collective over the ranks that hold the layer, after the optimizer step: agree on the
         step's loads, feed them to the policy and, every ``interval_steps`` steps, re-place (moving
-        the experts' parameters and optimizer state). Returns whether the placement changed."""
+        the experts' parameters and optimizer state; ``experts``: the layer's `ModuleExperts` or
+        `StackedExperts`). Returns whether the placement changed."""
         self._replicas_stale()  # the step changed the experts' weights
         if self.replicas is not None:
             self.replicas.end_step()
@@ -340,7 +424,7 @@ class ExpertPlacement:
             return False
         if not self.placer.refresh():
             return False
-        moved = self._move_to(self.placer.expert_to_rank, expert_params, optimizer)
+        moved = self._move_to(self.placer.expert_to_rank, experts)
         self.refreshes += 1
         self._report["placement_refreshes"] += 1
         self._report["placement_moved_experts"] += moved
@@ -361,20 +445,21 @@ class ExpertPlacement:
                           self.ranks_per_node)
 
     @contextlib.contextmanager
-    def canonical(self, expert_params: list[list[torch.Tensor]], optimizer):
+    def canonical(self, experts):
         """Within the block every expert sits in its original slot (DeepSpeed's layout, for saving);
-        afterwards they return. Collective."""
+        afterwards they return (``experts``: the layer's `ModuleExperts` or `StackedExperts`).
+        Collective."""
         placed = self.expert_at.copy()
         self._canonical_blocks += 1
         try:
             if self.identity:
                 yield
                 return
-            self._move_slots(np.arange(self.num_experts), expert_params, optimizer)
+            self._move_slots(np.arange(self.num_experts), experts)
             try:
                 yield
             finally:
-                self._move_slots(placed, expert_params, optimizer)
+                self._move_slots(placed, experts)
         finally:
             self._canonical_blocks -= 1
             self._replicas_stale()  # a state dict may have been loaded in the block
@@ -423,21 +508,22 @@ class ExpertPlacement:
             new[free] = arriving
         return new
 
-    def _move_to(self, expert_to_rank: np.ndarray, expert_params: list[list[torch.Tensor]], optimizer) -> int:
+    def _move_to(self, expert_to_rank: np.ndarray, experts) -> int:
         """Move expert contents so that expert e lives on rank ``expert_to_rank[e]`` (`_slots_for`): a
         re-placement, counted in ``moved_experts`` and ``moved_bytes`` (the moves of `canonical` are
         not). Returns the experts moved."""
         expert_to_rank = np.asarray(expert_to_rank, dtype=np.int64)
-        moved, sent_bytes = self._move_slots(self._slots_for(expert_to_rank), expert_params, optimizer)
+        moved, sent_bytes = self._move_slots(self._slots_for(expert_to_rank), experts)
         self.placer.expert_to_rank = expert_to_rank.copy()
         self.moved_experts += moved
         self.moved_bytes += sent_bytes
         return moved
 
-    def _move_slots(self, new_at: np.ndarray, expert_params: list[list[torch.Tensor]], optimizer) -> tuple[int, int]:
-        """Move expert contents so that slot s holds expert ``new_at[s]``. Collective over the EP group
-        (point to point) and, under ZeRO 1/2, the expert-data-parallel group. Returns (experts moved in
-        the EP group, bytes this rank sent)."""
+    def _move_slots(self, new_at: np.ndarray, experts) -> tuple[int, int]:
+        """Move expert contents so that slot s holds expert ``new_at[s]`` (``experts``: the layer's
+        `ModuleExperts` or `StackedExperts`). Collective over the EP group (point to point) and,
+        under ZeRO 1/2, the expert-data-parallel group. Returns (experts moved in the EP group,
+        bytes this rank sent)."""
         old_slot = self.expert_at.argsort()  # expert -> slot now
         me = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
         sends, recvs, local = [], [], []
@@ -450,41 +536,42 @@ class ExpertPlacement:
                 sends.append((dst_rank, source % self.per_rank))
             elif dst_rank == me:
                 recvs.append((src_rank, slot % self.per_rank))
-        keys = hp_state_keys(optimizer)
-        # what one expert carries (every expert has the same tensors): sizes the receive buffers;
-        # read on every rank, as expert_state is collective under ZeRO 1/2
-        template = expert_state(expert_params[0], optimizer, keys)
-        self.bundle_bytes = sum(t.numel() * t.element_size() for t in template)
-        # read every outgoing expert before anything is overwritten (a rank sends and receives)
-        outgoing = [(rank, expert_state(expert_params[j], optimizer, keys)) for rank, j in sends]
-        staying = [(i, expert_state(expert_params[j], optimizer, keys)) for j, i in local]
-        incoming = [(rank, i, [torch.empty_like(t) for t in template]) for rank, i in recvs]
-        ops = []
-        for rank, tensors in outgoing:
-            peer = dist.get_global_rank(self.ep_group, int(rank))
-            ops += [dist.P2POp(dist.isend, t.contiguous(), peer) for t in tensors]
-        for rank, _, tensors in incoming:
-            peer = dist.get_global_rank(self.ep_group, int(rank))
-            ops += [dist.P2POp(dist.irecv, t, peer) for t in tensors]
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        for i, tensors in [*staying, *((i, tensors) for _, i, tensors in incoming)]:
-            load_expert_state(expert_params[i], optimizer, keys, tensors)
+        self.bundle_bytes = sent_bytes = 0
+        # part by part (an AutoEP layer's stacked parameters one at a time), every rank alike: reading
+        # a part is collective under ZeRO 1/2
+        for read, write in experts.parts():
+            # what one expert carries of this part (every expert has the same tensors): sizes the
+            # receive buffers
+            template = read(0)
+            self.bundle_bytes += sum(t.numel() * t.element_size() for t in template)
+            # read every outgoing expert before anything is overwritten (a rank sends and receives)
+            outgoing = [(rank, read(j)) for rank, j in sends]
+            staying = [(i, read(j)) for j, i in local]
+            incoming = [(rank, i, [torch.empty_like(t) for t in template]) for rank, i in recvs]
+            ops = []
+            for rank, tensors in outgoing:
+                peer = dist.get_global_rank(self.ep_group, int(rank))
+                ops += [dist.P2POp(dist.isend, t.contiguous(), peer) for t in tensors]
+            for rank, _, tensors in incoming:
+                peer = dist.get_global_rank(self.ep_group, int(rank))
+                ops += [dist.P2POp(dist.irecv, t, peer) for t in tensors]
+            if ops:
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+            for i, tensors in [*staying, *((i, tensors) for _, i, tensors in incoming)]:
+                write(i, tensors)
+            sent_bytes += sum(t.numel() * t.element_size() for _, tensors in outgoing for t in tensors)
         moved = int(np.sum(new_at != self.expert_at))
-        sent_bytes = sum(t.numel() * t.element_size() for _, tensors in outgoing for t in tensors)
         self._hold(np.asarray(new_at, dtype=np.int64).copy())
         return moved, sent_bytes
 
 
-
 def placed_layers(module):
-    """The FEPLB MoE layers under ``module`` that have a placement (attached at their first forward)."""
+    """The FEPLB MoE layers under ``module`` that have a placement (a DeepSpeed MoE layer's is
+    attached at its first forward, an AutoEP layer's experts' when FEPLB is installed): each has
+    ``placement``, ``stage`` and ``expert_states(optimizer)`` (`ModuleExperts` or
+    `StackedExperts`)."""
     return [m for m in module.modules() if isinstance(getattr(m, "placement", None), ExpertPlacement)]
-
-
-def _expert_params(layer) -> list:
-    return [list(expert.parameters()) for expert in layer.experts.deepspeed_experts]
 
 
 def install(engine) -> None:
@@ -496,9 +583,9 @@ def install(engine) -> None:
         if not boundary:
             return
         for layer in placed_layers(engine.module):
-            times = layer.stage.compute_times
-            us_per_token = 3e6 * times.expert_seconds / times.rows if times.rows else 0.0  # forward + backward
-            layer.placement.end_step(_expert_params(layer), engine.optimizer, us_per_token)
+            times = layer.stage.compute_times if layer.stage is not None else None
+            us_per_token = 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0  # fwd + bwd
+            layer.placement.end_step(layer.expert_states(engine.optimizer), us_per_token)
 
     @contextlib.contextmanager
     def loading():
@@ -532,19 +619,14 @@ def canonical_grad_norms(module, params: list) -> list:
         placement = layer.placement
         if placement.identity:  # the same on every rank of the EP group: all skip the gather alike
             continue
-        experts = _expert_params(layer)  # [E_local][n]
-        local = torch.stack([torch.stack([norms[p] if p in norms else p.new_zeros((), dtype=torch.float32)
-                                          for p in expert]) for expert in experts])  # [E_local, n]
+        experts = layer.expert_states(None)
+        local = experts.norm_table(norms)  # [E_local, n]
         gathered = [torch.empty_like(local) for _ in range(placement.ep_size)]
         dist.all_gather(gathered, local, group=placement.ep_group)
         by_slot = torch.cat(gathered)  # [E, n]
         me = dist.get_rank(placement.ep_group)
         mine = me * placement.per_rank + torch.arange(placement.per_rank, device=placement.slot_of.device)
-        canonical = by_slot[placement.slot_of[mine].to(by_slot.device)]
-        for i, expert in enumerate(experts):
-            for j, p in enumerate(expert):
-                if p in norms:
-                    norms[p] = canonical[i, j]
+        experts.set_norms(by_slot[placement.slot_of[mine].to(by_slot.device)], norms)
     return [norms[p] for p in params]
 
 
@@ -558,7 +640,7 @@ def canonical_experts(engine):
     rank enters it); ``save_checkpoint`` uses it itself."""
     with contextlib.ExitStack() as stack:
         for layer in placed_layers(engine.module):
-            stack.enter_context(layer.placement.canonical(_expert_params(layer), engine.optimizer))
+            stack.enter_context(layer.placement.canonical(layer.expert_states(engine.optimizer)))
         yield
 
 
@@ -566,12 +648,31 @@ ORDER_KEY = "feplb_expert_order"  # in a layer's state-dict metadata: slot -> lo
 _EXPERTS, _PLACED_EXPERTS = "experts.deepspeed_experts.", "experts.feplb_placed_experts."
 
 
-def _rename(state_dict, prefix: str, old: str, new: str) -> bool:
-    """Rename the keys ``prefix + old + rest`` to ``prefix + new + rest`` in place; whether any was."""
-    keys = [k for k in state_dict if k.startswith(prefix + old)]
-    for k in keys:
-        state_dict[prefix + new + k[len(prefix + old):]] = state_dict.pop(k)
-    return bool(keys)
+# a layer's expert keys (below its prefix) and what they become in placement order: a DeepSpeed MoE
+# layer's experts, or (``feplb_expert_keys`` of its experts module) AutoEP's stacked weights
+EXPERT_KEYS = ((_EXPERTS, _PLACED_EXPERTS),)
+
+
+def _expert_keys(layer) -> tuple:
+    return getattr(layer, "feplb_expert_keys", EXPERT_KEYS)
+
+
+def _holds(key: str, stem: str) -> bool:
+    """Whether ``key`` is ``stem`` or below it (a stem ending in "." is a module's)."""
+    return key.startswith(stem) if stem.endswith(".") else key == stem
+
+
+def _rename(state_dict, prefix: str, pairs: tuple, to_placed: bool) -> bool:
+    """Rename the expert keys ``prefix + canonical + rest`` to ``prefix + placed + rest``
+    (``to_placed``) or back, for each (canonical, placed) of ``pairs``, in place; whether any was."""
+    renamed = False
+    for canonical, placed in pairs:
+        old, new = (canonical, placed) if to_placed else (placed, canonical)
+        keys = [k for k in state_dict if _holds(k, prefix + old)]
+        for k in keys:
+            state_dict[prefix + new + k[len(prefix + old):]] = state_dict.pop(k)
+        renamed |= bool(keys)
+    return renamed
 
 
 def record_expert_order(layer, state_dict, prefix, local_metadata) -> None:
@@ -586,10 +687,12 @@ def record_expert_order(layer, state_dict, prefix, local_metadata) -> None:
     order = placement.slot_order()
     local_metadata[ORDER_KEY] = order
     if order != sorted(order):
-        _rename(state_dict, prefix, _EXPERTS, _PLACED_EXPERTS)
+        pairs = _expert_keys(layer)
+        _rename(state_dict, prefix, pairs, to_placed=True)
+        placed = ", ".join(prefix + p + ("*" if p.endswith(".") else "") for _, p in pairs)
         warnings.warn(f"FEPLB: the experts of MoE layer {prefix.rstrip('.') or 'moe'} are re-placed across ranks "
                       "(feplb.placement), so this state dict holds them in placement order, under the keys "
-                      f"{prefix}{_PLACED_EXPERTS}*, which only FEPLB loads; for plain DeepSpeed save with "
+                      f"{placed}, which only FEPLB loads; for plain DeepSpeed save with "
                       "engine.save_checkpoint, or take the state dict inside "
                       "`with deepspeed_feplb.canonical_experts(engine):` (collective)", stacklevel=3)
 
@@ -599,25 +702,29 @@ def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missin
     """Load-state-dict pre-hook of a FEPLB MoE layer: a state dict that holds this layer's experts
     in placement order (`record_expert_order`) loads into the slots they were saved from.
 
-    * With the placement attached (after the first forward), the slots must hold the experts in
-      that order now; loading them in another would give every re-placed expert another's weights.
-    * Before it (a fresh job), the layer adopts the order: its placement starts from it at the
+    * With a placement that has moved experts, the slots must hold the experts in that order now;
+      loading them in another would give every re-placed expert another's weights.
+    * One that has not (a fresh job) adopts the order; without a placement yet (a DeepSpeed MoE
+      layer before its first forward) the layer keeps it, and its placement starts from it at the
       first forward, or that forward refuses when ``feplb.placement`` is off (`adopt_loaded_order`).
     """
-    renamed = _rename(state_dict, prefix, _PLACED_EXPERTS, _EXPERTS)
-    if not any(k.startswith(prefix + _EXPERTS) for k in state_dict):
+    pairs = _expert_keys(layer)
+    renamed = _rename(state_dict, prefix, pairs, to_placed=False)
+    if not any(_holds(k, prefix + canonical) for k in state_dict for canonical, _ in pairs):
         return
     name = prefix.rstrip('.') or 'moe'
     if renamed and ORDER_KEY not in local_metadata:
         raise RuntimeError(f"FEPLB: the state dict holds the experts of MoE layer {name} in placement order "
-                           f"({prefix}{_PLACED_EXPERTS}*) but not that order (its metadata was lost), so no expert "
-                           "can be matched to its weights; save with engine.save_checkpoint instead")
+                           f"({', '.join(prefix + p for _, p in pairs)}) but not that order (its metadata was lost), "
+                           "so no expert can be matched to its weights; save with engine.save_checkpoint instead")
     recorded = [int(e) for e in local_metadata.get(ORDER_KEY, [])]
     placement = getattr(layer, "placement", None)
     if placement is None:
         layer.loaded_expert_order = recorded if recorded != sorted(recorded) else None
         return
-    if (recorded or list(range(placement.num_experts))) != placement.slot_order():
+    if recorded and recorded != sorted(recorded) and placement.steps == 0 and placement.identity:
+        placement.adopt(recorded)  # nothing moved yet: the slots take the saved order
+    elif (recorded or list(range(placement.num_experts))) != placement.slot_order():
         raise RuntimeError(
             f"FEPLB: the state dict holds the experts of MoE layer {name} in "
             f"{'placement' if recorded != sorted(recorded) else 'DeepSpeed'}'s order, but this job has re-placed them "

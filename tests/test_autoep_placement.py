@@ -1,0 +1,141 @@
+"""Cross-node placement on DeepSpeed AutoEP layers (``feplb.placement`` with ``expert_parallel``):
+4 gloo ranks as 2 nodes of 2 (``autoep_size=4``), the tiny Mixtral of `test_autoep` whose routers
+favour experts 0-1 (both on rank 0, node 0). Placement moves rows of the stacked weights with
+their optimizer state; training equals plain AutoEP; checkpoints stay in AutoEP's layout."""
+import copy
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("deepspeed.module_inject.auto_ep_layer")
+
+from test_autoep import VOCAB, _rel, tiny_model  # noqa: E402
+
+from deepspeed_feplb.testing import run_distributed  # noqa: E402
+
+
+def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0) -> dict:
+    # eps 1e-6 (as `moe_cases.ds_config`): re-placed experts sum in another order, and with eps 1e-8
+    # Adam turns the fp32 rounding of a gradient entry near 1e-9 (here: the attention's q and k)
+    # into a 1e-4 relative weight difference
+    return {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
+        "zero_optimization": {"stage": zero},
+        "expert_parallel": {"enabled": True, "autoep_size": 4, "preset_model": "mixtral", "use_grouped_mm": True},
+        "feplb": {"enabled": feplb, "nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "fixed_costs": "ignore",
+                  "copy_engine_gbps": 1e6,
+                  "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6}},
+    }
+
+
+def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, checkpoint: str = "") -> dict:
+    """FEPLB with placement and plain AutoEP trained side by side; with ``checkpoint``, FEPLB's
+    engine saves there after ``steps`` steps and a fresh plain AutoEP engine loads it: both then
+    train 2 more steps."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed_feplb
+    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
+    from deepspeed_feplb.integration.placement import canonical_experts, canonical_grad_norms
+
+    model = tiny_model("mixtral")
+    reference = copy.deepcopy(model)
+    pristine = copy.deepcopy(model)
+    ours = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(True, zero, gas, clip))[0]
+    ref = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
+                                     config=_config(False, zero, gas, clip))[0]
+    layers = [m for m in ours.module.modules() if isinstance(m, FEPLBGroupedExperts)]
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range((steps + 2) * gas)]
+    losses, orders, node_rows = [], [], []
+
+    def train(engines: dict, micro_batches: list) -> list:
+        out = []
+        for ids in micro_batches:
+            row = {}
+            for name, engine in engines.items():
+                loss = engine(ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                row[name] = loss.item()
+            out.append(row)
+        return out
+
+    for step in range(steps):
+        losses += train({"feplb": ours, "reference": ref}, batches[step * gas:(step + 1) * gas])
+        orders.append([layer.placement.expert_at.tolist() for layer in layers])
+        # this step's node loads under DeepSpeed's layout and under the placement it led to
+        node_rows.append([[layer.placement.node_loads(layer.placement.last_loads, np.arange(len(order))).tolist(),
+                           layer.placement.node_loads(layer.placement.last_loads).tolist()]
+                          for layer, order in zip(layers, orders[-1])])
+    with canonical_experts(ours):
+        params = dict(ours.module.named_parameters())
+        errors = {n: _rel(params[n], p) for n, p in ref.module.named_parameters()}
+    placed_keys = sorted(k for k in ours.module.state_dict() if "feplb_placed" in k)
+    # the per-parameter gradient norms ZeRO 0's clipping averages over ranks, of a micro-batch that
+    # ends its step (before, a kept helper copy's gradient part has not reached its expert)
+    if zero == 0 and gas == 1 and not checkpoint:
+        ids = batches[steps * gas]
+        for engine in (ours, ref):
+            engine.backward(engine(ids, labels=ids).loss)
+        named = [(n, p) for n, p in ours.module.named_parameters() if p.grad is not None]
+        norms = canonical_grad_norms(ours.module, [p for _, p in named])
+        ref_params = dict(ref.module.named_parameters())
+        errors.update({f"grad norm {n}": _rel(norm, ref_params[n].grad.float().norm())
+                       for (n, _), norm in zip(named, norms)})
+    out = {"losses": losses, "orders": orders, "node_rows": node_rows, "param_errors": errors,
+           "placed_keys": placed_keys, "moved": sum(layer.placement.moved_experts for layer in layers)}
+    if checkpoint:
+        ours.save_checkpoint(checkpoint, tag="placed")
+        loaded = deepspeed_feplb.initialize(model=pristine, model_parameters=pristine.parameters(),
+                                            config=_config(False, zero, gas, clip))[0]
+        loaded.load_checkpoint(checkpoint, tag="placed")
+        out["resumed"] = train({"feplb": ours, "loaded": loaded}, batches[steps * gas:])
+    return out
+
+
+def _check(results: list) -> dict:
+    r = results[0]
+    assert all(x["orders"] == r["orders"] for x in results), "ranks disagree on the placement"
+    assert r["moved"] > 0 and any(order != sorted(order) for step in r["orders"] for order in step), \
+        f"placement never moved an expert: {r['orders']}"
+    for row in r["losses"]:
+        assert abs(row["feplb"] - row["reference"]) <= 1e-5 * abs(row["reference"]), r["losses"]
+    worst = max(max(x["param_errors"].values()) for x in results)
+    assert worst < 1e-5, f"parameters differ from plain AutoEP by {worst:.2e}"
+    return r
+
+
+@pytest.mark.parametrize("zero,gas,clip", [(0, 2, 0.0), (2, 2, 0.0), (0, 1, 0.05)],
+                         ids=["zero0", "zero2", "zero0-clipping"])
+def test_autoep_placement_moves_experts_and_trains_exactly(zero, gas, clip):
+    r = _check(run_distributed(placement_case, 4, zero, 6, gas, clip, timeout=900))
+    # the routers' favourites start on node 0; the placement spreads the last step's loads better
+    for canonical, placed in r["node_rows"][-1]:
+        ratio = [np.mean([max(rows) / np.mean(rows) for rows in loads]) for loads in (canonical, placed)]
+        assert ratio[1] < ratio[0], f"node loads per micro-batch, DeepSpeed's layout {canonical}, placed {placed}"
+    # a state dict taken outside `canonical_experts` names the re-placed stacked weights so
+    assert r["placed_keys"] and all(k.rsplit(".", 1)[-1].startswith("feplb_placed_w") for k in r["placed_keys"])
+
+
+def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
+    results = run_distributed(placement_case, 4, 2, 4, 2, 0.0, str(tmp_path), timeout=900)
+    r = _check(results)
+    for row in r["resumed"]:
+        assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
+
+
+def test_replica_slots_are_refused_for_autoep_layers_naming_the_layer():
+    from types import SimpleNamespace
+
+    from deepspeed_feplb.config import FEPLBConfigError, load_config
+    from deepspeed_feplb.integration import autoep
+    config = load_config({"feplb": {"nvlink_domain_size": 2,
+                                    "placement": {"enabled": True, "redundant_experts_per_rank": 1}}})
+    with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1 .*AutoEP layers .*model.layers.0.mlp"):
+        autoep._place("model.layers.0.mlp", SimpleNamespace(ep_size=4), None, config)
