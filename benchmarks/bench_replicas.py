@@ -109,7 +109,7 @@ def scale() -> dict:
                             for _ in range(16)]).astype(float)
         expert_to_rank = np.arange(E) // (E // R)
         start = time.perf_counter()
-        choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 40, 75.5e6, 50.0, grad_bytes=151e6,
+        choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 75.5e6, 50.0, grad_bytes=151e6,
                                  intra_gbps=370.0)
         decide_s = time.perf_counter() - start
         slots = replicas.slot_experts(expert_to_rank, choice.replica_at)

@@ -203,14 +203,16 @@ def _at_exit() -> None:
 
 
 def _let_gloo_workers_settle(timeout_s: float = 0.5) -> None:
-    """Release the GIL until every gloo worker thread (``pt_gloo_runloop``) has slept twice in a row.
+    """Sleep (releasing the GIL) at least twice, until no gloo worker thread (``pt_gloo_runloop``)
+    is running, so that a worker still finishing its last collective does it before finalization.
 
     Nothing destroys the process groups at exit (DeepSpeed and the model hold them), so their
     workers live into interpreter finalization. A worker that still holds its last collective's
     tensors then takes the GIL to free them, and Python 3.11 ends such a thread with pthread_exit
     inside a noexcept destructor: "terminate called without an active exception" (SIGABRT) after
-    the program's last line (PyTorch PR 179291). Linux only (it reads /proc/self/task); elsewhere,
-    and after ``timeout_s``, it returns."""
+    the program's last line (PyTorch PR 179291). A mitigation, not a proof: a worker waiting for
+    the GIL looks asleep here (it gets the GIL during these sleeps). Linux only (it reads
+    /proc/self/task); elsewhere, and after ``timeout_s``, it returns."""
     deadline, calm = time.monotonic() + timeout_s, 0
     while calm < 2 and time.monotonic() < deadline:
         time.sleep(0.005)  # without the GIL: a worker waiting for it finishes now

@@ -15,7 +15,7 @@ from test_autoep import VOCAB, _rel, tiny_model  # noqa: E402
 from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 
-def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0) -> dict:
+def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 1) -> dict:
     # eps 1e-6 (as `moe_cases.ds_config`): re-placed experts sum in another order, and with eps 1e-8
     # Adam turns the fp32 rounding of a gradient entry near 1e-9 (here: the attention's q and k)
     # into a 1e-4 relative weight difference
@@ -24,16 +24,18 @@ def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
         "expert_parallel": {"enabled": True, "autoep_size": 4, "preset_model": "mixtral", "use_grouped_mm": True},
-        "feplb": {"enabled": feplb, "nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "fixed_costs": "ignore",
+        "feplb": {"enabled": feplb, "nvlink_domain_size": 2, "dynamic_experts_per_rank": dynamic,
+                  "fixed_costs": "ignore",
                   "copy_engine_gbps": 1e6,
                   "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6}},
     }
 
 
-def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, checkpoint: str = "") -> dict:
-    """FEPLB with placement and plain AutoEP trained side by side; with ``checkpoint``, FEPLB's
-    engine saves there after ``steps`` steps and a fresh plain AutoEP engine loads it: both then
-    train 2 more steps."""
+def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, checkpoint: str = "",
+                   dynamic: int = 1) -> dict:
+    """FEPLB with placement (and ``dynamic`` dynamic experts per rank) and plain AutoEP trained side
+    by side; with ``checkpoint``, FEPLB's engine saves there after ``steps`` steps and a fresh
+    plain AutoEP engine loads it: both then train 2 more steps."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -46,7 +48,7 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     reference = copy.deepcopy(model)
     pristine = copy.deepcopy(model)
     ours = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(True, zero, gas, clip))[0]
+                                      config=_config(True, zero, gas, clip, dynamic))[0]
     ref = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
                                      config=_config(False, zero, gas, clip))[0]
     layers = [m for m in ours.module.modules() if isinstance(m, FEPLBGroupedExperts)]
@@ -111,10 +113,11 @@ def _check(results: list) -> dict:
     return r
 
 
-@pytest.mark.parametrize("zero,gas,clip", [(0, 2, 0.0), (2, 2, 0.0), (0, 1, 0.05)],
-                         ids=["zero0", "zero2", "zero0-clipping"])
-def test_autoep_placement_moves_experts_and_trains_exactly(zero, gas, clip):
-    r = _check(run_distributed(placement_case, 4, zero, 6, gas, clip, timeout=900))
+@pytest.mark.parametrize("zero,gas,clip,dynamic", [(0, 2, 0.0, 1), (2, 2, 0.0, 1), (0, 1, 0.05, 1), (1, 2, 0.0, 0)],
+                         ids=["zero0", "zero2", "zero0-clipping", "zero1-placement-alone"])
+def test_autoep_placement_moves_experts_and_trains_exactly(zero, gas, clip, dynamic):
+    """``dynamic`` 0: no phase 2, placement alone (the stage still times the experts for it)."""
+    r = _check(run_distributed(placement_case, 4, zero, 6, gas, clip, "", dynamic, timeout=900))
     # the routers' favourites start on node 0; the placement spreads the last step's loads better
     for canonical, placed in r["node_rows"][-1]:
         ratio = [np.mean([max(rows) / np.mean(rows) for rows in loads]) for loads in (canonical, placed)]

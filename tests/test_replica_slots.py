@@ -143,7 +143,7 @@ def _relay_case(chunk_bytes: int) -> dict:
         return (torch.arange(int(np.prod(shape)), dtype=torch.float64) * 10 + tag).to(dtype).reshape(shape)
 
     wanted = [(0, 2, [data(1, (5, 3), torch.float32), data(2, (4,), torch.float64)]),
-              (3, 0, [data(3, (7,), torch.float32)]),
+              (3, 0, [data(3, (7, 3), torch.float32)]),  # received into a transposed (non-contiguous) buffer
               (1, 2, [data(4, (1,), torch.float32)]),
               (1, 0, [data(5, (2, 2), torch.float32)])]
     transfers, received = [], []
@@ -151,7 +151,8 @@ def _relay_case(chunk_bytes: int) -> dict:
         if me == src:
             transfers.append((src, dst, tensors))
         elif me == dst:
-            buffers = [torch.full_like(t, -1) for t in tensors]
+            buffers = [torch.full(t.shape[::-1], -1, dtype=t.dtype).t() if src == 3 else torch.full_like(t, -1)
+                       for t in tensors]
             transfers.append((src, dst, buffers))
             received.append((buffers, tensors))
         else:

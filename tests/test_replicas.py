@@ -93,10 +93,6 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     # rail carries two shards (hop 1), ranks 2 and 3 swap one (hop 2)
     assert relay(np.array([[0, 2], [0, 3]]), nbytes=1e6, chunk_bytes=1e6) == pytest.approx(500 + 1000 + 250)
     assert rp.exchange_us(_slots([[-1]] * R), PRIMARIES, G, 1e6, 2e6, 1.0, 2.0) == 0.0
-    # creating replicas: the weights of the slots that changed, from their homes
-    assert rp.replication_us(_slots([[-1]] * R), slots, PRIMARIES, G, 1e6, 1.0, 2.0) == pytest.approx(
-        relay(np.array([[0, 2], [0, 3]]), nbytes=1e6))
-    assert rp.replication_us(slots, slots, PRIMARIES, G, 1e6, 1.0, 2.0) == 0.0
 
 
 def _skewed_samples(hot: float) -> np.ndarray:
@@ -108,7 +104,7 @@ def _skewed_samples(hot: float) -> np.ndarray:
 
 def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
     e2r = np.arange(E) // PRIMARIES
-    args = dict(ranks_per_node=G, redundant=1, dynamic_experts=1, micro_batches_per_step=8, horizon=100)
+    args = dict(ranks_per_node=G, redundant=1, dynamic_experts=1, micro_batches_per_step=8)
     choice = rp.choose(_skewed_samples(400.0), e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args)
     cheap = choice.replica_at
     assert (cheap >= 0).sum() >= 1 and 0 in cheap and choice.gain_us > choice.cost_us > 0
@@ -122,13 +118,13 @@ def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
     assert (rp.choose(drifting, e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args).replica_at < 0).all()
 
 
-def test_the_placer_adds_replicas_at_its_decision_and_charges_their_creation():
+def test_the_placer_adds_replicas_at_its_decision():
     placer = CrossNodePlacer(E, N, G, interval=8, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
                              dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8)
     for loads in _skewed_samples(400.0):
         placer.observe(loads, refresh=False)
     assert placer.due and placer.refresh()
-    assert (placer.replica_at >= 0).any() and placer.last_cost_us > 0
+    assert (placer.replica_at >= 0).any()
     assert placer.slots.shape == (R, PRIMARIES + 1)
 
 
@@ -180,7 +176,7 @@ def test_an_expert_hotter_than_a_node_gets_a_replica_on_several_nodes():
     samples[:, 0] = 1250.0
     e2r = np.arange(experts) // (experts // (nodes * G))
     choice = rp.choose(samples, e2r, G, redundant=1, dynamic_experts=1, us_per_row=1.0, micro_batches_per_step=8,
-                       horizon=100, weight_bytes=1.0, net_gbps=1e6)
+                       weight_bytes=1.0, net_gbps=1e6)
     holders = np.flatnonzero((choice.replica_at == 0).any(axis=1))
     assert len({int(q) // G for q in holders}) == nodes - 1, choice.replica_at.tolist()
     counts = rp.route(np.tile(samples[0] / (nodes * G), (nodes * G, 1)), rp.slot_experts(e2r, choice.replica_at), G,

@@ -23,6 +23,7 @@ rows, which is the work each rank's GEMM really does.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -90,7 +91,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         size, experts); ``step_ends`` says whether the current micro-batch ends the optimizer step
         (`seams.step_ends`; default: every one does)."""
         self.feplb_config = config
-        self.placement: Optional[ExpertPlacement] = None  # cross-node placement, set by `install` (feplb.placement)
+        # cross-node placement, set by `install` (feplb.placement); a second install keeps it
+        self.placement: Optional[ExpertPlacement] = getattr(self, "placement", None)
         self.loaded_expert_order: Optional[list[int]] = None  # a placement-order state dict's, loaded before it
         if not getattr(self, "_feplb_state_hooks", False):  # install may run twice on one model
             self._feplb_state_hooks = True
@@ -119,8 +121,10 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         object.__setattr__(self, "_template", SwiGLUExpert(self))
         stage = ExpertStage(config, self.feplb_ep_group, self.feplb_ep_size, self.num_experts, slices,
                             hidden=slices[0].shape[1])
-        if stage.balances:  # otherwise AutoEP's own forward, untouched
+        if stage.balances or self.placement is not None:  # otherwise AutoEP's own forward, untouched
             self.stage = stage
+            # a placement weighs its moves by the measured time per row, also where nothing balances
+            stage.times_every_call = self.placement is not None
             grouped = self._grouped if _runs_grouped(self) else None  # else the loop, as AutoEP's own
             self._local_experts = LocalExperts([self._template] * self.num_experts, self._slices,
                                                ExpertSpec.of(self._template, grouped), static_fn=self._static)
@@ -239,11 +243,19 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
     experts (which `integration.placement.install` drives at every optimizer step, moving rows of
     the stacked weights with their optimizer state) and its router's routes sent to the experts'
     slots (`PlacedRouter`)."""
+    if experts.placement is not None:  # installed before: it may have moved experts already
+        return
     redundant = config.placement.redundant_experts_per_rank
     if redundant and layer.ep_size > domain_size(config, layer.ep_size):
         raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank "
                                f"do not cover AutoEP layers yet ({name}); set it to 0 (placement still moves "
                                "experts between nodes)")
+    if getattr(layer.router, "num_expert_groups", None) and not _warned_node_limited:
+        _warned_node_limited.append(name)
+        warnings.warn(f"FEPLB: AutoEP layer {name} routes node-limited (num_expert_groups="
+                      f"{layer.router.num_expert_groups}), which assumes that expert groups sit on nodes; "
+                      "feplb.placement moves experts between nodes, so a token may reach more nodes than the "
+                      "limit (the math is unchanged)", stacklevel=3)
     one_expert = [w[0] for w in (experts.w1, experts.w2, experts.w3)]
     placement = config.placement
     experts.placement = ExpertPlacement(
@@ -254,6 +266,9 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
     if type(layer.router) is not PlacedRouter:
         seams.become(layer.router, PlacedRouter)
     object.__setattr__(layer.router, "_feplb_layer", layer)  # not a submodule: the layer holds the router
+
+
+_warned_node_limited: list = []  # layers whose node-limited routing placement was warned about, once per process
 
 
 class PlacedRouter(TokenChoiceTopKRouter if TokenChoiceTopKRouter is not None else torch.nn.Module):

@@ -179,8 +179,13 @@ class StackedExperts:
                         *(safe_get_full_optimizer_state(p, key) for key in keys)]
             else:
                 state = _torch_state(self.optimizer, p) if self.optimizer is not None else {}
-                full = [p.data, *(state[k] for k in sorted(state)
-                                  if torch.is_tensor(state[k]) and state[k].shape == p.shape)]
+                odd = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape != p.shape]
+                if odd:
+                    raise FEPLBConfigError(
+                        f"feplb.placement: optimizer {type(self.optimizer).__name__} keeps state {odd} of a stacked "
+                        f"expert parameter {tuple(p.shape)} in another shape, which cannot move with its experts' "
+                        "rows; use Adam(W) or SGD, or set feplb.placement.enabled to false")
+                full = [p.data, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]) and state[k].dim())]
 
             def read(j, full=full):
                 return [t[j].detach().clone() for t in full]
@@ -231,13 +236,14 @@ class ExpertPlacement:
             experts are then its ``E / ep_size`` primary slots followed by ``redundant`` replica
             slots (`integration.replicas.ReplicaSlots`, attached as ``replicas`` by the layer).
         weight_bytes: one expert's weight bytes (a replica's creation, and its weights at every step).
-        grad_bytes: one expert's gradient in fp32 (a replica's gradient sum sent home at every step).
+        grad_bytes: one expert's gradient in fp32 (a replica's gradient sum sent home at every step;
+            None: ``weight_bytes``).
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
                  decay: float, network_gbps: float, state_bytes: int, dynamic_experts: int = 0,
                  intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
-                 redundant: int = 0, weight_bytes: int = 0, grad_bytes: int = 0):
+                 redundant: int = 0, weight_bytes: int = 0, grad_bytes: Optional[int] = None):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         self.num_experts, self.ep_group, self.ep_size, self.dp_group = num_experts, ep_group, ep_size, dp_group
@@ -249,7 +255,7 @@ class ExpertPlacement:
                                       decay=decay, expert_state_bytes=float(state_bytes), net_gbps=network_gbps,
                                       dynamic_experts=dynamic_experts, intra_gbps=intra_gbps, warmup=1,
                                       redundant=redundant, weight_bytes=float(weight_bytes),
-                                      grad_bytes=float(grad_bytes))
+                                      grad_bytes=grad_bytes)
         self.redundant = redundant
         self.local_slots = self.per_rank + redundant  # the layer's local experts: primaries, then replica slots
         self.replicas = None  # ReplicaSlots, attached by the layer when redundant > 0

@@ -39,31 +39,39 @@ def relay(transfers: list[tuple[int, int, list[torch.Tensor]]], me: int, ranks_p
     nodes. Collective: every rank passes the same ``transfers`` in the same order.
 
     A transfer ``(src, dst, tensors)`` copies ``tensors`` from rank ``src`` to rank ``dst`` (group
-    ranks; on ``src`` the data, on ``dst`` contiguous buffers written in place, on every other
+    ranks; on ``src`` the data, on ``dst`` buffers written in place, on every other
     rank tensors of the same shapes and dtypes, neither read nor written: ``meta`` ones do). Between
     nodes of ``ranks_per_node`` ranks, each tensor is cut into ``ranks_per_node`` shards; shard k
     goes from ``src`` to the k-th rank of its node, from there to the k-th rank of ``dst``'s node
     (one inter-node link per rank: all of them carry a share), and on to ``dst``, the two ranks
-    between holding it in a buffer on ``device``. Each shard moves in
-    pieces of ``chunk_bytes``, piece c crossing hop h in round c + h, so the hops overlap; a round
-    is one `torch.distributed.batch_isend_irecv` (``peer``: group rank -> global rank).
-    `plan.replicas.relay_us` prices it."""
+    between holding it in a buffer on ``device``. Each shard moves in pieces of ``chunk_bytes``
+    (numbered on through the transfer's tensors), piece c crossing hop h in round c + h, so the
+    hops overlap; a round is one `torch.distributed.batch_isend_irecv` (``peer``: group rank ->
+    global rank). `plan.replicas.relay_us` prices it."""
     G = ranks_per_node
     rounds: dict[int, list] = defaultdict(list)
+    copy_back = []  # (destination, contiguous buffer received into) where the destination is not contiguous
     for src, dst, tensors in transfers:
+        between_nodes = src // G != dst // G
+        pieces = [0] * G  # per shard: the transfer's pieces so far (its tensors' pieces follow each other)
         for tensor in tensors:
             if me == dst and not tensor.is_contiguous():
-                raise ValueError(f"relay: the buffer on rank {dst} must be contiguous, got strides {tensor.stride()}")
+                copy_back.append((tensor, tensor.contiguous()))
+                tensor = copy_back[-1][1]
             flat = tensor.reshape(-1)
-            between_nodes = src // G != dst // G
             for k, shard in enumerate(flat.tensor_split(G) if between_nodes else [flat]):
                 path = [src, src // G * G + k, dst // G * G + k, dst] if between_nodes else [src, dst]
                 path = [r for i, r in enumerate(path) if i == 0 or r != path[i - 1]]
-                if me not in path or not shard.numel():
+                if not shard.numel():
+                    continue
+                split = shard.split(max(1, chunk_bytes // shard.element_size()))
+                first, pieces[k] = pieces[k], pieces[k] + len(split)
+                if me not in path:
                     continue
                 i = path.index(me)
-                buffer = shard if me in (src, dst) else torch.empty(shard.shape, dtype=shard.dtype, device=device)
-                for c, piece in enumerate(buffer.split(max(1, chunk_bytes // shard.element_size()))):
+                if me not in (src, dst):
+                    split = torch.empty(shard.shape, dtype=shard.dtype, device=device).split(split[0].numel())
+                for c, piece in enumerate(split, start=first):
                     if i > 0:
                         rounds[c + i - 1].append(dist.P2POp(dist.irecv, piece, peer(path[i - 1])))
                     if i < len(path) - 1:
@@ -71,6 +79,8 @@ def relay(transfers: list[tuple[int, int, list[torch.Tensor]]], me: int, ranks_p
     for r in sorted(rounds):
         for request in dist.batch_isend_irecv(rounds[r]):
             request.wait()
+    for tensor, received in copy_back:
+        tensor.copy_(received)
 
 
 class ReplicaSlots:

@@ -439,7 +439,7 @@ class CrossNodePlacer:
                      `RECENT_SAMPLES` micro-batches), where the gain pays for their gradient
                      exchange at every optimizer step (``micro_batches_per_step`` micro-batches:
                      its gradient sum, ``grad_bytes`` (None: ``weight_bytes``), goes home and the
-                     weights come back) and their creation (an expert's ``weight_bytes`` each).
+                     weights come back, a new replica's first ones among them).
 
     A decision (`refresh`) takes the candidate of `improve_placement` with the largest
     ``gain - cost`` (none when nothing pays); ``last_cost_us`` is the transfer time of the last
@@ -543,7 +543,7 @@ class CrossNodePlacer:
         if moved:
             self.migrated_experts += int(np.sum(new != self.expert_to_rank))
             self.expert_to_rank = new
-        replicated = self.redundant and self._choose_replicas(horizon)
+        replicated = self.redundant and self._choose_replicas()
         if not (moved or replicated):
             return False
         self.migration_us += cost_us
@@ -551,22 +551,16 @@ class CrossNodePlacer:
         self.refreshes += 1
         return True
 
-    def _choose_replicas(self, horizon: float) -> bool:
-        """The replicas for the (new) primaries (`replicas.choose`); their creation's transfer time
-        joins ``last_cost_us``. Returns whether they changed."""
-        before = self.slots
+    def _choose_replicas(self) -> bool:
+        """The replicas for the (new) primaries (`replicas.choose`; their first weights come with the
+        step's exchange, which the caller prices). Returns whether they changed."""
         choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
-                                 self.dynamic_experts, self.us_per_token, self.micro_batches_per_step, horizon,
-                                 self.weight_bytes, self.net_gbps, self.replica_at, grad_bytes=self.grad_bytes,
+                                 self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
+                                 self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
                                  intra_gbps=self.intra_gbps)
-        new = choice.replica_at
-        if np.array_equal(new, self.replica_at):
+        if np.array_equal(choice.replica_at, self.replica_at):
             return False
-        self.replica_at = new
-        made = replicas.replication_us(before, self.slots, self.experts // len(self.replica_at), self.ranks_per_node,
-                                       self.weight_bytes, self.net_gbps, self.intra_gbps)
-        self.last_cost_us += made
-        self.migration_us += made
+        self.replica_at = choice.replica_at
         return True
 
     @property

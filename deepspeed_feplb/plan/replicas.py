@@ -9,10 +9,10 @@ overshoot it; every rank computes it alike from the ranks' all-gathered route co
 (`integration.placement.ExpertPlacement.route`), and `route` gives the rows per slot it makes.
 FEPLB then balances inside each node as before. A replica holds the expert's weights only: its gradient is
 summed into the expert's before the optimizer step, and the stepped weights come back to it. It
-costs a slot on its rank, its weights' transfer when it is created (`replication_us`), and that
-exchange with the expert's home at every optimizer step (`exchange_us`), each transfer relayed
-over all the links of the two nodes (`relay_us`); `choose` adds one only where the predicted gain over the following
-micro-batches pays for both.
+costs a slot on its rank and that exchange with the expert's home at every optimizer step
+(`exchange_us`: a new replica's first weights come with the step's return half), each transfer
+relayed over all the links of the two nodes (`relay_us`); `choose` adds one only where the
+predicted gain over the following micro-batches pays for it.
 
 Slots: rank q holds ``slots[q]`` (int64 [R, S]): its primary experts (the placement's, ascending
 ids), then its ``redundant`` replica slots (-1: empty). All functions are pure numpy and
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Choice", "slot_experts", "Split", "split", "load_split", "route", "expected_counts", "predicted_rows",
-           "RELAY_CHUNK_BYTES", "relay_us", "exchange_us", "replication_us", "choose"]
+           "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us", "choose"]
 
 
 def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarray:
@@ -266,7 +266,7 @@ def relay_us(transfers: np.ndarray, ranks: int, ranks_per_node: int, nbytes: flo
     return float(sum(max(hop_us[h] for h in range(3) if 0 <= r - h < C) for r in range(C + 2)) / C)
 
 
-def _replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
+def replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
     """int64 [T, 2]: (home rank, holder rank) of every held replica slot of ``slots`` [R, S], in
     holder-rank then slot order (the runtime's order)."""
     slots = np.asarray(slots, np.int64)
@@ -284,21 +284,10 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
     sum (``grad_bytes``: fp32) goes to the expert's home (its primary slot, the first
     ``primaries`` columns of ``slots``), and before the next forward the home sends the stepped
     weights (``weight_bytes``) back, each relayed over every link of the two nodes (`relay_us`)."""
-    pairs = _replica_pairs(slots, primaries)
+    pairs = replica_pairs(slots, primaries)
     R = np.asarray(slots).shape[0]
     return (relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
             + relay_us(pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps))
-
-
-def replication_us(old: np.ndarray, new: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float,
-                   net_gbps: float, intra_gbps: float = math.inf) -> float:
-    """Creating replicas (µs): every replica slot of ``new`` int64 [R, S] that held another expert
-    (or none) in ``old`` receives its expert's weights from the home (`relay_us`)."""
-    old, new = np.asarray(old, np.int64), np.asarray(new, np.int64)
-    made = new.copy()
-    made[:, primaries:][new[:, primaries:] == old[:, primaries:]] = -1
-    return relay_us(_replica_pairs(made, primaries), new.shape[0], ranks_per_node, weight_bytes, net_gbps,
-                    intra_gbps)
 
 
 @dataclass(frozen=True)
@@ -311,9 +300,8 @@ class Choice:
 
 
 def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int, redundant: int,
-           dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, horizon: float,
-           weight_bytes: float, net_gbps: float, current: np.ndarray | None = None, *,
-           grad_bytes: float | None = None, intra_gbps: float = math.inf) -> Choice:
+           dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
+           net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf) -> Choice:
     """The replicas to hold over the primaries ``expert_to_rank``, judged on ``samples`` float [K, E]:
     the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
     catches, and what a moving average hides).
@@ -329,9 +317,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     prefix with the largest net gain per micro-batch on the later half of the samples is
     returned (held out: drift is what a choice judged on the very samples it was made from would
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
-    the step's gradient exchange (`exchange_us` / ``micro_batches_per_step``) and their creation
-    (`replication_us` against ``current``, spread over ``horizon`` micro-batches); none when no
-    prefix pays. A replica holds the expert's weights only (``weight_bytes``; its gradient sum
+    the step's exchange (`exchange_us` / ``micro_batches_per_step``: a new replica's first weights
+    come with the exchange that follows the decision, as every step's do); none when no prefix
+    pays. A replica holds the expert's weights only (``weight_bytes``; its gradient sum
     travels as ``grad_bytes``, default ``weight_bytes``): the sum joins the expert's gradient
     before the optimizer step, and the stepped weights reach it with the exchange's return half,
     both relayed over every link of the two nodes (``net_gbps`` between nodes, ``intra_gbps``
@@ -345,7 +333,6 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     none = np.full((R, redundant), -1, np.int64)
     if redundant <= 0 or N <= 1:
         return Choice(none, 0.0, 0.0)
-    before = slot_experts(e2r, none if current is None else current)
     grad = weight_bytes if grad_bytes is None else grad_bytes
     half = len(samples) // 2
     fit, judge = (samples[:half], samples[half:]) if half else (samples, samples)
@@ -356,9 +343,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     def cost(replicas: np.ndarray) -> float:
         slots = slot_experts(e2r, replicas)
-        links = (net_gbps, intra_gbps)
-        return (exchange_us(slots, E // R, G, weight_bytes, grad, *links) / micro_batches_per_step
-                + replication_us(before, slots, E // R, G, weight_bytes, *links) / max(horizon, 1.0))
+        return exchange_us(slots, E // R, G, weight_bytes, grad, net_gbps, intra_gbps) / micro_batches_per_step
 
     expected = fit.mean(axis=0)
     base = judged_rows(none)

@@ -32,7 +32,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
-from deepspeed_feplb.plan.replicas import exchange_us, route
+from deepspeed_feplb.plan.replicas import relay_us, replica_pairs, route
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
@@ -55,8 +55,9 @@ class SimSetup:
                (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
                replicas on other nodes where they pay; each micro-batch splits a replicated
                expert's rows between its holders (`replicas.route`); every optimizer step
-               sends their gradient sums (fp32) home and the stepped weights back, relayed over
-               every link of the two nodes (`replicas.exchange_us`), **added to the expert time of
+               sends their gradient sums (fp32) home and the stepped weights to the replicas its
+               decision left, relayed over every link of the two nodes (`replicas.relay_us`),
+               **added to the expert time of
                the micro-batch that ends the step** (``replica_exchange_us``).
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
@@ -450,12 +451,6 @@ class _NodePolicy:
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
-        if replicated and ends:  # the replicas' gradients go home, the stepped weights come back
-            reduce_us = exchange_us(slots, s.experts_per_rank, G, s.shape.weight_bytes, s.shape.grad_bytes,
-                                    s.profile.net_gbps, s.profile.ce_gbps)
-            timing["expert_us"] += reduce_us
-            timing["replica_exchange_us"] = reduce_us
-            self.replica_exchange_us += reduce_us
         if self.placers is not None:
             placer = self.placers[layer]
             placer.observe(loads, refresh=False)
@@ -463,6 +458,17 @@ class _NodePolicy:
                 placer.refresh()
                 timing["expert_us"] += placer.last_cost_us
                 timing["placement_us"] = placer.last_cost_us
+        if replicated and ends:
+            # the step's replicas send their gradient sums home; the stepped weights go to the
+            # replicas of the table the step's decision left (a new replica's first weights)
+            R = s.ranks
+            links = (s.profile.net_gbps, s.profile.ce_gbps)
+            reduce_us = (relay_us(replica_pairs(slots, s.experts_per_rank)[:, ::-1], R, G, s.shape.grad_bytes, *links)
+                         + relay_us(replica_pairs(self.slots(layer), s.experts_per_rank), R, G,
+                                    s.shape.weight_bytes, *links))
+            timing["expert_us"] += reduce_us
+            timing["replica_exchange_us"] = reduce_us
+            self.replica_exchange_us += reduce_us
         moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
         return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce, timing=timing)
 
