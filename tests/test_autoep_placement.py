@@ -141,4 +141,4 @@ def test_replica_slots_are_refused_for_autoep_layers_naming_the_layer():
     config = load_config({"feplb": {"nvlink_domain_size": 2,
                                     "placement": {"enabled": True, "redundant_experts_per_rank": 1}}})
     with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1 .*AutoEP layers .*model.layers.0.mlp"):
-        autoep._place("model.layers.0.mlp", SimpleNamespace(ep_size=4), None, config)
+        autoep._place("model.layers.0.mlp", SimpleNamespace(ep_size=4), SimpleNamespace(placement=None), config)
