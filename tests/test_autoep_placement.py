@@ -142,3 +142,60 @@ def test_replica_slots_are_refused_for_autoep_layers_naming_the_layer():
                                     "placement": {"enabled": True, "redundant_experts_per_rank": 1}}})
     with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1 .*AutoEP layers .*model.layers.0.mlp"):
         autoep._place("model.layers.0.mlp", SimpleNamespace(ep_size=4), SimpleNamespace(placement=None), config)
+
+
+def moved_state_case(zero: int, bf16: bool) -> dict:
+    """After re-placements, each expert's whole state (bf16 or fp32 value, fp32 master, Adam's
+    moments) sits in its slot: read in placement order, then inside `canonical_experts`, every
+    canonical row equals the row its expert's slot held (all-gathered over the EP group), bit for
+    bit."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import deepspeed_feplb
+    from deepspeed_feplb.integration import seams
+    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
+    from deepspeed_feplb.integration.placement import canonical_experts
+
+    model = tiny_model("mixtral")
+    config = {**_config(True, zero, 1), "bf16": {"enabled": bf16}}
+    engine = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+        engine.backward(engine(ids, labels=ids).loss)
+        engine.step()
+    layers = [m for m in engine.module.modules() if isinstance(m, FEPLBGroupedExperts)]
+    seams.relink_optimizer_fragments(engine.optimizer)  # as a move does: the fragments' views now
+
+    def state(p) -> list:
+        if zero == 0:  # the torch optimizer's own state; the parameter is the master
+            return [p.detach().clone(), *(engine.optimizer.state[p][key].clone() for key in ("exp_avg", "exp_avg_sq"))]
+        return [p.detach().float().clone(), safe_get_full_fp32_param(p).float(),
+                *(safe_get_full_optimizer_state(p, key).float() for key in ("exp_avg", "exp_avg_sq"))]
+
+    placed = [[state(p) for p in (layer.w1, layer.w2, layer.w3)] for layer in layers]
+    with canonical_experts(engine):
+        canonical = [[state(p) for p in (layer.w1, layer.w2, layer.w3)] for layer in layers]
+    after = [[state(p) for p in (layer.w1, layer.w2, layer.w3)] for layer in layers]
+    exact, moved = True, 0
+    for layer, before, inside, back in zip(layers, placed, canonical, after):
+        placement = layer.placement
+        moved += int(not placement.identity)
+        me, per = dist.get_rank(placement.ep_group), placement.per_rank
+        for tensors_before, tensors_inside, tensors_back in zip(before, inside, back):
+            for t_before, t_inside, t_back in zip(tensors_before, tensors_inside, tensors_back):
+                gathered = [torch.empty_like(t_before) for _ in range(placement.ep_size)]
+                dist.all_gather(gathered, t_before, group=placement.ep_group)
+                by_slot = torch.cat(gathered)  # [E, ...] in placement order
+                rows = placement.slot_of[me * per + torch.arange(per)]
+                exact &= torch.equal(t_inside, by_slot[rows]) and torch.equal(t_back, t_before)
+    return {"exact": exact, "moved": moved}
+
+
+@pytest.mark.parametrize("zero,bf16", [(1, True), (2, False), (0, False)], ids=["zero1-bf16", "zero2", "zero0"])
+def test_every_moved_expert_carries_its_whole_state(zero, bf16):
+    results = run_distributed(moved_state_case, 4, zero, bf16, timeout=600)
+    assert all(r["moved"] for r in results), "no layer was re-placed"
+    assert all(r["exact"] for r in results), results
