@@ -235,7 +235,7 @@ class ExpertPlacement:
             `route` splits their rows between their holders every micro-batch; the layer's local
             experts are then its ``E / ep_size`` primary slots followed by ``redundant`` replica
             slots (`integration.replicas.ReplicaSlots`, attached as ``replicas`` by the layer).
-        weight_bytes: one expert's weight bytes (a replica's creation, and its weights at every step).
+        weight_bytes: one expert's weight bytes (a replica's weights, sent to it at every step).
         grad_bytes: one expert's gradient in fp32 (a replica's gradient sum sent home at every step;
             None: ``weight_bytes``).
     """

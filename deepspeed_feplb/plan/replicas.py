@@ -278,16 +278,18 @@ def replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
 
 
 def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float, grad_bytes: float,
-                net_gbps: float, intra_gbps: float = math.inf) -> float:
+                net_gbps: float, intra_gbps: float = math.inf, weight_slots: np.ndarray | None = None) -> float:
     """One optimizer step's replica exchange (µs), as the runtime makes it
     (`integration.replicas.ReplicaSlots`): in the step's last backward every replica's gradient
     sum (``grad_bytes``: fp32) goes to the expert's home (its primary slot, the first
     ``primaries`` columns of ``slots``), and before the next forward the home sends the stepped
-    weights (``weight_bytes``) back, each relayed over every link of the two nodes (`relay_us`)."""
-    pairs = replica_pairs(slots, primaries)
+    weights (``weight_bytes``) to the replicas of ``weight_slots`` (the table a decision at the
+    step left; default ``slots``), each relayed over every link of the two nodes (`relay_us`)."""
     R = np.asarray(slots).shape[0]
-    return (relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
-            + relay_us(pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps))
+    weight_slots = slots if weight_slots is None else weight_slots
+    return (relay_us(replica_pairs(slots, primaries)[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
+            + relay_us(replica_pairs(weight_slots, primaries), R, ranks_per_node, weight_bytes, net_gbps,
+                       intra_gbps))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
-from deepspeed_feplb.plan.replicas import relay_us, replica_pairs, route
+from deepspeed_feplb.plan.replicas import exchange_us, route
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
@@ -56,7 +56,7 @@ class SimSetup:
                replicas on other nodes where they pay; each micro-batch splits a replicated
                expert's rows between its holders (`replicas.route`); every optimizer step
                sends their gradient sums (fp32) home and the stepped weights to the replicas its
-               decision left, relayed over every link of the two nodes (`replicas.relay_us`),
+               decision left, relayed over every link of the two nodes (`replicas.exchange_us`),
                **added to the expert time of
                the micro-batch that ends the step** (``replica_exchange_us``).
 
@@ -461,11 +461,8 @@ class _NodePolicy:
         if replicated and ends:
             # the step's replicas send their gradient sums home; the stepped weights go to the
             # replicas of the table the step's decision left (a new replica's first weights)
-            R = s.ranks
-            links = (s.profile.net_gbps, s.profile.ce_gbps)
-            reduce_us = (relay_us(replica_pairs(slots, s.experts_per_rank)[:, ::-1], R, G, s.shape.grad_bytes, *links)
-                         + relay_us(replica_pairs(self.slots(layer), s.experts_per_rank), R, G,
-                                    s.shape.weight_bytes, *links))
+            reduce_us = exchange_us(slots, s.experts_per_rank, G, s.shape.weight_bytes, s.shape.grad_bytes,
+                                    s.profile.net_gbps, s.profile.ce_gbps, weight_slots=self.slots(layer))
             timing["expert_us"] += reduce_us
             timing["replica_exchange_us"] = reduce_us
             self.replica_exchange_us += reduce_us
