@@ -6,6 +6,8 @@ These tests therefore exercise the real slot / handle / parts / ordering / teard
 gloo ranks. What they cannot show is the CUDA side: that is tests/gpu/.
 """
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -29,15 +31,17 @@ def _domain_name() -> str:
     return names[0]
 
 
-def _make(capacity: int, timeout_s: float = 20.0):
+def _make(capacity: int, timeout_s: float = 20.0, first_flag: int = 0):
     name = _domain_name()
     backend = HostBackend(prefix=f"{name}-mem")
     rank, size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        transport = CudaCETransport(name, 0, size, timeout_s, True, backend=backend, slot_bytes=capacity)
+        transport = CudaCETransport(name, 0, size, timeout_s, True, backend=backend, slot_bytes=capacity,
+                                    first_flag=first_flag)
     dist.barrier()
     if rank:
-        transport = CudaCETransport(name, rank, size, timeout_s, False, backend=backend, slot_bytes=capacity)
+        transport = CudaCETransport(name, rank, size, timeout_s, False, backend=backend, slot_bytes=capacity,
+                                    first_flag=first_flag)
     return name, backend, transport
 
 
@@ -117,10 +121,42 @@ def arena_case() -> dict:
             "leftover": [n for n in leftover_segments() if n.startswith(name)]}
 
 
+def credits_and_wrap() -> dict:
+    """Rank 0 enqueues three messages of 16 parts each (48 parts through a ring of 4 slots) to rank
+    1, and rank 1 to rank 0, before either receives: the sends must return (a host waiting for
+    credits would never reach the barrier); the streams then run on credits. The 32-bit flags
+    start 5 below 2**32, so they wrap on the way."""
+    import ctypes
+
+    from deepspeed_feplb.migrate.cuda_ce import SEQ
+    first = (1 << 32) - 5
+    name, backend, transport = _make(1024, first_flag=first)
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    result = {"ok": True, "flag": None}
+    if rank < 2:
+        other = 1 - rank
+        for m in range(3):  # 4000 bytes: 16 parts each
+            transport.send(other, 0x40 + m, [torch.arange(1000, dtype=torch.float32) + 1000 * m + 10_000 * rank])
+        dist.barrier(group=pair)
+        for m in range(3):
+            got = transport.recv(other, 0x40 + m)
+            result["ok"] &= torch.equal(got[0], torch.arange(1000, dtype=torch.float32) + 1000 * m + 10_000 * other)
+        backend.stream_synchronize(transport._recv_streams[other])  # noqa: SLF001 - the test reads the flag word
+        result["flag"] = ctypes.c_uint32.from_address(transport._inbound[other] + SEQ).value  # noqa: SLF001
+        result["parts"] = transport.extra_parts
+    dist.barrier()
+    transport.close()
+    result["live"] = backend.live()
+    dist.barrier()  # every rank has freed
+    result["leftover"] = [n for n in leftover_segments() if n.startswith(name)]
+    return result
+
+
 def protocol_suite() -> dict:
     """All protocol cases in one launch (spawning ranks dominates the cost on CPU)."""
-    return {"rounds": all_to_all_rounds(1 << 20, 4), "parts": all_to_all_rounds(512, 5), "wrong_tag": wrong_tag(),
-            "silent_peer": silent_peer(), "arena": arena_case()}
+    return {"rounds": all_to_all_rounds(1 << 20, 4), "parts": all_to_all_rounds(1024, 5), "wrong_tag": wrong_tag(),
+            "silent_peer": silent_peer(), "arena": arena_case(), "credits": credits_and_wrap()}
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +176,24 @@ def test_messages_arrive_intact_in_order_on_three_ranks(protocol_results):
 
 
 def test_a_message_larger_than_its_slot_travels_in_parts_through_it(protocol_results):
-    # 512-byte slots: every message (1.5-4 KiB) needs several parts; the slots never grow
+    # 1 KiB rings of four 256-byte slots: every message (1.5-4 KiB) needs several parts, more than
+    # the ring holds, so the sender runs on credits; the rings never grow
     for rank, suite in enumerate(protocol_results):
         result = suite["parts"]
-        assert all(c == 512 for c in result["capacities"].values()), result
+        assert all(c == 1024 for c in result["capacities"].values()), result
         assert result["extra_parts"] >= 2 * 5 * 2, result  # 2 peers x 5 rounds, at least 3 parts each
         assert result["into_kept"] == 2 * 2, result  # rounds 1 and 3: each part into the receiver's buffers
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
+        assert result["leftover"] == []
+
+
+def test_sends_run_ahead_of_the_receiver_on_credits_and_flags_wrap(protocol_results):
+    for rank in (0, 1):
+        result = protocol_results[rank]["credits"]
+        assert result["ok"], "a ring slot was overwritten before it was read, or parts arrived out of order"
+        assert result["parts"] == 3 * 15, result  # 4000 bytes in 256-byte ring slots: 16 parts a message
+        assert result["flag"] == ((1 << 32) - 5 + 48) & 0xFFFFFFFF == 43, "the 32-bit sequence did not wrap"
+        assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, result
         assert result["leftover"] == []
 
 
@@ -260,3 +307,63 @@ def test_weight_residency_through_ce_protocol_matches_deepspeed(layer_results):
         assert max(case["param_errors"].values()) <= 1e-5
         traffic = case["traffic"]
         assert traffic["resident_hits"] > 0 and traffic["flushed_copies"] > 0, traffic
+
+
+def _rank_that_never_reads(name: str, start, started) -> None:
+    """Rank 1 of a 2-rank domain (a spawned process): opens its transport, then only sleeps."""
+    start.get(timeout=60)
+    CudaCETransport(name, 1, 2, 30.0, False, backend=HostBackend(prefix=f"{name}-mem"), slot_bytes=1024)
+    started.put(True)
+    time.sleep(600)
+
+
+def test_a_peer_killed_mid_message_is_a_named_error_not_a_hung_stream():
+    """Rank 0 enqueues a 63-part message to rank 1 (its copy stream then waits for credits that
+    will never come), and rank 1 is killed: the watchdog must fail the transport naming rank 1,
+    release rank 0's stream from its wait (on a GPU: the device would wait forever), and `close`
+    must free everything of rank 0 and the domain's control block."""
+    import multiprocessing
+
+    from deepspeed_feplb.segments import PeerDiedError, PeerWatch, cleanup
+    name = f"feplb-cetest-{os.getpid()}-killed"
+    context = multiprocessing.get_context("spawn")
+    start, started = context.Queue(), context.Queue()
+    child = context.Process(target=_rank_that_never_reads, args=(name, start, started), daemon=True)
+    child.start()
+    assert child.pid and child.pid > 0
+    backend = HostBackend(prefix=f"{name}-mem")
+    transport = CudaCETransport(name, 0, 2, 30.0, True, PeerWatch([os.getpid(), child.pid], [0, 1]),
+                                backend=backend, slot_bytes=1024)
+    try:
+        start.put(True)
+        assert started.get(timeout=60)
+        begun = time.monotonic()
+        transport.send(1, 0x51, [torch.arange(4000, dtype=torch.float32)])  # 63 parts, 4 ring slots
+        assert time.monotonic() - begun < 5, "the send waited for the receiver"
+        stuck = transport.mark()
+        backend.stream_wait_event(transport._streams[1], stuck)  # noqa: SLF001 - probe the copy stream
+        probe = backend.event_create()
+        backend.event_record(probe, transport._streams[1])  # noqa: SLF001
+        time.sleep(0.3)
+        assert not backend.event_query(probe), "the copy stream ran past parts the receiver never read"
+        os.kill(child.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(PeerDiedError, match="rank 1"):
+            while time.monotonic() - killed < 5:
+                time.sleep(0.05)
+                transport.send(1, 0x52, [torch.ones(1)])
+        assert time.monotonic() - killed < 5
+        deadline = time.monotonic() + 5
+        while not backend.event_query(probe) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.event_query(probe), "the copy stream still waits for the dead rank"
+        backend.event_destroy(probe)
+        transport.release(stuck)
+    finally:
+        transport.close()
+        child.join(10)
+    assert backend.live() == {"owned": [], "opened": [], "events": 0, "streams": 0}
+    left = leftover_segments(name)
+    # only the dead rank's own emulated device memory remains (on a GPU the driver frees it with the process)
+    assert all(n.startswith(f"{name}-mem-{child.pid}-") for n in left), left
+    cleanup(name)

@@ -3,7 +3,8 @@
 * `phase2`: the autograd function that runs one micro-batch's plan (forward and backward) over a
   `Transport`; it knows nothing about how bytes move.
 * `shm.ShmTransport` (CPU: a shared-memory arena and a copy thread) and
-  `cuda_ce.CudaCETransport` (CUDA IPC peer slots, ``cudaMemcpyAsync`` on copy streams) are the
+  `cuda_ce.CudaCETransport` (CUDA IPC peer rings, ``cudaMemcpyAsync`` on copy streams ordered by
+  flag words the streams wait on: the host enqueues and never waits for the device) are the
   two transports; `transport_class` picks one from ``feplb.transport``.
 * `wire`: how a message's tensors are described (dtype codes, shapes), shared by both.
 

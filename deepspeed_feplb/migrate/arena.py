@@ -9,9 +9,10 @@ starting on a 256-byte boundary (the allocation itself is 256-byte aligned, so 1
 loads in the kernels always apply).
 
 Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose slots hold ``S``
-bytes: the `CudaCETransport` owns one inbound slot per peer, ``(G - 1) * S`` bytes of device
-memory, allocated once when the domain opens, plus host control memory of
-``G * G * 8 * (32 + 7 * T)`` bytes per domain (T = most tensors per message). ``S`` is
+bytes: the `CudaCETransport` owns one inbound allocation per peer, ``(G - 1) * (S + 256)`` bytes of
+device memory (``S`` split into a ring of `RING_SLOTS` slots of ``S / RING_SLOTS``, `ring_capacity`,
+plus 256 bytes of flags), allocated once when the domain opens, plus host control memory of
+``G * G * 8 * (16 + 4 * (4 + 7 * T))`` bytes per domain (T = most tensors per message). ``S`` is
 `slot_bytes`: one forward message to a helper in one part, that is D chunks with their expert's
 weights (``P`` bytes, ``n_t`` tensors) and a rank's mean rows ``N`` of ``row_bytes`` each:
 ``D * (P + n_t * 256) + N * row_bytes`` (backward's result message, input-gradients and
@@ -26,6 +27,8 @@ import numpy as np
 import torch
 
 ALIGN = 256
+RING_SLOTS = 4  # slots of an inbound ring: a sender runs up to this many message parts ahead of its receiver
+FLAG_BYTES = 256  # an inbound allocation's head: its flag words, each on its own 64-byte line
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -50,9 +53,19 @@ def slot_bytes(dynamic_experts: int, expert_bytes: int, tensors_per_chunk: int, 
     return align_up(dynamic_experts * (expert_bytes + tensors_per_chunk * ALIGN) + math.ceil(rows) * row_bytes)
 
 
+def ring_capacity(slot: int) -> int:
+    """Bytes of one ring slot of an inbound allocation whose ring holds ``slot`` bytes (`RING_SLOTS` of them)."""
+    return align_up(-(-align_up(slot) // RING_SLOTS))
+
+
+def inbound_bytes(slot: int) -> int:
+    """Device bytes of one inbound allocation: its flags and its ring."""
+    return FLAG_BYTES + RING_SLOTS * ring_capacity(slot)
+
+
 def transport_bytes_per_rank(domain_size: int, slot: int) -> int:
-    """Device bytes one rank's `CudaCETransport` holds: an inbound slot per peer."""
-    return (domain_size - 1) * align_up(slot)
+    """Device bytes one rank's `CudaCETransport` holds: an inbound allocation per peer."""
+    return (domain_size - 1) * inbound_bytes(slot)
 
 
 class PeerArena:

@@ -1,27 +1,72 @@
 """The device operations the Copy-Engine transport uses, behind one small interface.
 
-`CudaBackend` maps them one to one onto CUDA runtime calls through CuPy (plain ``cudaMalloc``,
-legacy IPC memory and event handles, ``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on
-non-blocking streams; docs/GPU.md). `HostBackend` implements the *same*
-semantics on host shared memory, synchronously (a stream is the calling thread, an event is
-always complete, an IPC handle names a ``/dev/shm`` segment). The transport's protocol (slots,
-handles, generations, ordering, teardown) is therefore exercised on CPU machines with the same
-code that drives the GPU; only the CUDA calls themselves differ.
+`CudaBackend` maps them one to one onto CUDA calls: the runtime through CuPy (plain ``cudaMalloc``,
+legacy IPC memory handles, events, ``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on non-blocking
+streams; docs/GPU.md) and the driver's stream memory operations (``cuStreamWaitValue32_v2`` /
+``cuStreamWriteValue32_v2``) through ctypes. `HostBackend` implements the *same* semantics on host
+shared memory: a stream is a thread that runs its operations in order, after the caller queued
+them (so a copy really happens later than its call, and a stream really waits on a flag word); an
+IPC handle names a ``/dev/shm`` segment. The transport's protocol (ring slots, flags, credits,
+ordering, teardown) is therefore exercised on CPU machines with the same code that drives the GPU;
+only the CUDA calls themselves differ.
 
-Pointers, streams and events are plain ints. Handles are 64 bytes, as CUDA's are.
+Pointers, streams and events are plain ints; stream 0 is the caller's (torch's current stream on
+CUDA; on the host, the calling thread: its operations run at once). Handles are 64 bytes, as
+CUDA's are. A flag is a 32-bit word compared cyclically (`flag_reached`), as
+``CU_STREAM_WAIT_VALUE_GEQ`` does, so sequence numbers may wrap.
 """
 from __future__ import annotations
 
 import ctypes
 import fcntl
 import os
+import queue
 import secrets
 import threading
+import time
 
 import numpy as np
 import torch
 
 HANDLE_BYTES = 64
+FLAG_MASK = 0xFFFFFFFF
+
+
+def flag_reached(word: int, value: int) -> bool:
+    """Whether a 32-bit flag ``word`` has reached ``value``, cyclically (``(int32)(word - value) >= 0``,
+    the comparison of ``CU_STREAM_WAIT_VALUE_GEQ``): true for up to 2**31 - 1 values past it."""
+    return ((int(word) - int(value)) & FLAG_MASK) < 1 << 31
+
+
+class _Driver:
+    """The CUDA driver's stream memory operations, through ctypes on ``libcuda.so.1`` (four calls:
+    no extra dependency). The V2 entry points are available by default on every driver since CUDA
+    11.7, which every supported CuPy build needs anyway; `CudaBackend.probe_flags` checks it."""
+
+    WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: cyclic (int32)(*addr - value) >= 0
+    WRITE_DEFAULT = 0x0
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._wait = lib.cuStreamWaitValue32_v2
+        self._write = lib.cuStreamWriteValue32_v2
+        for fn in (self._wait, self._write):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        self._name = lib.cuGetErrorName
+        self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def check(self, result: int, call: str) -> None:
+        if result:
+            name = ctypes.c_char_p()
+            self._name(result, ctypes.byref(name))
+            raise RuntimeError(f"{call} failed: {(name.value or b'?').decode()} ({result})")
+
+    def wait(self, stream: int, ptr: int, value: int) -> None:
+        self.check(self._wait(stream, ptr, value & FLAG_MASK, self.WAIT_GEQ), "cuStreamWaitValue32_v2")
+
+    def write(self, stream: int, ptr: int, value: int) -> None:
+        self.check(self._write(stream, ptr, value & FLAG_MASK, self.WRITE_DEFAULT), "cuStreamWriteValue32_v2")
 
 
 class CudaBackend:
@@ -37,9 +82,10 @@ class CudaBackend:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", device if isinstance(device, int) else device.index or 0)
         self.index = self.device.index
+        self._driver = None
 
     def bind_thread(self) -> None:
-        """Make this backend's device current in the calling thread (copy threads call it first)."""
+        """Make this backend's device current in the calling thread (the transport's own threads call it first)."""
         self._rt.setDevice(self.index)
         torch.cuda.set_device(self.device)
 
@@ -60,25 +106,13 @@ class CudaBackend:
         self._rt.ipcCloseMemHandle(ptr)
 
     # events and streams
-    def event_create(self, interprocess: bool = False) -> int:
+    def event_create(self) -> int:
         """An event without timing; a host thread that synchronises on it sleeps (BlockingSync)
         instead of spinning a core."""
-        flags = self._rt.eventDisableTiming | self._rt.eventBlockingSync
-        if interprocess:
-            flags |= self._rt.eventInterprocess
-        return int(self._rt.eventCreateWithFlags(flags))
+        return int(self._rt.eventCreateWithFlags(self._rt.eventDisableTiming | self._rt.eventBlockingSync))
 
     def event_destroy(self, event: int) -> None:
         self._rt.eventDestroy(event)
-
-    def event_handle(self, event: int) -> bytes:
-        return bytes(self._rt.ipcGetEventHandle(event))
-
-    def event_open(self, handle: bytes) -> int:
-        return int(self._rt.ipcOpenEventHandle(bytes(handle)))
-
-    def event_close(self, event: int) -> None:
-        self._rt.eventDestroy(event)  # an opened IPC event is released like a local one
 
     def event_record(self, event: int, stream: int) -> None:
         self._rt.eventRecord(event, stream)
@@ -99,8 +133,42 @@ class CudaBackend:
     def stream_wait_event(self, stream: int, event: int) -> None:
         self._rt.streamWaitEvent(stream, event, 0)
 
+    def stream_synchronize(self, stream: int) -> None:
+        self._rt.streamSynchronize(stream)
+
     def current_stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    # flags: 32-bit words in device memory, waited on and written by the stream (no host involved)
+    def stream_wait_value32(self, stream: int, ptr: int, value: int) -> None:
+        """``stream`` waits until the flag at ``ptr`` (this device's memory) reached ``value`` (`flag_reached`)."""
+        self._flags().wait(stream, ptr, value)
+
+    def stream_write_value32(self, stream: int, ptr: int, value: int) -> None:
+        """``stream`` writes ``value`` to the flag at ``ptr`` (this device's memory; a peer's flag is
+        written by a 4-byte copy from a local one: since CUDA 13.1 a write-value no longer reaches
+        another GPU's memory)."""
+        self._flags().write(stream, ptr, value)
+
+    def _flags(self) -> _Driver:
+        if self._driver is None:
+            self._driver = _Driver()
+        return self._driver
+
+    def probe_flags(self) -> str:
+        """Why stream flags cannot be used here ("" when they can): a write and a wait on a scratch word."""
+        try:
+            ptr, stream = self.malloc(4), self.stream_create()
+            try:
+                self.stream_write_value32(stream, ptr, 1)
+                self.stream_wait_value32(stream, ptr, 1)
+                self.stream_synchronize(stream)
+            finally:
+                self.stream_destroy(stream)
+                self.free(ptr)
+        except Exception as exc:  # noqa: BLE001 - every failure is a reason to report
+            return f"{type(exc).__name__}: {exc}"
+        return ""
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """One ``cudaMemcpyAsync(kind=Default)``: a Copy-Engine copy when dst and src are on different GPUs."""
@@ -111,25 +179,81 @@ class CudaBackend:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
 
+class _HostStream:
+    """A CUDA stream on the host: one thread runs the operations queued on it, in order.
+
+    ``queued`` counts the operations handed to it, ``done`` those that ran; an event recorded on
+    it is complete once ``done`` reaches ``queued`` at the time of the record. An operation that
+    fails makes the stream fail (as a CUDA error is sticky): the rest are skipped, and whoever
+    synchronises with it gets the error.
+    """
+
+    def __init__(self, name: str):
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._changed = threading.Condition()
+        self.queued = self.done = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, op) -> None:
+        with self._changed:
+            self.queued += 1
+        self._ops.put(op)
+
+    def _run(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is None:
+                return
+            if self.error is None:
+                try:
+                    op()
+                except BaseException as exc:  # noqa: BLE001 - kept for whoever synchronises
+                    self.error = exc
+            with self._changed:
+                self.done += 1
+                self._changed.notify_all()
+
+    def reached(self, ticket: int) -> bool:
+        return self.done >= ticket
+
+    def wait(self, ticket: int, timeout_s: float) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done >= ticket, timeout_s):
+                raise TimeoutError(f"host stream {self._thread.name} did not reach its operation {ticket} within "
+                                   f"{timeout_s:g} s")
+        if self.error is not None:
+            raise RuntimeError(f"host stream {self._thread.name} failed: {self.error}") from self.error
+
+    def stop(self, timeout_s: float) -> bool:
+        """Run what is queued, then end the thread; False if it did not end in time."""
+        self._ops.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
 class HostBackend:
-    """The same operations on host shared memory (``/dev/shm/feplb-host-*``), executed synchronously.
+    """The same operations on host shared memory (``/dev/shm/feplb-host-*``), streams as threads.
 
     Every allocation carries an importer count in a small locked header, so `free` refuses to
     release memory that another process still has open (the rule CUDA leaves undefined), and
     `live` lists what this process still holds: the tests check the transport's handle lifecycle
-    with it.
+    with it. A stream's flag wait that is still unmet after ``wait_timeout_s`` fails the stream
+    (on a GPU it would wait forever; a test then fails instead of hanging).
     """
 
     name = "host"
     _HEADER = 64  # bytes before the payload: int64 importer count
 
-    def __init__(self, prefix: str = "feplb-host"):
+    def __init__(self, prefix: str = "feplb-host", wait_timeout_s: float = 60.0):
         self.prefix = prefix
+        self.wait_timeout_s = wait_timeout_s
         self.device = torch.device("cpu")
         self._owned: dict[int, tuple] = {}  # ptr -> (shm, view)
         self._opened: dict[int, tuple] = {}
-        self._events: set[int] = set()
-        self._streams: set[int] = set()
+        self._events: dict[int, tuple] = {}  # event -> (stream, ticket) of its last record; (None, 0): complete
+        self._streams: dict[int, _HostStream] = {}
         self._next = 1
         self._lock = threading.Lock()
 
@@ -200,59 +324,104 @@ class HostBackend:
         self._count(shm, -1)
         shm.close()
 
-    # events and streams: the host executes in order, so an event is complete when recorded
-    def _new(self, bag: set) -> int:
+    # events and streams: stream 0 is the calling thread; others run on their own thread
+    def _new_id(self) -> int:
         with self._lock:
             value, self._next = self._next, self._next + 1
-            bag.add(value)
         return value
 
-    def event_create(self, interprocess: bool = False) -> int:
-        return self._new(self._events)
+    def event_create(self) -> int:
+        event = self._new_id()
+        self._events[event] = (None, 0)
+        return event
 
     def event_destroy(self, event: int) -> None:
-        self._events.remove(event)
-
-    def event_handle(self, event: int) -> bytes:
-        if event not in self._events:
-            raise ValueError(f"unknown event {event}")
-        return f"host-event-{os.getpid()}-{event}".encode().ljust(HANDLE_BYTES, b"\0")
-
-    def event_open(self, handle: bytes) -> int:
-        if not bytes(handle).startswith(b"host-event-"):
-            raise ValueError(f"not an event handle: {bytes(handle)!r}")
-        return self._new(self._events)
-
-    def event_close(self, event: int) -> None:
-        self._events.remove(event)
+        del self._events[event]
 
     def event_record(self, event: int, stream: int) -> None:
-        if event not in self._events or (stream and stream not in self._streams):
-            raise ValueError(f"record of unknown event {event} / stream {stream}")
+        if event not in self._events:
+            raise ValueError(f"record of unknown event {event}")
+        host = self._stream(stream)
+        self._events[event] = (None, 0) if host is None else (host, host.queued)
 
-    def event_synchronize(self, event: int) -> None:
+    def _event_done(self, event: int) -> tuple:
         if event not in self._events:
             raise ValueError(f"unknown event {event}")
+        return self._events[event]
+
+    def event_synchronize(self, event: int) -> None:
+        host, ticket = self._event_done(event)
+        if host is not None:
+            host.wait(ticket, self.wait_timeout_s)
 
     def event_query(self, event: int) -> bool:
-        self.event_synchronize(event)
-        return True
+        """True once the work before the event's last record has run (never blocks)."""
+        host, ticket = self._event_done(event)
+        return host is None or host.reached(ticket)
 
     def stream_create(self) -> int:
-        return self._new(self._streams)
+        stream = self._new_id()
+        self._streams[stream] = _HostStream(f"feplb-host-stream-{stream}")
+        return stream
 
     def stream_destroy(self, stream: int) -> None:
-        self._streams.remove(stream)
+        if not self._streams.pop(stream).stop(self.wait_timeout_s):
+            raise RuntimeError(f"host stream {stream} still runs an operation; its thread is left behind")
+
+    def _stream(self, stream: int):
+        if not stream:
+            return None
+        if stream not in self._streams:
+            raise ValueError(f"unknown stream {stream}")
+        return self._streams[stream]
+
+    def _on(self, stream: int, op) -> None:
+        """Run ``op`` on ``stream``: now on stream 0, else after what is queued there."""
+        host = self._stream(stream)
+        if host is None:
+            op()
+        else:
+            host.submit(op)
 
     def stream_wait_event(self, stream: int, event: int) -> None:
-        self.event_record(event, stream)
+        host, ticket = self._event_done(event)  # the record as of now, as CUDA does
+        if host is not None:
+            self._on(stream, lambda: host.wait(ticket, self.wait_timeout_s))
+
+    def stream_synchronize(self, stream: int) -> None:
+        host = self._stream(stream)
+        if host is not None:
+            host.wait(host.queued, self.wait_timeout_s)
 
     def current_stream(self) -> int:
         return 0
 
+    def stream_wait_value32(self, stream: int, ptr: int, value: int) -> None:
+        word = ctypes.c_uint32.from_address(ptr)
+
+        def wait() -> None:
+            deadline, pause = time.monotonic() + self.wait_timeout_s, 1e-5
+            while not flag_reached(word.value, value):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flag at {ptr:#x} is {word.value:#x} after {self.wait_timeout_s:g} s; "
+                                       f"waited for {value & FLAG_MASK:#x}")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+        self._on(stream, wait)
+
+    def stream_write_value32(self, stream: int, ptr: int, value: int) -> None:
+        word = ctypes.c_uint32.from_address(ptr)
+
+        def write() -> None:
+            word.value = value & FLAG_MASK
+        self._on(stream, write)
+
+    def probe_flags(self) -> str:
+        return ""
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:
-            ctypes.memmove(dst, src, nbytes)
+            self._on(stream, lambda: ctypes.memmove(dst, src, nbytes))
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)

@@ -1,6 +1,6 @@
 """Who writes a channel's messages, in order: its copy thread, or the sender itself.
 
-Both transports (`shm`, `cuda_ce`) hand messages to a copy thread so that a send never waits for a
+The shared-memory transport (`shm`) hands messages to a copy thread so that a send never waits for a
 receiver that has not read the previous message yet. Waking that thread is most of a small
 message's latency (docs/GPU.md), so a sender writes the message itself when that cannot wait:
 nothing is queued or being written on the link, and the channel is ready for it.
