@@ -183,37 +183,56 @@ class _HostStream:
     """A CUDA stream on the host: one thread runs the operations queued on it, in order.
 
     ``queued`` counts the operations handed to it, ``done`` those that ran; an event recorded on
-    it is complete once ``done`` reaches ``queued`` at the time of the record. An operation that
-    fails makes the stream fail (as a CUDA error is sticky): the rest are skipped, and whoever
-    synchronises with it gets the error.
+    it is complete once ``done`` reaches ``queued`` at the time of the record. As an idle GPU
+    stream starts an operation at once, an operation handed to an idle stream that can run
+    without waiting runs on the caller's thread (no thread wake-up); the rest go to the stream's
+    thread, and one operation runs at a time, in order. An operation that fails makes the stream
+    fail (as a CUDA error is sticky): the rest are skipped, and whoever synchronises gets the error.
     """
 
     def __init__(self, name: str):
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper than the default RLock
+        self._running = threading.Lock()  # held while an operation runs, on either thread
         self.queued = self.done = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, op) -> None:
+    def submit(self, op, ready=None) -> None:
+        """Queue ``op``; ``ready()``: whether it could run now without waiting (None: always)."""
         with self._changed:
+            inline = self.done == self.queued and (ready is None or ready()) and self._running.acquire(False)
             self.queued += 1
-        self._ops.put(op)
+        if not inline:
+            self._ops.put(op)
+            return
+        try:
+            self._execute(op)
+        finally:
+            self._running.release()
+        self._ran()
+
+    def _execute(self, op) -> None:
+        if self.error is None:
+            try:
+                op()
+            except BaseException as exc:  # noqa: BLE001 - kept for whoever synchronises
+                self.error = exc
+
+    def _ran(self) -> None:
+        with self._changed:
+            self.done += 1
+            self._changed.notify_all()
 
     def _run(self) -> None:
         while True:
             op = self._ops.get()
             if op is None:
                 return
-            if self.error is None:
-                try:
-                    op()
-                except BaseException as exc:  # noqa: BLE001 - kept for whoever synchronises
-                    self.error = exc
-            with self._changed:
-                self.done += 1
-                self._changed.notify_all()
+            with self._running:
+                self._execute(op)
+            self._ran()
 
     def reached(self, ticket: int) -> bool:
         return self.done >= ticket
@@ -375,18 +394,19 @@ class HostBackend:
             raise ValueError(f"unknown stream {stream}")
         return self._streams[stream]
 
-    def _on(self, stream: int, op) -> None:
-        """Run ``op`` on ``stream``: now on stream 0, else after what is queued there."""
+    def _on(self, stream: int, op, ready=None) -> None:
+        """Run ``op`` on ``stream``: now on stream 0, else after what is queued there (``ready``:
+        `_HostStream.submit`)."""
         host = self._stream(stream)
         if host is None:
             op()
         else:
-            host.submit(op)
+            host.submit(op, ready)
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         host, ticket = self._event_done(event)  # the record as of now, as CUDA does
         if host is not None:
-            self._on(stream, lambda: host.wait(ticket, self.wait_timeout_s))
+            self._on(stream, lambda: host.wait(ticket, self.wait_timeout_s), lambda: host.reached(ticket))
 
     def stream_synchronize(self, stream: int) -> None:
         host = self._stream(stream)
@@ -407,7 +427,7 @@ class HostBackend:
                                        f"waited for {value & FLAG_MASK:#x}")
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
-        self._on(stream, wait)
+        self._on(stream, wait, lambda: flag_reached(word.value, value))
 
     def stream_write_value32(self, stream: int, ptr: int, value: int) -> None:
         word = ctypes.c_uint32.from_address(ptr)
