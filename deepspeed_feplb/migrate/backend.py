@@ -39,12 +39,14 @@ def flag_reached(word: int, value: int) -> bool:
 
 
 class _Driver:
-    """The CUDA driver's stream memory operations, through ctypes on ``libcuda.so.1`` (four calls:
-    no extra dependency). The V2 entry points are available by default on every driver since CUDA
-    11.7, which every supported CuPy build needs anyway; `CudaBackend.probe_flags` checks it."""
+    """The CUDA driver calls the transport's flags need, through ctypes on ``libcuda.so.1`` (no extra
+    dependency): the stream memory operations and host-memory registration. The V2 stream memory
+    operations are available by default on every driver since CUDA 11.7, which every supported
+    CuPy build needs anyway; `CudaBackend.probe_flags` checks it."""
 
     WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: cyclic (int32)(*addr - value) >= 0
     WRITE_DEFAULT = 0x0
+    HOST_PORTABLE_DEVICEMAP = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -52,6 +54,14 @@ class _Driver:
         self._write = lib.cuStreamWriteValue32_v2
         for fn in (self._wait, self._write):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        self._register = lib.cuMemHostRegister_v2
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._device_pointer = lib.cuMemHostGetDevicePointer_v2
+        self._device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self._unregister = lib.cuMemHostUnregister
+        self._unregister.argtypes = [ctypes.c_void_p]
+        for fn in (self._register, self._device_pointer, self._unregister):
             fn.restype = ctypes.c_int
         self._name = lib.cuGetErrorName
         self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -67,6 +77,15 @@ class _Driver:
 
     def write(self, stream: int, ptr: int, value: int) -> None:
         self.check(self._write(stream, ptr, value & FLAG_MASK, self.WRITE_DEFAULT), "cuStreamWriteValue32_v2")
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        self.check(self._register(ptr, nbytes, self.HOST_PORTABLE_DEVICEMAP), "cuMemHostRegister_v2")
+        device = ctypes.c_uint64()
+        self.check(self._device_pointer(ctypes.byref(device), ptr, 0), "cuMemHostGetDevicePointer_v2")
+        return int(device.value)
+
+    def unregister(self, ptr: int) -> None:
+        self.check(self._unregister(ptr), "cuMemHostUnregister")
 
 
 class CudaBackend:
@@ -139,16 +158,25 @@ class CudaBackend:
     def current_stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
-    # flags: 32-bit words in device memory, waited on and written by the stream (no host involved)
+    # flags: 32-bit words waited on and written by a stream (no host thread involved)
     def stream_wait_value32(self, stream: int, ptr: int, value: int) -> None:
-        """``stream`` waits until the flag at ``ptr`` (this device's memory) reached ``value`` (`flag_reached`)."""
+        """``stream`` waits until the flag at device address ``ptr`` (this device's memory, or host
+        memory from `register_host`) reached ``value`` (`flag_reached`)."""
         self._flags().wait(stream, ptr, value)
 
     def stream_write_value32(self, stream: int, ptr: int, value: int) -> None:
-        """``stream`` writes ``value`` to the flag at ``ptr`` (this device's memory; a peer's flag is
-        written by a 4-byte copy from a local one: since CUDA 13.1 a write-value no longer reaches
-        another GPU's memory)."""
+        """``stream`` writes ``value`` to the flag at ``ptr`` (this device's memory; elsewhere a flag
+        is written by a 4-byte copy from a local one: since CUDA 13.1 a write-value no longer
+        reaches another GPU's memory)."""
         self._flags().write(stream, ptr, value)
+
+    def register_host(self, ptr: int, nbytes: int) -> int:
+        """Page-lock host memory at ``ptr`` (a shared-memory mapping) for the device; returns the
+        device address of ``ptr``, which copies and stream waits take."""
+        return self._flags().register(ptr, nbytes)
+
+    def unregister_host(self, ptr: int) -> None:
+        self._flags().unregister(ptr)
 
     def _flags(self) -> _Driver:
         if self._driver is None:
@@ -201,12 +229,12 @@ class _HostStream:
 
     def submit(self, op, ready=None) -> None:
         """Queue ``op``; ``ready()``: whether it could run now without waiting (None: always)."""
-        with self._changed:
+        with self._changed:  # queued in call order, whichever thread submits
             inline = self.done == self.queued and (ready is None or ready()) and self._running.acquire(False)
             self.queued += 1
-        if not inline:
-            self._ops.put(op)
-            return
+            if not inline:
+                self._ops.put(op)
+                return
         try:
             self._execute(op)
         finally:
@@ -255,15 +283,16 @@ class _HostStream:
 class HostBackend:
     """The same operations on host shared memory (``/dev/shm/feplb-host-*``), streams as threads.
 
-    Every allocation carries an importer count in a small locked header, so `free` refuses to
-    release memory that another process still has open (the rule CUDA leaves undefined), and
+    Every allocation lists its importers' process ids in a small locked header, so `free` refuses
+    to release memory that another live process still has open (the rule CUDA leaves undefined;
+    as with CUDA, a process that died holds nothing), and
     `live` lists what this process still holds: the tests check the transport's handle lifecycle
     with it. A stream's flag wait that is still unmet after ``wait_timeout_s`` fails the stream
     (on a GPU it would wait forever; a test then fails instead of hanging).
     """
 
     name = "host"
-    _HEADER = 64  # bytes before the payload: int64 importer count
+    _HEADER = 64  # bytes before the payload: the importers' pids (int64, 0: free entry)
 
     def __init__(self, prefix: str = "feplb-host", wait_timeout_s: float = 60.0):
         self.prefix = prefix
@@ -284,16 +313,24 @@ class HostBackend:
         view = np.frombuffer(shm.buf, dtype=np.uint8)
         return view, int(view.ctypes.data) + self._HEADER
 
-    def _count(self, shm, delta: int) -> int:
+    def _importers(self, shm, change: int = 0) -> int:
+        """Add (``change`` 1) or remove (-1) this process as an importer of ``shm``; returns how many
+        live processes import it."""
+        from deepspeed_feplb.segments import process_alive
         fd = os.open(os.path.join("/dev/shm", shm.name), os.O_RDWR)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX)
-            counter = np.ndarray((1, ), dtype=np.int64, buffer=shm.buf)
-            counter[0] += delta
-            value = int(counter[0])
-            del counter
+            pids = np.ndarray((self._HEADER // 8, ), dtype=np.int64, buffer=shm.buf)
+            if change:
+                at = np.flatnonzero(pids == (0 if change > 0 else os.getpid()))
+                if change > 0 and not len(at):
+                    raise RuntimeError(f"{shm.name} has {len(pids)} importers already")
+                if len(at):
+                    pids[at[0]] = os.getpid() if change > 0 else 0
+            live = sum(process_alive(int(pid)) for pid in pids if pid)
+            del pids
             fcntl.lockf(fd, fcntl.LOCK_UN)
-            return value
+            return live
         finally:
             os.close(fd)
 
@@ -311,7 +348,7 @@ class HostBackend:
         from deepspeed_feplb.segments import unlink_quietly
         with self._lock:
             shm, view = self._owned[ptr]
-            importers = self._count(shm, 0)
+            importers = self._importers(shm)
             if importers:
                 raise RuntimeError(f"free of {shm.name} while {importers} importer(s) still have it open")
             del self._owned[ptr]
@@ -328,7 +365,7 @@ class HostBackend:
     def ipc_open(self, handle: bytes) -> int:
         from deepspeed_feplb.segments import open_segment
         shm = open_segment(bytes(handle).rstrip(b"\0").decode())
-        self._count(shm, +1)
+        self._importers(shm, +1)
         view, ptr = self._map(shm)
         with self._lock:
             if ptr in self._owned:
@@ -340,7 +377,7 @@ class HostBackend:
         with self._lock:
             shm, view = self._opened.pop(ptr)
         del view
-        self._count(shm, -1)
+        self._importers(shm, -1)
         shm.close()
 
     # events and streams: stream 0 is the calling thread; others run on their own thread
@@ -438,6 +475,13 @@ class HostBackend:
 
     def probe_flags(self) -> str:
         return ""
+
+    def register_host(self, ptr: int, nbytes: int) -> int:
+        """Host memory is the device's: its address is its own."""
+        return ptr
+
+    def unregister_host(self, ptr: int) -> None:
+        pass
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:

@@ -4,45 +4,47 @@ Same interface and message semantics as `deepspeed_feplb.migrate.shm.ShmTranspor
 (``send(dst, tag, tensors) -> Future``, ``recv(src, tag) -> list[Tensor]``, ``close()``), so
 `migrate.phase2` runs on it unchanged.
 
-Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md): the host *enqueues* a message and never waits
-for the device; the streams order themselves on flag words.
+Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md): the host *enqueues* a message and does not
+wait for the device; the receiving stream orders itself on a flag word.
 
 * **Push into peer memory.** Every rank owns one inbound allocation per peer (a plain
-  ``cudaMalloc``, fixed for the transport's life): 256 bytes of flags, then a *ring* of
+  ``cudaMalloc``, fixed for the transport's life): a few staging words, then a *ring* of
   `arena.RING_SLOTS` slots. The sender opens it by its IPC handle once and writes each part of a
   message into the next ring slot with one ``cudaMemcpyAsync(kind=Default)`` per tensor piece (an
   expert's weights and its token chunk are each one contiguous copy). Between two GPUs that copy
   runs on the Copy Engine, using no SM.
-* **Sequence flags and credits, on the streams.** Parts are numbered per link (n = 1, 2, ...).
-  The sender's copy stream for that link waits until the receiver's credit word (``ACK``, in the
-  sender's own memory) says part ``n - RING_SLOTS`` was read (``cuStreamWaitValue32``, cyclic GEQ:
-  32-bit numbers wrap), copies part n into ring slot ``(n - 1) % RING_SLOTS``, writes n into a
-  local staging word (``cuStreamWriteValue32``) and copies those 4 bytes into the receiver's
-  ``SEQ`` word. The receiver's stream for that link waits until its ``SEQ`` reached n, copies the
-  part out into the caller's tensors, and returns the credit the same way (staging word, 4-byte
-  copy into the sender's ``ACK``). The compute stream only waits (an event) for that copy-out.
-  Local words only are waited on and written by the stream (since CUDA 13.1 a write-value does
-  not reach another GPU), as NCCL's copy-engine collectives do.
+* **Flags.** Parts are numbered per link (n = 1, 2, ...). Each link has two 32-bit flag words in
+  the domain's shared-memory control block, page-locked for the device (`register_host`): ``SEQ``
+  (parts written) and ``ACK`` (parts read). After part n's copies the sender's copy stream writes
+  n into a staging word of its own (``cuStreamWriteValue32``) and copies those 4 bytes onto
+  ``SEQ``; the receiver's stream waits until ``SEQ`` reached n (``cuStreamWaitValue32``, GEQ: a
+  cyclic comparison, so the numbers wrap), copies the part out into the caller's tensors, and
+  writes ``ACK`` the same way. The compute stream only waits (an event) for that copy-out.
+* **Credits on the host, waits only for work already enqueued.** A ring slot is reused only when
+  the sender's host sees (``ACK``, host memory) that the part before in it was read; until then
+  the part waits on the host in a queue that every later call of the transport (and every wait in
+  it) advances. The receiver enqueues its wait for part n only once the sender's host enqueued
+  part n (``ENQUEUED``). So every stream wait is for device work that was enqueued before it, and
+  the copy streams never wait on a peer: no cycle of waits can form, even where CUDA maps several
+  streams onto one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``). A message that fits the
+  free ring slots is enqueued whole by its `send`.
 * **Descriptions on the host.** What a message holds (tag, tensor dtypes, shapes and offsets) is
-  published in a per-domain shared-memory control block when the send is *enqueued*: the
-  receiver's host reads it without waiting for the device (only for the sender's host to have
-  reached its send), allocates the destination tensors and enqueues its waits. The control block
-  keeps `MESSAGES` descriptions per link; a sender's host waits only when its receiver's host
-  has not yet reached the message `MESSAGES` earlier.
+  published in the control block (`MESSAGES` entries per link) as soon as its send is called
+  and an entry is free; the receiver's host reads it without waiting for the device.
 * **Memory of sent tensors** stays referenced, with an event recorded after their copies, until a
-  later send (or `close`) finds that event complete: the caching allocator cannot hand it out
-  while a copy still reads it. The receiver's copy-out waits for the caller's stream first, since
-  the caller allocated the destination tensors on it.
+  later call finds that event complete: the caching allocator cannot hand it out while a copy
+  still reads it. The receiver's copy-out waits for the caller's stream first, since the caller
+  allocated the destination tensors on it.
 * **Slots are fixed**: allocated when the domain opens, never grown or freed until `close`, so no
-  step pays a ``cudaMalloc``, a ``cudaFree`` (a device-wide sync) or a new IPC handle. A message
-  larger than a ring slot travels in parts, all enqueued at once; the ring pipelines them.
+  step pays a ``cudaMalloc``, a ``cudaFree`` (a device-wide sync) or a new IPC handle.
 * **A dead peer is an error, not a hung GPU.** With a `segments.PeerWatch`, a watchdog thread
-  (off the critical path) checks the peers' processes; when one died it writes this rank's own
-  flags for that peer far ahead, so no stream of ours waits for it forever, and the next call of
-  the transport raises `segments.PeerDiedError` naming the rank. `close` does the same for waits
-  that can no longer be met.
+  (off the critical path) checks the peers' processes; when one died it stores this rank's
+  ``SEQ`` flags for it far ahead (a plain CPU store: the flags are host memory), so no stream of
+  ours waits for it forever, and the next call of the transport raises
+  `segments.PeerDiedError` naming the rank.
 * **Teardown**: drain our streams, close every peer mapping, announce it, wait (bounded) until the
-  peers did the same, then free (CUDA leaves freeing a still-mapped allocation undefined).
+  peers did the same, then free (CUDA leaves freeing a still-mapped allocation undefined; a peer
+  that neither unmapped nor died keeps our memory, with a warning).
 
 The device work goes through a backend (`backend.CudaBackend`); `backend.HostBackend` runs the
 identical protocol on host shared memory, streams as threads, which is how CPU machines test
@@ -53,7 +55,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import warnings
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -61,6 +65,7 @@ import torch
 
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.arena import FLAG_BYTES, RING_SLOTS, inbound_bytes, message_layout, ring_capacity
+from deepspeed_feplb.migrate.backend import flag_reached
 from deepspeed_feplb.segments import (
     WATCH_EVERY_S,
     PeerDiedError,
@@ -79,19 +84,21 @@ DEFAULT_MAX_TENSORS = 256
 MESSAGES = 4  # message descriptions per link in the control block
 
 # words of a channel (src -> dst) in the control block: POSTED / TAKEN count the messages whose
-# description the sender published / the receiver read; GEN is 1 once the receiver published its
-# inbound allocation (handle at RING_H, 8 words), CAP its ring slots' bytes; descriptions from ENTRIES
-POSTED, TAKEN, GEN, CAP = range(4)
+# description the sender published / the receiver read, ENQUEUED the parts the sender enqueued;
+# GEN is 1 once the receiver published its inbound allocation (handle at RING_H, 8 words), CAP
+# its ring slots' bytes; the flags SEQ_FLAG and ACK_FLAG (low 32 bits; each on a 64-byte line of
+# its own, since the device polls them); descriptions from ENTRIES
+POSTED, TAKEN, GEN, CAP, ENQUEUED = range(5)
 RING_H = 8
-ENTRIES = 16
+SEQ_FLAG, ACK_FLAG = 16, 24
+ENTRIES = 32
 TAG, COUNT, NBYTES = range(3)  # an entry's words, then its tensors' descriptions from word 4
 # the diagonal channel (r, r) carries rank r's state
 ALIVE, IMPORTS_CLOSED = 0, 1
-# byte offsets of the flag words at the head of an inbound allocation (of rank X for peer Y):
-# SEQ: parts of Y -> X written (Y writes it); ACK: parts of X -> Y read (Y writes it, X's credits);
-# STAGE_SEQ / STAGE_ACK: X's staging words for the flags it copies into Y's allocation
-SEQ, ACK, STAGE_SEQ, STAGE_ACK = 0, 64, 128, 192
+# byte offsets of an inbound allocation's staging words (the values its owner's streams copy onto flags)
+STAGE_SEQ, STAGE_ACK = 0, 64
 RELEASE = 1 << 30  # a flag this far ahead meets every wait queued before it (cyclic comparison)
+
 
 def part_ranges(nbytes: int | None, capacity: int):
     """The byte ranges ``[lo, hi)`` of a message of ``nbytes`` that travel as parts through a slot of
@@ -159,6 +166,18 @@ def _get_handle(words: np.ndarray, at: int) -> bytes:
     return words[at:at + 8].copy().tobytes()
 
 
+@dataclass
+class _Outgoing:
+    """A message `send` accepted whose description or parts are not all out yet."""
+    tag: int
+    tensors: list
+    offsets: list
+    nbytes: int
+    parts: list  # (lo, hi) byte ranges, one per ring slot it takes
+    enqueued: int = 0  # parts enqueued on the copy stream so far
+    described: int = 0  # its number on the link once its description is published
+
+
 class CudaCETransport:
     """Moves lists of tensors between the ranks of one NVLink domain by stream-ordered Copy-Engine copies.
 
@@ -171,7 +190,7 @@ class CudaCETransport:
             constructed before the others (the caller's barrier), as with `ShmTransport`.
         watch: a `segments.PeerWatch`: host waits fail fast, naming the rank, when a peer died, and a
             watchdog releases this rank's streams from waits on it (module docstring).
-        device: the CUDA device of this rank's experts, where slots and streams go (default:
+        device: the CUDA device of this rank's experts, where rings and streams go (default:
             torch's current device).
         backend: a `CudaBackend` (default: on ``device``) or `HostBackend`.
         slot_bytes: bytes of each inbound ring (`arena.inbound_bytes`), fixed for the transport's
@@ -181,9 +200,9 @@ class CudaCETransport:
             same); a value near 2**32 makes the 32-bit sequence numbers wrap early (tests).
     """
 
-    # One-way latency of a small message (µs), for the planner's time model before the transport
-    # measured its own (`calibrate`): the host-handshake transport's figure on an H200 machine
-    # (228 µs, docs/GPU.md); this data plane's is not measured on a GPU yet.
+    # One-way latency of a small message (µs), for the planner's time model: the H200 figure of
+    # this transport's earlier host handshake (228 µs, docs/GPU.md); the stream-ordered data plane
+    # is not measured on a GPU yet.
     message_us = 230.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
@@ -196,32 +215,28 @@ class CudaCETransport:
         self.backend, self.max_tensors, self.watch = backend, max_tensors, watch
         self._first_flag = int(first_flag)
         self._entry = entry_words(max_tensors)
-        self._control_shm = open_segment(f"{name}-cectl", size * size * channel_words(max_tensors) * 8, create=create)
+        words = channel_words(max_tensors)
+        self._control_shm = open_segment(f"{name}-cectl", size * size * words * 8, create=create)
         self._owns_control = create
-        self._control = np.ndarray((size, size, channel_words(max_tensors)), dtype=np.int64,
-                                   buffer=self._control_shm.buf)
+        self._control = np.ndarray((size, size, words), dtype=np.int64, buffer=self._control_shm.buf)
         if create:
             self._control[:] = 0
+            self._control[:, :, SEQ_FLAG] = self._control[:, :, ACK_FLAG] = self._flag(0)
+        self._control_ptr = self._control.ctypes.data
+        # whole pages (the mapping has them): the device polls the flags in it
+        self._control_device = backend.register_host(self._control_ptr, -(-self._control.nbytes // 4096) * 4096)
         self.closed = False
         self._failure: Optional[BaseException] = None
         self._words = Words(self._control)
         self._peers = [r for r in range(size) if r != local_rank]
-        self._parts_sent = dict.fromkeys(self._peers, 0)  # per link: parts enqueued (n of the last)
-        self._parts_read = dict.fromkeys(self._peers, 0)  # per link: parts whose copy-out is enqueued
+        self._parts_sent = dict.fromkeys(self._peers, 0)  # per destination: parts enqueued (n of the last)
+        self._parts_read = dict.fromkeys(self._peers, 0)  # per source: parts whose copy-out is enqueued
         self._posted = dict.fromkeys(self._peers, 0)  # messages whose description we published, per destination
         self._taken = dict.fromkeys(self._peers, 0)  # messages whose description we read, per source
         self._extra_parts = dict.fromkeys(self._peers, 0)
+        self._outgoing = {dst: collections.deque() for dst in self._peers}  # _Outgoing not fully out, in order
         self._capacity = ring_capacity(slot_bytes)
-        self._inbound: dict[int, int] = {}  # peer -> our allocation for it (flags, ring)
-        setup = backend.stream_create()
-        try:
-            for peer in self._peers:
-                ptr = self._inbound[peer] = backend.malloc(inbound_bytes(slot_bytes))
-                for word in (SEQ, ACK, STAGE_SEQ, STAGE_ACK):
-                    backend.stream_write_value32(setup, ptr + word, self._flag(0))
-            backend.stream_synchronize(setup)
-        finally:
-            backend.stream_destroy(setup)
+        self._inbound = {peer: backend.malloc(inbound_bytes(slot_bytes)) for peer in self._peers}  # staging, ring
         for peer in self._peers:
             channel = self._control[peer, local_rank]
             _put_handle(channel, RING_H, backend.ipc_handle(self._inbound[peer]))
@@ -234,13 +249,10 @@ class CudaCETransport:
         self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors)
         self._caller_at = {src: backend.event_create() for src in self._peers}  # recv: the caller's stream, now
         self._done = {src: backend.event_create() for src in self._peers}  # recv: the copy-out, done
-        self._lock = threading.Lock()  # the watchdog's flag writes against close
-        self._stop = threading.Event()
-        self._watchdog = None
-        if watch is not None:
-            self._watchdog = threading.Thread(target=self._watch_peers, name=f"feplb-ce-watch-{local_rank}",
-                                              daemon=True)
-            self._watchdog.start()
+        self._lock = threading.RLock()  # the sending side's state: callers and the background thread
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._background = threading.Thread(target=self._run_background, name=f"feplb-ce-{local_rank}", daemon=True)
+        self._background.start()
         self._control[local_rank, local_rank, ALIVE] = 1
 
     @staticmethod
@@ -271,6 +283,10 @@ class CudaCETransport:
         """The 32-bit flag value of part number ``n`` of a link (0: none yet)."""
         return (self._first_flag + n) & 0xFFFFFFFF
 
+    def _flag_at(self, src: int, dst: int, field: int) -> int:
+        """Device address of flag ``field`` (`SEQ_FLAG`, `ACK_FLAG`) of link ``src -> dst``."""
+        return self._control_device + ((src * self.size + dst) * self._control.shape[2] + field) * 8
+
     def _word(self, src: int, dst: int, field: int) -> Word:
         """Word ``field`` of channel ``src -> dst`` (``src == dst``: that rank's state) to sleep on."""
         return self._words[src, dst, field]
@@ -284,13 +300,22 @@ class CudaCETransport:
         if self.closed:
             raise RuntimeError(f"FEPLB transport {self.name} is closed")
 
+    def _wait(self, condition, what: str, peer: int, field: tuple) -> None:
+        """Wait on the host for a peer's host (``condition()``), moving our own queued messages on
+        meanwhile (they may be what the peer waits for)."""
+        def ready() -> bool:
+            self._advance()
+            return condition()
+        # parts of ours waiting for a ring slot are freed by a device write, which wakes nobody: poll then
+        pending = any(self._outgoing.values())
+        wait_until(ready, self.timeout_s, f"{describe_rank(self.watch, peer)} of domain {self.name} {what}",
+                   peer_check(self.watch, peer), word=None if pending else self._word(*field))
+
     def _map(self, peer: int) -> int:
-        """``peer``'s inbound allocation for us (its ring for our messages, and our credits' flag), opened once."""
+        """``peer``'s inbound allocation for us (its ring for our messages), opened once."""
         if peer not in self._mapped:
             channel = self._control[self.local_rank, peer]
-            wait_until(lambda: channel[GEN] >= 1, self.timeout_s,
-                       f"{describe_rank(self.watch, peer)} of domain {self.name} to start",
-                       peer_check(self.watch, peer), word=self._word(self.local_rank, peer, GEN))
+            self._wait(lambda: channel[GEN] >= 1, "to start", peer, (self.local_rank, peer, GEN))
             self._mapped[peer] = self.backend.ipc_open(_get_handle(channel, RING_H))
         return self._mapped[peer]
 
@@ -309,12 +334,13 @@ class CudaCETransport:
             self.backend.event_destroy(mark)
 
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor], after: Optional[int] = None) -> Future:
-        """Enqueue ``tensors`` for ``dst``; returns a future that is already done (the copies are queued).
+        """Enqueue ``tensors`` for ``dst``; returns a future that is already done.
 
         The copies start when the caller's current stream reaches this call, or the `mark`
-        ``after``, and once the receiver has read the part that used the same ring slot; the host
-        never waits for the device. The tensors' memory is kept from reuse until the copies ran;
-        they must not be modified afterwards on another stream.
+        ``after``. Parts that find no free ring slot (the receiver has not read the parts before
+        in it) wait on the host and are enqueued by a later call of the transport; the host
+        never waits for the device here. The tensors' memory is kept from reuse until the copies
+        ran; they must not be modified afterwards on another stream.
         """
         self._check_open()
         if dst == self.local_rank:
@@ -328,43 +354,80 @@ class CudaCETransport:
             after = None  # their contiguous copies are queued now, after the mark
         tensors = [t.detach().contiguous() for t in tensors]
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
-        backend, stream = self.backend, self._streams[dst]
-        channel = self._control[self.local_rank, dst]
-        message = self._posted[dst] + 1
-        wait_until(lambda: channel[TAKEN] >= message - MESSAGES, self.timeout_s,
-                   f"{describe_rank(self.watch, dst)} of domain {self.name} to read message {message - MESSAGES}",
-                   peer_check(self.watch, dst), word=self._word(self.local_rank, dst, TAKEN))
-        peer, own, capacity = self._map(dst), self._inbound[dst], int(channel[CAP])
+        self._map(dst)
+        capacity = int(self._control[self.local_rank, dst, CAP])
         ready = after if after is not None else self.mark()
-        backend.stream_wait_event(stream, ready)
+        self.backend.stream_wait_event(self._streams[dst], ready)  # a local event: the copies follow the data
         if after is None:
-            backend.event_destroy(ready)
-        for part, (lo, hi) in enumerate(part_ranges(nbytes, capacity)):
-            n = self._parts_sent[dst] + 1
-            if n > RING_SLOTS:  # the ring slot's previous part was read
-                backend.stream_wait_value32(stream, own + ACK, self._flag(n - RING_SLOTS))
-            slot = peer + FLAG_BYTES + (n - 1) % RING_SLOTS * capacity
-            for t, offset in zip(tensors, offsets):
-                for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
-                    backend.memcpy_async(slot + offset + at - lo, t.data_ptr() + at, length, stream)
-            backend.stream_write_value32(stream, own + STAGE_SEQ, self._flag(n))
-            backend.memcpy_async(peer + SEQ, own + STAGE_SEQ, 4, stream)
-            self._parts_sent[dst] = n
-            self._extra_parts[dst] += part > 0
-        entry = channel[ENTRIES + (message - 1) % MESSAGES * self._entry:][:self._entry]
-        entry[TAG], entry[COUNT], entry[NBYTES] = tag, len(tensors), nbytes
-        for i, (t, offset) in enumerate(zip(tensors, offsets)):
-            wire.describe(entry[4 + i * wire.FIELDS:4 + (i + 1) * wire.FIELDS], t, offset)
-        self._posted[dst] = message
-        channel[POSTED] = message  # publish last: the receiver's host waits on it
-        self._notify(self.local_rank, dst, POSTED)
-        self._release_copied(dst, wait=False)  # earlier messages' tensors whose copies ran
-        copied = backend.event_create()
-        backend.event_record(copied, stream)
-        self._in_flight[dst].append((copied, tensors))  # memory kept from the allocator until the copies ran
+            self.backend.event_destroy(ready)
+        with self._lock:
+            self._outgoing[dst].append(_Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, capacity))))
+            self._advance()
+            if self._outgoing[dst]:
+                self._wake.set()  # the background thread moves it on while the caller does other work
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _advance(self) -> None:
+        """Move every link's queued messages on as far as the receivers allow: descriptions into
+        free entries, parts into free ring slots (in order). A failure here leaves a link out of
+        step: the transport fails."""
+        with self._lock:
+            try:
+                for dst, outgoing in self._outgoing.items():
+                    if outgoing:
+                        self._advance_link(dst, outgoing)
+            except BaseException as exc:
+                self._failure = self._failure or RuntimeError(f"FEPLB transport {self.name} failed while "
+                                                              f"enqueueing: {exc}")
+                raise
+
+    def _advance_link(self, dst: int, outgoing: collections.deque) -> None:
+        channel, me = self._control[self.local_rank, dst], self.local_rank
+        for message in outgoing:
+            if message.described:
+                continue
+            number = self._posted[dst] + 1
+            if channel[TAKEN] < number - MESSAGES:
+                break
+            entry = channel[ENTRIES + (number - 1) % MESSAGES * self._entry:][:self._entry]
+            entry[TAG], entry[COUNT], entry[NBYTES] = message.tag, len(message.tensors), message.nbytes
+            for i, (t, offset) in enumerate(zip(message.tensors, message.offsets)):
+                wire.describe(entry[4 + i * wire.FIELDS:4 + (i + 1) * wire.FIELDS], t, offset)
+            self._posted[dst] = message.described = number
+            channel[POSTED] = number  # publish last: the receiver's host waits on it
+            self._notify(me, dst, POSTED)
+        backend, stream, peer = self.backend, self._streams[dst], self._mapped[dst]
+        enqueued = self._parts_sent[dst]
+        for message in outgoing:
+            while message.enqueued < len(message.parts):
+                n = self._parts_sent[dst] + 1
+                if n > RING_SLOTS and not flag_reached(channel[ACK_FLAG], self._flag(n - RING_SLOTS)):
+                    break  # its ring slot's previous part is not read yet
+                lo, hi = message.parts[message.enqueued]
+                slot = peer + FLAG_BYTES + (n - 1) % RING_SLOTS * self._capacity_of(dst)
+                for t, offset in zip(message.tensors, message.offsets):
+                    for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
+                        backend.memcpy_async(slot + offset + at - lo, t.data_ptr() + at, length, stream)
+                backend.stream_write_value32(stream, self._inbound[dst] + STAGE_SEQ, self._flag(n))
+                backend.memcpy_async(self._flag_at(me, dst, SEQ_FLAG), self._inbound[dst] + STAGE_SEQ, 4, stream)
+                self._parts_sent[dst] = n
+                self._extra_parts[dst] += message.enqueued > 0
+                message.enqueued += 1
+            if message.enqueued < len(message.parts):
+                break
+        if self._parts_sent[dst] > enqueued:
+            channel[ENQUEUED] = self._parts_sent[dst]  # the receiver may now wait for them on its device
+            self._notify(me, dst, ENQUEUED)
+        self._release_copied(dst, wait=False)
+        while outgoing and outgoing[0].described and outgoing[0].enqueued == len(outgoing[0].parts):
+            copied = backend.event_create()
+            backend.event_record(copied, stream)
+            self._in_flight[dst].append((copied, outgoing.popleft().tensors))  # kept until the copies ran
+
+    def _capacity_of(self, dst: int) -> int:
+        return int(self._control[self.local_rank, dst, CAP])
 
     def _release_copied(self, dst: int, wait: bool) -> None:
         """Drop the sent tensors whose copies to ``dst`` ran (all of them, waiting, with ``wait``)."""
@@ -383,90 +446,113 @@ class CudaCETransport:
         """Return the next message from ``src``: tensors this rank owns (or the ones ``into`` gives:
         `Transport.recv`), which the caller's current stream may use at once.
 
-        The host waits only for ``src``'s host to have enqueued the message (its description); the
-        copy out of the ring runs on this source's receive stream once the parts arrived, and the
-        caller's stream waits for it (an event), not the host.
+        The host waits only for ``src``'s host: to have called the send (the description) and
+        enqueued its parts; the copy out of the ring runs on this source's receive stream once the
+        parts arrived, and the caller's stream waits for it (an event), not the host.
         """
         self._check_open()
-        channel = self._control[src, self.local_rank]
-        message = self._taken[src] + 1
-        wait_until(lambda: channel[POSTED] >= message, self.timeout_s,
-                   f"{describe_rank(self.watch, src)} of domain {self.name} (message tag {tag:#x})",
-                   peer_check(self.watch, src), word=self._word(src, self.local_rank, POSTED))
-        entry = channel[ENTRIES + (message - 1) % MESSAGES * self._entry:][:self._entry]
+        self._advance()
+        channel, me = self._control[src, self.local_rank], self.local_rank
+        number = self._taken[src] + 1
+        self._wait(lambda: channel[POSTED] >= number, f"(message tag {tag:#x})", src, (src, me, POSTED))
+        entry = channel[ENTRIES + (number - 1) % MESSAGES * self._entry:][:self._entry]
         wire.check_tag(tag, entry[TAG], src)
         nbytes, count = int(entry[NBYTES]), int(entry[COUNT])
         found = [wire.read(row) for row in entry[4:4 + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist()]
-        self._taken[src] = message
-        channel[TAKEN] = message  # the description is read: the sender may reuse its entry
-        self._notify(src, self.local_rank, TAKEN)
-        backend, stream = self.backend, self._recv_streams[src]
-        # the tensors below are allocated on the caller's stream, whose earlier work may still use that memory
-        backend.event_record(self._caller_at[src], backend.current_stream())
-        backend.stream_wait_event(stream, self._caller_at[src])
+        backend = self.backend
         tensors = [backend.empty(shape, dtype) for dtype, _, shape in found] if into is None else \
             wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found], backend.device.type)
-        own, peer, capacity = self._inbound[src], self._map(src), self._capacity
-        for lo, hi in part_ranges(nbytes, capacity):
-            n = self._parts_read[src] + 1
-            backend.stream_wait_value32(stream, own + SEQ, self._flag(n))
-            slot = own + FLAG_BYTES + (n - 1) % RING_SLOTS * capacity
-            for out, (_, offset, _) in zip(tensors, found):
-                for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):
-                    backend.memcpy_async(out.data_ptr() + at, slot + offset + at - lo, length, stream)
-            backend.stream_write_value32(stream, own + STAGE_ACK, self._flag(n))
-            backend.memcpy_async(peer + ACK, own + STAGE_ACK, 4, stream)  # the sender's credit
-            self._parts_read[src] = n
-        backend.event_record(self._done[src], stream)
-        backend.stream_wait_event(backend.current_stream(), self._done[src])  # the caller sees the data
+        self._taken[src] = number
+        channel[TAKEN] = number  # the description is read: the sender may reuse its entry
+        self._notify(src, me, TAKEN)
+        try:
+            stream, own = self._recv_streams[src], self._inbound[src]
+            # the tensors were allocated on the caller's stream, whose earlier work may still use that memory
+            backend.event_record(self._caller_at[src], backend.current_stream())
+            backend.stream_wait_event(stream, self._caller_at[src])
+            for lo, hi in part_ranges(nbytes, self._capacity):
+                n = self._parts_read[src] + 1
+                self._wait(lambda due=n: channel[ENQUEUED] >= due, f"to enqueue part {n} (message tag {tag:#x})",
+                           src, (src, me, ENQUEUED))
+                backend.stream_wait_value32(stream, self._flag_at(src, me, SEQ_FLAG), self._flag(n))
+                slot = own + FLAG_BYTES + (n - 1) % RING_SLOTS * self._capacity
+                for out, (_, offset, _) in zip(tensors, found):
+                    for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):
+                        backend.memcpy_async(out.data_ptr() + at, slot + offset + at - lo, length, stream)
+                backend.stream_write_value32(stream, own + STAGE_ACK, self._flag(n))
+                backend.memcpy_async(self._flag_at(src, me, ACK_FLAG), own + STAGE_ACK, 4, stream)
+                self._parts_read[src] = n
+            backend.event_record(self._done[src], stream)
+            backend.stream_wait_event(backend.current_stream(), self._done[src])  # the caller sees the data
+        except BaseException as exc:  # the message is taken but not read: the link is out of step
+            self._failure = self._failure or RuntimeError(f"FEPLB transport {self.name}: a message from local rank "
+                                                          f"{src} was taken but not read ({exc})")
+            raise
+        self._check_open()  # a peer that died meanwhile: the tensors were released, not written (host backend)
         return tensors
 
-    # ---------------------------------------------------------------- a peer that dies
-    def _watch_peers(self) -> None:
+    # ---------------------------------------------------------------- off the critical path
+    def _run_background(self) -> None:
+        """Enqueue parts that waited for a ring slot once it is free (the caller may be busy
+        elsewhere, or waiting outside the transport), and, with a `PeerWatch`, watch the peers:
+        when one died, release our streams from it and fail the transport, naming it."""
         self.backend.bind_thread()
-        while not self._stop.wait(WATCH_EVERY_S):
-            dead = [p for p in self._peers if not self.watch.alive(p)]
-            if dead:
-                self._failure = PeerDiedError(f"FEPLB transport {self.name}: {describe_rank(self.watch, dead[0])} "
-                                              "died; this rank's copies to and from it are abandoned")
-                self._release_waits(dead)
-                return
+        watched = time.monotonic()
+        while not self._stop.is_set():
+            pending = any(self._outgoing.values())
+            if pending and self._failure is None:
+                try:
+                    self._advance()
+                except BaseException:  # noqa: BLE001 - `_advance` recorded it; the caller's next call raises it
+                    pass
+            else:
+                self._wake.wait(WATCH_EVERY_S)
+                self._wake.clear()
+            if pending:
+                time.sleep(0.0002)  # a ring slot is freed by a device write, which wakes nobody: poll
+            if self.watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
+                watched = time.monotonic()
+                dead = [p for p in self._peers if not self.watch.alive(p)]
+                if dead:
+                    self._failure = PeerDiedError(f"FEPLB transport {self.name}: {describe_rank(self.watch, dead[0])}"
+                                                  " died; this rank's messages to and from it are abandoned")
+                    self._release_waits(dead)
+                    return
 
     def _release_waits(self, peers) -> None:
-        """Write this rank's own flags for ``peers`` far ahead: every stream wait of ours on them is met."""
-        with self._lock:
-            if not self._inbound:
-                return
-            backend = self.backend
-            stream = backend.stream_create()
-            try:
-                for peer in peers:
-                    own = self._inbound[peer]
-                    backend.stream_write_value32(stream, own + SEQ, self._flag(self._parts_read[peer] + RELEASE))
-                    backend.stream_write_value32(stream, own + ACK, self._flag(self._parts_sent[peer] + RELEASE))
-                backend.stream_synchronize(stream)
-            finally:
-                backend.stream_destroy(stream)
+        """Store our ``SEQ`` flags for ``peers`` far ahead (host memory: a CPU store), so every
+        stream wait of ours for their parts is met (the copy-outs then read our own ring)."""
+        for peer in peers:
+            self._control[peer, self.local_rank, SEQ_FLAG] = self._flag(self._parts_read[peer] + RELEASE)
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Drain the streams, close every peer mapping, wait for the peers to do so, free."""
         if self.closed:
             return
+        deadline = time.monotonic() + self.timeout_s
+        while any(self._outgoing.values()) and self._failure is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # the background thread enqueues what the receivers still have room for
         self.closed = True
         self._stop.set()
-        if self._watchdog is not None:
-            self._watchdog.join(timeout=self.timeout_s)
+        self._wake.set()
+        self._background.join(timeout=self.timeout_s)
         backend = self.backend
-        self._drain()
+        if not self._drain():
+            warnings.warn(f"FEPLB: the phase-2 streams of domain {self.name} did not finish within "
+                          f"{self.timeout_s:g} s; their device memory is not freed", RuntimeWarning, stacklevel=2)
+            self._close_control(unregister=False)
+            return
         for dst in self._peers:
             self._release_copied(dst, wait=True)
+            self._outgoing[dst].clear()  # parts no receiver will read
         for peer in list(self._mapped):
             backend.ipc_close(self._mapped.pop(peer))
         me = self._control[self.local_rank, self.local_rank]
         me[IMPORTS_CLOSED] = 1
         self._notify(self.local_rank, self.local_rank, IMPORTS_CLOSED)
         deadline = time.monotonic() + self.timeout_s
+        still_mapped = []
         for peer in self._peers:  # a peer that never started or died holds no mapping of ours
             def unmapped(state=self._control[peer, peer], p=peer) -> bool:  # bound now: called within this turn
                 return bool(state[IMPORTS_CLOSED] or not state[ALIVE]
@@ -476,26 +562,40 @@ class CudaCETransport:
                            f"{describe_rank(self.watch, peer)} of domain {self.name} to unmap our rings",
                            word=self._word(peer, peer, IMPORTS_CLOSED))
             except PeerTimeoutError:
-                pass  # a dead peer's mappings went with its process
+                still_mapped.append(peer)
         for stream in [*self._streams.values(), *self._recv_streams.values()]:
             backend.stream_destroy(stream)
-        with self._lock:
-            for ptr in self._inbound.values():
-                backend.free(ptr)
-            self._inbound.clear()
         for event in [*self._caller_at.values(), *self._done.values()]:
             backend.event_destroy(event)
         self._streams.clear()
         self._recv_streams.clear()
+        del me
+        if still_mapped:  # freeing memory a live peer still maps is undefined in CUDA: keep it
+            warnings.warn(f"FEPLB: local rank(s) {still_mapped} of domain {self.name} did not unmap this rank's "
+                          f"phase-2 rings within {self.timeout_s:g} s; they are not freed", RuntimeWarning,
+                          stacklevel=2)
+        else:
+            for ptr in self._inbound.values():
+                backend.free(ptr)
+            self._inbound.clear()
+        self._close_control(unregister=True)
+
+    def _close_control(self, unregister: bool) -> None:
+        if unregister:  # left registered when streams may still poll it: the mapping then stays too
+            self.backend.unregister_host(self._control_ptr)
         self._words.release()
-        del me, self._control
-        self._control_shm.close()
+        control, self._control = self._control, None
+        del control
+        if unregister:
+            self._control_shm.close()
         if self._owns_control:
             unlink_quietly(self._control_shm)
 
-    def _drain(self) -> None:
-        """Let every stream of ours run what it was given. Waits that are not met within
-        ``timeout_s`` (a peer that stopped reading or writing) are released (`_release_waits`) first."""
+    def _drain(self) -> bool:
+        """Let every stream of ours run what it was given (bounded by ``timeout_s``). A stream wait
+        for a dead peer is released (`_release_waits`); a live peer always delivers what a wait
+        was queued for, since waits are queued only for parts it had enqueued. False if the
+        streams did not finish."""
         backend = self.backend
         marks = []
         for stream in [*self._streams.values(), *self._recv_streams.values()]:
@@ -503,14 +603,14 @@ class CudaCETransport:
             backend.event_record(marks[-1], stream)
         deadline = time.monotonic() + self.timeout_s
         while not all(backend.event_query(m) for m in marks) and time.monotonic() < deadline:
-            if self.watch is not None and not all(self.watch.alive(p) for p in self._peers):
-                break
+            if self.watch is not None:
+                self._release_waits([p for p in self._peers if not self.watch.alive(p)])
             time.sleep(0.001)
-        if not all(backend.event_query(m) for m in marks):
-            self._release_waits(self._peers)
-        for mark in marks:
-            backend.event_synchronize(mark)
-            backend.event_destroy(mark)
+        finished = all(backend.event_query(m) for m in marks)
+        if finished:
+            for mark in marks:
+                backend.event_destroy(mark)
+        return finished
 
     @property
     def extra_parts(self) -> int:
@@ -518,5 +618,5 @@ class CudaCETransport:
         return sum(self._extra_parts.values())
 
     def capacities(self) -> dict[int, int]:
-        """Bytes of each inbound ring, per source rank (device bytes held: their sum, plus flags)."""
+        """Bytes of each inbound ring, per source rank (device bytes held: their sum, plus staging words)."""
         return {src: RING_SLOTS * self._capacity for src in self._inbound}

@@ -17,6 +17,8 @@ time-out still leaves data):
 5. ``transport``: two processes (on one GPU, CUDA IPC works between them) exchange messages through
    `CudaCETransport` with injected GPU delays before the data is produced and before it is
    consumed, so a missing event wait corrupts data instead of passing by luck.
+   ``transport_speed``: its ping-pong (`bench_transport.py`): one-way time and host CPU per message
+   from 4 KiB to 64 MiB, and the 64 MiB message's bandwidth against the ``copy`` stage's.
 6. ``layer``: the FEPLB layer (transport ``cuda_ce``; ``shm`` in the dry run) against DeepSpeed's
    MoE on 2 ranks, fp32 with TF32 off: outputs and gradients within 1e-5, tokens migrated > 0.
 7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
@@ -246,6 +248,22 @@ def transport(check: Check) -> dict:
             "extra_parts": [r["extra_parts"] for r in results]}
 
 
+def transport_speed(check: Check) -> dict:
+    """`bench_transport.py`'s ping-pong, and what phase 2 at hardware speed asks of it: a small
+    message one way in at most 20 µs and 20 µs of host CPU, 64 MiB at 90% of the copy bandwidth."""
+    import bench_transport
+
+    from deepspeed_feplb.testing import run_distributed
+    sizes = run_distributed(bench_transport._ping_pong, 2, 5 if check.cpu else 50, check.cpu, timeout=300)[0]
+    small, large = sizes[str(min(bench_transport.SIZES))], sizes[str(max(bench_transport.SIZES))]
+    copy_gbps = check.result["stages"].get("copy", {}).get("ours_gbps")
+    fraction = large["gbps"] / copy_gbps if copy_gbps else None
+    return {"sizes": sizes, "copy_gbps": copy_gbps, "large_fraction_of_copy": fraction and round(fraction, 3),
+            "targets": {"small_one_way_le_20us": small["one_way_us"] <= 20,
+                        "small_cpu_per_message_le_20us": small["cpu_us_per_round_trip"] / 2 <= 20,
+                        "large_ge_90pct_of_copy": fraction is not None and fraction >= 0.9}}
+
+
 # ------------------------------------------------------------------ 6. layer vs DeepSpeed
 def _layer_worker(cpu: bool) -> dict:
     import moe_cases
@@ -358,7 +376,8 @@ def main(argv=None) -> int:
     segments_before = set(leftover_segments())
     import hot_path
     hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed", "parity")}
-    stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport, "layer": layer,
+    stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport,
+              "transport_speed": transport_speed, "layer": layer,
               "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
               "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
     chosen = [name.strip() for name in args.stages.split(",") if name.strip()] or list(stages)
