@@ -474,3 +474,47 @@ def test_the_home_queues_its_static_experts_backward_before_it_waits_for_helpers
     assert sum(r["migrated"] for r in results) > 0, "nothing migrated: the test shows nothing"
     home = results[0]
     assert home["before"] and not home["after"], home
+
+
+def test_the_flag_probe_writes_and_waits_on_device_and_page_locked_host_words():
+    """`CudaBackend.probe_flags` (run by the CE transport's preflight on every rank) exercises what
+    the transport's flags need: stream write and wait on device memory and on registered host
+    memory; a driver that refuses either is reported, not raised (the domain then refuses to open,
+    naming the rank and the driver's error)."""
+    from deepspeed_feplb.migrate.backend import CudaBackend
+
+    class Driver:
+        def __init__(self, fail=None):
+            self.calls, self.fail = [], fail
+
+        def _call(self, name, *args):
+            self.calls.append(name)
+            if name == self.fail:
+                raise RuntimeError(f"{name} failed: CUDA_ERROR_NOT_SUPPORTED (801)")
+
+        def wait(self, stream, ptr, value):
+            self._call("wait", stream, ptr, value)
+
+        def write(self, stream, ptr, value):
+            self._call("write", stream, ptr, value)
+
+        def register(self, ptr, nbytes):
+            self._call("register", ptr, nbytes)
+            return ptr + (1 << 40)
+
+        def unregister(self, ptr):
+            self._call("unregister", ptr)
+
+    runtime = types.SimpleNamespace(malloc=lambda n: 4096, free=lambda p: None, streamNonBlocking=1,
+                                    streamCreateWithFlags=lambda f: 11, streamDestroy=lambda s: None,
+                                    streamSynchronize=lambda s: None)
+    for fail in (None, "register", "wait"):
+        backend = object.__new__(CudaBackend)  # no CuPy or driver here: both are faked
+        backend._rt, backend._driver = runtime, Driver(fail)
+        reason = backend.probe_flags()
+        assert reason == "" if fail is None else f"RuntimeError: {fail} failed: CUDA_ERROR_NOT_SUPPORTED" in reason
+        calls = backend._driver.calls
+        if fail is None:
+            assert calls == ["register", "write", "wait", "write", "wait", "unregister"], calls
+        if fail == "wait":
+            assert calls[-1] == "unregister", "the host page stays registered after a failed probe"

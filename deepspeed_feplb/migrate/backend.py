@@ -184,13 +184,22 @@ class CudaBackend:
         return self._driver
 
     def probe_flags(self) -> str:
-        """Why stream flags cannot be used here ("" when they can): a write and a wait on a scratch word."""
+        """Why stream flags cannot be used here ("" when they can): a write and a wait on a word of
+        device memory and on one of page-locked host memory, as the transport's flags are."""
+        import mmap
         try:
+            page = mmap.mmap(-1, mmap.PAGESIZE)
+            host = ctypes.addressof(ctypes.c_char.from_buffer(page))
             ptr, stream = self.malloc(4), self.stream_create()
             try:
-                self.stream_write_value32(stream, ptr, 1)
-                self.stream_wait_value32(stream, ptr, 1)
-                self.stream_synchronize(stream)
+                mapped = self.register_host(host, mmap.PAGESIZE)
+                try:
+                    for word in (ptr, mapped):
+                        self.stream_write_value32(stream, word, 1)
+                        self.stream_wait_value32(stream, word, 1)
+                    self.stream_synchronize(stream)
+                finally:
+                    self.unregister_host(host)
             finally:
                 self.stream_destroy(stream)
                 self.free(ptr)

@@ -9,7 +9,7 @@ same bytes back, ``rounds`` times after a warm-up; the clock stops once rank 0's
 is on the device (``torch.cuda.synchronize``). Reported per size: the median round trip, half of
 it as the one-way time of a message, the bandwidth that implies, and the CPU time rank 0's process
 spends per round trip (one ``send`` and one ``recv``: Python, events, the control block and its
-copy thread; waiting sleeps and costs none). On one GPU the copies are device-to-device, not the
+background thread; waiting sleeps and costs none). On one GPU the copies are device-to-device, not the
 NVLink copy engine between two GPUs; the fixed cost per message (small sizes) is what the
 planner's time model does not price.
 """
