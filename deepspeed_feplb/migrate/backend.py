@@ -230,8 +230,8 @@ class _HostStream:
     def __init__(self, name: str):
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper than the default RLock
-        self._running = threading.Lock()  # held while an operation runs, on either thread
         self.queued = self.done = 0
+        self._waiting = 0  # threads in `wait`: only they need a notification
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -239,16 +239,13 @@ class _HostStream:
     def submit(self, op, ready=None) -> None:
         """Queue ``op``; ``ready()``: whether it could run now without waiting (None: always)."""
         with self._changed:  # queued in call order, whichever thread submits
-            inline = self.done == self.queued and (ready is None or ready()) and self._running.acquire(False)
             self.queued += 1
-            if not inline:
-                self._ops.put(op)
+            if self.done + 1 == self.queued and (ready is None or ready()):
+                # idle: nothing is queued or running; holding the lock keeps it so while ``op`` runs
+                self._execute(op)
+                self._ran_locked()
                 return
-        try:
-            self._execute(op)
-        finally:
-            self._running.release()
-        self._ran()
+            self._ops.put(op)
 
     def _execute(self, op) -> None:
         if self.error is None:
@@ -257,9 +254,9 @@ class _HostStream:
             except BaseException as exc:  # noqa: BLE001 - kept for whoever synchronises
                 self.error = exc
 
-    def _ran(self) -> None:
-        with self._changed:
-            self.done += 1
+    def _ran_locked(self) -> None:
+        self.done += 1
+        if self._waiting:
             self._changed.notify_all()
 
     def _run(self) -> None:
@@ -267,18 +264,23 @@ class _HostStream:
             op = self._ops.get()
             if op is None:
                 return
-            with self._running:
-                self._execute(op)
-            self._ran()
+            self._execute(op)
+            with self._changed:
+                self._ran_locked()
 
     def reached(self, ticket: int) -> bool:
         return self.done >= ticket
 
     def wait(self, ticket: int, timeout_s: float) -> None:
-        with self._changed:
-            if not self._changed.wait_for(lambda: self.done >= ticket, timeout_s):
-                raise TimeoutError(f"host stream {self._thread.name} did not reach its operation {ticket} within "
-                                   f"{timeout_s:g} s")
+        if self.done < ticket:
+            with self._changed:
+                self._waiting += 1
+                try:
+                    if not self._changed.wait_for(lambda: self.done >= ticket, timeout_s):
+                        raise TimeoutError(f"host stream {self._thread.name} did not reach its operation {ticket} "
+                                           f"within {timeout_s:g} s")
+                finally:
+                    self._waiting -= 1
         if self.error is not None:
             raise RuntimeError(f"host stream {self._thread.name} failed: {self.error}") from self.error
 

@@ -303,11 +303,15 @@ class CudaCETransport:
     def _wait(self, condition, what: str, peer: int, field: tuple) -> None:
         """Wait on the host for a peer's host (``condition()``), moving our own queued messages on
         meanwhile (they may be what the peer waits for)."""
+        if condition():
+            return
+        pending = any(self._outgoing.values())
+
         def ready() -> bool:
-            self._advance()
+            if pending:
+                self._advance()
             return condition()
         # parts of ours waiting for a ring slot are freed by a device write, which wakes nobody: poll then
-        pending = any(self._outgoing.values())
         wait_until(ready, self.timeout_s, f"{describe_rank(self.watch, peer)} of domain {self.name} {what}",
                    peer_check(self.watch, peer), word=None if pending else self._word(*field))
 
@@ -385,19 +389,6 @@ class CudaCETransport:
 
     def _advance_link(self, dst: int, outgoing: collections.deque) -> None:
         channel, me = self._control[self.local_rank, dst], self.local_rank
-        for message in outgoing:
-            if message.described:
-                continue
-            number = self._posted[dst] + 1
-            if channel[TAKEN] < number - MESSAGES:
-                break
-            entry = channel[ENTRIES + (number - 1) % MESSAGES * self._entry:][:self._entry]
-            entry[TAG], entry[COUNT], entry[NBYTES] = message.tag, len(message.tensors), message.nbytes
-            for i, (t, offset) in enumerate(zip(message.tensors, message.offsets)):
-                wire.describe(entry[4 + i * wire.FIELDS:4 + (i + 1) * wire.FIELDS], t, offset)
-            self._posted[dst] = message.described = number
-            channel[POSTED] = number  # publish last: the receiver's host waits on it
-            self._notify(me, dst, POSTED)
         backend, stream, peer = self.backend, self._streams[dst], self._mapped[dst]
         enqueued = self._parts_sent[dst]
         for message in outgoing:
@@ -420,6 +411,20 @@ class CudaCETransport:
         if self._parts_sent[dst] > enqueued:
             channel[ENQUEUED] = self._parts_sent[dst]  # the receiver may now wait for them on its device
             self._notify(me, dst, ENQUEUED)
+        # descriptions after the parts they cover: a receiver that reads one finds its parts enqueued
+        for message in outgoing:
+            if message.described:
+                continue
+            number = self._posted[dst] + 1
+            if channel[TAKEN] < number - MESSAGES:
+                break
+            entry = channel[ENTRIES + (number - 1) % MESSAGES * self._entry:][:self._entry]
+            entry[TAG], entry[COUNT], entry[NBYTES] = message.tag, len(message.tensors), message.nbytes
+            for i, (t, offset) in enumerate(zip(message.tensors, message.offsets)):
+                wire.describe(entry[4 + i * wire.FIELDS:4 + (i + 1) * wire.FIELDS], t, offset)
+            self._posted[dst] = message.described = number
+            channel[POSTED] = number  # publish last: the receiver's host waits on it
+            self._notify(me, dst, POSTED)
         self._release_copied(dst, wait=False)
         while outgoing and outgoing[0].described and outgoing[0].enqueued == len(outgoing[0].parts):
             copied = backend.event_create()
