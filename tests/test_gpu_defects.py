@@ -236,25 +236,29 @@ def _exchange_counting_host_waits() -> dict:
     from deepspeed_feplb.migrate.backend import HostBackend
 
     class Counting(HostBackend):
+        """Events of the current round report their copies as still running (a busy GPU)."""
         syncs = 0
+        fence = 0  # events created from here on are not complete yet
 
         def event_synchronize(self, event):
             Counting.syncs += 1
             super().event_synchronize(event)
 
         def event_query(self, event):
-            return True  # the host executes in order: complete
+            return event < Counting.fence
 
     rank = dist.get_rank()
     backend, t = _transport_pair(Counting)
     ok, held = True, []
     for r in range(5):
+        Counting.fence = backend._next  # noqa: SLF001 - the ids of events created before this round
         sent = [torch.full((64, 8), float(r + rank)), torch.arange(3)]
         future = t.send(1 - rank, r, sent)
         got = t.recv(1 - rank, r)
         future.result(timeout=20)
         ok &= torch.equal(got[0], torch.full((64, 8), float(r + 1 - rank)))
-        # what the transport still holds: this message's tensors, the earlier ones released
+        # what the transport still holds: this message's tensors (its copies "still run"), the earlier
+        # ones released by this round's calls
         held.append([[x.data_ptr() == y.data_ptr() for x, y in zip(tensors, sent)]
                      for _, tensors in t._in_flight[1 - rank]])
     during = Counting.syncs

@@ -17,6 +17,7 @@ CUDA's are. A flag is a 32-bit word compared cyclically (`flag_reached`), as
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -107,6 +108,18 @@ class CudaBackend:
         """Make this backend's device current in the calling thread (the transport's own threads call it first)."""
         self._rt.setDevice(self.index)
         torch.cuda.set_device(self.device)
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """This backend's device current in the calling thread for the block, the caller's restored
+        after (allocations, streams and the driver's host registration use the current device)."""
+        before = self._rt.getDevice()
+        self._rt.setDevice(self.index)
+        try:
+            with torch.cuda.device(self.device):
+                yield
+        finally:
+            self._rt.setDevice(before)
 
     # memory
     def malloc(self, nbytes: int) -> int:
@@ -315,9 +328,13 @@ class HostBackend:
         self._streams: dict[int, _HostStream] = {}
         self._next = 1
         self._lock = threading.Lock()
+        self._importer_lock = threading.Lock()  # `lockf` excludes other processes, not this one's threads
 
     def bind_thread(self) -> None:
         pass
+
+    def on_device(self):
+        return contextlib.nullcontext()
 
     # memory
     def _map(self, shm):
@@ -327,17 +344,24 @@ class HostBackend:
     def _importers(self, shm, change: int = 0) -> int:
         """Add (``change`` 1) or remove (-1) this process as an importer of ``shm``; returns how many
         live processes import it."""
+        with self._importer_lock:
+            return self._update_importers(shm, change)
+
+    def _update_importers(self, shm, change: int) -> int:
         from deepspeed_feplb.segments import process_alive
         fd = os.open(os.path.join("/dev/shm", shm.name), os.O_RDWR)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX)
             pids = np.ndarray((self._HEADER // 8, ), dtype=np.int64, buffer=shm.buf)
-            if change:
-                at = np.flatnonzero(pids == (0 if change > 0 else os.getpid()))
-                if change > 0 and not len(at):
-                    raise RuntimeError(f"{shm.name} has {len(pids)} importers already")
+            if change > 0:  # a free entry, or one of a process that died
+                free = [i for i, pid in enumerate(pids.tolist()) if not pid or not process_alive(pid)]
+                if not free:
+                    raise RuntimeError(f"{shm.name} has {len(pids)} live importers already")
+                pids[free[0]] = os.getpid()
+            elif change < 0:
+                at = np.flatnonzero(pids == os.getpid())
                 if len(at):
-                    pids[at[0]] = os.getpid() if change > 0 else 0
+                    pids[at[0]] = 0
             live = sum(process_alive(int(pid)) for pid in pids if pid)
             del pids
             fcntl.lockf(fd, fcntl.LOCK_UN)
@@ -375,12 +399,13 @@ class HostBackend:
 
     def ipc_open(self, handle: bytes) -> int:
         from deepspeed_feplb.segments import open_segment
-        shm = open_segment(bytes(handle).rstrip(b"\0").decode())
+        name = bytes(handle).rstrip(b"\0").decode()
+        if any(shm.name == name for shm, _ in self._owned.values()):
+            raise RuntimeError("a process cannot open its own IPC handle (as with CUDA)")
+        shm = open_segment(name)
         self._importers(shm, +1)
         view, ptr = self._map(shm)
         with self._lock:
-            if ptr in self._owned:
-                raise RuntimeError("a process cannot open its own IPC handle (as with CUDA)")
             self._opened[ptr] = (shm, view)
         return ptr
 

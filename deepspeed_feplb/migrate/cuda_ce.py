@@ -174,6 +174,7 @@ class _Outgoing:
     offsets: list
     nbytes: int
     parts: list  # (lo, hi) byte ranges, one per ring slot it takes
+    ready: Optional[int] = None  # an event to wait for before its first part (queued behind others), ours
     enqueued: int = 0  # parts enqueued on the copy stream so far
     described: int = 0  # its number on the link once its description is published
 
@@ -215,19 +216,8 @@ class CudaCETransport:
         self.backend, self.max_tensors, self.watch = backend, max_tensors, watch
         self._first_flag = int(first_flag)
         self._entry = entry_words(max_tensors)
-        words = channel_words(max_tensors)
-        self._control_shm = open_segment(f"{name}-cectl", size * size * words * 8, create=create)
-        self._owns_control = create
-        self._control = np.ndarray((size, size, words), dtype=np.int64, buffer=self._control_shm.buf)
-        if create:
-            self._control[:] = 0
-            self._control[:, :, SEQ_FLAG] = self._control[:, :, ACK_FLAG] = self._flag(0)
-        self._control_ptr = self._control.ctypes.data
-        # whole pages (the mapping has them): the device polls the flags in it
-        self._control_device = backend.register_host(self._control_ptr, -(-self._control.nbytes // 4096) * 4096)
         self.closed = False
         self._failure: Optional[BaseException] = None
-        self._words = Words(self._control)
         self._peers = [r for r in range(size) if r != local_rank]
         self._parts_sent = dict.fromkeys(self._peers, 0)  # per destination: parts enqueued (n of the last)
         self._parts_read = dict.fromkeys(self._peers, 0)  # per source: parts whose copy-out is enqueued
@@ -235,25 +225,56 @@ class CudaCETransport:
         self._taken = dict.fromkeys(self._peers, 0)  # messages whose description we read, per source
         self._extra_parts = dict.fromkeys(self._peers, 0)
         self._outgoing = {dst: collections.deque() for dst in self._peers}  # _Outgoing not fully out, in order
-        self._capacity = ring_capacity(slot_bytes)
-        self._inbound = {peer: backend.malloc(inbound_bytes(slot_bytes)) for peer in self._peers}  # staging, ring
-        for peer in self._peers:
-            channel = self._control[peer, local_rank]
-            _put_handle(channel, RING_H, backend.ipc_handle(self._inbound[peer]))
-            channel[CAP] = self._capacity
-            channel[GEN] = 1  # publish last: the peer maps the allocation once it sees this
-            self._notify(peer, local_rank, GEN)
-        self._mapped: dict[int, int] = {}  # peer -> its inbound allocation for us, opened
-        self._streams = {dst: backend.stream_create() for dst in self._peers}  # copies to dst
-        self._recv_streams = {src: backend.stream_create() for src in self._peers}  # copy-outs from src
         self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors)
-        self._caller_at = {src: backend.event_create() for src in self._peers}  # recv: the caller's stream, now
-        self._done = {src: backend.event_create() for src in self._peers}  # recv: the copy-out, done
+        self._capacity = ring_capacity(slot_bytes)
         self._lock = threading.RLock()  # the sending side's state: callers and the background thread
         self._stop, self._wake = threading.Event(), threading.Event()
+        self._dead: set[int] = set()  # peers the watchdog found dead (their flags are kept released)
+        # resources, released by `_free_local` (also when opening fails halfway)
+        self._control_shm = self._control = self._control_ptr = self._words = None
+        self._inbound: dict[int, int] = {}  # peer -> our allocation for it (staging words, ring)
+        self._mapped: dict[int, int] = {}  # peer -> its inbound allocation for us, opened
+        self._streams: dict[int, int] = {}  # dst -> copy stream
+        self._recv_streams: dict[int, int] = {}  # src -> receive stream
+        self._events: dict[str, dict[int, int]] = {"caller_at": {}, "done": {}}
+        self._side: Optional[int] = None  # a stream that snapshots a send's ready point for deferred parts
+        self._owns_control = create
+        try:
+            with backend.on_device():
+                self._open(create, slot_bytes)
+        except BaseException:
+            self._free_local(rings=True)
+            raise
         self._background = threading.Thread(target=self._run_background, name=f"feplb-ce-{local_rank}", daemon=True)
         self._background.start()
         self._control[local_rank, local_rank, ALIVE] = 1
+
+    def _open(self, create: bool, slot_bytes: int) -> None:
+        backend, size, words = self.backend, self.size, channel_words(self.max_tensors)
+        self._control_shm = open_segment(f"{self.name}-cectl", size * size * words * 8, create=create)
+        self._control = np.ndarray((size, size, words), dtype=np.int64, buffer=self._control_shm.buf)
+        if create:
+            self._control[:] = 0
+            self._control[:, :, SEQ_FLAG] = self._control[:, :, ACK_FLAG] = self._flag(0)
+        self._words = Words(self._control)
+        ptr = self._control.ctypes.data
+        # whole pages (the mapping has them): the device polls the flags in it
+        self._control_device = backend.register_host(ptr, -(-self._control.nbytes // 4096) * 4096)
+        self._control_ptr = ptr
+        for peer in self._peers:
+            self._inbound[peer] = backend.malloc(inbound_bytes(slot_bytes))
+        for peer in self._peers:
+            channel = self._control[peer, self.local_rank]
+            _put_handle(channel, RING_H, backend.ipc_handle(self._inbound[peer]))
+            channel[CAP] = self._capacity
+            channel[GEN] = 1  # publish last: the peer maps the allocation once it sees this
+            self._notify(peer, self.local_rank, GEN)
+        for peer in self._peers:
+            self._streams[peer] = backend.stream_create()
+            self._recv_streams[peer] = backend.stream_create()
+            self._events["caller_at"][peer] = backend.event_create()  # recv: the caller's stream, now
+            self._events["done"][peer] = backend.event_create()  # recv: the copy-out, done
+        self._side = backend.stream_create()
 
     @staticmethod
     def device_id(device: torch.device) -> str:
@@ -296,7 +317,7 @@ class CudaCETransport:
 
     def _check_open(self) -> None:
         if self._failure is not None:
-            raise self._failure
+            raise type(self._failure)(str(self._failure)) from self._failure
         if self.closed:
             raise RuntimeError(f"FEPLB transport {self.name} is closed")
 
@@ -342,9 +363,9 @@ class CudaCETransport:
 
         The copies start when the caller's current stream reaches this call, or the `mark`
         ``after``. Parts that find no free ring slot (the receiver has not read the parts before
-        in it) wait on the host and are enqueued by a later call of the transport; the host
-        never waits for the device here. The tensors' memory is kept from reuse until the copies
-        ran; they must not be modified afterwards on another stream.
+        in it) wait on the host and are enqueued by a later call of the transport or its
+        background thread; the host never waits for the device here. The tensors' memory is kept
+        from reuse until the copies ran; they must not be modified afterwards, on any stream.
         """
         self._check_open()
         if dst == self.local_rank:
@@ -359,13 +380,21 @@ class CudaCETransport:
         tensors = [t.detach().contiguous() for t in tensors]
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
         self._map(dst)
-        capacity = int(self._control[self.local_rank, dst, CAP])
+        message = _Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, self._capacity_of(dst))))
+        backend = self.backend
         ready = after if after is not None else self.mark()
-        self.backend.stream_wait_event(self._streams[dst], ready)  # a local event: the copies follow the data
-        if after is None:
-            self.backend.event_destroy(ready)
         with self._lock:
-            self._outgoing[dst].append(_Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, capacity))))
+            if self._outgoing[dst]:
+                # queued behind parts that wait for ring slots: snapshot the ready point on the side
+                # stream, so that those earlier parts do not wait for it
+                message.ready = backend.event_create()
+                backend.stream_wait_event(self._side, ready)
+                backend.event_record(message.ready, self._side)
+            else:
+                backend.stream_wait_event(self._streams[dst], ready)  # a local event: the copies follow the data
+            if after is None:
+                backend.event_destroy(ready)
+            self._outgoing[dst].append(message)
             self._advance()
             if self._outgoing[dst]:
                 self._wake.set()  # the background thread moves it on while the caller does other work
@@ -374,14 +403,15 @@ class CudaCETransport:
         return future
 
     def _advance(self) -> None:
-        """Move every link's queued messages on as far as the receivers allow: descriptions into
-        free entries, parts into free ring slots (in order). A failure here leaves a link out of
-        step: the transport fails."""
+        """Move every link's queued messages on as far as the receivers allow (parts into free ring
+        slots, then descriptions into free entries, in order), and let go of sent tensors whose
+        copies ran. A failure here leaves a link out of step: the transport fails."""
         with self._lock:
             try:
                 for dst, outgoing in self._outgoing.items():
                     if outgoing:
                         self._advance_link(dst, outgoing)
+                    self._release_copied(dst, wait=False)
             except BaseException as exc:
                 self._failure = self._failure or RuntimeError(f"FEPLB transport {self.name} failed while "
                                                               f"enqueueing: {exc}")
@@ -396,6 +426,10 @@ class CudaCETransport:
                 n = self._parts_sent[dst] + 1
                 if n > RING_SLOTS and not flag_reached(channel[ACK_FLAG], self._flag(n - RING_SLOTS)):
                     break  # its ring slot's previous part is not read yet
+                if message.ready is not None:  # its ready point, snapshot at its send
+                    backend.stream_wait_event(stream, message.ready)
+                    backend.event_destroy(message.ready)
+                    message.ready = None
                 lo, hi = message.parts[message.enqueued]
                 slot = peer + FLAG_BYTES + (n - 1) % RING_SLOTS * self._capacity_of(dst)
                 for t, offset in zip(message.tensors, message.offsets):
@@ -411,7 +445,8 @@ class CudaCETransport:
         if self._parts_sent[dst] > enqueued:
             channel[ENQUEUED] = self._parts_sent[dst]  # the receiver may now wait for them on its device
             self._notify(me, dst, ENQUEUED)
-        # descriptions after the parts they cover: a receiver that reads one finds its parts enqueued
+        # descriptions after the parts enqueued now: a receiver that reads one usually finds its parts
+        # enqueued (not when they wait for ring slots: its host then waits for ENQUEUED)
         for message in outgoing:
             if message.described:
                 continue
@@ -425,7 +460,6 @@ class CudaCETransport:
             self._posted[dst] = message.described = number
             channel[POSTED] = number  # publish last: the receiver's host waits on it
             self._notify(me, dst, POSTED)
-        self._release_copied(dst, wait=False)
         while outgoing and outgoing[0].described and outgoing[0].enqueued == len(outgoing[0].parts):
             copied = backend.event_create()
             backend.event_record(copied, stream)
@@ -473,8 +507,8 @@ class CudaCETransport:
         try:
             stream, own = self._recv_streams[src], self._inbound[src]
             # the tensors were allocated on the caller's stream, whose earlier work may still use that memory
-            backend.event_record(self._caller_at[src], backend.current_stream())
-            backend.stream_wait_event(stream, self._caller_at[src])
+            backend.event_record(self._events["caller_at"][src], backend.current_stream())
+            backend.stream_wait_event(stream, self._events["caller_at"][src])
             for lo, hi in part_ranges(nbytes, self._capacity):
                 n = self._parts_read[src] + 1
                 self._wait(lambda due=n: channel[ENQUEUED] >= due, f"to enqueue part {n} (message tag {tag:#x})",
@@ -487,8 +521,8 @@ class CudaCETransport:
                 backend.stream_write_value32(stream, own + STAGE_ACK, self._flag(n))
                 backend.memcpy_async(self._flag_at(src, me, ACK_FLAG), own + STAGE_ACK, 4, stream)
                 self._parts_read[src] = n
-            backend.event_record(self._done[src], stream)
-            backend.stream_wait_event(backend.current_stream(), self._done[src])  # the caller sees the data
+            backend.event_record(self._events["done"][src], stream)
+            backend.stream_wait_event(backend.current_stream(), self._events["done"][src])  # the caller sees the data
         except BaseException as exc:  # the message is taken but not read: the link is out of step
             self._failure = self._failure or RuntimeError(f"FEPLB transport {self.name}: a message from local rank "
                                                           f"{src} was taken but not read ({exc})")
@@ -499,30 +533,32 @@ class CudaCETransport:
     # ---------------------------------------------------------------- off the critical path
     def _run_background(self) -> None:
         """Enqueue parts that waited for a ring slot once it is free (the caller may be busy
-        elsewhere, or waiting outside the transport), and, with a `PeerWatch`, watch the peers:
-        when one died, release our streams from it and fail the transport, naming it."""
+        elsewhere, or waiting outside the transport), let go of sent tensors whose copies ran, and,
+        with a `PeerWatch`, watch the peers: a dead one's flags are kept released (every stream
+        wait of ours on it met) and the transport fails, naming it."""
         self.backend.bind_thread()
         watched = time.monotonic()
         while not self._stop.is_set():
             pending = any(self._outgoing.values())
-            if pending and self._failure is None:
-                try:
+            try:
+                if pending or any(self._in_flight.values()):
                     self._advance()
-                except BaseException:  # noqa: BLE001 - `_advance` recorded it; the caller's next call raises it
-                    pass
+                if self.watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
+                    watched = time.monotonic()
+                    dead = [p for p in self._peers if not self.watch.alive(p)]
+                    if dead and not isinstance(self._failure, PeerDiedError):
+                        self._failure = PeerDiedError(f"FEPLB transport {self.name}: "
+                                                      f"{describe_rank(self.watch, dead[0])} died; this rank's "
+                                                      "messages to and from it are abandoned")
+                    self._dead.update(dead)
+                    self._release_waits(self._dead)  # again each time: a late flag copy may have lowered one
+            except BaseException:  # noqa: BLE001 - recorded in `_failure` where it matters; the thread goes on
+                pass
+            if pending and self._failure is None:
+                time.sleep(0.0002)  # a ring slot is freed by a device write, which wakes nobody: poll
             else:
                 self._wake.wait(WATCH_EVERY_S)
                 self._wake.clear()
-            if pending:
-                time.sleep(0.0002)  # a ring slot is freed by a device write, which wakes nobody: poll
-            if self.watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
-                watched = time.monotonic()
-                dead = [p for p in self._peers if not self.watch.alive(p)]
-                if dead:
-                    self._failure = PeerDiedError(f"FEPLB transport {self.name}: {describe_rank(self.watch, dead[0])}"
-                                                  " died; this rank's messages to and from it are abandoned")
-                    self._release_waits(dead)
-                    return
 
     def _release_waits(self, peers) -> None:
         """Store our ``SEQ`` flags for ``peers`` far ahead (host memory: a CPU store), so every
@@ -532,7 +568,8 @@ class CudaCETransport:
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Drain the streams, close every peer mapping, wait for the peers to do so, free."""
+        """Drain the streams, close every peer mapping, wait for the peers to do so, free. What a
+        peer may still use, or a stream may still touch, is kept (with a warning) rather than freed."""
         if self.closed:
             return
         deadline = time.monotonic() + self.timeout_s
@@ -542,23 +579,43 @@ class CudaCETransport:
         self._stop.set()
         self._wake.set()
         self._background.join(timeout=self.timeout_s)
-        backend = self.backend
-        if not self._drain():
-            warnings.warn(f"FEPLB: the phase-2 streams of domain {self.name} did not finish within "
-                          f"{self.timeout_s:g} s; their device memory is not freed", RuntimeWarning, stacklevel=2)
-            self._close_control(unregister=False)
-            return
-        for dst in self._peers:
-            self._release_copied(dst, wait=True)
-            self._outgoing[dst].clear()  # parts no receiver will read
-        for peer in list(self._mapped):
-            backend.ipc_close(self._mapped.pop(peer))
-        me = self._control[self.local_rank, self.local_rank]
-        me[IMPORTS_CLOSED] = 1
-        self._notify(self.local_rank, self.local_rank, IMPORTS_CLOSED)
-        deadline = time.monotonic() + self.timeout_s
-        still_mapped = []
-        for peer in self._peers:  # a peer that never started or died holds no mapping of ours
+        with self.backend.on_device():
+            if self._background.is_alive() or not self._drain():
+                # our streams may still copy through our mappings of the peers' rings: keep those too (the
+                # peers then keep theirs, warning in turn)
+                warnings.warn(f"FEPLB: the phase-2 streams of domain {self.name} did not finish within "
+                              f"{self.timeout_s:g} s; their memory is not freed", RuntimeWarning, stacklevel=2)
+                self._free_local(rings=False, streams=False)
+                return
+            try:
+                for dst in self._peers:
+                    self._release_copied(dst, wait=True)
+                    for message in self._outgoing[dst]:  # parts no receiver will read
+                        if message.ready is not None:
+                            self.backend.event_destroy(message.ready)
+                    self._outgoing[dst].clear()
+            finally:
+                self._announce_unmapped()
+                still_mapped = self._peers_still_mapping()
+                if still_mapped:  # freeing memory a live peer still maps is undefined in CUDA: keep it
+                    warnings.warn(f"FEPLB: local rank(s) {still_mapped} of domain {self.name} did not unmap this "
+                                  f"rank's phase-2 rings within {self.timeout_s:g} s; they are not freed",
+                                  RuntimeWarning, stacklevel=2)
+                self._free_local(rings=not still_mapped)
+
+    def _announce_unmapped(self) -> None:
+        """Close our mappings of the peers' rings and say so (peers free their rings once all did)."""
+        try:
+            for peer in list(self._mapped):
+                self.backend.ipc_close(self._mapped.pop(peer))
+        finally:
+            self._control[self.local_rank, self.local_rank, IMPORTS_CLOSED] = 1
+            self._notify(self.local_rank, self.local_rank, IMPORTS_CLOSED)
+
+    def _peers_still_mapping(self) -> list[int]:
+        """The peers that neither unmapped our rings (bounded wait), nor died, nor ever started."""
+        deadline, left = time.monotonic() + self.timeout_s, []
+        for peer in self._peers:
             def unmapped(state=self._control[peer, peer], p=peer) -> bool:  # bound now: called within this turn
                 return bool(state[IMPORTS_CLOSED] or not state[ALIVE]
                             or (self.watch is not None and not self.watch.alive(p)))
@@ -567,38 +624,55 @@ class CudaCETransport:
                            f"{describe_rank(self.watch, peer)} of domain {self.name} to unmap our rings",
                            word=self._word(peer, peer, IMPORTS_CLOSED))
             except PeerTimeoutError:
-                still_mapped.append(peer)
-        for stream in [*self._streams.values(), *self._recv_streams.values()]:
-            backend.stream_destroy(stream)
-        for event in [*self._caller_at.values(), *self._done.values()]:
-            backend.event_destroy(event)
-        self._streams.clear()
-        self._recv_streams.clear()
-        del me
-        if still_mapped:  # freeing memory a live peer still maps is undefined in CUDA: keep it
-            warnings.warn(f"FEPLB: local rank(s) {still_mapped} of domain {self.name} did not unmap this rank's "
-                          f"phase-2 rings within {self.timeout_s:g} s; they are not freed", RuntimeWarning,
-                          stacklevel=2)
-        else:
-            for ptr in self._inbound.values():
-                backend.free(ptr)
-            self._inbound.clear()
-        self._close_control(unregister=True)
+                left.append(peer)
+        return left
 
-    def _close_control(self, unregister: bool) -> None:
-        if unregister:  # left registered when streams may still poll it: the mapping then stays too
-            self.backend.unregister_host(self._control_ptr)
-        self._words.release()
-        control, self._control = self._control, None
-        del control
-        if unregister:
-            self._control_shm.close()
-        if self._owns_control:
+    def _free_local(self, rings: bool = True, streams: bool = True) -> None:
+        """Release what this rank holds, best effort, each part on its own: ``rings`` (our inbound
+        allocations), ``streams`` (streams, events, the control block's registration); the control
+        block's mapping goes with the registration, and its name always (the owner's)."""
+        backend = self.backend
+        steps = []
+        if streams:
+            for stream in [*self._streams.values(), *self._recv_streams.values(),
+                           *([self._side] if self._side is not None else [])]:
+                steps.append(lambda s=stream: backend.stream_destroy(s))
+            for event in [e for kind in self._events.values() for e in kind.values()]:
+                steps.append(lambda e=event: backend.event_destroy(e))
+        if rings:
+            for ptr in self._inbound.values():
+                steps.append(lambda p=ptr: backend.free(p))
+        errors = []
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the rest is still released; the first error is raised
+                errors.append(exc)
+        if streams:
+            self._streams, self._recv_streams, self._side = {}, {}, None
+            self._events = {kind: {} for kind in self._events}
+        if rings:
+            self._inbound = {}
+        if streams:  # the device no longer polls the control block: unregister and unmap it
+            if self._control_ptr is not None:
+                try:
+                    backend.unregister_host(self._control_ptr)
+                except Exception as exc:  # noqa: BLE001 - as above
+                    errors.append(exc)
+                self._control_ptr = None
+            if self._words is not None:
+                self._words.release()
+            self._control = None
+            if self._control_shm is not None:
+                self._control_shm.close()
+        if self._control_shm is not None and self._owns_control:
             unlink_quietly(self._control_shm)
+        if errors:
+            raise errors[0]
 
     def _drain(self) -> bool:
-        """Let every stream of ours run what it was given (bounded by ``timeout_s``). A stream wait
-        for a dead peer is released (`_release_waits`); a live peer always delivers what a wait
+        """Let every stream of ours run what it was given (bounded by ``timeout_s``); stream waits
+        for a dead peer are released (`_release_waits`), and a live peer always delivers what a wait
         was queued for, since waits are queued only for parts it had enqueued. False if the
         streams did not finish."""
         backend = self.backend
@@ -609,7 +683,8 @@ class CudaCETransport:
         deadline = time.monotonic() + self.timeout_s
         while not all(backend.event_query(m) for m in marks) and time.monotonic() < deadline:
             if self.watch is not None:
-                self._release_waits([p for p in self._peers if not self.watch.alive(p)])
+                self._dead.update(p for p in self._peers if not self.watch.alive(p))
+                self._release_waits(self._dead)
             time.sleep(0.001)
         finished = all(backend.event_query(m) for m in marks)
         if finished:
