@@ -236,22 +236,26 @@ def _exchange_counting_host_waits() -> dict:
     from deepspeed_feplb.migrate.backend import HostBackend
 
     class Counting(HostBackend):
-        """Events of the current round report their copies as still running (a busy GPU)."""
+        """Events recorded in the current round report their work as still running (a busy GPU)."""
         syncs = 0
-        fence = 0  # events created from here on are not complete yet
+        recent: set = set()
 
         def event_synchronize(self, event):
             Counting.syncs += 1
             super().event_synchronize(event)
 
+        def event_record(self, event, stream):
+            Counting.recent.add(event)
+            super().event_record(event, stream)
+
         def event_query(self, event):
-            return event < Counting.fence
+            return event not in Counting.recent
 
     rank = dist.get_rank()
     backend, t = _transport_pair(Counting)
     ok, held = True, []
     for r in range(5):
-        Counting.fence = backend._next  # noqa: SLF001 - the ids of events created before this round
+        Counting.recent.clear()
         sent = [torch.full((64, 8), float(r + rank)), torch.arange(3)]
         future = t.send(1 - rank, r, sent)
         got = t.recv(1 - rank, r)

@@ -67,7 +67,8 @@ class Transport(Protocol):
 
     def send(self, dst: int, tag: int, tensors: list[torch.Tensor], after: object = None) -> Future:
         """Queue ``tensors`` (any of `wire.DTYPES`, at most `wire.MAX_DIMS` dims) for local rank
-        ``dst``; returns at once with a future that is done once they are written. The tensors
+        ``dst``; returns at once with a future that is done once they are written (a stream-ordered
+        transport returns it done: its copies are enqueued, or queued on the host for a free slot). The tensors
         must not be modified until then. Their copies start once the caller's work queued before
         the call is done, or, with ``after`` (a `mark`), once the work queued before that mark is:
         rows ready before later work was queued need not wait for it."""

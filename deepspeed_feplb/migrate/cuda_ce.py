@@ -236,7 +236,9 @@ class CudaCETransport:
         self._mapped: dict[int, int] = {}  # peer -> its inbound allocation for us, opened
         self._streams: dict[int, int] = {}  # dst -> copy stream
         self._recv_streams: dict[int, int] = {}  # src -> receive stream
-        self._events: dict[str, dict[int, int]] = {"caller_at": {}, "done": {}}
+        self._events: dict[str, dict[int, int]] = {"caller_at": {}, "done": {}, "ready": {}}
+        self._spare_events: list[int] = []  # completed events to record again (cheaper than creating one)
+        self._peer_capacity: dict[int, int] = {}  # dst -> bytes of its ring slots (its CAP)
         self._side: Optional[int] = None  # a stream that snapshots a send's ready point for deferred parts
         self._owns_control = create
         try:
@@ -274,6 +276,7 @@ class CudaCETransport:
             self._recv_streams[peer] = backend.stream_create()
             self._events["caller_at"][peer] = backend.event_create()  # recv: the caller's stream, now
             self._events["done"][peer] = backend.event_create()  # recv: the copy-out, done
+            self._events["ready"][peer] = backend.event_create()  # send: the caller's stream, now
         self._side = backend.stream_create()
 
     @staticmethod
@@ -342,7 +345,11 @@ class CudaCETransport:
             channel = self._control[self.local_rank, peer]
             self._wait(lambda: channel[GEN] >= 1, "to start", peer, (self.local_rank, peer, GEN))
             self._mapped[peer] = self.backend.ipc_open(_get_handle(channel, RING_H))
+            self._peer_capacity[peer] = int(channel[CAP])
         return self._mapped[peer]
+
+    def _event(self) -> int:
+        return self._spare_events.pop() if self._spare_events else self.backend.event_create()
 
     # ---------------------------------------------------------------- producer side
     def mark(self) -> int:
@@ -380,20 +387,21 @@ class CudaCETransport:
         tensors = [t.detach().contiguous() for t in tensors]
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
         self._map(dst)
-        message = _Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, self._capacity_of(dst))))
+        message = _Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, self._peer_capacity[dst])))
         backend = self.backend
-        ready = after if after is not None else self.mark()
         with self._lock:
+            ready = after
+            if ready is None:
+                ready = self._events["ready"][dst]
+                backend.event_record(ready, backend.current_stream())
             if self._outgoing[dst]:
                 # queued behind parts that wait for ring slots: snapshot the ready point on the side
                 # stream, so that those earlier parts do not wait for it
-                message.ready = backend.event_create()
+                message.ready = self._event()
                 backend.stream_wait_event(self._side, ready)
                 backend.event_record(message.ready, self._side)
             else:
                 backend.stream_wait_event(self._streams[dst], ready)  # a local event: the copies follow the data
-            if after is None:
-                backend.event_destroy(ready)
             self._outgoing[dst].append(message)
             self._advance()
             if self._outgoing[dst]:
@@ -428,10 +436,10 @@ class CudaCETransport:
                     break  # its ring slot's previous part is not read yet
                 if message.ready is not None:  # its ready point, snapshot at its send
                     backend.stream_wait_event(stream, message.ready)
-                    backend.event_destroy(message.ready)
+                    self._spare_events.append(message.ready)  # recorded again only after this wait was queued
                     message.ready = None
                 lo, hi = message.parts[message.enqueued]
-                slot = peer + FLAG_BYTES + (n - 1) % RING_SLOTS * self._capacity_of(dst)
+                slot = peer + FLAG_BYTES + (n - 1) % RING_SLOTS * self._peer_capacity[dst]
                 for t, offset in zip(message.tensors, message.offsets):
                     for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
                         backend.memcpy_async(slot + offset + at - lo, t.data_ptr() + at, length, stream)
@@ -461,12 +469,9 @@ class CudaCETransport:
             channel[POSTED] = number  # publish last: the receiver's host waits on it
             self._notify(me, dst, POSTED)
         while outgoing and outgoing[0].described and outgoing[0].enqueued == len(outgoing[0].parts):
-            copied = backend.event_create()
+            copied = self._event()
             backend.event_record(copied, stream)
             self._in_flight[dst].append((copied, outgoing.popleft().tensors))  # kept until the copies ran
-
-    def _capacity_of(self, dst: int) -> int:
-        return int(self._control[self.local_rank, dst, CAP])
 
     def _release_copied(self, dst: int, wait: bool) -> None:
         """Drop the sent tensors whose copies to ``dst`` ran (all of them, waiting, with ``wait``)."""
@@ -478,7 +483,7 @@ class CudaCETransport:
             elif not self.backend.event_query(copied):
                 return
             in_flight.popleft()
-            self.backend.event_destroy(copied)
+            self._spare_events.append(copied)
 
     # ---------------------------------------------------------------- consumer side
     def recv(self, src: int, tag: int, into=None) -> list[torch.Tensor]:
@@ -592,7 +597,7 @@ class CudaCETransport:
                     self._release_copied(dst, wait=True)
                     for message in self._outgoing[dst]:  # parts no receiver will read
                         if message.ready is not None:
-                            self.backend.event_destroy(message.ready)
+                            self._spare_events.append(message.ready)
                     self._outgoing[dst].clear()
             finally:
                 self._announce_unmapped()
@@ -637,7 +642,7 @@ class CudaCETransport:
             for stream in [*self._streams.values(), *self._recv_streams.values(),
                            *([self._side] if self._side is not None else [])]:
                 steps.append(lambda s=stream: backend.stream_destroy(s))
-            for event in [e for kind in self._events.values() for e in kind.values()]:
+            for event in [*(e for kind in self._events.values() for e in kind.values()), *self._spare_events]:
                 steps.append(lambda e=event: backend.event_destroy(e))
         if rings:
             for ptr in self._inbound.values():
@@ -650,7 +655,7 @@ class CudaCETransport:
                 errors.append(exc)
         if streams:
             self._streams, self._recv_streams, self._side = {}, {}, None
-            self._events = {kind: {} for kind in self._events}
+            self._events, self._spare_events = {kind: {} for kind in self._events}, []
         if rings:
             self._inbound = {}
         if streams:  # the device no longer polls the control block: unregister and unmap it
