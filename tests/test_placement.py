@@ -172,3 +172,41 @@ def test_placement_on_one_node_says_it_will_not_move_experts_in_one_line():
     said = run_distributed(one_node_placement_warning, 2, timeout=300)
     assert len(said[0]) == 1 and said[0][0].startswith("deepspeed_feplb: ") and "is one NVLink domain" in said[0][0]
     assert said[1] == [], said  # one line per job: the first rank says it
+
+
+def test_a_placement_order_is_adopted_only_when_the_layers_weights_loaded():
+    """A state dict in placement order hands its order to the layer (for its first forward) only
+    when the load of the layer's weights succeeded: a load that fails on them (a size mismatch, a
+    missing expert) leaves the layer in DeepSpeed's order, not permuted over weights it never got."""
+    import torch
+
+    import deepspeed_feplb
+    from deepspeed_feplb.integration.placement import ORDER_KEY, _rename
+
+    def layer():
+        torch.manual_seed(0)
+        return deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=1, k=1, drop_tokens=False,
+                                   use_rts=False, feplb_config={"dynamic_experts_per_rank": 1})
+
+    placed = layer().state_dict()
+    _rename(placed, "deepspeed_moe.", (("experts.deepspeed_experts.", "experts.feplb_placed_experts."), ),
+            to_placed=True)
+    placed._metadata["deepspeed_moe"][ORDER_KEY] = [1, 0, 3, 2]
+    good = layer()
+    good.load_state_dict(placed)
+    assert good.deepspeed_moe.loaded_expert_order == [1, 0, 3, 2]
+
+    mismatched = dict(placed)
+    mismatched["deepspeed_moe.experts.feplb_placed_experts.2.weight"] = torch.zeros(8, 9)
+    mismatched = type(placed)(mismatched)
+    mismatched._metadata = placed._metadata
+    bad = layer()
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        bad.load_state_dict(mismatched)
+    assert bad.deepspeed_moe.loaded_expert_order is None
+
+    missing = type(placed)((k, v) for k, v in placed.items() if "feplb_placed_experts.3." not in k)
+    missing._metadata = placed._metadata
+    partial = layer()
+    partial.load_state_dict(missing, strict=False)
+    assert partial.deepspeed_moe.loaded_expert_order is None

@@ -37,6 +37,7 @@ from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
     StackedExperts,
+    adopt_expert_order,
     adopt_loaded_order,
     check_expert_order,
     record_expert_order,
@@ -98,6 +99,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             self._feplb_state_hooks = True
             self.register_state_dict_post_hook(record_expert_order)
             self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
+            self.register_load_state_dict_post_hook(adopt_expert_order)
         self.feplb_ep_group = ep_group
         self.feplb_ep_size = ep_size
         self._layer_facts = layer_facts

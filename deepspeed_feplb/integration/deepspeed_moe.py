@@ -30,6 +30,7 @@ from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
     ModuleExperts,
+    adopt_expert_order,
     adopt_loaded_order,
     check_expert_order,
     record_expert_order,
@@ -64,6 +65,7 @@ class FEPLBMOELayer(MOELayer):
             self._feplb_state_hooks = True
             self.register_state_dict_post_hook(record_expert_order)
             self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
+            self.register_load_state_dict_post_hook(adopt_expert_order)
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
 

@@ -713,6 +713,8 @@ def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missin
     * One that has not (a fresh job) adopts the order; without a placement yet (a DeepSpeed MoE
       layer before its first forward) the layer keeps it, and its placement starts from it at the
       first forward, or that forward refuses when ``feplb.placement`` is off (`adopt_loaded_order`).
+      Either happens only once the layer's weights loaded (`adopt_expert_order`, the post-hook): a
+      load that fails on them leaves the table as it was, not permuted over weights that are not.
     """
     pairs = _expert_keys(layer)
     renamed = _rename(state_dict, prefix, pairs, to_placed=False)
@@ -724,12 +726,16 @@ def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missin
                            f"({', '.join(prefix + p for _, p in pairs)}) but not that order (its metadata was lost), "
                            "so no expert can be matched to its weights; save with engine.save_checkpoint instead")
     recorded = [int(e) for e in local_metadata.get(ORDER_KEY, [])]
+    placed = recorded if recorded != sorted(recorded) else None
     placement = getattr(layer, "placement", None)
+    # adopted by `adopt_expert_order` once this layer's weights loaded: (order, where load errors
+    # collect, how many there were, the layer's prefix)
+    pending = (placed, error_msgs, len(error_msgs), prefix)
     if placement is None:
-        layer.loaded_expert_order = recorded if recorded != sorted(recorded) else None
+        layer._feplb_loaded_order = pending
         return
-    if recorded and recorded != sorted(recorded) and placement.steps == 0 and placement.identity:
-        placement.adopt(recorded)  # nothing moved yet: the slots take the saved order
+    if placed and placement.steps == 0 and placement.identity:
+        layer._feplb_loaded_order = pending  # nothing moved yet: the slots take the saved order
     elif (recorded or list(range(placement.num_experts))) != placement.slot_order():
         raise RuntimeError(
             f"FEPLB: the state dict holds the experts of MoE layer {name} in "
@@ -737,6 +743,23 @@ def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missin
             "since (feplb.placement); load a checkpoint with engine.load_checkpoint, or load the state dict inside "
             "`with deepspeed_feplb.canonical_experts(engine):` (collective) when it was taken in DeepSpeed's order")
     placement._replicas_stale()  # the experts' weights change: their replicas' come again at the next forward
+
+
+def adopt_expert_order(layer, incompatible_keys) -> None:
+    """Load-state-dict post-hook of a FEPLB MoE layer: the order `check_expert_order` found becomes
+    the layer's (its placement's table, or ``layer.loaded_expert_order`` for its first forward) once
+    the layer's weights loaded: no load error since, and none of its keys missing."""
+    pending = layer.__dict__.pop("_feplb_loaded_order", None)
+    if pending is None:
+        return
+    order, error_msgs, errors_before, prefix = pending
+    if len(error_msgs) > errors_before or any(k.startswith(prefix) for k in incompatible_keys.missing_keys):
+        return
+    placement = getattr(layer, "placement", None)
+    if placement is None:
+        layer.loaded_expert_order = order
+    elif order is not None:
+        placement.adopt(order)
 
 
 def adopt_loaded_order(layer) -> None:
