@@ -37,11 +37,11 @@ wait for the device; the receiving stream orders itself on a flag word.
   allocated the destination tensors on it.
 * **Slots are fixed**: allocated when the domain opens, never grown or freed until `close`, so no
   step pays a ``cudaMalloc``, a ``cudaFree`` (a device-wide sync) or a new IPC handle.
-* **A dead peer is an error, not a hung GPU.** With a `segments.PeerWatch`, a watchdog thread
-  (off the critical path) checks the peers' processes; when one died it stores this rank's
-  ``SEQ`` flags for it far ahead (a plain CPU store: the flags are host memory), so no stream of
-  ours waits for it forever, and the next call of the transport raises
-  `segments.PeerDiedError` naming the rank.
+* **A dead peer is an error, not a hung GPU.** With a `segments.PeerWatch`, the transport's
+  background thread (off the critical path, the one that also enqueues deferred parts) checks
+  the peers' processes; for one that died it keeps this rank's ``SEQ`` flags for it stored far
+  ahead (a plain CPU store: the flags are host memory), so no stream of ours waits for it
+  forever, and the next call of the transport raises `segments.PeerDiedError` naming the rank.
 * **Teardown**: drain our streams, close every peer mapping, announce it, wait (bounded) until the
   peers did the same, then free (CUDA leaves freeing a still-mapped allocation undefined; a peer
   that neither unmapped nor died keeps our memory, with a warning).
@@ -189,8 +189,8 @@ class CudaCETransport:
         timeout_s: how long a host waits for a peer's host before raising `PeerTimeoutError`.
         create: True on the domain's rank 0, which creates the control block; it must be
             constructed before the others (the caller's barrier), as with `ShmTransport`.
-        watch: a `segments.PeerWatch`: host waits fail fast, naming the rank, when a peer died, and a
-            watchdog releases this rank's streams from waits on it (module docstring).
+        watch: a `segments.PeerWatch`: host waits fail fast, naming the rank, when a peer died, and
+            the background thread releases this rank's streams from waits on it (module docstring).
         device: the CUDA device of this rank's experts, where rings and streams go (default:
             torch's current device).
         backend: a `CudaBackend` (default: on ``device``) or `HostBackend`.
@@ -229,7 +229,7 @@ class CudaCETransport:
         self._capacity = ring_capacity(slot_bytes)
         self._lock = threading.RLock()  # the sending side's state: callers and the background thread
         self._stop, self._wake = threading.Event(), threading.Event()
-        self._dead: set[int] = set()  # peers the watchdog found dead (their flags are kept released)
+        self._dead: set[int] = set()  # peers found dead (their flags are kept released)
         # resources, released by `_free_local` (also when opening fails halfway)
         self._control_shm = self._control = self._control_ptr = self._words = None
         self._inbound: dict[int, int] = {}  # peer -> our allocation for it (staging words, ring)
