@@ -10,9 +10,10 @@ loads in the kernels always apply).
 
 Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose slots hold ``S``
 bytes: the `CudaCETransport` owns one inbound allocation per peer, ``(G - 1) * (S + 256)`` bytes of
-device memory (``S`` split into a ring of `RING_SLOTS` slots of ``S / RING_SLOTS``, `ring_capacity`,
-plus 256 bytes of flags), allocated once when the domain opens, plus host control memory of
-``G * G * 8 * (16 + 4 * (4 + 7 * T))`` bytes per domain (T = most tensors per message). ``S`` is
+device memory (256 bytes of staging words, then ``S`` split into a ring of `RING_SLOTS` slots of
+``S / RING_SLOTS``, `ring_capacity`), allocated once when the domain opens, plus host control
+memory (page-locked: it holds the flags) of ``G * G * 8 * (32 + 4 * (4 + 7 * T))`` bytes per domain
+(T = most tensors per message). ``S`` is
 `slot_bytes`: one forward message to a helper in one part, that is D chunks with their expert's
 weights (``P`` bytes, ``n_t`` tensors) and a rank's mean rows ``N`` of ``row_bytes`` each:
 ``D * (P + n_t * 256) + N * row_bytes`` (backward's result message, input-gradients and
@@ -28,7 +29,7 @@ import torch
 
 ALIGN = 256
 RING_SLOTS = 4  # slots of an inbound ring: a sender runs up to this many message parts ahead of its receiver
-FLAG_BYTES = 256  # an inbound allocation's head: its flag words, each on its own 64-byte line
+STAGING_BYTES = 256  # an inbound allocation's head: its owner's staging words, each on its own 64-byte line
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -59,8 +60,8 @@ def ring_capacity(slot: int) -> int:
 
 
 def inbound_bytes(slot: int) -> int:
-    """Device bytes of one inbound allocation: its flags and its ring."""
-    return FLAG_BYTES + RING_SLOTS * ring_capacity(slot)
+    """Device bytes of one inbound allocation: its staging words and its ring."""
+    return STAGING_BYTES + RING_SLOTS * ring_capacity(slot)
 
 
 def transport_bytes_per_rank(domain_size: int, slot: int) -> int:

@@ -344,14 +344,9 @@ class HostBackend:
     def _importers(self, shm, change: int = 0) -> int:
         """Add (``change`` 1) or remove (-1) this process as an importer of ``shm``; returns how many
         live processes import it."""
-        with self._importer_lock:
-            return self._update_importers(shm, change)
-
-    def _update_importers(self, shm, change: int) -> int:
         from deepspeed_feplb.segments import process_alive
-        fd = os.open(os.path.join("/dev/shm", shm.name), os.O_RDWR)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+        with self._importer_lock, open(os.path.join("/dev/shm", shm.name), "r+b") as f:
+            fcntl.lockf(f, fcntl.LOCK_EX)  # other processes; the lock above: this one's threads
             pids = np.ndarray((self._HEADER // 8, ), dtype=np.int64, buffer=shm.buf)
             if change > 0:  # a free entry, or one of a process that died
                 free = [i for i, pid in enumerate(pids.tolist()) if not pid or not process_alive(pid)]
@@ -364,10 +359,7 @@ class HostBackend:
                     pids[at[0]] = 0
             live = sum(process_alive(int(pid)) for pid in pids if pid)
             del pids
-            fcntl.lockf(fd, fcntl.LOCK_UN)
-            return live
-        finally:
-            os.close(fd)
+            return live  # closing the file drops the lockf lock
 
     def malloc(self, nbytes: int) -> int:
         from deepspeed_feplb.segments import open_segment

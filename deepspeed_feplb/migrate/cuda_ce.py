@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate import wire
-from deepspeed_feplb.migrate.arena import FLAG_BYTES, RING_SLOTS, inbound_bytes, message_layout, ring_capacity
+from deepspeed_feplb.migrate.arena import RING_SLOTS, STAGING_BYTES, inbound_bytes, message_layout, ring_capacity
 from deepspeed_feplb.migrate.backend import flag_reached
 from deepspeed_feplb.segments import (
     WATCH_EVERY_S,
@@ -100,18 +100,16 @@ STAGE_SEQ, STAGE_ACK = 0, 64
 RELEASE = 1 << 30  # a flag this far ahead meets every wait queued before it (cyclic comparison)
 
 
-def part_ranges(nbytes: int | None, capacity: int):
-    """The byte ranges ``[lo, hi)`` of a message of ``nbytes`` that travel as parts through a slot of
-    ``capacity`` bytes (one part for an empty message; ``nbytes`` None: endless, for a receiver that
-    learns the size at the first part)."""
-    part = 0
+def part_ranges(nbytes: int, capacity: int):
+    """The byte ranges ``[lo, hi)`` of a message of ``nbytes`` that travel as parts through ring
+    slots of ``capacity`` bytes (one part for an empty message)."""
+    lo = 0
     while True:
-        lo = part * capacity
-        hi = lo + capacity if nbytes is None else min(nbytes, lo + capacity)
+        hi = min(nbytes, lo + capacity)
         yield lo, hi
-        part += 1
-        if nbytes is not None and hi >= nbytes:
+        if hi >= nbytes:
             return
+        lo = hi
 
 
 def overlap(offset: int, size: int, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -126,8 +124,8 @@ def preflight_problems(me: int, ranks: Sequence[int], devices: Sequence[str], sl
     """What keeps local rank ``me`` of a domain (global ``ranks``, their GPUs' UUIDs ``devices``)
     from opening its CE transport: a peer's GPU it does not see (``ordinal(uuid)`` None) or cannot
     reach by peer access, or ``(G - 1)`` inbound rings of ``slot`` bytes (`arena.inbound_bytes`)
-    beyond its ``free_bytes``; each
-    problem names the ranks or the bytes and what to change. Ranks on one GPU need no peer access."""
+    beyond its ``free_bytes``; each problem names the ranks or the bytes and what to change. Ranks
+    on one GPU need no peer access."""
     problems = []
     mine = ordinal(devices[me])
     for peer, device in enumerate(devices):
@@ -439,7 +437,7 @@ class CudaCETransport:
                     self._spare_events.append(message.ready)  # recorded again only after this wait was queued
                     message.ready = None
                 lo, hi = message.parts[message.enqueued]
-                slot = peer + FLAG_BYTES + (n - 1) % RING_SLOTS * self._peer_capacity[dst]
+                slot = peer + STAGING_BYTES + (n - 1) % RING_SLOTS * self._peer_capacity[dst]
                 for t, offset in zip(message.tensors, message.offsets):
                     for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
                         backend.memcpy_async(slot + offset + at - lo, t.data_ptr() + at, length, stream)
@@ -519,7 +517,7 @@ class CudaCETransport:
                 self._wait(lambda due=n: channel[ENQUEUED] >= due, f"to enqueue part {n} (message tag {tag:#x})",
                            src, (src, me, ENQUEUED))
                 backend.stream_wait_value32(stream, self._flag_at(src, me, SEQ_FLAG), self._flag(n))
-                slot = own + FLAG_BYTES + (n - 1) % RING_SLOTS * self._capacity
+                slot = own + STAGING_BYTES + (n - 1) % RING_SLOTS * self._capacity
                 for out, (_, offset, _) in zip(tensors, found):
                     for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):
                         backend.memcpy_async(out.data_ptr() + at, slot + offset + at - lo, length, stream)
