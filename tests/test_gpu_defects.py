@@ -310,6 +310,10 @@ def _recv_streams() -> dict:
             Recording.log.append(("wait", stream, None))
             super().stream_wait_event(stream, event)
 
+        def stream_write_value32(self, stream, ptr, value):
+            Recording.log.append(("flag", stream, 4))
+            super().stream_write_value32(stream, ptr, value)
+
     rank = dist.get_rank()
     backend, t = _transport_pair(Recording)
     result = {}
@@ -328,8 +332,8 @@ def _recv_streams() -> dict:
 def test_the_receiver_copies_out_on_its_receive_stream_not_on_the_compute_stream():
     from deepspeed_feplb.testing import run_distributed
     result = run_distributed(_recv_streams, 2, timeout=120)[1]
-    copies = [(stream, nbytes) for op, stream, nbytes in result["log"] if op == "copy"]
-    # the two tensors' copy-outs (64 and 16 bytes) and the 4-byte credit back to the sender
+    copies = [(stream, nbytes) for op, stream, nbytes in result["log"] if op in ("copy", "flag")]
+    # the two tensors' copy-outs (64 and 16 bytes) and the credit back to the sender (a flag write)
     assert result["ok"] and sorted(n for _, n in copies) == [4, 16, 64], copies
     assert all(stream != result["current"] for stream, _ in copies), "the copy-out ran on the compute stream"
     assert result["log"][-1] == ("wait", result["current"], None), "the compute stream must wait for the copy-out"
@@ -485,10 +489,10 @@ def test_the_home_queues_its_static_experts_backward_before_it_waits_for_helpers
 
 
 def test_the_flag_probe_writes_and_waits_on_device_and_page_locked_host_words():
-    """`CudaBackend.probe_flags` (run by the CE transport's preflight on every rank) exercises what
-    the transport's flags need: stream write and wait on device memory and on registered host
-    memory; a driver that refuses either is reported, not raised (the domain then refuses to open,
-    naming the rank and the driver's error)."""
+    """`CudaBackend.probe_flags` (run by the CE transport when it opens, on every rank) exercises
+    what the transport's flags need: stream write and wait on device memory and on registered host
+    memory; a driver that refuses either is reported, not raised (the transport then carries its
+    flags on the host, warning with the driver's error)."""
     from deepspeed_feplb.migrate.backend import CudaBackend
 
     class Driver:

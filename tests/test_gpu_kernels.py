@@ -146,8 +146,8 @@ def test_the_slot_formula_of_docs_gpu():
     # GLM-5-like (docs/GPU.md): 72 MiB bf16 experts, hidden 6144, D=4, 3 tensors per chunk, 32k mean rows
     slot = slot_bytes(4, 72 << 20, 3, 32768, 6144 * 2)
     assert slot == align_up(4 * ((72 << 20) + 3 * 256) + 32768 * 6144 * 2)
-    # each peer's inbound allocation: 256 bytes of staging words, then a ring of 4 slots holding ``slot``
-    assert transport_bytes_per_rank(8, slot) == 7 * (256 + 4 * ring_capacity(slot))
+    # each peer's inbound allocation: a ring of 4 slots holding ``slot``
+    assert transport_bytes_per_rank(8, slot) == 7 * 4 * ring_capacity(slot)
     assert slot <= 4 * ring_capacity(slot) < slot + 4 * 256
     assert transport_bytes_per_rank(1, slot) == 0
     assert align_up(1) == 256 and align_up(256) == 256 and align_up(0) == 0

@@ -31,9 +31,9 @@ def _domain_name() -> str:
     return names[0]
 
 
-def _make(capacity: int, timeout_s: float = 20.0, first_flag: int = 0):
+def _make(capacity: int, timeout_s: float = 20.0, first_flag: int = 0, stream_memops: bool = True):
     name = _domain_name()
-    backend = HostBackend(prefix=f"{name}-mem")
+    backend = HostBackend(prefix=f"{name}-mem", stream_memops=stream_memops)
     rank, size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         transport = CudaCETransport(name, 0, size, timeout_s, True, backend=backend, slot_bytes=capacity,
@@ -58,10 +58,10 @@ def second_of_two(descriptions: list) -> list[torch.Tensor]:
     return [torch.full((2, *shape), 7, dtype=dtype)[1] for shape, dtype in descriptions]
 
 
-def all_to_all_rounds(capacity: int, rounds: int) -> dict:
+def all_to_all_rounds(capacity: int, rounds: int, stream_memops: bool = True) -> dict:
     """Every rank sends a message to every other rank per round (odd rounds received into the
     caller's buffers, `second_of_two`); returns capacities and a check."""
-    name, backend, transport = _make(capacity)
+    name, backend, transport = _make(capacity, stream_memops=stream_memops)
     rank, size = dist.get_rank(), dist.get_world_size()
     into_kept = 0
     for r in range(rounds):
@@ -121,14 +121,14 @@ def arena_case() -> dict:
             "leftover": [n for n in leftover_segments() if n.startswith(name)]}
 
 
-def credits_and_wrap() -> dict:
+def credits_and_wrap(stream_memops: bool = True) -> dict:
     """Rank 0 sends three messages of 16 parts each (48 parts through a ring of 4 slots) to rank 1,
     and rank 1 to rank 0, before either receives: the sends must return (a host waiting for ring
     slots would never reach the barrier); the parts beyond the ring are enqueued as the receiver
     frees slots. The 32-bit flags start 5 below 2**32, so they wrap on the way."""
     from deepspeed_feplb.migrate.cuda_ce import SEQ_FLAG
     first = (1 << 32) - 5
-    name, backend, transport = _make(1024, first_flag=first)
+    name, backend, transport = _make(1024, first_flag=first, stream_memops=stream_memops)
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
     result = {"ok": True, "flag": None}
@@ -161,6 +161,40 @@ def protocol_suite() -> dict:
 @pytest.fixture(scope="module")
 def protocol_results():
     return run_distributed(protocol_suite, 3, timeout=240)
+
+
+def host_flags_suite() -> dict:
+    """The ordering, parts and credit cases on a driver without stream memory operations
+    (`HostBackend(stream_memops=False)`, whose flag calls raise): the transport falls back to host
+    flags, warning once per process."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = {"rounds": all_to_all_rounds(1 << 20, 4, stream_memops=False),
+               "parts": all_to_all_rounds(1024, 5, stream_memops=False), "credits": credits_and_wrap(False)}
+    out["warnings"] = [str(w.message) for w in caught if "stream memory operations" in str(w.message)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def host_flag_results():
+    return run_distributed(host_flags_suite, 3, timeout=240)
+
+
+def test_without_stream_memory_operations_the_host_carries_the_flags(host_flag_results):
+    """The fallback keeps the protocol (parts, credits, wrap-around, intact and in order, nothing
+    left), and says why once per process."""
+    for rank, suite in enumerate(host_flag_results):
+        assert len(suite["warnings"]) == 1 and "HostBackend(stream_memops=False)" in suite["warnings"][0], suite
+        for case, extra in (("rounds", 0), ("parts", 2 * 5 * 2)):
+            result = suite[case]
+            assert result["extra_parts"] >= extra and result["into_kept"] == 2 * 2, (rank, case, result)
+            assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, case, result)
+            assert result["leftover"] == []
+        if rank < 2:
+            credits = suite["credits"]
+            assert credits["ok"] and credits["parts"] == 3 * 15, credits
+            assert credits["flag"] == 43, "the 32-bit sequence did not wrap"
 
 
 def test_messages_arrive_intact_in_order_on_three_ranks(protocol_results):
@@ -308,14 +342,16 @@ def test_weight_residency_through_ce_protocol_matches_deepspeed(layer_results):
         assert traffic["resident_hits"] > 0 and traffic["flushed_copies"] > 0, traffic
 
 
-def _rank_that_dies(name: str, start, started) -> None:
+def _rank_that_dies(name: str, start, started, stream_memops: bool) -> None:
     """Rank 1 of a 2-rank domain (a spawned process): opens its transport, sends rank 0 a message
     whose data is never produced (its copies wait on a flag nobody writes), then only sleeps."""
     start.get(timeout=60)
-    backend = HostBackend(prefix=f"{name}-mem")
+    backend = HostBackend(prefix=f"{name}-mem", stream_memops=stream_memops)
     transport = CudaCETransport(name, 1, 2, 30.0, False, backend=backend, slot_bytes=1024)
     never, producer = backend.malloc(4), backend.stream_create()
+    backend.stream_memops = True  # the stand-in for a producer that never finishes, also under host flags
     backend.stream_wait_value32(producer, never, 1)
+    backend.stream_memops = stream_memops
     produced = backend.event_create()
     backend.event_record(produced, producer)
     transport.send(0, 0x61, [torch.ones(8)], after=produced)
@@ -323,23 +359,24 @@ def _rank_that_dies(name: str, start, started) -> None:
     time.sleep(600)
 
 
-def test_a_peer_killed_mid_message_is_a_named_error_not_a_hung_stream():
+@pytest.mark.parametrize("stream_memops", [True, False], ids=["stream-flags", "host-flags"])
+def test_a_peer_killed_mid_message_is_a_named_error_not_a_hung_stream(stream_memops):
     """Rank 1 enqueues a message to rank 0 whose copies never run, rank 0 enqueues a 63-part
     message to rank 1 (more than its ring holds) and receives; rank 1 is then killed. Rank 0's
-    receive stream waits for a part that will never be written (on a GPU: forever): the watchdog
-    must release it and fail the transport naming rank 1, the parts still queued are dropped, and
-    `close` frees everything of rank 0 and the domain's control block."""
+    receive stream (with host flags: its host) waits for a part that will never be written (on a
+    GPU: forever): the watchdog must release it and fail the transport naming rank 1, the parts
+    still queued are dropped, and `close` frees everything of rank 0 and the domain's control block."""
     import multiprocessing
     import threading
 
     from deepspeed_feplb.segments import PeerDiedError, PeerWatch, cleanup
-    name = f"feplb-cetest-{os.getpid()}-killed"
+    name = f"feplb-cetest-{os.getpid()}-killed-{int(stream_memops)}"
     context = multiprocessing.get_context("spawn")
     start, started = context.Queue(), context.Queue()
-    child = context.Process(target=_rank_that_dies, args=(name, start, started), daemon=True)
+    child = context.Process(target=_rank_that_dies, args=(name, start, started, stream_memops), daemon=True)
     child.start()
     assert child.pid and child.pid > 0
-    backend = HostBackend(prefix=f"{name}-mem")
+    backend = HostBackend(prefix=f"{name}-mem", stream_memops=stream_memops)
     transport = CudaCETransport(name, 0, 2, 30.0, True, PeerWatch([os.getpid(), child.pid], [0, 1]),
                                 backend=backend, slot_bytes=1024)
     try:

@@ -9,9 +9,9 @@ starting on a 256-byte boundary (the allocation itself is 256-byte aligned, so 1
 loads in the kernels always apply).
 
 Memory per rank (`transport_bytes_per_rank`), for a domain of ``G`` ranks whose slots hold ``S``
-bytes: the `CudaCETransport` owns one inbound allocation per peer, ``(G - 1) * (S + 256)`` bytes of
-device memory (256 bytes of staging words, then ``S`` split into a ring of `RING_SLOTS` slots of
-``S / RING_SLOTS``, `ring_capacity`), allocated once when the domain opens, plus host control
+bytes: the `CudaCETransport` owns one inbound allocation per peer, ``(G - 1) * S`` bytes of
+device memory (``S`` split into a ring of `RING_SLOTS` slots of ``S / RING_SLOTS``, each rounded up
+to 256 bytes: `ring_capacity`), allocated once when the domain opens, plus host control
 memory (page-locked: it holds the flags) of ``G * G * 8 * (32 + 4 * (4 + 7 * T))`` bytes per domain
 (T = most tensors per message). ``S`` is
 `slot_bytes`: one forward message to a helper in one part, that is D chunks with their expert's
@@ -29,7 +29,6 @@ import torch
 
 ALIGN = 256
 RING_SLOTS = 4  # slots of an inbound ring: a sender runs up to this many message parts ahead of its receiver
-STAGING_BYTES = 256  # an inbound allocation's head: its owner's staging words, each on its own 64-byte line
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -37,7 +36,7 @@ def align_up(n: int, alignment: int = ALIGN) -> int:
 
 
 def nbytes_of(dtype: torch.dtype, shape) -> int:
-    return int(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return int(math.prod(shape)) * dtype.itemsize
 
 
 def message_layout(specs) -> tuple[list[int], int]:
@@ -60,8 +59,8 @@ def ring_capacity(slot: int) -> int:
 
 
 def inbound_bytes(slot: int) -> int:
-    """Device bytes of one inbound allocation: its staging words and its ring."""
-    return STAGING_BYTES + RING_SLOTS * ring_capacity(slot)
+    """Device bytes of one inbound allocation: its ring."""
+    return RING_SLOTS * ring_capacity(slot)
 
 
 def transport_bytes_per_rank(domain_size: int, slot: int) -> int:

@@ -8,18 +8,24 @@ Design (docs/ARCHITECTURE.md "Phase 2"; docs/GPU.md): the host *enqueues* a mess
 wait for the device; the receiving stream orders itself on a flag word.
 
 * **Push into peer memory.** Every rank owns one inbound allocation per peer (a plain
-  ``cudaMalloc``, fixed for the transport's life): a few staging words, then a *ring* of
-  `arena.RING_SLOTS` slots. The sender opens it by its IPC handle once and writes each part of a
-  message into the next ring slot with one ``cudaMemcpyAsync(kind=Default)`` per tensor piece (an
-  expert's weights and its token chunk are each one contiguous copy). Between two GPUs that copy
-  runs on the Copy Engine, using no SM.
+  ``cudaMalloc``, fixed for the transport's life): a *ring* of `arena.RING_SLOTS` slots. The
+  sender opens it by its IPC handle once and writes each part of a message into the next ring
+  slot with one ``cudaMemcpyAsync(kind=Default)`` per tensor piece (an expert's weights and its
+  token chunk are each one contiguous copy). Between two GPUs that copy runs on the Copy Engine,
+  using no SM.
 * **Flags.** Parts are numbered per link (n = 1, 2, ...). Each link has two 32-bit flag words in
   the domain's shared-memory control block, page-locked for the device (`register_host`): ``SEQ``
   (parts written) and ``ACK`` (parts read). After part n's copies the sender's copy stream writes
-  n into a staging word of its own (``cuStreamWriteValue32``) and copies those 4 bytes onto
-  ``SEQ``; the receiver's stream waits until ``SEQ`` reached n (``cuStreamWaitValue32``, GEQ: a
-  cyclic comparison, so the numbers wrap), copies the part out into the caller's tensors, and
-  writes ``ACK`` the same way. The compute stream only waits (an event) for that copy-out.
+  n onto ``SEQ`` (``cuStreamWriteValue32``, which fences the stream's earlier writes; host memory
+  takes it, where since CUDA 13.1 another GPU's memory would not); the receiver's stream waits
+  until ``SEQ`` reached n (``cuStreamWaitValue32``, GEQ: a cyclic comparison, so the numbers
+  wrap), copies the part out into the caller's tensors, and writes ``ACK`` the same way. The
+  compute stream only waits (an event) for that copy-out.
+* **Host flags where the driver lacks stream memory operations** (probed when the transport
+  opens; one warning says why): the same protocol, but the host stores a flag once an event
+  after the stream's work completed (the background thread, which sleeps on that event), and
+  the receiver's host waits for ``SEQ`` before it enqueues the copy-out: the old handshake's
+  cost, with the rings and credits of this one.
 * **Credits on the host, waits only for work already enqueued.** A ring slot is reused only when
   the sender's host sees (``ACK``, host memory) that the part before in it was read; until then
   the part waits on the host in a queue that every later call of the transport (and every wait in
@@ -64,7 +70,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate import wire
-from deepspeed_feplb.migrate.arena import RING_SLOTS, STAGING_BYTES, inbound_bytes, message_layout, ring_capacity
+from deepspeed_feplb.migrate.arena import RING_SLOTS, inbound_bytes, message_layout, ring_capacity
 from deepspeed_feplb.migrate.backend import flag_reached
 from deepspeed_feplb.segments import (
     WATCH_EVERY_S,
@@ -85,18 +91,18 @@ MESSAGES = 4  # message descriptions per link in the control block
 
 # words of a channel (src -> dst) in the control block: POSTED / TAKEN count the messages whose
 # description the sender published / the receiver read, ENQUEUED the parts the sender enqueued;
-# GEN is 1 once the receiver published its inbound allocation (handle at RING_H, 8 words), CAP
-# its ring slots' bytes; the flags SEQ_FLAG and ACK_FLAG (low 32 bits; each on a 64-byte line of
-# its own, since the device polls them); descriptions from ENTRIES
-POSTED, TAKEN, GEN, CAP, ENQUEUED = range(5)
+# BELL counts the sender's changes to POSTED and ENQUEUED (the one word a receiver's host sleeps
+# on: one wake-up per send; nobody sleeps on TAKEN, the sender's host polls it); GEN is 1 once the
+# receiver published its inbound allocation (handle at RING_H, 8 words), CAP its ring slots'
+# bytes; the flags SEQ_FLAG and ACK_FLAG (low 32 bits; each on a 64-byte line of its own, since
+# the device polls them); descriptions from ENTRIES
+POSTED, TAKEN, GEN, CAP, ENQUEUED, BELL = range(6)
 RING_H = 8
 SEQ_FLAG, ACK_FLAG = 16, 24
 ENTRIES = 32
-TAG, COUNT, NBYTES = range(3)  # an entry's words, then its tensors' descriptions from word 4
+# an entry (a message's description): tag, tensor count, bytes, a spare word, then each tensor's `wire.description`
 # the diagonal channel (r, r) carries rank r's state
 ALIVE, IMPORTS_CLOSED = 0, 1
-# byte offsets of an inbound allocation's staging words (the values its owner's streams copy onto flags)
-STAGE_SEQ, STAGE_ACK = 0, 64
 RELEASE = 1 << 30  # a flag this far ahead meets every wait queued before it (cyclic comparison)
 
 
@@ -145,6 +151,21 @@ def preflight_problems(me: int, ranks: Sequence[int], devices: Sequence[str], sl
                         "feplb.transport_slot_mb (larger messages then travel in parts) or "
                         "feplb.dynamic_experts_per_rank")
     return problems
+
+
+def _warn_host_flags(why: str) -> None:
+    """Say once per process that phase 2 runs on host flags, and why."""
+    if not _HOST_FLAGS_WARNED:
+        _HOST_FLAGS_WARNED.append(why)
+        warnings.warn(f"FEPLB: this GPU's driver does not run CUDA stream memory operations ({why}); phase 2 "
+                      "signals its messages from the host instead, which puts the host on their critical path "
+                      "(about 0.2 ms per message). An NVIDIA driver for CUDA 11.7 or newer runs them.",
+                      RuntimeWarning, stacklevel=3)
+
+
+_HOST_FLAGS_WARNED: list[str] = []
+_SENT: Future = Future()  # what every `send` returns: done (its copies are enqueued or queued on the host)
+_SENT.set_result(None)
 
 
 def entry_words(max_tensors: int) -> int:
@@ -230,7 +251,7 @@ class CudaCETransport:
         self._dead: set[int] = set()  # peers found dead (their flags are kept released)
         # resources, released by `_free_local` (also when opening fails halfway)
         self._control_shm = self._control = self._control_ptr = self._words = None
-        self._inbound: dict[int, int] = {}  # peer -> our allocation for it (staging words, ring)
+        self._inbound: dict[int, int] = {}  # peer -> our allocation for it (its ring)
         self._mapped: dict[int, int] = {}  # peer -> its inbound allocation for us, opened
         self._streams: dict[int, int] = {}  # dst -> copy stream
         self._recv_streams: dict[int, int] = {}  # src -> receive stream
@@ -238,9 +259,14 @@ class CudaCETransport:
         self._spare_events: list[int] = []  # completed events to record again (cheaper than creating one)
         self._peer_capacity: dict[int, int] = {}  # dst -> bytes of its ring slots (its CAP)
         self._side: Optional[int] = None  # a stream that snapshots a send's ready point for deferred parts
+        self._signals: collections.deque = collections.deque()  # host flags: (event, src, dst, field, value)
         self._owns_control = create
         try:
             with backend.on_device():
+                why = backend.probe_flags()
+                self.stream_flags = not why  # False: the host stores and waits for the flags
+                if why:
+                    _warn_host_flags(why)
                 self._open(create, slot_bytes)
         except BaseException:
             self._free_local(rings=True)
@@ -257,10 +283,10 @@ class CudaCETransport:
             self._control[:] = 0
             self._control[:, :, SEQ_FLAG] = self._control[:, :, ACK_FLAG] = self._flag(0)
         self._words = Words(self._control)
-        ptr = self._control.ctypes.data
-        # whole pages (the mapping has them): the device polls the flags in it
-        self._control_device = backend.register_host(ptr, -(-self._control.nbytes // 4096) * 4096)
-        self._control_ptr = ptr
+        if self.stream_flags:  # whole pages (the mapping has them): the device polls the flags in it
+            ptr = self._control.ctypes.data
+            self._control_device = backend.register_host(ptr, -(-self._control.nbytes // 4096) * 4096)
+            self._control_ptr = ptr
         for peer in self._peers:
             self._inbound[peer] = backend.malloc(inbound_bytes(slot_bytes))
         for peer in self._peers:
@@ -285,21 +311,14 @@ class CudaCETransport:
     @staticmethod
     def preflight(device: torch.device, slot: int, local_rank: int, ranks: Sequence[int],
                   devices: Sequence[str]) -> list[str]:
-        """`preflight_problems` of this rank on ``device``, and whether its driver runs stream flags.
-        Torch's cached free blocks go back to the driver first when the rings would not fit beside them."""
-        from deepspeed_feplb.migrate.backend import CudaBackend
+        """`preflight_problems` of this rank on ``device``. Torch's cached free blocks go back to the
+        driver first when the rings would not fit beside them."""
         free = torch.cuda.mem_get_info(device)[0]
         if (len(ranks) - 1) * inbound_bytes(slot) > free:
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(device)[0]
         uuids = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-        problems = preflight_problems(local_rank, ranks, devices, slot, free, uuids.get,
-                                      torch.cuda.can_device_access_peer)
-        flags = CudaBackend(device).probe_flags()
-        if flags:
-            problems.append(f"rank {ranks[local_rank]} cannot use CUDA stream memory operations "
-                            f"(cuStreamWaitValue32_v2, CUDA 11.7+ drivers): {flags}; update the NVIDIA driver")
-        return problems
+        return preflight_problems(local_rank, ranks, devices, slot, free, uuids.get, torch.cuda.can_device_access_peer)
 
     def _flag(self, n: int) -> int:
         """The 32-bit flag value of part number ``n`` of a link (0: none yet)."""
@@ -316,15 +335,51 @@ class CudaCETransport:
     def _notify(self, src: int, dst: int, field: int) -> None:
         self._word(src, dst, field).notify()
 
+    def _signal(self, stream: int, src: int, dst: int, field: int, value: int) -> None:
+        """Flag ``field`` of link ``src -> dst`` reaches ``value`` once the work queued on ``stream``
+        so far ran: the stream writes it, or (host flags) an event recorded now lets the host store
+        it (`_store_signals`)."""
+        if self.stream_flags:
+            self.backend.stream_write_value32(stream, self._flag_at(src, dst, field), value)
+            return
+        with self._lock:
+            event = self._event()
+            self.backend.event_record(event, stream)
+            self._signals.append((event, src, dst, field, value))
+        self._wake.set()
+
+    def _store_signals(self, wait: bool = False) -> None:
+        """Host flags: store, in order, each flag whose stream work ran (``wait``: for the first one,
+        sleeping on its event; every such event follows local work only, so it completes)."""
+        signals = self._signals
+        if wait and signals:
+            self.backend.event_synchronize(signals[0][0])
+        with self._lock:
+            while signals and self.backend.event_query(signals[0][0]):
+                event, src, dst, field, value = signals.popleft()
+                self._control[src, dst, field] = value
+                self._notify(src, dst, field)
+                self._spare_events.append(event)
+
+    def _await(self, stream: int, src: int, dst: int, field: int, value: int, what: str, **values) -> None:
+        """The work queued on ``stream`` from now on waits until flag ``field`` of link ``src -> dst``
+        reached ``value``: on the device, or (host flags) here, on the host."""
+        if self.stream_flags:
+            self.backend.stream_wait_value32(stream, self._flag_at(src, dst, field), value)
+            return
+        flags = self._control[src, dst]
+        self._wait(lambda: flag_reached(flags[field], value), src, (src, dst, field), what, **values)
+
     def _check_open(self) -> None:
         if self._failure is not None:
             raise type(self._failure)(str(self._failure)) from self._failure
         if self.closed:
             raise RuntimeError(f"FEPLB transport {self.name} is closed")
 
-    def _wait(self, condition, what: str, peer: int, field: tuple) -> None:
+    def _wait(self, condition, peer: int, field: tuple, what: str, **values) -> None:
         """Wait on the host for a peer's host (``condition()``), moving our own queued messages on
-        meanwhile (they may be what the peer waits for)."""
+        meanwhile (they may be what the peer waits for). ``what.format(**values)`` names the wait
+        in a time-out (formatted only then: most waits are met at once)."""
         if condition():
             return
         pending = any(self._outgoing.values())
@@ -334,14 +389,15 @@ class CudaCETransport:
                 self._advance()
             return condition()
         # parts of ours waiting for a ring slot are freed by a device write, which wakes nobody: poll then
-        wait_until(ready, self.timeout_s, f"{describe_rank(self.watch, peer)} of domain {self.name} {what}",
+        wait_until(ready, self.timeout_s, f"{describe_rank(self.watch, peer)} of domain {self.name} "
+                   f"{what.format(**values)}",
                    peer_check(self.watch, peer), word=None if pending else self._word(*field))
 
     def _map(self, peer: int) -> int:
         """``peer``'s inbound allocation for us (its ring for our messages), opened once."""
         if peer not in self._mapped:
             channel = self._control[self.local_rank, peer]
-            self._wait(lambda: channel[GEN] >= 1, "to start", peer, (self.local_rank, peer, GEN))
+            self._wait(lambda: channel[GEN] >= 1, peer, (self.local_rank, peer, GEN), "to start")
             self._mapped[peer] = self.backend.ipc_open(_get_handle(channel, RING_H))
             self._peer_capacity[peer] = int(channel[CAP])
         return self._mapped[peer]
@@ -404,9 +460,7 @@ class CudaCETransport:
             self._advance()
             if self._outgoing[dst]:
                 self._wake.set()  # the background thread moves it on while the caller does other work
-        future: Future = Future()
-        future.set_result(None)
-        return future
+        return _SENT
 
     def _advance(self) -> None:
         """Move every link's queued messages on as far as the receivers allow (parts into free ring
@@ -414,6 +468,8 @@ class CudaCETransport:
         copies ran. A failure here leaves a link out of step: the transport fails."""
         with self._lock:
             try:
+                if self._signals:
+                    self._store_signals()
                 for dst, outgoing in self._outgoing.items():
                     if outgoing:
                         self._advance_link(dst, outgoing)
@@ -426,7 +482,7 @@ class CudaCETransport:
     def _advance_link(self, dst: int, outgoing: collections.deque) -> None:
         channel, me = self._control[self.local_rank, dst], self.local_rank
         backend, stream, peer = self.backend, self._streams[dst], self._mapped[dst]
-        enqueued = self._parts_sent[dst]
+        enqueued, posted = self._parts_sent[dst], self._posted[dst]
         for message in outgoing:
             while message.enqueued < len(message.parts):
                 n = self._parts_sent[dst] + 1
@@ -437,12 +493,11 @@ class CudaCETransport:
                     self._spare_events.append(message.ready)  # recorded again only after this wait was queued
                     message.ready = None
                 lo, hi = message.parts[message.enqueued]
-                slot = peer + STAGING_BYTES + (n - 1) % RING_SLOTS * self._peer_capacity[dst]
+                slot = peer + (n - 1) % RING_SLOTS * self._peer_capacity[dst]
                 for t, offset in zip(message.tensors, message.offsets):
                     for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
                         backend.memcpy_async(slot + offset + at - lo, t.data_ptr() + at, length, stream)
-                backend.stream_write_value32(stream, self._inbound[dst] + STAGE_SEQ, self._flag(n))
-                backend.memcpy_async(self._flag_at(me, dst, SEQ_FLAG), self._inbound[dst] + STAGE_SEQ, 4, stream)
+                self._signal(stream, me, dst, SEQ_FLAG, self._flag(n))
                 self._parts_sent[dst] = n
                 self._extra_parts[dst] += message.enqueued > 0
                 message.enqueued += 1
@@ -450,7 +505,6 @@ class CudaCETransport:
                 break
         if self._parts_sent[dst] > enqueued:
             channel[ENQUEUED] = self._parts_sent[dst]  # the receiver may now wait for them on its device
-            self._notify(me, dst, ENQUEUED)
         # descriptions after the parts enqueued now: a receiver that reads one usually finds its parts
         # enqueued (not when they wait for ring slots: its host then waits for ENQUEUED)
         for message in outgoing:
@@ -459,13 +513,16 @@ class CudaCETransport:
             number = self._posted[dst] + 1
             if channel[TAKEN] < number - MESSAGES:
                 break
-            entry = channel[ENTRIES + (number - 1) % MESSAGES * self._entry:][:self._entry]
-            entry[TAG], entry[COUNT], entry[NBYTES] = message.tag, len(message.tensors), message.nbytes
-            for i, (t, offset) in enumerate(zip(message.tensors, message.offsets)):
-                wire.describe(entry[4 + i * wire.FIELDS:4 + (i + 1) * wire.FIELDS], t, offset)
+            words = [message.tag, len(message.tensors), message.nbytes, 0]
+            for t, offset in zip(message.tensors, message.offsets):
+                words += wire.description(t, offset)
+            at = ENTRIES + (number - 1) % MESSAGES * self._entry
+            channel[at:at + len(words)] = words
             self._posted[dst] = message.described = number
             channel[POSTED] = number  # publish last: the receiver's host waits on it
-            self._notify(me, dst, POSTED)
+        if self._parts_sent[dst] > enqueued or self._posted[dst] > posted:
+            channel[BELL] += 1
+            self._notify(me, dst, BELL)
         while outgoing and outgoing[0].described and outgoing[0].enqueued == len(outgoing[0].parts):
             copied = self._event()
             backend.event_record(copied, stream)
@@ -490,45 +547,46 @@ class CudaCETransport:
 
         The host waits only for ``src``'s host: to have called the send (the description) and
         enqueued its parts; the copy out of the ring runs on this source's receive stream once the
-        parts arrived, and the caller's stream waits for it (an event), not the host.
+        parts arrived, and the caller's stream waits for it (an event), not the host. (With host
+        flags the host also waits for the parts to arrive.)
         """
         self._check_open()
         self._advance()
         channel, me = self._control[src, self.local_rank], self.local_rank
         number = self._taken[src] + 1
-        self._wait(lambda: channel[POSTED] >= number, f"(message tag {tag:#x})", src, (src, me, POSTED))
-        entry = channel[ENTRIES + (number - 1) % MESSAGES * self._entry:][:self._entry]
-        wire.check_tag(tag, entry[TAG], src)
-        nbytes, count = int(entry[NBYTES]), int(entry[COUNT])
-        found = [wire.read(row) for row in entry[4:4 + count * wire.FIELDS].reshape(count, wire.FIELDS).tolist()]
+        self._wait(lambda: channel[POSTED] >= number, src, (src, me, BELL), "(message tag {tag:#x})", tag=tag)
+        at = ENTRIES + (number - 1) % MESSAGES * self._entry
+        sent_tag, count, nbytes, _ = channel[at:at + 4].tolist()
+        wire.check_tag(tag, sent_tag, src)
+        rows = channel[at + 4:at + 4 + count * wire.FIELDS].tolist()
+        found = [wire.read(rows[i:i + wire.FIELDS]) for i in range(0, len(rows), wire.FIELDS)]
         backend = self.backend
         tensors = [backend.empty(shape, dtype) for dtype, _, shape in found] if into is None else \
             wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found], backend.device.type)
         self._taken[src] = number
         channel[TAKEN] = number  # the description is read: the sender may reuse its entry
-        self._notify(src, me, TAKEN)
         try:
-            stream, own = self._recv_streams[src], self._inbound[src]
+            stream, own, caller = self._recv_streams[src], self._inbound[src], backend.current_stream()
             # the tensors were allocated on the caller's stream, whose earlier work may still use that memory
-            backend.event_record(self._events["caller_at"][src], backend.current_stream())
+            backend.event_record(self._events["caller_at"][src], caller)
             backend.stream_wait_event(stream, self._events["caller_at"][src])
             for lo, hi in part_ranges(nbytes, self._capacity):
                 n = self._parts_read[src] + 1
-                self._wait(lambda due=n: channel[ENQUEUED] >= due, f"to enqueue part {n} (message tag {tag:#x})",
-                           src, (src, me, ENQUEUED))
-                backend.stream_wait_value32(stream, self._flag_at(src, me, SEQ_FLAG), self._flag(n))
-                slot = own + STAGING_BYTES + (n - 1) % RING_SLOTS * self._capacity
+                self._wait(lambda due=n: channel[ENQUEUED] >= due, src, (src, me, BELL),
+                           "to enqueue part {n} (message tag {tag:#x})", n=n, tag=tag)
+                self._await(stream, src, me, SEQ_FLAG, self._flag(n), "for part {n} (message tag {tag:#x})", n=n,
+                            tag=tag)
+                slot = own + (n - 1) % RING_SLOTS * self._capacity
                 for out, (_, offset, _) in zip(tensors, found):
                     for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):
                         backend.memcpy_async(out.data_ptr() + at, slot + offset + at - lo, length, stream)
-                backend.stream_write_value32(stream, own + STAGE_ACK, self._flag(n))
-                backend.memcpy_async(self._flag_at(src, me, ACK_FLAG), own + STAGE_ACK, 4, stream)
+                self._signal(stream, src, me, ACK_FLAG, self._flag(n))
                 self._parts_read[src] = n
             backend.event_record(self._events["done"][src], stream)
-            backend.stream_wait_event(backend.current_stream(), self._events["done"][src])  # the caller sees the data
+            backend.stream_wait_event(caller, self._events["done"][src])  # the caller sees the data
         except BaseException as exc:  # the message is taken but not read: the link is out of step
-            self._failure = self._failure or RuntimeError(f"FEPLB transport {self.name}: a message from local rank "
-                                                          f"{src} was taken but not read ({exc})")
+            self._failure = self._failure or (exc if isinstance(exc, PeerDiedError) else RuntimeError(
+                f"FEPLB transport {self.name}: a message from local rank {src} was taken but not read ({exc})"))
             raise
         self._check_open()  # a peer that died meanwhile: the tensors were released, not written (host backend)
         return tensors
@@ -544,6 +602,8 @@ class CudaCETransport:
         while not self._stop.is_set():
             pending = any(self._outgoing.values())
             try:
+                if self._signals:
+                    self._store_signals(wait=True)
                 if pending or any(self._in_flight.values()):
                     self._advance()
                 if self.watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
@@ -557,6 +617,8 @@ class CudaCETransport:
                     self._release_waits(self._dead)  # again each time: a late flag copy may have lowered one
             except BaseException:  # noqa: BLE001 - recorded in `_failure` where it matters; the thread goes on
                 pass
+            if self._signals:
+                continue
             if pending and self._failure is None:
                 time.sleep(0.0002)  # a ring slot is freed by a device write, which wakes nobody: poll
             else:
@@ -591,6 +653,7 @@ class CudaCETransport:
                 self._free_local(rings=False, streams=False)
                 return
             try:
+                self._store_signals()  # host flags: the last ACKs (the streams ran)
                 for dst in self._peers:
                     self._release_copied(dst, wait=True)
                     for message in self._outgoing[dst]:  # parts no receiver will read
@@ -640,7 +703,8 @@ class CudaCETransport:
             for stream in [*self._streams.values(), *self._recv_streams.values(),
                            *([self._side] if self._side is not None else [])]:
                 steps.append(lambda s=stream: backend.stream_destroy(s))
-            for event in [*(e for kind in self._events.values() for e in kind.values()), *self._spare_events]:
+            for event in [*(e for kind in self._events.values() for e in kind.values()), *self._spare_events,
+                          *(signal[0] for signal in self._signals)]:
                 steps.append(lambda e=event: backend.event_destroy(e))
         if rings:
             for ptr in self._inbound.values():
@@ -654,6 +718,7 @@ class CudaCETransport:
         if streams:
             self._streams, self._recv_streams, self._side = {}, {}, None
             self._events, self._spare_events = {kind: {} for kind in self._events}, []
+            self._signals.clear()
         if rings:
             self._inbound = {}
         if streams:  # the device no longer polls the control block: unregister and unmap it
@@ -701,5 +766,5 @@ class CudaCETransport:
         return sum(self._extra_parts.values())
 
     def capacities(self) -> dict[int, int]:
-        """Bytes of each inbound ring, per source rank (device bytes held: their sum, plus staging words)."""
+        """Bytes of each inbound ring, per source rank (device bytes held: their sum)."""
         return {src: RING_SLOTS * self._capacity for src in self._inbound}

@@ -22,11 +22,15 @@ def check(tensors: list[torch.Tensor]) -> None:
             raise TypeError(f"transport cannot move {t.dtype}")
 
 
+def description(t: torch.Tensor, offset: int) -> list[int]:
+    """The `FIELDS` words that describe ``t`` stored at byte ``offset``."""
+    shape = list(t.shape)
+    return [DTYPES.index(t.dtype), offset, len(shape), *shape, *[0] * (MAX_DIMS - len(shape))]
+
+
 def describe(row, t: torch.Tensor, offset: int) -> None:
-    """Fill ``row`` (int64 [FIELDS]) with the description of ``t`` stored at byte ``offset``."""
-    row[:] = 0
-    row[0], row[1], row[2] = DTYPES.index(t.dtype), offset, t.dim()
-    row[3:3 + t.dim()] = t.shape
+    """Fill ``row`` (int64 [FIELDS]) with the `description` of ``t`` stored at byte ``offset``."""
+    row[:] = description(t, offset)
 
 
 def read(row) -> tuple[torch.dtype, int, list[int]]:

@@ -3,11 +3,14 @@
     python tests/gpu/bench_transport.py OUT.json          # on a GPU machine (two ranks share GPU 0)
     python tests/gpu/bench_transport.py --cpu OUT.json    # the same protocol on host memory (dry run)
     python tests/gpu/bench_transport.py --profile OUT.json  # also rank 0's cProfile (OUT.json.prof.txt)
+    python tests/gpu/bench_transport.py --back-to-back OUT.json  # no barrier between round trips
 
 For each message size (one tensor, 4 KiB to 64 MiB) rank 0 sends, rank 1 receives and sends the
 same bytes back, ``rounds`` times after a warm-up; the clock stops once rank 0's received tensor
-is on the device (``torch.cuda.synchronize``). Reported per size: the median round trip, half of
-it as the one-way time of a message, the bandwidth that implies, and the CPU time rank 0's process
+is on the device (``torch.cuda.synchronize``); the ranks meet at a barrier before each round trip
+(``--back-to-back``: they do not, so each round trip starts as the previous one ended). Reported
+per size: the median round trip, half of it as the one-way time of a message, the bandwidth that
+implies, and the CPU time rank 0's process
 spends per round trip (one ``send`` and one ``recv``: Python, events, the control block and its
 background thread; waiting sleeps and costs none). On one GPU the copies are device-to-device, not the
 NVLink copy engine between two GPUs; the fixed cost per message (small sizes) is what the
@@ -27,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 
-def _ping_pong(rounds: int, cpu: bool, profile: bool = False) -> dict:
+def _ping_pong(rounds: int, cpu: bool, profile: bool = False, back_to_back: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -56,8 +59,10 @@ def _ping_pong(rounds: int, cpu: bool, profile: bool = False) -> dict:
     for size in SIZES:
         x = torch.full((size // 4, ), float(rank + 1), device="cpu" if cpu else "cuda")
         trips, cpu_s = [], []
+        dist.barrier()
         for i in range(rounds + 5):
-            dist.barrier()
+            if not back_to_back:
+                dist.barrier()
             sync()
             start, start_cpu = time.perf_counter(), time.process_time()
             if rank == 0:
@@ -94,21 +99,27 @@ def _ping_pong(rounds: int, cpu: bool, profile: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cpu, profile = "--cpu" in argv, "--profile" in argv
-    paths = [a for a in argv if a not in ("--cpu", "--profile")]
-    out_path = Path(paths[0]) if paths else Path("transport_speed.json")
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="transport_speed.json", help="where the JSON goes")
+    parser.add_argument("--cpu", action="store_true", help="the same protocol on host memory (HostBackend)")
+    parser.add_argument("--profile", action="store_true", help="also rank 0's cProfile (OUT.prof.txt)")
+    parser.add_argument("--back-to-back", action="store_true", help="no barrier between round trips")
+    parser.add_argument("--rounds", type=int, help="round trips per size after the warm-up (5 on --cpu, else 50)")
+    args = parser.parse_args(argv)
+    cpu, profile, back_to_back, out_path = args.cpu, args.profile, args.back_to_back, Path(args.out)
     import torch
     if not cpu and not torch.cuda.is_available():
         print("bench_transport: needs a CUDA device (or --cpu for the dry run)", file=sys.stderr)
         return 2
     from deepspeed_feplb.testing import run_distributed
-    rounds = 5 if cpu else 50
-    results = run_distributed(_ping_pong, 2, rounds, cpu, profile, timeout=300)
+    rounds = args.rounds or (5 if cpu else 50)
+    results = run_distributed(_ping_pong, 2, rounds, cpu, profile, back_to_back, timeout=300)
     text = results[0].pop("profile", None)
     if text is not None:
         Path(f"{out_path}.prof.txt").write_text(text)
     figures = {"device": "cpu (HostBackend)" if cpu else torch.cuda.get_device_name(0), "rounds": rounds,
+               "back_to_back": back_to_back,
                "sizes": results[0], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     out_path.write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1))
