@@ -23,6 +23,7 @@ from deepspeed_feplb import exits
 from deepspeed_feplb.collectives import gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.migrate import Transport
+from deepspeed_feplb.migrate.latency import measure_message_us
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.plan.residency import KeptBytes
@@ -128,6 +129,13 @@ class DomainRuntime:
         if not leader:
             self._open(transport_cls, sched, create=False, device=device, slot_bytes=slot_bytes)
         self.closed = False
+        dist.barrier(group=ep_group)  # every transport of the domain is open
+        # the planner prices each message at what this transport measures here, not at a constant
+        try:
+            self.transport.message_us = measure_message_us(self.transport, self.local_rank, self.size, device)
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, transport_cls: type, sched, create: bool, device, slot_bytes: int) -> None:
         self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=create,

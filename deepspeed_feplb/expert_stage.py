@@ -188,15 +188,17 @@ class ExpertStage:
         return decided
 
     def _message_us(self, exchange_us: np.ndarray) -> float:
-        """One message's latency between ranks of a domain: the transport's figure, or, when larger
-        and the EP group is that one domain, the shortest of the ranks' last count exchanges
-        (float64 [G] µs; the rank that arrived last waited for nobody, so its exchange took about the
-        group's latency; on an oversubscribed host this includes waiting for a core, as a phase-2
-        message would). An exchange over several domains would add the network's latency."""
+        """One message's latency between ranks of a domain: what the domain's transport measured
+        when it opened (before that, the transport class's prior), or, when larger and the EP group
+        is that one domain, the shortest of the ranks' last count exchanges (float64 [G] µs; the
+        rank that arrived last waited for nobody, so its exchange took about the group's latency;
+        on an oversubscribed host this includes waiting for a core, as a phase-2 message would). An
+        exchange over several domains would add the network's latency."""
+        figure = (self.domain.transport if self.domain is not None else self.transport_cls).message_us
         measured = exchange_us[np.isfinite(exchange_us)]
         if not measured.size or self.domain_size != self.ep_size:
-            return self.transport_cls.message_us
-        return max(self.transport_cls.message_us, float(measured.min()))
+            return figure
+        return max(figure, float(measured.min()))
 
     def _open_domain(self, facts: GroupFacts) -> None:
         """Set up the domain runtime (collective over the EP group: every rank calls it at the same

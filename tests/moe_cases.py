@@ -266,8 +266,9 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
         perturb(1.02)  # between steps
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
+    domain = ours.module.moe.deepspeed_moe.stage.domain
     return {"losses": losses, "param_errors": params, "traffic": traffic, "most_kept_bytes": most_kept,
-            "copy_bytes": one_copy}
+            "copy_bytes": one_copy, "message_us": domain.transport.message_us if domain is not None else None}
 
 
 def contiguous_expert_inputs(experts) -> None:

@@ -152,10 +152,34 @@ def credits_and_wrap(stream_memops: bool = True) -> dict:
     return result
 
 
+def latency_case() -> dict:
+    """`measure_message_us` on the CE protocol and on the shm transport of one domain."""
+    from deepspeed_feplb.migrate.latency import measure_message_us
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    name, backend, transport = _make(1 << 16)
+    out["cuda_ce"] = measure_message_us(transport, rank, size)
+    transport.close()
+    name = _domain_name()
+    if rank == 0:
+        shm = ShmTransport(name, 0, size, 20.0, True)
+    dist.barrier()
+    if rank:
+        shm = ShmTransport(name, rank, size, 20.0, False)
+    dist.barrier()
+    out["shm"] = measure_message_us(shm, rank, size)
+    shm.close()
+    out["one_rank"] = measure_message_us(None, 0, 1)
+    dist.barrier()
+    out["leftover"] = [n for n in leftover_segments() if n.startswith(name)]
+    return out
+
+
 def protocol_suite() -> dict:
     """All protocol cases in one launch (spawning ranks dominates the cost on CPU)."""
     return {"rounds": all_to_all_rounds(1 << 20, 4), "parts": all_to_all_rounds(1024, 5), "wrong_tag": wrong_tag(),
-            "silent_peer": silent_peer(), "arena": arena_case(), "credits": credits_and_wrap()}
+            "silent_peer": silent_peer(), "arena": arena_case(), "credits": credits_and_wrap(),
+            "latency": latency_case()}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +252,18 @@ def test_sends_run_ahead_of_the_receiver_on_credits_and_flags_wrap(protocol_resu
         assert result["flag"] == ((1 << 32) - 5 + 48) & 0xFFFFFFFF == 43, "the 32-bit sequence did not wrap"
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, result
         assert result["leftover"] == []
+
+
+def test_the_message_latency_is_measured_on_the_domains_transport_and_agreed(protocol_results):
+    """Every rank of a domain gets the same figure (rank 0's, sent round the ring), measured, not a
+    class's prior; a domain of one rank sends nothing and prices messages at 0."""
+    figures = [suite["latency"] for suite in protocol_results]
+    for kind, prior in (("cuda_ce", CudaCETransport.message_us), ("shm", ShmTransport.message_us)):
+        values = {f[kind] for f in figures}
+        assert len(values) == 1, (kind, figures)
+        value = values.pop()
+        assert 0 < value < 1e5 and value != prior, (kind, value)
+    assert all(f["one_rank"] == 0.0 and f["leftover"] == [] for f in figures), figures
 
 
 def test_peer_arena_exchange_views_and_lifecycle(protocol_results):
@@ -340,6 +376,9 @@ def test_weight_residency_through_ce_protocol_matches_deepspeed(layer_results):
         assert max(case["param_errors"].values()) <= 1e-5
         traffic = case["traffic"]
         assert traffic["resident_hits"] > 0 and traffic["flushed_copies"] > 0, traffic
+        # the planner's message latency is what the domain measured on its transport when it opened
+        measured = {r["accumulation"]["message_us"] for r in layer_results}
+        assert len(measured) == 1 and 0 < case["message_us"] != CudaCETransport.message_us, measured
 
 
 def _rank_that_dies(name: str, start, started, stream_memops: bool) -> None:

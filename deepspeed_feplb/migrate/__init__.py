@@ -47,7 +47,9 @@ class Transport(Protocol):
     """
 
     closed: bool
-    message_us: float  # class attribute: one-way latency of a small message (µs), which the time model prices
+    # one-way latency of a small message (µs), which the time model prices: the class's prior until
+    # the domain measures it on the open transport (`latency.measure_message_us`) and sets it
+    message_us: float
 
     @staticmethod
     def device_id(device) -> object:

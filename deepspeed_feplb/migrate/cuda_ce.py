@@ -220,9 +220,9 @@ class CudaCETransport:
             same); a value near 2**32 makes the 32-bit sequence numbers wrap early (tests).
     """
 
-    # One-way latency of a small message (µs), for the planner's time model: the H200 figure of
-    # this transport's earlier host handshake (228 µs, docs/GPU.md); the stream-ordered data plane
-    # is not measured on a GPU yet.
+    # One-way latency of a small message (µs) before the domain measures it on the open transport
+    # (`latency.measure_message_us`): the H200 figure of this transport's earlier host handshake
+    # (228 µs, docs/GPU.md), a pessimistic prior for deciding whether to open a domain at all.
     message_us = 230.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,

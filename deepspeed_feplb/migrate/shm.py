@@ -76,8 +76,8 @@ class ShmTransport:
     before the others construct theirs; `create_control` / attach order is the caller's barrier.
     """
 
-    # One-way latency of a small message (µs), for the planner's time model: measured on a 2-core
-    # VM with `tests/gpu/bench_transport.py --cpu` (53 µs with inline sends, idle cores).
+    # One-way latency of a small message (µs) before the domain measures it on the open transport
+    # (`latency.measure_message_us`): a 2-core VM's figure (53 µs with inline sends, idle cores).
     message_us = 50.0
 
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool,
