@@ -1,7 +1,8 @@
-"""Phase 2's grouped calls (`migrate.phase2`): a helper receives the weights of a message's chunks
+"""Phase 2's receive buffers (`migrate.phase2`): a helper receives the weights of a message's chunks
 into one stacked buffer per parameter (and their rows into one buffer) and computes from them
 without another copy; weights that do not lie back to back are not grouped (a stacked copy would
-live from forward to backward)."""
+live from forward to backward). The home receives its helpers' outputs and input-gradients straight
+into its output and ``grad_x``."""
 import os
 
 import torch
@@ -101,3 +102,77 @@ def test_a_kept_copy_from_a_message_with_dropped_copies_owns_its_weights():
     home, helper = run_distributed(_mixed_message_case, 2, timeout=120)
     assert home["kept"] == [True, False] and home["exact"], home
     assert helper["held_own"] and helper["held_equal"] and helper["others"] == [(0, 0)], helper
+
+
+def _landing_case() -> dict:
+    """Home 0 moves 3 of expert 0's rows and 2 of expert 1's to helper 1; forward and backward. The
+    helper's outputs and its rows' gradients are received straight into the home's output and
+    ``grad_x`` (views of them: no copy after the receive), and both equal the unbalanced result."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FWD_RESULTS, ExpertSpec, Phase2MicroBatch
+    from deepspeed_feplb.migrate.shm import ShmTransport
+
+    rank = dist.get_rank()
+    names = [f"feplb-test-landing-{os.getpid()}"]
+    dist.broadcast_object_list(names, 0)
+    if rank == 0:
+        transport = ShmTransport(names[0], 0, 2, 20, True)
+    dist.barrier()
+    if rank:
+        transport = ShmTransport(names[0], 1, 2, 20, False)
+    received = {}
+    plain_recv = transport.recv
+
+    def recv(src, message_tag, into=None):
+        got = plain_recv(src, message_tag, into)
+        received[message_tag & 0xF] = got
+        return got
+    transport.recv = recv
+    torch.manual_seed(0)
+    template = torch.nn.Linear(8, 8, bias=False)
+    weights = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
+    spec = ExpertSpec.of(template, None)
+    moves = np.array([[0, 0, 1, 3], [0, 1, 1, 2]], np.int64)
+    dynamic, counts = ([0, 1], [5, 4]) if rank == 0 else ([], [])
+    x = torch.randn(sum(counts), 8, generator=torch.Generator().manual_seed(1))
+    step = Phase2MicroBatch(transport, 1, rank, moves, dynamic, counts, [template, template], spec, True, dynamic)
+    y = step.forward(x, [[weights[e]] for e in dynamic])
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    grad_x, grads = step.backward_home(grad_y)
+    grad_x, grads = step.backward_rest(grad_x, grads)
+    out = {}
+    if rank == 0:
+        def within(t, whole):
+            return whole.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        xr = x.clone().requires_grad_(True)
+        ref = torch.cat([xr[:5] @ weights[0].t(), xr[5:] @ weights[1].t()])
+        ref_grads = torch.autograd.grad(ref, [xr, *weights], grad_y)
+        out = {"outputs_in_place": all(within(t, y) for t in received[FWD_RESULTS]),
+               "grads_in_place": within(received[BWD_RESULTS][0], grad_x),
+               "y": torch.allclose(y, ref, atol=1e-6), "grad_x": torch.allclose(grad_x, ref_grads[0], atol=1e-6),
+               "grad_w": all(torch.allclose(g[0], r, atol=1e-6) for g, r in zip(grads, ref_grads[1:]))}
+    dist.barrier()
+    transport.close()
+    return out
+
+
+def test_the_homes_results_land_in_its_output_and_input_gradient():
+    from deepspeed_feplb.testing import run_distributed
+
+    home = run_distributed(_landing_case, 2, timeout=120)[0]
+    assert home["outputs_in_place"] and home["grads_in_place"], home
+    assert home["y"] and home["grad_x"] and home["grad_w"], home
+
+
+def test_a_place_that_does_not_fit_the_message_gets_a_tensor_of_its_own():
+    """`MessageLayout.receive_into`: a part lands in its place only where shape and dtype match (the
+    caller then copies the rest itself); other parts get new tensors."""
+    layout = messages.grads_to_home([True, False], 1)  # chunk 0: input_grads, a weight-grad; chunk 1: input_grads
+    grad_x = torch.zeros(6, 4, dtype=torch.bfloat16)
+    places = [[grad_x[:2]], [grad_x[2:6]]]
+    descriptions = [([2, 4], torch.float32), ([3, 3], torch.float32), ([4, 4], torch.bfloat16)]
+    outs = layout.receive_into("input_grads", places, torch.device("cpu"))(descriptions)
+    assert outs[0] is not places[0][0] and outs[0].dtype == torch.float32  # another dtype than its place
+    assert outs[1].shape == (3, 3) and outs[2] is places[1][0]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 
 @dataclass(frozen=True)
 class MessageLayout:
@@ -46,6 +48,25 @@ class MessageLayout:
                 at += count
             out.append(chunk)
         return out
+
+
+    def receive_into(self, name: str, places: Sequence, device: torch.device):
+        """A `Transport.recv` ``into`` that lands part ``name`` of chunk ``c`` in ``places[c]`` (its
+        tensors: views of the caller's buffers, so no copy follows the receive) where the message's
+        tensor has that place's shape and dtype, and every other tensor in a new one on ``device``.
+        The caller copies a tensor that did not land in its place (``is not``) itself."""
+        def into(descriptions: list) -> list[torch.Tensor]:
+            out = []
+            for c, layout in enumerate(self.parts):
+                for part, count in layout:
+                    for k in range(count):
+                        shape, dtype = descriptions[len(out)]
+                        place = places[c][k] if part == name else None
+                        fits = place is not None and list(place.shape) == list(shape) and place.dtype == dtype \
+                            and place.is_contiguous()
+                        out.append(place if fits else torch.empty(shape, dtype=dtype, device=device))
+            return out
+        return into
 
 
 def rows_to_helper(carries: Sequence[bool], n_params: int, n_buffers: int) -> MessageLayout:

@@ -252,25 +252,29 @@ class Phase2MicroBatch:
                                               for i, e in enumerate(self.dynamic)])
             sends += self._serve_forward(dyn_x.device)
 
-        results = {}
+        # the helpers' outputs land in their rows of the output (no copy after the receive)
+        out = None
+        if self.home_pieces:
+            first = self.home_pieces[0].y
+            out = first.new_empty((int(starts[-1]), first.shape[1]))
         for helper, chunks in outgoing.items():
-            parts = messages.outputs_to_home(len(chunks)).unpack(self._recv(helper, tag(self.seq,
-                                                                                                 FWD_RESULTS)),
-                                                                 "forward results")
-            results[helper] = [part["outputs"][0] for part in parts]
+            layout = messages.outputs_to_home(len(chunks))
+            places = [[out[starts[i] + offset:starts[i] + offset + tokens]] for i, offset, tokens, _ in chunks]
+            got = layout.unpack(self._recv(helper, tag(self.seq, FWD_RESULTS),
+                                           layout.receive_into("outputs", places, out.device)), "forward results")
+            for place, part in zip(places, got):
+                if part["outputs"][0] is not place[0]:
+                    place[0].copy_(part["outputs"][0])
         self._settle(sends)
         self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
         elif self.forgetting:
             self.residency.end_step()
-        blocks = [(int(starts[i]), piece.y.detach()) for i, piece in enumerate(self.home_pieces)]
-        for helper, chunks in outgoing.items():
-            blocks += [(int(starts[i] + offset), y) for (i, offset, _, _), y in zip(chunks, results[helper])]
+        for i, piece in enumerate(self.home_pieces):
+            out[starts[i]:starts[i] + home_rows[i]] = piece.y.detach()
         self._report("", start)
-        if not blocks:
-            return dyn_x.new_zeros((0, dyn_x.shape[1]))
-        return torch.cat([y for _, y in sorted(blocks, key=lambda block: block[0])])
+        return out if out is not None else dyn_x.new_zeros((0, dyn_x.shape[1]))
 
     def _recv(self, src: int, message_tag: int, into=None) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -443,9 +447,14 @@ class Phase2MicroBatch:
         grad_params = list(grad_params)
         for helper, chunks in outgoing.items():
             layout = messages.grads_to_home([not self.copy_kept[m] for *_, m in chunks], n_params)
-            parts = layout.unpack(self._recv(helper, tag(self.seq, BWD_RESULTS)), "backward results")
-            for (i, offset, tokens, _), part in zip(chunks, parts):
-                grad_x[starts[i] + offset:starts[i] + offset + tokens] = part["input_grads"][0]
+            # their rows' gradients land in grad_x (no copy after the receive)
+            places = [[grad_x[starts[i] + offset:starts[i] + offset + tokens]] for i, offset, tokens, _ in chunks]
+            parts = layout.unpack(self._recv(helper, tag(self.seq, BWD_RESULTS),
+                                             layout.receive_into("input_grads", places, grad_x.device)),
+                                  "backward results")
+            for (i, _, _, _), place, part in zip(chunks, places, parts):
+                if part["input_grads"][0] is not place[0]:
+                    place[0].copy_(part["input_grads"][0])
                 if part["weight_grads"]:
                     grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
         grad_params += [None] * (len(self.grad_experts) - len(grad_params))
