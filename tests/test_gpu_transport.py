@@ -187,6 +187,64 @@ def protocol_results():
     return run_distributed(protocol_suite, 3, timeout=240)
 
 
+def _slow_op(backend: HostBackend, stream: int, seconds: float) -> None:
+    """Queue ``seconds`` of work on a host stream (a long kernel's stand-in)."""
+    backend._streams[stream].submit(lambda: time.sleep(seconds), ready=lambda: False)  # noqa: SLF001
+
+
+def flags_apart(stream_memops: bool) -> dict:
+    """Rank 0 sends rank 1 a message whose data is ready only in 1 s, then rank 2 one ready now:
+    rank 2's must not wait for rank 1's (host flags: each flag is stored when its own work ran)."""
+    name, backend, transport = _make(1 << 16, stream_memops=stream_memops)
+    rank, out = dist.get_rank(), {}
+    dist.barrier()
+    if rank == 0:
+        producer, produced = backend.stream_create(), backend.event_create()
+        _slow_op(backend, producer, 1.0)
+        backend.event_record(produced, producer)
+        transport.send(1, 0x11, [torch.ones(8)], after=produced)
+        transport.send(2, 0x21, [torch.ones(8)])
+    elif rank == 2:
+        start = time.perf_counter()
+        transport.recv(0, 0x21)
+        out["recv_s"] = time.perf_counter() - start
+    else:
+        transport.recv(0, 0x11)
+    dist.barrier()
+    transport.close()
+    if rank == 0:
+        backend.event_destroy(produced)
+        backend.stream_destroy(producer)
+    return out
+
+
+def mixed_modes() -> dict:
+    """Rank 0 on stream flags, rank 1 on host flags (its driver lacks them): rank 1's host waits for
+    flags that rank 0's device writes, which ring no bell, so it must poll, not sleep 50 ms slices."""
+    name = _domain_name()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    backend = HostBackend(prefix=f"{name}-mem", stream_memops=rank != 1)
+    if rank == 0:
+        transport = CudaCETransport(name, 0, size, 20.0, True, backend=backend, slot_bytes=1 << 16)
+    dist.barrier()
+    if rank:
+        transport = CudaCETransport(name, rank, size, 20.0, False, backend=backend, slot_bytes=1 << 16)
+    waits = []
+    for i in range(8):
+        dist.barrier()
+        if rank == 0:  # the flag is written after rank 1's host went to sleep on it
+            _slow_op(backend, transport._streams[1], 0.005)  # noqa: SLF001
+            transport.send(1, i, [torch.full((64, ), float(i))])
+        elif rank == 1:
+            start = time.perf_counter()
+            got = transport.recv(0, i)[0]
+            waits.append(time.perf_counter() - start)
+            assert torch.equal(got, torch.full((64, ), float(i)))
+    dist.barrier()
+    transport.close()
+    return {"waits": waits, "host_flags": not transport.stream_flags}
+
+
 def host_flags_suite() -> dict:
     """The ordering, parts and credit cases on a driver without stream memory operations
     (`HostBackend(stream_memops=False)`, whose flag calls raise): the transport falls back to host
@@ -195,7 +253,8 @@ def host_flags_suite() -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = {"rounds": all_to_all_rounds(1 << 20, 4, stream_memops=False),
-               "parts": all_to_all_rounds(1024, 5, stream_memops=False), "credits": credits_and_wrap(False)}
+               "parts": all_to_all_rounds(1024, 5, stream_memops=False), "credits": credits_and_wrap(False),
+               "apart": flags_apart(False), "mixed": mixed_modes()}
     out["warnings"] = [str(w.message) for w in caught if "stream memory operations" in str(w.message)]
     return out
 
@@ -219,6 +278,11 @@ def test_without_stream_memory_operations_the_host_carries_the_flags(host_flag_r
             credits = suite["credits"]
             assert credits["ok"] and credits["parts"] == 3 * 15, credits
             assert credits["flag"] == 43, "the 32-bit sequence did not wrap"
+    # a ready message is not held behind another link's unfinished one (which takes 1 s)
+    assert host_flag_results[2]["apart"]["recv_s"] < 0.5, host_flag_results[2]["apart"]
+    # a host-flag receiver of a stream-flag sender polls: no 50 ms sleep slices per message
+    mixed = host_flag_results[1]["mixed"]
+    assert mixed["host_flags"] and sorted(mixed["waits"])[len(mixed["waits"]) // 2] < 0.025, mixed
 
 
 def test_messages_arrive_intact_in_order_on_three_ranks(protocol_results):

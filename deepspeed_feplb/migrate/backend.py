@@ -447,9 +447,14 @@ class HostBackend:
             host.wait(ticket, self.wait_timeout_s)
 
     def event_query(self, event: int) -> bool:
-        """True once the work before the event's last record has run (never blocks)."""
+        """True once the work before the event's last record has run (never blocks); raises once
+        that stream failed (as a sticky CUDA error does)."""
         host, ticket = self._event_done(event)
-        return host is None or host.reached(ticket)
+        if host is None:
+            return True
+        if host.error is not None:
+            raise RuntimeError(f"host stream failed: {host.error}") from host.error
+        return host.reached(ticket)
 
     def stream_create(self) -> int:
         stream = self._new_id()

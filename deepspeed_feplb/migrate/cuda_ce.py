@@ -102,7 +102,7 @@ SEQ_FLAG, ACK_FLAG = 16, 24
 ENTRIES = 32
 # an entry (a message's description): tag, tensor count, bytes, a spare word, then each tensor's `wire.description`
 # the diagonal channel (r, r) carries rank r's state
-ALIVE, IMPORTS_CLOSED = 0, 1
+ALIVE, IMPORTS_CLOSED, HOST_FLAGS = 0, 1, 2
 RELEASE = 1 << 30  # a flag this far ahead meets every wait queued before it (cyclic comparison)
 
 
@@ -259,7 +259,7 @@ class CudaCETransport:
         self._spare_events: list[int] = []  # completed events to record again (cheaper than creating one)
         self._peer_capacity: dict[int, int] = {}  # dst -> bytes of its ring slots (its CAP)
         self._side: Optional[int] = None  # a stream that snapshots a send's ready point for deferred parts
-        self._signals: collections.deque = collections.deque()  # host flags: (event, src, dst, field, value)
+        self._signals: dict[tuple, collections.deque] = {}  # host flags: (src, dst, field) -> (event, value)s
         self._owns_control = create
         try:
             with backend.on_device():
@@ -273,6 +273,7 @@ class CudaCETransport:
             raise
         self._background = threading.Thread(target=self._run_background, name=f"feplb-ce-{local_rank}", daemon=True)
         self._background.start()
+        self._control[local_rank, local_rank, HOST_FLAGS] = int(not self.stream_flags)  # before its first part
         self._control[local_rank, local_rank, ALIVE] = 1
 
     def _open(self, create: bool, slot_bytes: int) -> None:
@@ -285,8 +286,13 @@ class CudaCETransport:
         self._words = Words(self._control)
         if self.stream_flags:  # whole pages (the mapping has them): the device polls the flags in it
             ptr = self._control.ctypes.data
-            self._control_device = backend.register_host(ptr, -(-self._control.nbytes // 4096) * 4096)
-            self._control_ptr = ptr
+            try:
+                self._control_device = backend.register_host(ptr, -(-self._control.nbytes // 4096) * 4096)
+            except Exception as exc:  # noqa: BLE001 - the probe's page registered, this block did not
+                self.stream_flags = False
+                _warn_host_flags(f"{type(exc).__name__}: {exc}")
+            else:
+                self._control_ptr = ptr
         for peer in self._peers:
             self._inbound[peer] = backend.malloc(inbound_bytes(slot_bytes))
         for peer in self._peers:
@@ -345,21 +351,26 @@ class CudaCETransport:
         with self._lock:
             event = self._event()
             self.backend.event_record(event, stream)
-            self._signals.append((event, src, dst, field, value))
+            self._signals.setdefault((src, dst, field), collections.deque()).append((event, value))
         self._wake.set()
 
-    def _store_signals(self, wait: bool = False) -> None:
-        """Host flags: store, in order, each flag whose stream work ran (``wait``: for the first one,
-        sleeping on its event; every such event follows local work only, so it completes)."""
-        signals = self._signals
-        if wait and signals:
-            self.backend.event_synchronize(signals[0][0])
+    def _store_signals(self) -> None:
+        """Host flags: store each flag's newest value whose stream work ran. Each flag keeps its own
+        order (its values are recorded on one stream); flags never wait for each other."""
         with self._lock:
-            while signals and self.backend.event_query(signals[0][0]):
-                event, src, dst, field, value = signals.popleft()
-                self._control[src, dst, field] = value
-                self._notify(src, dst, field)
-                self._spare_events.append(event)
+            for (src, dst, field), queued in self._signals.items():
+                value = None
+                while queued and self.backend.event_query(queued[0][0]):
+                    event, value = queued.popleft()
+                    self._spare_events.append(event)
+                if value is not None:
+                    self._control[src, dst, field] = value
+                    if field == SEQ_FLAG:  # a receiver's host sleeps on it; nobody on ACK (its sender polls)
+                        self._notify(src, dst, field)
+
+    def _signalling(self) -> bool:
+        """Host flags: whether a flag waits for its stream work to run."""
+        return any(self._signals.values())
 
     def _await(self, stream: int, src: int, dst: int, field: int, value: int, what: str, **values) -> None:
         """The work queued on ``stream`` from now on waits until flag ``field`` of link ``src -> dst``
@@ -368,7 +379,9 @@ class CudaCETransport:
             self.backend.stream_wait_value32(stream, self._flag_at(src, dst, field), value)
             return
         flags = self._control[src, dst]
-        self._wait(lambda: flag_reached(flags[field], value), src, (src, dst, field), what, **values)
+        # a peer on stream flags writes the flag from its device, which wakes nobody: poll then
+        word = (src, dst, field) if self._control[src, src, HOST_FLAGS] else None
+        self._wait(lambda: flag_reached(flags[field], value), src, word, what, **values)
 
     def _check_open(self) -> None:
         if self._failure is not None:
@@ -376,10 +389,11 @@ class CudaCETransport:
         if self.closed:
             raise RuntimeError(f"FEPLB transport {self.name} is closed")
 
-    def _wait(self, condition, peer: int, field: tuple, what: str, **values) -> None:
+    def _wait(self, condition, peer: int, field: Optional[tuple], what: str, **values) -> None:
         """Wait on the host for a peer's host (``condition()``), moving our own queued messages on
-        meanwhile (they may be what the peer waits for). ``what.format(**values)`` names the wait
-        in a time-out (formatted only then: most waits are met at once)."""
+        meanwhile (they may be what the peer waits for); sleeps on the word ``field`` (src, dst,
+        index) that the peer rings, or polls without one. ``what.format(**values)`` names the
+        wait in a time-out (formatted only then: most waits are met at once)."""
         if condition():
             return
         pending = any(self._outgoing.values())
@@ -391,7 +405,7 @@ class CudaCETransport:
         # parts of ours waiting for a ring slot are freed by a device write, which wakes nobody: poll then
         wait_until(ready, self.timeout_s, f"{describe_rank(self.watch, peer)} of domain {self.name} "
                    f"{what.format(**values)}",
-                   peer_check(self.watch, peer), word=None if pending else self._word(*field))
+                   peer_check(self.watch, peer), word=None if pending or field is None else self._word(*field))
 
     def _map(self, peer: int) -> int:
         """``peer``'s inbound allocation for us (its ring for our messages), opened once."""
@@ -585,8 +599,11 @@ class CudaCETransport:
             backend.event_record(self._events["done"][src], stream)
             backend.stream_wait_event(caller, self._events["done"][src])  # the caller sees the data
         except BaseException as exc:  # the message is taken but not read: the link is out of step
-            self._failure = self._failure or (exc if isinstance(exc, PeerDiedError) else RuntimeError(
-                f"FEPLB transport {self.name}: a message from local rank {src} was taken but not read ({exc})"))
+            # a copy of a peer's death (the raised one holds this frame's tensors); anything else: out of step
+            self._failure = self._failure or (
+                PeerDiedError(str(exc)) if isinstance(exc, PeerDiedError) else
+                RuntimeError(f"FEPLB transport {self.name}: a message from local rank {src} was taken but not read "
+                             f"({exc})"))
             raise
         self._check_open()  # a peer that died meanwhile: the tensors were released, not written (host backend)
         return tensors
@@ -600,10 +617,8 @@ class CudaCETransport:
         self.backend.bind_thread()
         watched = time.monotonic()
         while not self._stop.is_set():
-            pending = any(self._outgoing.values())
+            pending = any(self._outgoing.values()) or self._signalling()
             try:
-                if self._signals:
-                    self._store_signals(wait=True)
                 if pending or any(self._in_flight.values()):
                     self._advance()
                 if self.watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
@@ -614,13 +629,12 @@ class CudaCETransport:
                                                       f"{describe_rank(self.watch, dead[0])} died; this rank's "
                                                       "messages to and from it are abandoned")
                     self._dead.update(dead)
-                    self._release_waits(self._dead)  # again each time: a late flag copy may have lowered one
+                    self._release_waits(self._dead)  # again each time: a late device write may have lowered one
             except BaseException:  # noqa: BLE001 - recorded in `_failure` where it matters; the thread goes on
                 pass
-            if self._signals:
-                continue
             if pending and self._failure is None:
-                time.sleep(0.0002)  # a ring slot is freed by a device write, which wakes nobody: poll
+                # a ring slot is freed by a device write, and a host flag's stream work ends, waking nobody: poll
+                time.sleep(0.0002)
             else:
                 self._wake.wait(WATCH_EVERY_S)
                 self._wake.clear()
@@ -704,7 +718,7 @@ class CudaCETransport:
                            *([self._side] if self._side is not None else [])]:
                 steps.append(lambda s=stream: backend.stream_destroy(s))
             for event in [*(e for kind in self._events.values() for e in kind.values()), *self._spare_events,
-                          *(signal[0] for signal in self._signals)]:
+                          *(event for queued in self._signals.values() for event, _ in queued)]:
                 steps.append(lambda e=event: backend.event_destroy(e))
         if rings:
             for ptr in self._inbound.values():
@@ -718,7 +732,7 @@ class CudaCETransport:
         if streams:
             self._streams, self._recv_streams, self._side = {}, {}, None
             self._events, self._spare_events = {kind: {} for kind in self._events}, []
-            self._signals.clear()
+            self._signals = {}
         if rings:
             self._inbound = {}
         if streams:  # the device no longer polls the control block: unregister and unmap it

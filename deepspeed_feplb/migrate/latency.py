@@ -28,6 +28,8 @@ def measure_message_us(transport, local_rank: int, size: int, device=None, laps:
     the token goes round the ring ``laps`` times after a warm-up lap (mapping peers, first
     buffers), then rank 0 sends the figure round once more so that every rank returns the same.
     0.0 for a domain of one rank (no messages)."""
+    if laps < 1:
+        raise ValueError(f"measure_message_us: laps must be >= 1, got {laps}")
     if size < 2:
         return 0.0
     after, before = (local_rank + 1) % size, (local_rank - 1) % size

@@ -49,7 +49,6 @@ class MessageLayout:
             out.append(chunk)
         return out
 
-
     def receive_into(self, name: str, places: Sequence, device: torch.device):
         """A `Transport.recv` ``into`` that lands part ``name`` of chunk ``c`` in ``places[c]`` (its
         tensors: views of the caller's buffers, so no copy follows the receive) where the message's

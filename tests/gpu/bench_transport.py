@@ -113,7 +113,9 @@ def main(argv=None) -> int:
         print("bench_transport: needs a CUDA device (or --cpu for the dry run)", file=sys.stderr)
         return 2
     from deepspeed_feplb.testing import run_distributed
-    rounds = args.rounds or (5 if cpu else 50)
+    rounds = args.rounds if args.rounds is not None else 5 if cpu else 50
+    if rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {rounds}")
     results = run_distributed(_ping_pong, 2, rounds, cpu, profile, back_to_back, timeout=300)
     text = results[0].pop("profile", None)
     if text is not None:
