@@ -522,7 +522,7 @@ def test_the_flag_probe_writes_and_waits_on_device_and_page_locked_host_words():
                                     streamSynchronize=lambda s: None)
     for fail in (None, "register", "wait"):
         backend = object.__new__(CudaBackend)  # no CuPy or driver here: both are faked
-        backend._rt, backend._driver = runtime, Driver(fail)
+        backend._rt, backend._driver, backend.stream_memops = runtime, Driver(fail), True
         reason = backend.probe_flags()
         assert reason == "" if fail is None else f"RuntimeError: {fail} failed: CUDA_ERROR_NOT_SUPPORTED" in reason
         calls = backend._driver.calls
@@ -530,3 +530,5 @@ def test_the_flag_probe_writes_and_waits_on_device_and_page_locked_host_words():
             assert calls == ["register", "write", "wait", "write", "wait", "unregister"], calls
         if fail == "wait":
             assert calls[-1] == "unregister", "the host page stays registered after a failed probe"
+    backend.stream_memops, backend._driver = False, Driver()  # forced host flags (the device check's fallback run)
+    assert "stream_memops=False" in backend.probe_flags() and backend._driver.calls == []

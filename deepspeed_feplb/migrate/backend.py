@@ -90,11 +90,13 @@ class _Driver:
 
 
 class CudaBackend:
-    """CUDA runtime calls through CuPy, on ``device`` (a torch CUDA device)."""
+    """CUDA runtime calls through CuPy, on ``device`` (a torch CUDA device). ``stream_memops=False``
+    makes `probe_flags` refuse the stream memory operations, so that the transport carries its
+    flags on the host (the device check runs that fallback on a GPU)."""
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | int | None = None):
+    def __init__(self, device: torch.device | int | None = None, stream_memops: bool = True):
         import cupy  # noqa: F401 - fail early and clearly if CuPy is missing
         from cupy.cuda import runtime
         self._rt = runtime
@@ -102,6 +104,7 @@ class CudaBackend:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", device if isinstance(device, int) else device.index or 0)
         self.index = self.device.index
+        self.stream_memops = stream_memops
         self._driver = None
 
     def bind_thread(self) -> None:
@@ -204,6 +207,8 @@ class CudaBackend:
     def probe_flags(self) -> str:
         """Why stream flags cannot be used here ("" when they can): a write and a wait on a word of
         device memory and on one of page-locked host memory, as the transport's flags are."""
+        if not self.stream_memops:
+            return "stream memory operations are off (CudaBackend(stream_memops=False))"
         import mmap
         try:
             page = mmap.mmap(-1, mmap.PAGESIZE)

@@ -159,8 +159,8 @@ def _warn_host_flags(why: str) -> None:
         _HOST_FLAGS_WARNED.append(why)
         warnings.warn(f"FEPLB: this GPU's driver does not run CUDA stream memory operations ({why}); phase 2 "
                       "signals its messages from the host instead, which puts the host on their critical path "
-                      "(about 0.2 ms per message). An NVIDIA driver for CUDA 11.7 or newer runs them.",
-                      RuntimeWarning, stacklevel=3)
+                      "(a background thread polls each message's copies every 0.2 ms). An NVIDIA driver for "
+                      "CUDA 11.7 or newer runs them.", RuntimeWarning, stacklevel=3)
 
 
 _HOST_FLAGS_WARNED: list[str] = []

@@ -4,6 +4,7 @@
     python tests/gpu/bench_transport.py --cpu OUT.json    # the same protocol on host memory (dry run)
     python tests/gpu/bench_transport.py --profile OUT.json  # also rank 0's cProfile (OUT.json.prof.txt)
     python tests/gpu/bench_transport.py --back-to-back OUT.json  # no barrier between round trips
+    python tests/gpu/bench_transport.py --host-flags OUT.json    # the fallback without stream memory operations
 
 For each message size (one tensor, 4 KiB to 64 MiB) rank 0 sends, rank 1 receives and sends the
 same bytes back, ``rounds`` times after a warm-up; the clock stops once rank 0's received tensor
@@ -30,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 
-def _ping_pong(rounds: int, cpu: bool, profile: bool = False, back_to_back: bool = False) -> dict:
+def _ping_pong(rounds: int, cpu: bool, profile: bool = False, back_to_back: bool = False,
+               host_flags: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -44,7 +46,9 @@ def _ping_pong(rounds: int, cpu: bool, profile: bool = False, back_to_back: bool
     dist.broadcast_object_list(names, 0)
 
     def make(create: bool):
-        backend = HostBackend(prefix=f"{names[0]}-mem") if cpu else CudaBackend()
+        memops = not host_flags
+        backend = HostBackend(prefix=f"{names[0]}-mem", stream_memops=memops) if cpu else \
+            CudaBackend(stream_memops=memops)
         return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, slot_bytes=max(SIZES) + (1 << 20))
 
     if rank == 0:
@@ -105,9 +109,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the same protocol on host memory (HostBackend)")
     parser.add_argument("--profile", action="store_true", help="also rank 0's cProfile (OUT.prof.txt)")
     parser.add_argument("--back-to-back", action="store_true", help="no barrier between round trips")
+    parser.add_argument("--host-flags", action="store_true",
+                        help="the transport's fallback for drivers without stream memory operations")
     parser.add_argument("--rounds", type=int, help="round trips per size after the warm-up (5 on --cpu, else 50)")
     args = parser.parse_args(argv)
-    cpu, profile, back_to_back, out_path = args.cpu, args.profile, args.back_to_back, Path(args.out)
+    cpu, profile, out_path = args.cpu, args.profile, Path(args.out)
     import torch
     if not cpu and not torch.cuda.is_available():
         print("bench_transport: needs a CUDA device (or --cpu for the dry run)", file=sys.stderr)
@@ -116,12 +122,12 @@ def main(argv=None) -> int:
     rounds = args.rounds if args.rounds is not None else 5 if cpu else 50
     if rounds < 1:
         parser.error(f"--rounds must be >= 1, got {rounds}")
-    results = run_distributed(_ping_pong, 2, rounds, cpu, profile, back_to_back, timeout=300)
+    results = run_distributed(_ping_pong, 2, rounds, cpu, profile, args.back_to_back, args.host_flags, timeout=300)
     text = results[0].pop("profile", None)
     if text is not None:
         Path(f"{out_path}.prof.txt").write_text(text)
     figures = {"device": "cpu (HostBackend)" if cpu else torch.cuda.get_device_name(0), "rounds": rounds,
-               "back_to_back": back_to_back,
+               "back_to_back": args.back_to_back, "host_flags": args.host_flags,
                "sizes": results[0], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     out_path.write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1))

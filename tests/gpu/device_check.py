@@ -194,7 +194,7 @@ def overlap(check: Check) -> dict:
 
 
 # ------------------------------------------------------------------ 5. transport with delays
-def _transport_worker(cpu: bool, rounds: int) -> dict:
+def _transport_worker(cpu: bool, rounds: int, stream_memops: bool = True) -> dict:
     import torch.distributed as dist
 
     from deepspeed_feplb.migrate.backend import CudaBackend, HostBackend
@@ -207,7 +207,8 @@ def _transport_worker(cpu: bool, rounds: int) -> dict:
         torch.cuda.set_device(0)
 
     def make(create):
-        backend = HostBackend(prefix=f"{names[0]}-mem") if cpu else CudaBackend()
+        backend = HostBackend(prefix=f"{names[0]}-mem", stream_memops=stream_memops) if cpu else \
+            CudaBackend(stream_memops=stream_memops)
         return CudaCETransport(names[0], rank, 2, 60.0, create, backend=backend, slot_bytes=1 << 16)
 
     if rank == 0:
@@ -235,30 +236,40 @@ def _transport_worker(cpu: bool, rounds: int) -> dict:
         x2 = torch.randn(512 * (r + 1), 256, generator=g2)
         ok &= torch.equal(got[0].cpu(), x2 * 2 + 1) and torch.equal(got[1].cpu(), x2.to(torch.bfloat16))
         future.result(timeout=60)
-    capacities, parts = t.capacities(), t.extra_parts
+    capacities, parts, stream_flags = t.capacities(), t.extra_parts, t.stream_flags
     dist.barrier()
     t.close()
-    return {"ok": bool(ok), "capacities": capacities, "extra_parts": parts}
+    return {"ok": bool(ok), "capacities": capacities, "extra_parts": parts, "stream_flags": stream_flags}
 
 
 def transport(check: Check) -> dict:
+    """The protocol with late producers and consumers, on stream flags and on the host-flag fallback
+    (a driver without stream memory operations, forced)."""
     from deepspeed_feplb.testing import run_distributed
     results = run_distributed(_transport_worker, 2, check.cpu, 8, timeout=120)
-    return {"ok": all(r["ok"] for r in results), "slot_bytes": [r["capacities"] for r in results],
-            "extra_parts": [r["extra_parts"] for r in results]}
+    fallback = run_distributed(_transport_worker, 2, check.cpu, 4, False, timeout=120)  # warns once per rank
+    return {"ok": all(r["ok"] and r["stream_flags"] for r in results)
+            and all(r["ok"] and not r["stream_flags"] for r in fallback),
+            "slot_bytes": [r["capacities"] for r in results], "extra_parts": [r["extra_parts"] for r in results],
+            "host_flags_ok": all(r["ok"] for r in fallback)}
 
 
 def transport_speed(check: Check) -> dict:
     """`bench_transport.py`'s ping-pong, and what phase 2 at hardware speed asks of it: a small
-    message one way in at most 20 µs and 20 µs of host CPU, 64 MiB at 90% of the copy bandwidth."""
+    message one way in at most 20 µs and 20 µs of host CPU, 64 MiB at 90% of the copy bandwidth;
+    also back to back, and on the host-flag fallback (for the record: no target)."""
     import bench_transport
 
     from deepspeed_feplb.testing import run_distributed
-    sizes = run_distributed(bench_transport._ping_pong, 2, 5 if check.cpu else 50, check.cpu, timeout=300)[0]
+    rounds = 5 if check.cpu else 50
+    sizes = run_distributed(bench_transport._ping_pong, 2, rounds, check.cpu, timeout=300)[0]
+    back_to_back = run_distributed(bench_transport._ping_pong, 2, rounds, check.cpu, False, True, timeout=300)[0]
+    host_flags = run_distributed(bench_transport._ping_pong, 2, rounds, check.cpu, False, False, True, timeout=300)[0]
     small, large = sizes[str(min(bench_transport.SIZES))], sizes[str(max(bench_transport.SIZES))]
     copy_gbps = check.result["stages"].get("copy", {}).get("ours_gbps")
     fraction = large["gbps"] / copy_gbps if copy_gbps else None
-    return {"sizes": sizes, "copy_gbps": copy_gbps, "large_fraction_of_copy": fraction and round(fraction, 3),
+    return {"sizes": sizes, "back_to_back": back_to_back, "host_flags": host_flags, "copy_gbps": copy_gbps,
+            "large_fraction_of_copy": fraction and round(fraction, 3),
             "targets": {"small_one_way_le_20us": small["one_way_us"] <= 20,
                         "small_cpu_per_message_le_20us": small["cpu_us_per_round_trip"] / 2 <= 20,
                         "large_ge_90pct_of_copy": fraction is not None and fraction >= 0.9}}
