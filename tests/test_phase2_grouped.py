@@ -50,6 +50,21 @@ def test_weights_apart_are_not_taken_as_a_stack():
     assert _stacked_view([w[:1], w[2:3]], join=True) is None
 
 
+def _shm_pair(label: str):
+    """This rank's `ShmTransport` of a two-rank domain (rank 0 creates it first)."""
+    import torch.distributed as dist
+
+    from deepspeed_feplb.migrate.shm import ShmTransport
+    rank, names = dist.get_rank(), [f"feplb-test-{label}-{os.getpid()}"]
+    dist.broadcast_object_list(names, 0)
+    if rank == 0:
+        transport = ShmTransport(names[0], 0, 2, 20, True)
+    dist.barrier()
+    if rank:
+        transport = ShmTransport(names[0], 1, 2, 20, False)
+    return transport
+
+
 def _mixed_message_case() -> dict:
     """Home 0 sends two chunks with weights to helper 1, which may keep one copy only
     (``max_resident_experts: 1``): the kept copy must not pin the message's stacked buffer."""
@@ -59,16 +74,9 @@ def _mixed_message_case() -> dict:
     from deepspeed_feplb.config import FEPLBConfig
     from deepspeed_feplb.migrate.phase2 import ExpertSpec, Phase2MicroBatch
     from deepspeed_feplb.migrate.resident import LayerResidency
-    from deepspeed_feplb.migrate.shm import ShmTransport
 
     rank = dist.get_rank()
-    names = [f"feplb-test-grouped-{os.getpid()}"]
-    dist.broadcast_object_list(names, 0)
-    if rank == 0:
-        transport = ShmTransport(names[0], 0, 2, 20, True)
-    dist.barrier()
-    if rank:
-        transport = ShmTransport(names[0], 1, 2, 20, False)
+    transport = _shm_pair("grouped")
     torch.manual_seed(0)
     template = torch.nn.Linear(8, 8, bias=False)
     weights = [torch.randn(8, 8) for _ in range(2)]
@@ -112,16 +120,9 @@ def _landing_case() -> dict:
     import torch.distributed as dist
 
     from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FWD_RESULTS, ExpertSpec, Phase2MicroBatch
-    from deepspeed_feplb.migrate.shm import ShmTransport
 
     rank = dist.get_rank()
-    names = [f"feplb-test-landing-{os.getpid()}"]
-    dist.broadcast_object_list(names, 0)
-    if rank == 0:
-        transport = ShmTransport(names[0], 0, 2, 20, True)
-    dist.barrier()
-    if rank:
-        transport = ShmTransport(names[0], 1, 2, 20, False)
+    transport = _shm_pair("landing")
     received = {}
     plain_recv = transport.recv
 
