@@ -23,7 +23,7 @@ wait for the device; the receiving stream orders itself on a flag word.
   compute stream only waits (an event) for that copy-out.
 * **Host flags where the driver lacks stream memory operations** (probed when the transport
   opens; one warning says why): the same protocol, but the host stores a flag once an event
-  after the stream's work completed (the background thread, which sleeps on that event), and
+  after the stream's work completed (the background thread polls those events, flag by flag), and
   the receiver's host waits for ``SEQ`` before it enqueues the copy-out: the old handshake's
   cost, with the rings and credits of this one.
 * **Credits on the host, waits only for work already enqueued.** A ring slot is reused only when

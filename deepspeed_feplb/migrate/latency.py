@@ -36,7 +36,6 @@ def measure_message_us(transport, local_rank: int, size: int, device=None, laps:
     token = torch.zeros(1, device=device)
     sent = []
     if local_rank == 0:
-        figure = 0.0
         for lap in range(WARM_LAPS + laps):
             if lap == WARM_LAPS:
                 _settle(sent, token)

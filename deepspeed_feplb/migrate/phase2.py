@@ -258,13 +258,9 @@ class Phase2MicroBatch:
             first = self.home_pieces[0].y
             out = first.new_empty((int(starts[-1]), first.shape[1]))
         for helper, chunks in outgoing.items():
-            layout = messages.outputs_to_home(len(chunks))
             places = [[out[starts[i] + offset:starts[i] + offset + tokens]] for i, offset, tokens, _ in chunks]
-            got = layout.unpack(self._recv(helper, tag(self.seq, FWD_RESULTS),
-                                           layout.receive_into("outputs", places, out.device)), "forward results")
-            for place, part in zip(places, got):
-                if part["outputs"][0] is not place[0]:
-                    place[0].copy_(part["outputs"][0])
+            self._recv_into(helper, tag(self.seq, FWD_RESULTS), messages.outputs_to_home(len(chunks)), "outputs",
+                            places, out.device, "forward results")
         self._settle(sends)
         self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
@@ -275,6 +271,18 @@ class Phase2MicroBatch:
             out[starts[i]:starts[i] + home_rows[i]] = piece.y.detach()
         self._report("", start)
         return out if out is not None else dyn_x.new_zeros((0, dyn_x.shape[1]))
+
+    def _recv_into(self, src: int, message_tag: int, layout: messages.MessageLayout, name: str, places: list,
+                   device: torch.device, what: str) -> list[dict]:
+        """Receive a message of ``layout`` whose part ``name`` of chunk c lands in ``places[c]``
+        (`MessageLayout.receive_into`; a tensor that did not fit its place is copied there); returns
+        the message unpacked (``what`` names it in errors)."""
+        parts = layout.unpack(self._recv(src, message_tag, layout.receive_into(name, places, device)), what)
+        for place, part in zip(places, parts):
+            for target, got in zip(place, part[name]):
+                if got is not target:
+                    target.copy_(got)
+        return parts
 
     def _recv(self, src: int, message_tag: int, into=None) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -449,12 +457,9 @@ class Phase2MicroBatch:
             layout = messages.grads_to_home([not self.copy_kept[m] for *_, m in chunks], n_params)
             # their rows' gradients land in grad_x (no copy after the receive)
             places = [[grad_x[starts[i] + offset:starts[i] + offset + tokens]] for i, offset, tokens, _ in chunks]
-            parts = layout.unpack(self._recv(helper, tag(self.seq, BWD_RESULTS),
-                                             layout.receive_into("input_grads", places, grad_x.device)),
-                                  "backward results")
-            for (i, _, _, _), place, part in zip(chunks, places, parts):
-                if part["input_grads"][0] is not place[0]:
-                    place[0].copy_(part["input_grads"][0])
+            parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS), layout, "input_grads", places, grad_x.device,
+                                    "backward results")
+            for (i, _, _, _), part in zip(chunks, parts):
                 if part["weight_grads"]:
                     grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
         grad_params += [None] * (len(self.grad_experts) - len(grad_params))

@@ -11,11 +11,11 @@ same bytes back, ``rounds`` times after a warm-up; the clock stops once rank 0's
 is on the device (``torch.cuda.synchronize``); the ranks meet at a barrier before each round trip
 (``--back-to-back``: they do not, so each round trip starts as the previous one ended). Reported
 per size: the median round trip, half of it as the one-way time of a message, the bandwidth that
-implies, and the CPU time rank 0's process
-spends per round trip (one ``send`` and one ``recv``: Python, events, the control block and its
-background thread; waiting sleeps and costs none). On one GPU the copies are device-to-device, not the
-NVLink copy engine between two GPUs; the fixed cost per message (small sizes) is what the
-planner's time model does not price.
+implies, and the CPU time rank 0's process spends per round trip (one ``send`` and one ``recv``:
+Python, events, the control block and its background thread; waiting sleeps and costs none). On
+one GPU the copies are device-to-device, not the NVLink copy engine between two GPUs. The fixed
+cost per message (small sizes) is what each domain measures when it opens
+(`migrate.latency.measure_message_us`) and the planner prices.
 """
 from __future__ import annotations
 
