@@ -26,6 +26,7 @@ from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import domain_size, install_exit_handlers
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.gate import SigmoidTopKGate
+from deepspeed_feplb.gate.top1 import dropless_top1
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
@@ -170,10 +171,14 @@ class FEPLBMOELayer(MOELayer):
         """The gate's sparse routes. DeepSpeed's dropless `TopKGate` all-reduces its largest expert
         count over the EP group, to size the dense dispatch of DeepSpeed's own layer; FEPLB sends
         exact splits and never reads it, so the gate runs without its EP group here: one collective
-        less per forward, the same routes, gates and aux loss."""
+        less per forward, the same routes, gates and aux loss. Its top-1 also picks each expert's
+        tokens with a ``topk`` whose k is on the device (a sync); dropless, that pick keeps every
+        token, and `dropless_top1` gives the same outputs without it."""
         gate = self.gate
         if type(gate) is not TopKGate:
             return gate(x, used_token, True, False)
+        if gate.k == 1:
+            return dropless_top1(gate, x, used_token)
         group, gate.ep_group = gate.ep_group, None
         try:
             return gate(x, used_token, True, False)
