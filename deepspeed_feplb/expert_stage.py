@@ -22,6 +22,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
@@ -66,7 +67,8 @@ class LocalExperts:
     modules: one module per local expert, run functionally as a template (`ExpertSpec.call`);
     params: per local expert, its parameters in ``spec.param_names`` order (they may be aliases
         that route gradients, `deepspeed_moe.ExpertGradOrder`);
-    direct: ``call(e, x)`` as the model itself runs expert e, for micro-batches computed here
+    direct: ``call(e, x)`` as the model itself runs expert e (``modules[e]``, each its own), for
+        experts computed at home: with `calls`, on ``params`` bound as the modules' parameters
         (None: functionally);
     static_fn: computes a set of experts at once (AutoEP's grouped GEMM), or None.
     """
@@ -75,6 +77,52 @@ class LocalExperts:
     spec: ExpertSpec
     direct: Optional[ExpertCall] = None
     static_fn: Optional[StaticFn] = None
+
+    def __post_init__(self):
+        self._slots = None
+        if self.direct is not None:
+            if len({id(m) for m in self.modules}) != len(self.modules):
+                raise ValueError("direct calls need one module per local expert; shared templates run functionally")
+            self._slots = [parameter_slots(m) for m in self.modules]
+
+    @contextmanager
+    def calls(self, params: list[list[torch.Tensor]]):
+        """``call(e, x)``: expert e on rows x ``[n, H]`` with ``params[e]``. With `direct`, the modules
+        themselves, ``params`` bound as their parameters until the block ends (what
+        `torch.func.functional_call` does around each call, once for all: the same tensors and
+        graph, without its cost per call); else functionally."""
+        if self.direct is None:
+            yield functional_calls(self.modules, params, self.spec)
+            return
+        with bound(self._slots, params):
+            yield self.direct
+
+
+def parameter_slots(module: torch.nn.Module) -> list[tuple[dict, str, int]]:
+    """Where ``module`` keeps its parameters: (owning submodule's ``_parameters``, name there, index
+    in ``module.named_parameters()`` order), a tied parameter under each of its names."""
+    index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+    slots = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owner, _, key = name.rpartition(".")
+        slots.append((module.get_submodule(owner)._parameters, key, index[id(p)]))
+    return slots
+
+
+@contextmanager
+def bound(slots: list[list[tuple[dict, str, int]]], params: list[list[torch.Tensor]]):
+    """Module e holds ``params[e]`` as its parameters (``slots[e]``: `parameter_slots`) inside the
+    block; its own parameters come back when it ends, however it ends."""
+    saved = []
+    try:
+        for module_slots, tensors in zip(slots, params):
+            for owner, key, i in module_slots:
+                saved.append((owner, key, owner[key]))
+                owner[key] = tensors[i]
+        yield
+    finally:
+        for owner, key, tensor in reversed(saved):
+            owner[key] = tensor
 
 
 def check_group_agrees(config: FEPLBConfig, ep_group, layer_facts: dict) -> None:
@@ -244,23 +292,24 @@ class ExpertStage:
                 record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
         if balanced:
-            out, stats = run_experts(rows, counts, experts.modules, experts.params(), experts.spec, self.domain,
-                                     config, self.expert_bytes, self.compute_times, self.stage_times,
-                                     experts.static_fn, self.residency, step_ends, self._mean_rows(facts), record)
+            params = experts.params()
+            with experts.calls(params) as call:
+                out, stats = run_experts(rows, counts, experts.modules, params, experts.spec, self.domain, config,
+                                         self.expert_bytes, self.compute_times, self.stage_times, experts.static_fn,
+                                         self.residency, step_ends, self._mean_rows(facts), record, call)
             if stats is not None:
                 self.stats = stats
             return self._measure(record, rows, out, start, cpu_start)
-        if experts.direct is None or (self.balances and dist.get_world_size() > self.ep_size):
-            # expert-data-parallel replicas in other EP groups may balance this micro-batch: the
-            # gradients must become ready in the balancing path's order (`ExpertGradOrder`)
-            call = functional_calls(experts.modules, experts.params(), experts.spec)
-        else:
-            call = experts.direct
+        # expert-data-parallel replicas in other EP groups may balance this micro-batch: the gradients
+        # must become ready in the balancing path's order (`ExpertGradOrder`'s aliases); else the
+        # model's own experts as they are
+        aliased = experts.direct is None or (self.balances and dist.get_world_size() > self.ep_size)
         # timed for the fit and for the placement's time per row; a recompute is not a micro-batch
         timed = (self.balances or self.times_every_call) and not recomputing()
         probe = self.balances and config.fixed_costs == "measured"
-        out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times, probe,
-                        experts.static_fn)
+        with experts.calls(experts.params()) if aliased else nullcontext(experts.direct) as call:
+            out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times, probe,
+                            experts.static_fn)
         if config.stats.enabled and not recomputing():
             self.stats = self._local_stats(counts, facts)
         return self._measure(record, rows, out, start, cpu_start)
@@ -452,28 +501,29 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
                 params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
                 expert_bytes: int, times: ComputeTimes, stage_times: Optional[StageTimes] = None,
                 static_fn: Optional[StaticFn] = None, residency: Optional[LayerResidency] = None,
-                step_ends: bool = True, mean_rows: float = 0.0,
-                record: Optional[dict] = None) -> tuple[torch.Tensor, Optional[MicroBatchStats]]:
+                step_ends: bool = True, mean_rows: float = 0.0, record: Optional[dict] = None,
+                call: Optional[ExpertCall] = None) -> tuple[torch.Tensor, Optional[MicroBatchStats]]:
     """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
     stats or None when ``config.stats`` is off), balanced over ``domain``.
 
     modules[e] runs expert e functionally with ``params[e]`` (named ``spec.param_names``) and its
-    own buffers; ``times`` holds the previous micro-batch's compute times and is updated;
-    ``stage_times`` receives the host time of each stage (forward now, phase 2's backward later);
-    ``residency`` is the layer's weight residency (None: none) and ``step_ends`` says whether this
-    micro-batch is the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank
-    over the whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean); ``record``:
-    a dict that receives the plan's ``moves``, their ``fresh`` flags, the micro-batch's
-    `Phase2MicroBatch` (``phase2``), how long the plan was waited for (``plan_wait_s``) and when it
-    was in hand (``plan_in_hand``, host seconds), for `ExpertStage._measure`. A forward that
-    activation checkpointing recomputes in backward leaves residency alone and returns no stats.
+    own buffers; ``call(e, x)``, if given, computes the static experts (`LocalExperts.calls`);
+    ``times`` holds the previous micro-batch's compute times and is updated; ``stage_times``
+    receives the host time of each stage (forward now, phase 2's backward later); ``residency`` is
+    the layer's weight residency (None: none) and ``step_ends`` says whether this micro-batch is
+    the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank over the
+    whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean); ``record``: a dict
+    that receives the plan's ``moves``, their ``fresh`` flags, the micro-batch's `Phase2MicroBatch`
+    (``phase2``), how long the plan was waited for (``plan_wait_s``) and when it was in hand
+    (``plan_in_hand``, host seconds), for `ExpertStage._measure`. A forward that activation
+    checkpointing recomputes in backward leaves residency alone and returns no stats.
     """
     stage_times = stage_times if stage_times is not None else StageTimes()
     recompute = recomputing()
     if recompute:  # activation checkpointing re-runs this forward in backward: not a new micro-batch
         residency, step_ends = None, True
     mark = times.clock(rows.device)
-    call = functional_calls(modules, params, spec)
+    call = call or functional_calls(modules, params, spec)
     if config.fixed_costs == "measured":
         times.probe(rows, counts, call, mark)
     begin = mark()

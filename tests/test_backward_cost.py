@@ -1,7 +1,9 @@
 """Backward at GEMM cost: the expert stage hands each expert its rows through one split, so a layer
 backward assembles the rows' gradient once, instead of zero-filling a full-size ``[N, H]`` gradient
 per expert (``aten::slice_backward``), which at 32 local experts cost more memory traffic than the
-experts' own backward GEMMs."""
+experts' own backward GEMMs. And the host's share: the forward computes the static experts with
+the model's own modules (their parameters bound once per forward), not one
+`torch.func.functional_call` per expert; only phase 2's pieces run functionally."""
 import torch
 
 from deepspeed_feplb.testing import run_distributed
@@ -12,11 +14,21 @@ HIDDEN = 16
 
 def _slice_backwards_per_layer_backward(ep_size: int) -> dict:
     """FEPLB's layer (32 local experts, migrating when ``ep_size`` > 1) and DeepSpeed's: the
-    ``aten::slice_backward`` calls one backward makes, and whether this rank's layer balanced."""
+    ``aten::slice_backward`` calls one backward makes, whether this rank's layer balanced, and
+    FEPLB's functional expert calls in the measured forward."""
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     import deepspeed_feplb
+    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+
+    functional = [0]
+    call = ExpertSpec.call
+
+    def counted(self, *args):
+        functional[0] += 1
+        return call(self, *args)
+    ExpertSpec.call = counted
 
     torch.manual_seed(0)
     kwargs = dict(hidden_size=HIDDEN, expert=torch.nn.Linear(HIDDEN, HIDDEN), num_experts=LOCAL_EXPERTS * ep_size,
@@ -31,7 +43,9 @@ def _slice_backwards_per_layer_backward(ep_size: int) -> dict:
         x = torch.randn(512, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank() if ep_size > 1 else 0),
                         requires_grad=True)
         for _ in range(2):  # the second forward is the measured one (the first attaches)
+            functional[0] = 0
             y, _, _ = layer(x)
+        out[name + "_functional_calls"] = functional[0]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             y.square().sum().backward()
         out[name] = sum(event.count for event in prof.key_averages() if event.key == "aten::slice_backward")
@@ -43,6 +57,7 @@ def _slice_backwards_per_layer_backward(ep_size: int) -> dict:
 def test_one_layer_backward_makes_at_most_two_full_size_slice_backwards_without_migration():
     (result, ) = run_distributed(_slice_backwards_per_layer_backward, 1, 1, timeout=120)
     assert result["feplb"] <= 2, result
+    assert result["feplb_functional_calls"] == 0, result
 
 
 def test_with_migration_too():
@@ -50,3 +65,36 @@ def test_with_migration_too():
     assert sum(r["migrated"] for r in results) > 0, "nothing migrated: the test shows nothing"
     for rank, result in enumerate(results):
         assert result["feplb"] <= 2, (rank, result)
+        # phase 2 only: its D = 2 dynamic experts' pieces at home and the other rank's it helps with
+        assert result["feplb_functional_calls"] <= 2 * 2, (rank, result)
+
+
+def test_bound_parameters_are_the_modules_own_inside_and_come_back_however_the_block_ends():
+    import pytest
+
+    from deepspeed_feplb.expert_stage import LocalExperts
+    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+
+    def tied():
+        module = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN))
+        module[1].weight = module[0].weight  # one parameter under two names
+        return module
+    modules = [tied(), tied()]
+    spec = ExpertSpec.of(modules[0])
+    experts = LocalExperts(modules, lambda: None, spec, direct=lambda e, x: modules[e](x))
+    own = [[p for p in m.parameters()] for m in modules]
+    aliases = [[p.detach().clone().requires_grad_() for p in ps] for ps in own]
+    x = torch.randn(3, HIDDEN)
+    with experts.calls(aliases) as call:
+        for e in range(2):
+            assert torch.equal(call(e, x), spec.call(modules[e], aliases[e], [], x))
+        assert modules[0][1].weight is aliases[0][0] and modules[0][0].weight is aliases[0][0]
+        call(0, x).sum().backward()
+    assert aliases[0][0].grad is not None and own[0][0].grad is None
+    assert [[p for p in m.parameters()] for m in modules] == own
+    with pytest.raises(RuntimeError, match="inside"), experts.calls(aliases):
+        raise RuntimeError("inside")
+    assert all(a is b for m, ps in zip(modules, own) for a, b in zip(m.parameters(), ps))
+    assert modules[0][1].weight is own[0][0]
+    with pytest.raises(ValueError, match="one module per local expert"):
+        LocalExperts([modules[0], modules[0]], lambda: None, spec, direct=lambda e, x: x)
