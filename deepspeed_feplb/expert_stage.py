@@ -38,7 +38,15 @@ from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.arena import slot_bytes
-from deepspeed_feplb.migrate.phase2 import DynamicExperts, ExpertSpec, Phase2Anchor, Phase2MicroBatch, grad_experts
+from deepspeed_feplb.migrate.phase2 import (
+    DynamicExperts,
+    ExpertSpec,
+    Phase2Anchor,
+    Phase2MicroBatch,
+    bound,
+    grad_experts,
+    tensor_slots,
+)
 from deepspeed_feplb.migrate.resident import Fingerprints, LayerResidency, copy_bytes
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
 from deepspeed_feplb.stats import (
@@ -79,50 +87,20 @@ class LocalExperts:
     static_fn: Optional[StaticFn] = None
 
     def __post_init__(self):
-        self._slots = None
-        if self.direct is not None:
-            if len({id(m) for m in self.modules}) != len(self.modules):
-                raise ValueError("direct calls need one module per local expert; shared templates run functionally")
-            self._slots = [parameter_slots(m) for m in self.modules]
+        if self.direct is not None and len({id(m) for m in self.modules}) != len(self.modules):
+            raise ValueError("direct calls need one module per local expert; shared templates run functionally")
 
     @contextmanager
     def calls(self, params: list[list[torch.Tensor]]):
         """``call(e, x)``: expert e on rows x ``[n, H]`` with ``params[e]``. With `direct`, the modules
-        themselves, ``params`` bound as their parameters until the block ends (what
-        `torch.func.functional_call` does around each call, once for all: the same tensors and
-        graph, without its cost per call); else functionally."""
+        themselves, ``params`` bound as their parameters until the block ends (`phase2.bound`: once
+        per forward for all experts, where functional calls bind around each); else functionally."""
         if self.direct is None:
             yield functional_calls(self.modules, params, self.spec)
             return
-        with bound(self._slots, params):
+        # where each module keeps its parameters, looked up now: a submodule replaced since is bound too
+        with bound([tensor_slots(m) for m in self.modules], params):
             yield self.direct
-
-
-def parameter_slots(module: torch.nn.Module) -> list[tuple[dict, str, int]]:
-    """Where ``module`` keeps its parameters: (owning submodule's ``_parameters``, name there, index
-    in ``module.named_parameters()`` order), a tied parameter under each of its names."""
-    index = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-    slots = []
-    for name, p in module.named_parameters(remove_duplicate=False):
-        owner, _, key = name.rpartition(".")
-        slots.append((module.get_submodule(owner)._parameters, key, index[id(p)]))
-    return slots
-
-
-@contextmanager
-def bound(slots: list[list[tuple[dict, str, int]]], params: list[list[torch.Tensor]]):
-    """Module e holds ``params[e]`` as its parameters (``slots[e]``: `parameter_slots`) inside the
-    block; its own parameters come back when it ends, however it ends."""
-    saved = []
-    try:
-        for module_slots, tensors in zip(slots, params):
-            for owner, key, i in module_slots:
-                saved.append((owner, key, owner[key]))
-                owner[key] = tensors[i]
-        yield
-    finally:
-        for owner, key, tensor in reversed(saved):
-            owner[key] = tensor
 
 
 def check_group_agrees(config: FEPLBConfig, ep_group, layer_facts: dict) -> None:

@@ -98,3 +98,35 @@ def test_bound_parameters_are_the_modules_own_inside_and_come_back_however_the_b
     assert modules[0][1].weight is own[0][0]
     with pytest.raises(ValueError, match="one module per local expert"):
         LocalExperts([modules[0], modules[0]], lambda: None, spec, direct=lambda e, x: x)
+
+
+def test_a_pieces_call_with_given_weights_and_buffers_equals_functional_call():
+    from torch.func import functional_call
+
+    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.out = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.out.weight = self.inner.weight  # tied
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.out(self.inner(x).relu()) * self.scale
+
+    template, other = Scaled(), Scaled()
+    spec = ExpertSpec.of(template)
+    assert spec.buffer_names == ["scale"]
+    weights = [p.detach().clone().requires_grad_() for p in other.parameters()]
+    buffers = [torch.tensor(3.0)]
+    x = torch.randn(5, HIDDEN, requires_grad=True)
+    ours = spec.call(template, weights, buffers, x)
+    theirs = functional_call(template, {**dict(zip(spec.param_names, weights)), "scale": buffers[0]}, (x, ))
+    assert torch.equal(ours, theirs)
+    g_ours = torch.autograd.grad(ours.sum(), [x, *weights])
+    g_theirs = torch.autograd.grad(theirs.sum(), [x, *weights])
+    assert all(torch.equal(a, b) for a, b in zip(g_ours, g_theirs))
+    assert template.scale is template._buffers["scale"] and float(template.scale) == 2.0  # its own again
+    assert template.out.weight is template.inner.weight and template.inner.weight is not weights[0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from deepspeed.moe.sharded_moe import TopKGate
 
-from deepspeed_feplb.gate.top1 import dropless_top1
+from deepspeed_feplb.gate.top1 import DroplessTop1Gate, dropless_top1
 
 HIDDEN, EXPERTS, TOKENS = 16, 8, 64
 
@@ -61,7 +61,7 @@ def test_outputs_and_random_state_equal_deepspeeds(noise, use_rts, training, pad
     for name, a, b in [("l_aux", l_aux, theirs[0]), ("ids", ids, theirs[3]), ("locations", locations, theirs[4]),
                        ("gates", gates, theirs[5]), ("exp_counts", counts, theirs[6])]:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    assert int(ours[1]) == int(counts.max())
+    assert int(ours[1]) == int(theirs[1]) == int(counts.max())
     if padded:
         assert (ids[0, ::5] == -1).all()
 
@@ -85,9 +85,14 @@ def test_a_feplb_top1_layer_forward_makes_no_tensor_k_topk(monkeypatch):
     torch.manual_seed(0)
     expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 32), torch.nn.ReLU(), torch.nn.Linear(32, HIDDEN))
     layer = deepspeed_feplb.MoE(HIDDEN, expert, num_experts=EXPERTS, k=1, drop_tokens=False)
+    keys = list(layer.state_dict())
+    gate_calls = []
+    layer.deepspeed_moe.gate.register_forward_hook(lambda *_: gate_calls.append(1))  # profilers' and users' hooks
     topks = TensorTopKs(monkeypatch)
     out, _, counts = layer(torch.randn(2, TOKENS // 2, HIDDEN))
     assert topks.count == 0 and out.shape == (2, TOKENS // 2, HIDDEN) and int(counts.sum()) == TOKENS
+    assert type(layer.deepspeed_moe.gate) is DroplessTop1Gate and gate_calls == [1]
+    assert list(layer.state_dict()) == keys
     used = (torch.arange(TOKENS) % 5 != 0).float()  # padding tokens: routed nowhere, their output zero
     out, _, counts = layer(torch.randn(TOKENS, HIDDEN), used)
     assert int(counts.sum()) == int(used.sum()) and not out[::5].any() and out[1::5].abs().sum() > 0
@@ -99,3 +104,14 @@ def test_too_few_tokens_for_min_capacity_is_refused_as_deepspeed_does():
         dropless_top1(gate, torch.randn(TOKENS, HIDDEN))
     with pytest.raises(AssertionError):
         gate(torch.randn(TOKENS, HIDDEN), None, True, False)
+
+
+def test_the_gate_class_is_made_only_from_a_dropless_top1_gate_and_keeps_deepspeeds_other_calls():
+    for gate in (TopKGate(HIDDEN, EXPERTS, k=2, drop_tokens=False), TopKGate(HIDDEN, EXPERTS, k=1)):
+        with pytest.raises(ValueError, match="dropless top-1 TopKGate"):
+            DroplessTop1Gate.of(gate)
+    gate = _gate(None, False, True)
+    ours = DroplessTop1Gate.of(_gate(None, False, True))
+    x = torch.randn(TOKENS, HIDDEN)
+    dense_theirs, dense_ours = gate(x), ours(x)  # the dense routes DeepSpeed's own MOELayer takes
+    assert all(torch.equal(a, b) for a, b in zip(dense_theirs, dense_ours))

@@ -6,7 +6,10 @@ dropless gate's capacity is at least every expert's count, so that pick keeps ev
 token: the routes are the argmax itself. `dropless_top1` computes DeepSpeed's sparse outputs from
 it with the same operations in the same order, and makes the same random draws (the gate's noise,
 and the token-selection draw, which DeepSpeed makes even where it keeps every token), so that
-whatever runs after the gate sees the same random state.
+whatever runs after the gate sees the same random state. The outputs are DeepSpeed's bit for bit
+but for one case: a routed token whose selection draw is exactly 0 (about 2^-24 per route) ties
+with the unrouted tokens in DeepSpeed's ``topk``, which may then drop it; here it is kept, as a
+dropless gate must. `DroplessTop1Gate` is the gate a FEPLB layer's top-1 `TopKGate` becomes.
 """
 from __future__ import annotations
 
@@ -61,3 +64,22 @@ def dropless_top1(gate: sharded_moe.TopKGate, x: torch.Tensor, used_token: Optio
         gate.gate_time = gate.timers(sharded_moe.TOPK_GATE_TIMER).elapsed(reset=False)
     return (l_aux, exp_counts.max(), num_experts, ids.to(torch.int32).unsqueeze(0),
             locations.to(torch.int32).unsqueeze(0), gate_values.unsqueeze(0), exp_counts)
+
+
+class DroplessTop1Gate(sharded_moe.TopKGate):
+    """DeepSpeed's top-1 `TopKGate`, dropless, whose sparse routes are `dropless_top1`'s. A FEPLB
+    layer's top-1 gate becomes one when the layer attaches (`of`): the same module, so its
+    parameters, state dict keys and hooks stay; every other call is DeepSpeed's."""
+
+    @classmethod
+    def of(cls, gate: sharded_moe.TopKGate) -> "DroplessTop1Gate":
+        if type(gate) is not sharded_moe.TopKGate or gate.k != 1 or gate.drop_tokens:
+            raise ValueError(f"a DroplessTop1Gate is made from a dropless top-1 TopKGate, not {gate!r}")
+        gate.__class__ = cls
+        return gate
+
+    def forward(self, input: torch.Tensor, used_token: Optional[torch.Tensor] = None, sparse_routes: bool = False,
+                use_tutel: bool = False):
+        if sparse_routes and not use_tutel and not self.drop_tokens:
+            return dropless_top1(self, input, used_token)
+        return super().forward(input, used_token, sparse_routes, use_tutel)

@@ -26,7 +26,7 @@ from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import domain_size, install_exit_handlers
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.gate import SigmoidTopKGate
-from deepspeed_feplb.gate.top1 import dropless_top1
+from deepspeed_feplb.gate.top1 import DroplessTop1Gate
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
@@ -110,6 +110,8 @@ class FEPLBMOELayer(MOELayer):
         self.gate.drop_tokens = False  # FEPLB is dropless
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating, seams.data_parallel_group())
+        if type(self.gate) is TopKGate and self.gate.k == 1:
+            DroplessTop1Gate.of(self.gate)  # DeepSpeed's routes without its host sync
         if placed:
             self.placement = _make_placement(self, config, expert_params, redundant)
             self.stage.times_every_call = True
@@ -171,14 +173,11 @@ class FEPLBMOELayer(MOELayer):
         """The gate's sparse routes. DeepSpeed's dropless `TopKGate` all-reduces its largest expert
         count over the EP group, to size the dense dispatch of DeepSpeed's own layer; FEPLB sends
         exact splits and never reads it, so the gate runs without its EP group here: one collective
-        less per forward, the same routes, gates and aux loss. Its top-1 also picks each expert's
-        tokens with a ``topk`` whose k is on the device (a sync); dropless, that pick keeps every
-        token, and `dropless_top1` gives the same outputs without it."""
+        less per forward, the same routes, gates and aux loss. (A top-1 gate is a `DroplessTop1Gate`
+        by now: no host sync either.)"""
         gate = self.gate
-        if type(gate) is not TopKGate:
+        if type(gate) not in (TopKGate, DroplessTop1Gate):
             return gate(x, used_token, True, False)
-        if gate.k == 1:
-            return dropless_top1(gate, x, used_token)
         group, gate.ep_group = gate.ep_group, None
         try:
             return gate(x, used_token, True, False)

@@ -252,7 +252,8 @@ class _HostStream:
 
     def __init__(self, name: str):
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper than the default RLock
+        self._lock = threading.Lock()  # a plain lock: cheaper than the default RLock, entered directly (C)
+        self._changed = threading.Condition(self._lock)
         self.queued = self.done = 0
         self._waiting = 0  # threads in `wait`: only they need a notification
         self.error: BaseException | None = None
@@ -261,7 +262,7 @@ class _HostStream:
 
     def submit(self, op, ready=None) -> None:
         """Queue ``op``; ``ready()``: whether it could run now without waiting (None: always)."""
-        with self._changed:  # queued in call order, whichever thread submits
+        with self._lock:  # queued in call order, whichever thread submits
             self.queued += 1
             if self.done + 1 == self.queued and (ready is None or ready()):
                 # idle: nothing is queued or running; holding the lock keeps it so while ``op`` runs
@@ -288,7 +289,7 @@ class _HostStream:
             if op is None:
                 return
             self._execute(op)
-            with self._changed:
+            with self._lock:
                 self._ran_locked()
 
     def reached(self, ticket: int) -> bool:
@@ -480,11 +481,13 @@ class HostBackend:
     def _on(self, stream: int, op, ready=None) -> None:
         """Run ``op`` on ``stream``: now on stream 0, else after what is queued there (``ready``:
         `_HostStream.submit`)."""
-        host = self._stream(stream)
-        if host is None:
+        if not stream:
             op()
-        else:
-            host.submit(op, ready)
+            return
+        host = self._streams.get(stream)
+        if host is None:
+            raise ValueError(f"unknown stream {stream}")
+        host.submit(op, ready)
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         host, ticket = self._event_done(event)  # the record as of now, as CUDA does

@@ -118,11 +118,16 @@ def part_ranges(nbytes: int, capacity: int):
         lo = hi
 
 
-def overlap(offset: int, size: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The bytes of a tensor at ``[offset, offset + size)`` of a message that lie in the part
-    ``[lo, hi)``: ``[(start within the tensor, length)]``, empty when none."""
-    start, end = max(offset, lo), min(offset + size, hi)
-    return [(start - offset, end - start)] if end > start else []
+def part_copies(pieces: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The copies of part ``[lo, hi)`` of a message whose tensors lie at ``pieces`` ((address,
+    byte offset in the message, bytes) each): ``[(offset in the part, address, bytes)]``, one per
+    tensor with bytes in the part."""
+    copies = []
+    for ptr, offset, size in pieces:
+        start, end = max(offset, lo), min(offset + size, hi)
+        if end > start:
+            copies.append((start - lo, ptr + start - offset, end - start))
+    return copies
 
 
 def preflight_problems(me: int, ranks: Sequence[int], devices: Sequence[str], slot: int, free_bytes: int,
@@ -193,6 +198,7 @@ class _Outgoing:
     offsets: list
     nbytes: int
     parts: list  # (lo, hi) byte ranges, one per ring slot it takes
+    pieces: list  # (address, offset, bytes) of each tensor (`part_copies`)
     ready: Optional[int] = None  # an event to wait for before its first part (queued behind others), ours
     enqueued: int = 0  # parts enqueued on the copy stream so far
     described: int = 0  # its number on the link once its description is published
@@ -455,7 +461,8 @@ class CudaCETransport:
         tensors = [t.detach().contiguous() for t in tensors]
         offsets, nbytes = message_layout([(t.dtype, t.shape) for t in tensors])
         self._map(dst)
-        message = _Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, self._peer_capacity[dst])))
+        message = _Outgoing(tag, tensors, offsets, nbytes, list(part_ranges(nbytes, self._peer_capacity[dst])),
+                            [(t.data_ptr(), offset, t.nbytes) for t, offset in zip(tensors, offsets)])
         backend = self.backend
         with self._lock:
             ready = after
@@ -508,9 +515,8 @@ class CudaCETransport:
                     message.ready = None
                 lo, hi = message.parts[message.enqueued]
                 slot = peer + (n - 1) % RING_SLOTS * self._peer_capacity[dst]
-                for t, offset in zip(message.tensors, message.offsets):
-                    for at, length in overlap(offset, t.numel() * t.element_size(), lo, hi):
-                        backend.memcpy_async(slot + offset + at - lo, t.data_ptr() + at, length, stream)
+                for at, src, length in part_copies(message.pieces, lo, hi):
+                    backend.memcpy_async(slot + at, src, length, stream)
                 self._signal(stream, me, dst, SEQ_FLAG, self._flag(n))
                 self._parts_sent[dst] = n
                 self._extra_parts[dst] += message.enqueued > 0
@@ -584,6 +590,7 @@ class CudaCETransport:
             # the tensors were allocated on the caller's stream, whose earlier work may still use that memory
             backend.event_record(self._events["caller_at"][src], caller)
             backend.stream_wait_event(stream, self._events["caller_at"][src])
+            pieces = [(out.data_ptr(), offset, out.nbytes) for out, (_, offset, _) in zip(tensors, found)]
             for lo, hi in part_ranges(nbytes, self._capacity):
                 n = self._parts_read[src] + 1
                 self._wait(lambda due=n: channel[ENQUEUED] >= due, src, (src, me, BELL),
@@ -591,9 +598,8 @@ class CudaCETransport:
                 self._await(stream, src, me, SEQ_FLAG, self._flag(n), "for part {n} (message tag {tag:#x})", n=n,
                             tag=tag)
                 slot = own + (n - 1) % RING_SLOTS * self._capacity
-                for out, (_, offset, _) in zip(tensors, found):
-                    for at, length in overlap(offset, out.numel() * out.element_size(), lo, hi):
-                        backend.memcpy_async(out.data_ptr() + at, slot + offset + at - lo, length, stream)
+                for at, dst, length in part_copies(pieces, lo, hi):
+                    backend.memcpy_async(dst, slot + at, length, stream)
                 self._signal(stream, src, me, ACK_FLAG, self._flag(n))
                 self._parts_read[src] = n
             backend.event_record(self._events["done"][src], stream)

@@ -5,7 +5,8 @@ For one layer and micro-batch, `DynamicExperts` takes the rows of this rank's dy
 Following the plan, the home keeps the first rows of each dynamic expert and ships the rest in
 chunks, together with a copy of the expert's weights, to helper ranks of its NVLink domain;
 at the same time it serves as a helper for other homes. Helpers compute with a functional copy
-of the expert (`torch.func.functional_call` on their own expert module as a template).
+of the expert (their own expert module as a template, the weights bound into it for the call:
+`ExpertSpec.call`).
 
 Backward mirrors forward: output-gradients go to the helpers, which return input-gradients
 and weight-gradients; the weight-gradients are returned by the autograd function for the
@@ -25,12 +26,12 @@ so the exchange is deadlock-free (sends are asynchronous, receives follow a fixe
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
 import torch
-from torch.func import functional_call
 
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import Fingerprints, HeldCopy, LayerResidency
@@ -46,6 +47,40 @@ def tag(seq: int, phase: int) -> int:
 # grouped(weights, x, sizes) -> y: k experts at once, ``weights[j]`` the k experts' parameter j stacked
 # ``[k, *shape_j]``, ``x`` ``[N, H]`` their rows in order (``sizes[i]`` rows of expert i) -> ``[N, H_out]``
 GroupedCall = Callable[[list, torch.Tensor, list], torch.Tensor]
+
+
+def tensor_slots(module: torch.nn.Module, buffers: bool = False) -> list[tuple[dict, str, int]]:
+    """Where ``module`` keeps its parameters (and, with ``buffers``, then its buffers): per tensor
+    under each of its names, (owning submodule's ``_parameters`` or ``_buffers``, name there, index
+    in ``named_parameters()`` order, buffers numbered on after the parameters)."""
+    subs, slots, index = list(module.modules()), [], {}
+    for kind in ("_parameters", "_buffers") if buffers else ("_parameters", ):
+        seen: dict = {}
+        for sub in subs:
+            table = getattr(sub, kind)
+            for key, t in table.items():
+                if t is not None:
+                    slots.append((table, key, len(index) + seen.setdefault(id(t), len(seen))))
+        index.update(seen)
+    return slots
+
+
+@contextmanager
+def bound(slots: list[list[tuple[dict, str, int]]], tensors: list[list[torch.Tensor]]):
+    """Module i holds ``tensors[i]`` as its parameters (and buffers) inside the block (``slots[i]``:
+    its `tensor_slots`), as `torch.func.functional_call` binds them around one call: calling the
+    module computes on them, with the same graph. Its own come back when the block ends, however
+    it ends."""
+    saved = []
+    try:
+        for module_slots, values in zip(slots, tensors):
+            for table, key, i in module_slots:
+                saved.append((table, key, table[key]))
+                table[key] = values[i]
+        yield
+    finally:
+        for table, key, tensor in reversed(saved):
+            table[key] = tensor
 
 
 @dataclass
@@ -69,8 +104,10 @@ class ExpertSpec:
         return [b for _, b in module.named_buffers()]
 
     def call(self, module, params, buffers, x):
-        out = functional_call(module, {**dict(zip(self.param_names, params)), **dict(zip(self.buffer_names, buffers))},
-                              (x, ))
+        """``module`` on rows x ``[n, H]`` with ``params`` (``param_names`` order) and ``buffers``
+        bound as its own (`bound`: `functional_call`'s binding without its cost per call)."""
+        with bound([tensor_slots(module, buffers=bool(self.buffer_names))], [[*params, *buffers]]):
+            out = module(x)
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -11,6 +11,8 @@ MAX_DIMS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool)
 FIELDS = 3 + MAX_DIMS  # dtype code, offset, ndim, shape
+_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+_PAD = [(0, ) * (MAX_DIMS - n) for n in range(MAX_DIMS + 1)]  # the unused shape words of an n-dim tensor
 
 
 def check(tensors: list[torch.Tensor]) -> None:
@@ -18,14 +20,14 @@ def check(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         if t.dim() > MAX_DIMS:
             raise ValueError(f"transport tensors have at most {MAX_DIMS} dims, got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
+        if t.dtype not in _CODES:
             raise TypeError(f"transport cannot move {t.dtype}")
 
 
 def description(t: torch.Tensor, offset: int) -> list[int]:
     """The `FIELDS` words that describe ``t`` stored at byte ``offset``."""
-    shape = list(t.shape)
-    return [DTYPES.index(t.dtype), offset, len(shape), *shape, *[0] * (MAX_DIMS - len(shape))]
+    shape = t.shape
+    return [_CODES[t.dtype], offset, len(shape), *shape, *_PAD[len(shape)]]
 
 
 def describe(row, t: torch.Tensor, offset: int) -> None:
@@ -34,8 +36,9 @@ def describe(row, t: torch.Tensor, offset: int) -> None:
 
 
 def read(row) -> tuple[torch.dtype, int, list[int]]:
-    """(dtype, byte offset, shape) of a description written by `describe`."""
-    code, offset, ndim, *shape = (int(v) for v in row)
+    """(dtype, byte offset, shape) of a description written by `describe` (``row``: its `FIELDS`
+    words, a list of ints or an int64 array)."""
+    code, offset, ndim, *shape = row.tolist() if hasattr(row, "tolist") else row
     return DTYPES[code], offset, shape[:ndim]
 
 
