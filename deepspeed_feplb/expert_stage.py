@@ -303,9 +303,10 @@ class ExpertStage:
         start, host clock; NaN: not balanced), ``fit_us`` (the fitted piece and row cost of the path
         it took, as they were before it: `ComputeTimes.fitted_us`), the stage's time, ``forward_us``
         now and ``backward_us`` once its backward ran (host clock; on CUDA also CUDA events, which
-        `recorded` reads), and ``cpu_us``, the CPU time this process used meanwhile (all its
-        threads: on an oversubscribed host far less than the two; NaN until the backward ran).
-        Returns ``out``."""
+        `recorded` reads), ``cpu_us``, the CPU time this process used meanwhile (all its threads:
+        on an oversubscribed host far less than the two; NaN until the backward ran), and
+        ``message_us``, the message latency the planner priced (the domain transport's measured
+        figure; NaN: no domain yet). Returns ``out``."""
         if record is None:
             return out
         forward_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
@@ -324,7 +325,8 @@ class ExpertStage:
                                           fresh]).astype(np.int64).reshape(-1, 5),
                 "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
                 "fit_us": record["fit_us"] or (float("nan"), float("nan")),
-                "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan")}
+                "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan"),
+                "message_us": self.domain.transport.message_us if self.domain is not None else float("nan")}
             if events is not None:
                 last["events"] = events
         if not (out.requires_grad and rows.requires_grad) or (last is None and not calls[0]):

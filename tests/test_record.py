@@ -79,12 +79,14 @@ def test_recorded_trace_matches_exp_counts(tmp_path):
     expect = np.array(results[0]["migrated"])
     assert np.array_equal(moved[:-1], expect[:-1]) and expect[:-1].sum() > 0, (moved, expect)
     assert (trace.plan_moves[:, 3] // (EXPERTS // WORLD) != trace.plan_moves[:, 2] // (EXPERTS // WORLD)).sum() == 0
-    assert trace.stage_us.shape == (steps, 2, WORLD, 6)
+    assert trace.stage_us.shape == (steps, 2, WORLD, 7)
     assert (trace.stage_us[:-1, :, :, :2] > 0).all() and np.isnan(trace.stage_us[-1]).all()
     plan_in_hand = trace.stage_us[:-1, :, :, 2]  # every micro-batch balanced ("ignore"): within its forward
     assert (plan_in_hand > 0).all() and (plan_in_hand < trace.stage_us[:-1, :, :, 0]).all()
     cpu = trace.stage_us[:-1, :, :, 5]  # the process's CPU time over the stage: its threads may add up to more
     assert (cpu > 0).all() and (cpu < 3 * trace.stage_us[:-1, :, :, :2].sum(axis=-1)).all()
+    message_us = trace.stage_us[:-1, :, :, 6]  # the latency each domain's transport measured when it opened
+    assert (message_us > 0).all() and (message_us == message_us[0, 0, 0]).all()
 
 
 def test_shipped_real_trace_is_valid_and_skewed():

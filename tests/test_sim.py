@@ -307,6 +307,24 @@ def test_the_recorded_costs_replace_the_profiles_compute_costs():
     assert rows[:, 3].tolist() == [30.0, 30.0]  # the run's 1 µs per row and free pieces (see the test above)
 
 
+def test_the_recorded_message_latency_is_priced_where_the_trace_holds_it():
+    from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+    from deepspeed_feplb.sim.measured import predicted_and_measured
+
+    model = TimeModel(1, 1.0, 0.0, 5.0, 5.0, 0.1)
+    trace = _recorded_trace(1.0)
+    stage = np.concatenate([trace.stage_us, np.full(trace.stage_us.shape[:-1] + (2, ), np.nan)], axis=-1)
+    stage[1:, 0, :, 3] = 0.0  # a current record: column 3 is the fitted piece cost
+    stage[1:, 0, :, 6] = 20.0  # the domain's transport measured 20 µs per message
+    rows = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True)
+    slow_messages = rank_finish_us(trace.counts[1, 0].sum(axis=0).reshape(2, 2), np.array([[0, 0, 1, 10]]),
+                                   replace(model, message_us=20.0))  # the plan latency: micro-batch 0's, none
+    assert rows[0, 3] == slow_messages.max() > 30.0  # the chunk's messages now end the micro-batch
+    stage[1:, 0, :, 6] = np.nan  # no domain had opened: the profile's latency (0 here)
+    rows = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True)
+    assert rows[0, 3] < slow_messages.max()
+
+
 def test_the_cpu_share_says_whether_the_ranks_had_a_core_each():
     from deepspeed_feplb.sim.measured import cpu_share
 

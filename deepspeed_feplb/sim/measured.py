@@ -9,11 +9,12 @@ minimises) and sets it beside the measured one, the slowest rank's forward + bac
 The compute costs come from the cost profile (what the simulator uses for other machines), or,
 with ``recorded_costs``, from the domain's own fits as its planner had them at that micro-batch
 (`expert_costs.ComputeTimes.fitted_us`: the costs of a piece and of a row, forward and backward,
-fitted from earlier micro-batches; the medians over the domain's ranks) and the plan's latency of
-the micro-batch before (what the runtime knew then): the check then tests how the model composes
-them. ``sends_after_static``: the run's homes sent their chunks only after their static experts
-(`TimeModel.sends_after_static`: a grouped static call on CPU ranks); otherwise as soon as the plan
-was in hand, which is what the runtime does between its static experts' calls.
+fitted from earlier micro-batches; the medians over the domain's ranks), the plan's latency of
+the micro-batch before (what the runtime knew then) and the message latency the domain's transport
+measured (traces with a 7th column): the check then tests how the model composes them.
+``sends_after_static``: the run's homes sent their chunks only after their static experts
+(`TimeModel.sends_after_static`: a grouped static call on CPU ranks); otherwise as soon as the
+plan was in hand, which is what the runtime does between its static experts' calls.
 This is what "how far to trust the simulator" rests on.
 """
 from __future__ import annotations
@@ -72,6 +73,9 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                         if step and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
+                    message_us = _recorded_message_us(trace.stage_us[step, layer, first:first + ranks_per_node])
+                    if message_us is not None:
+                        here_model = replace(here_model, message_us=message_us)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
@@ -98,6 +102,15 @@ def errors(rows: np.ndarray) -> dict:
     return {"median_abs_rel_error": float(np.median(np.abs(relative))),
             "p90_abs_rel_error": float(np.percentile(np.abs(relative), 90)),
             "median_rel_error": float(np.median(relative)), "micro_batches": int(len(rows))}
+
+
+def _recorded_message_us(stage_us: np.ndarray) -> Optional[float]:
+    """The message latency a domain's ranks priced at one micro-batch (``stage_us`` ``[G, C]``, its
+    column 6, the same on every rank of a domain), or None where the trace lacks it."""
+    if stage_us.shape[-1] < 7:
+        return None
+    figures = stage_us[:, 6][np.isfinite(stage_us[:, 6])]
+    return float(np.median(figures)) if figures.size else None
 
 
 def cpu_share(trace: Trace, skip_steps: int = 1) -> Optional[float]:
