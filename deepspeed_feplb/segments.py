@@ -154,8 +154,9 @@ class Words:
         self.array = None
 
 
+# Linux system call numbers (other systems have no futex: waiters poll)
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(
-    platform.machine().lower())
+    platform.machine().lower()) if sys.platform.startswith("linux") else None
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long

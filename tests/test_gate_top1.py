@@ -8,6 +8,8 @@
 * With padding tokens (``used_token``) DeepSpeed's dropless top-1 passes a float tensor as topk's
   k, which torch refuses; FEPLB's routes them (compared here with DeepSpeed's k read as an int).
 * The layer test fails on the code before: it ran DeepSpeed's gate, one such topk per forward.
+* With an EP group (a DeepSpeed `MOELayer` holding the gate, as `assert_equal_to_unbalanced`'s
+  reference does), the gate is DeepSpeed's: its capacity agreed over the group.
 """
 import pytest
 import torch
@@ -115,3 +117,35 @@ def test_the_gate_class_is_made_only_from_a_dropless_top1_gate_and_keeps_deepspe
     x = torch.randn(TOKENS, HIDDEN)
     dense_theirs, dense_ours = gate(x), ours(x)  # the dense routes DeepSpeed's own MOELayer takes
     assert all(torch.equal(a, b) for a, b in zip(dense_theirs, dense_ours))
+
+
+def _top1_with_an_ep_group() -> dict:
+    """Two ranks: the swapped gate in a DeepSpeed layer's hands (EP group set) agrees on DeepSpeed's
+    capacity, and a top-1 FEPLB layer equals DeepSpeed's MoE with no routing override."""
+    import torch.distributed as dist
+
+    import deepspeed_feplb
+    from deepspeed_feplb.testing import assert_equal_to_unbalanced
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    gate = TopKGate(HIDDEN, EXPERTS, k=1, min_capacity=0, drop_tokens=False, use_rts=False, ep_group=dist.group.WORLD)
+    skew = 3 * rank * gate.wg.weight[0].detach()  # rank 1's tokens favour expert 0: the ranks' counts differ
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank)) + skew
+    theirs = int(gate(x, None, True)[1])
+    ours = int(DroplessTop1Gate.of(gate)(x, None, True)[1])
+    expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 32), torch.nn.ReLU(), torch.nn.Linear(32, HIDDEN))
+    layer = deepspeed_feplb.MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=2, k=1, min_capacity=0, drop_tokens=False,
+                                use_rts=False, feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1,
+                                                             "chunk_align_tokens": 1, "fixed_costs": "ignore"})
+    layer.set_deepspeed_parallelism()
+    assert_equal_to_unbalanced(layer, x, against="deepspeed")
+    return {"capacities": (theirs, ours), "gate": type(layer.deepspeed_moe.gate).__name__}
+
+
+def test_with_an_ep_group_the_gate_is_deepspeeds_and_a_top1_layer_equals_deepspeeds_moe():
+    from deepspeed_feplb.testing import run_distributed
+
+    results = run_distributed(_top1_with_an_ep_group, 2, timeout=180)
+    assert len({c for r in results for c in r["capacities"]}) == 1, results  # one capacity over the group
+    assert all(r["gate"] == "DroplessTop1Gate" for r in results)

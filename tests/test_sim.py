@@ -320,6 +320,9 @@ def test_the_recorded_message_latency_is_priced_where_the_trace_holds_it():
     slow_messages = rank_finish_us(trace.counts[1, 0].sum(axis=0).reshape(2, 2), np.array([[0, 0, 1, 10]]),
                                    replace(model, message_us=20.0))  # the plan latency: micro-batch 0's, none
     assert rows[0, 3] == slow_messages.max() > 30.0  # the chunk's messages now end the micro-batch
+    given = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True,
+                                   recorded_message_us=False)  # simulate --message-us: the figure given wins
+    assert given[0, 3] < slow_messages.max()
     stage[1:, 0, :, 6] = np.nan  # no domain had opened: the profile's latency (0 here)
     rows = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True)
     assert rows[0, 3] < slow_messages.max()

@@ -67,9 +67,11 @@ def dropless_top1(gate: sharded_moe.TopKGate, x: torch.Tensor, used_token: Optio
 
 
 class DroplessTop1Gate(sharded_moe.TopKGate):
-    """DeepSpeed's top-1 `TopKGate`, dropless, whose sparse routes are `dropless_top1`'s. A FEPLB
-    layer's top-1 gate becomes one when the layer attaches (`of`): the same module, so its
-    parameters, state dict keys and hooks stay; every other call is DeepSpeed's."""
+    """DeepSpeed's top-1 `TopKGate`, dropless, whose sparse routes are `dropless_top1`'s when it
+    runs without an EP group (as a FEPLB layer runs its gate: FEPLB never reads the capacity). A
+    FEPLB layer's top-1 gate becomes one when the layer attaches (`of`): the same module, so its
+    parameters, state dict keys and hooks stay. Every other call is DeepSpeed's, among them a
+    DeepSpeed `MOELayer`'s, whose dense dispatch needs the capacity agreed over its EP group."""
 
     @classmethod
     def of(cls, gate: sharded_moe.TopKGate) -> "DroplessTop1Gate":
@@ -80,6 +82,6 @@ class DroplessTop1Gate(sharded_moe.TopKGate):
 
     def forward(self, input: torch.Tensor, used_token: Optional[torch.Tensor] = None, sparse_routes: bool = False,
                 use_tutel: bool = False):
-        if sparse_routes and not use_tutel and not self.drop_tokens:
+        if sparse_routes and not use_tutel and not self.drop_tokens and self.ep_group is None:
             return dropless_top1(self, input, used_token)
         return super().forward(input, used_token, sparse_routes, use_tutel)

@@ -136,7 +136,8 @@ def add_parser(subparsers) -> None:
                         "CUDA device in bf16, copy rates of h200) (default: %(default)s)")
     p.add_argument("--message-us", type=float, default=None, metavar="US",
                    help="fixed latency of one phase-2 message in the time model, in µs (default: the profile's, 0; "
-                        "cuda_ce measured about 230 on an H200 machine)")
+                        "cuda_ce measured about 230 on an H200 machine; with --compare-measured it also replaces the "
+                        "latency a recorded trace holds)")
     p.add_argument("--hidden", type=whole_number(1),
                    help="expert hidden size for the cost model (default: the trace's hidden, else 6144)")
     p.add_argument("--ffn-hidden", type=whole_number(1),
@@ -323,7 +324,8 @@ def _compare_measured(args, trace, setup) -> dict:
                                 (True, "recorded_costs", "the run's own fitted costs, as its planner had them")):
         try:
             rows = predicted_and_measured(trace, model, setup.ranks_per_node, recorded_costs=recorded,
-                                          dynamic_experts=setup.dynamic_experts)
+                                          dynamic_experts=setup.dynamic_experts,
+                                          recorded_message_us=args.message_us is None)
             figures = errors(rows)
         except ValueError as e:
             if recorded:  # a run that fitted nothing (fixed_costs "ignore") has no recorded costs

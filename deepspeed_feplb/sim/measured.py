@@ -32,12 +32,13 @@ __all__ = ["compare_measured", "cpu_share", "errors", "predicted_and_measured"]
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
                            recorded_costs: bool = False, sends_after_static: bool = False,
-                           dynamic_experts: int = 0) -> np.ndarray:
+                           dynamic_experts: int = 0, recorded_message_us: bool = True) -> np.ndarray:
     """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
     allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the costs
     of a piece and of a row are the domain's recorded fits, the plan's latency the previous
-    micro-batch's (module docstring); the rest is ``model``'s. ``dynamic_experts``: the run's D
+    micro-batch's, and (``recorded_message_us``) the message latency the domain's transport
+    measured where the trace holds it (module docstring); the rest is ``model``'s. ``dynamic_experts``: the run's D
     (each rank's D hottest experts wait for the plan). A trace recorded before 2026-12-02 (5
     columns of ``stage_us``) has a probe's cost where the fitted piece cost is now and the planning
     time where the plan's arrival is: its pieces cost nothing and its plan latency is 0, as its
@@ -74,7 +75,7 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
                     message_us = _recorded_message_us(trace.stage_us[step, layer, first:first + ranks_per_node])
-                    if message_us is not None:
+                    if message_us is not None and recorded_message_us:
                         here_model = replace(here_model, message_us=message_us)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
@@ -86,12 +87,13 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
 
 
 def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
-                     recorded_costs: bool = False, sends_after_static: bool = False, dynamic_experts: int = 0) -> dict:
+                     recorded_costs: bool = False, sends_after_static: bool = False, dynamic_experts: int = 0,
+                     recorded_message_us: bool = True) -> dict:
     """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
     predicted against the measured makespan (`predicted_and_measured`); the signed median says
     whether the model runs fast (< 0) or slow."""
     return errors(predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs,
-                                         sends_after_static, dynamic_experts))
+                                         sends_after_static, dynamic_experts, recorded_message_us))
 
 
 def errors(rows: np.ndarray) -> dict:

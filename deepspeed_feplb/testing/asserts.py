@@ -124,9 +124,10 @@ def _feplb_layers(model: torch.nn.Module) -> list:
 def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
     """A deep copy of ``model`` whose FEPLB layers compute without balancing / as DeepSpeed's MoE."""
     from deepspeed.moe import layer as ds_layer
-    from deepspeed.moe.sharded_moe import MOELayer
+    from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
     from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.gate.top1 import DroplessTop1Gate
     from deepspeed_feplb.integration.deepspeed_moe import MoE as FEPLBMoE
     from deepspeed_feplb.testing.routing import RoutedGate, _arm
 
@@ -156,6 +157,8 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
             layer.__class__ = MOELayer
             inner = layer.gate.inner if isinstance(layer.gate, RoutedGate) else layer.gate
             inner.drop_tokens = False  # DeepSpeed's dropless mode, the one FEPLB equals
+            if type(inner) is DroplessTop1Gate:
+                inner.__class__ = TopKGate  # DeepSpeed's own top-1, the independent reference
     return twin
 
 

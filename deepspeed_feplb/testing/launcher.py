@@ -53,8 +53,8 @@ class RankSkipped(Exception):
         self.rank, self.reason = rank, reason
 
 
-# what a rank would otherwise import on the way (symbolic_shapes: the first autograd.grad through
-# torch.func.functional_call imports sympy, ~2 s)
+# what a rank would otherwise import on the way (symbolic_shapes: imported by torch's functional and
+# compile paths on first use, sympy included, ~2 s)
 _PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "deepspeed.moe.layer",
             "deepspeed_feplb.integration.deepspeed_moe"]
 
