@@ -38,7 +38,7 @@ from deepspeed_feplb.integration.placement import (
     state_bytes_per_expert,
 )
 from deepspeed_feplb.integration.replicas import ReplicaSlots
-from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.migrate.phase2 import ExpertSpec, run_expert
 from deepspeed_feplb.plan.replicas import load_split
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -119,7 +119,7 @@ class FEPLBMOELayer(MOELayer):
         spec = ExpertSpec.of(experts[0])
         # replica slots are computed functionally on their weights, and every rank of the EP group
         # must run their gradient exchange (`ExpertGradOrder`): no direct calls then
-        direct = None if redundant else (lambda e, x: _call(experts[e], x))
+        direct = None if redundant else (lambda e, x: run_expert(experts[e], x))
         self.local_experts = LocalExperts(experts + [experts[0]] * redundant, self._expert_params, spec, direct=direct)
         self._linked_params: Optional[list[list[torch.Tensor]]] = None  # this forward's, with replica slots
         self.dispatcher = make_dispatcher(config, self.stage.ep_group, self.ep_size, local_slots,
@@ -329,11 +329,6 @@ class _ReplicaLink:
         groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
         homes = self.replicas.backward(groups[:self.primaries], groups[self.primaries:], self.step_ends)
         return [rows, *(g for group in homes for g in group), *([None] * (len(flat) - self.primaries * self.n))]
-
-
-def _call(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = expert(x)
-    return out[0] if isinstance(out, tuple) else out
 
 
 class MoE(ds_layer.MoE):

@@ -474,20 +474,19 @@ class HostBackend:
     def _stream(self, stream: int):
         if not stream:
             return None
-        if stream not in self._streams:
+        host = self._streams.get(stream)
+        if host is None:
             raise ValueError(f"unknown stream {stream}")
-        return self._streams[stream]
+        return host
 
     def _on(self, stream: int, op, ready=None) -> None:
         """Run ``op`` on ``stream``: now on stream 0, else after what is queued there (``ready``:
         `_HostStream.submit`)."""
-        if not stream:
-            op()
-            return
-        host = self._streams.get(stream)
+        host = self._stream(stream)
         if host is None:
-            raise ValueError(f"unknown stream {stream}")
-        host.submit(op, ready)
+            op()
+        else:
+            host.submit(op, ready)
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         host, ticket = self._event_done(event)  # the record as of now, as CUDA does

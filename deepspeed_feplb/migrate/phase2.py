@@ -107,8 +107,13 @@ class ExpertSpec:
         """``module`` on rows x ``[n, H]`` with ``params`` (``param_names`` order) and ``buffers``
         bound as its own (`bound`: `functional_call`'s binding without its cost per call)."""
         with bound([tensor_slots(module, buffers=bool(self.buffer_names))], [[*params, *buffers]]):
-            out = module(x)
-        return out[0] if isinstance(out, tuple) else out
+            return run_expert(module, x)
+
+
+def run_expert(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``expert`` on rows x ``[n, H]``: its output, the first element where it returns a tuple."""
+    out = expert(x)
+    return out[0] if isinstance(out, tuple) else out
 
 
 @dataclass

@@ -74,8 +74,9 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                         if step and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
-                    message_us = _recorded_message_us(trace.stage_us[step, layer, first:first + ranks_per_node])
-                    if message_us is not None and recorded_message_us:
+                    message_us = _recorded_message_us(trace.stage_us[step, layer, first:first + ranks_per_node]) \
+                        if recorded_message_us else None
+                    if message_us is not None:
                         here_model = replace(here_model, message_us=message_us)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
