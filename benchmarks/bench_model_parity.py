@@ -82,7 +82,7 @@ def spread(trace_path: str) -> dict:
     from deepspeed_feplb.trace.format import load_trace
 
     stage = load_trace(trace_path).stage_us[WARM:, 0]
-    makespan = (stage[..., 0] + stage[..., 1]).max(axis=1)
+    makespan = stage[..., 0].max(axis=1) + stage[..., 1].max(axis=1)  # as `sim.measured` takes it
     makespan = makespan[np.isfinite(makespan)]
     deviation = np.abs(makespan / np.median(makespan) - 1)
     return {"median_abs_rel_deviation": float(np.median(deviation)),
@@ -116,10 +116,13 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=29680)
     parser.add_argument("--out", help="JSON output")
     parser.add_argument("--no-floor", action="store_true", help="skip the repeated-batch runs (the noise floor)")
+    parser.add_argument("--traces", help="keep the recorded traces in this folder (default: a temporary one)")
     args = parser.parse_args()
     chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
     results, floors = {}, {}
-    with tempfile.TemporaryDirectory(prefix="feplb-parity-") as folder:
+    with tempfile.TemporaryDirectory(prefix="feplb-parity-") as scratch:
+        folder = args.traces or scratch
+        os.makedirs(folder, exist_ok=True)
         for i, name in enumerate(chosen):
             ranks, hidden, tokens = CASES[name]
             load_before = os.getloadavg()

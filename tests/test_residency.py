@@ -2,13 +2,14 @@
 runtime's residency (copies kept for the optimizer step, gradients home at its end) against
 DeepSpeed's MoE with gradient accumulation."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from deepspeed_feplb.plan.policy import PlanConstraints, no_residents, plan_domain
 from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable
-from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
 from deepspeed_feplb.sim.policies import SimSetup
 from deepspeed_feplb.sim.simulate import simulate
 from deepspeed_feplb.testing import run_distributed
@@ -25,31 +26,39 @@ MODEL = TimeModel(tile_rows=1, row_us=1.0, piece_us=0.0, weight_copy_us=10.0, gr
 def test_finish_times_by_hand():
     counts = np.array([[100, 20], [10, 0]])
     moves = np.array([[0, 0, 1, 40]])
-    # rank 1 computes its own 10 rows (10 µs) while the copy arrives at 10 + 40 * 0.1 = 14 µs,
-    # then the 40 rows: 54 µs; the home computes 60 + 20 rows (80 µs), gets the outputs at
-    # 54 + 4 = 58 µs and the weight-gradient at 54 + 10 = 64 µs: it finishes at 80
-    assert rank_finish_us(counts, moves, MODEL).tolist() == pytest.approx([80.0, 54.0])
+    hand = replace(MODEL, row_us=3.0)  # a row: 1 µs forward, 2 µs backward
+    # forward: rank 1 computes its own 10 rows (10 µs) while the copy arrives at 10 + 40 * 0.1 =
+    # 14 µs, then the 40 rows: 54 µs; the home computes 60 + 20 rows (80 µs), the outputs are
+    # back at 58 µs. Backward: rank 1's own rows take 20 µs (the output-gradients arrived at 4),
+    # the chunk's 80: 100 µs; its input-gradients are home at 104, its weight-gradients at 110;
+    # the home's 80 rows take 160 µs
+    finish = rank_finish_us(counts, moves, hand)
+    assert finish.tolist() == [pytest.approx([80.0, 54.0]), pytest.approx([160.0, 100.0])]
+    assert makespan_us(finish) == pytest.approx(80.0 + 160.0)
     # a helper that holds the weights starts at 4 µs: no copy; without gradients going home
-    kept = rank_finish_us(counts, moves, MODEL, fresh=np.array([False]), grads_back=np.array([False]))
-    assert kept.tolist() == pytest.approx([80.0, 50.0])
-    # the step's end: the kept copy's gradient goes home after the helper's work
-    flushed = rank_finish_us(counts, moves, MODEL, np.array([False]), np.array([False]), flush=np.array([[0, 1]]))
-    assert flushed.tolist() == pytest.approx([80.0, 50.0]) and flushed[0] >= 50.0 + 10.0
+    kept = rank_finish_us(counts, moves, hand, fresh=np.array([False]), grads_back=np.array([False]))
+    assert kept.tolist() == [pytest.approx([80.0, 50.0]), pytest.approx([160.0, 100.0])]
+    # the step's end: the kept copy's gradient goes home after the helper's work (at 110)
+    home_bound = replace(hand, grad_copy_us=70.0)
+    flushed = rank_finish_us(counts, moves, home_bound, np.array([False]), np.array([False]), flush=np.array([[0, 1]]))
+    assert flushed[1].tolist() == pytest.approx([100.0 + 70.0, 100.0])
     # tiles: 1 row costs a whole tile
     tiled = TimeModel(4, 1.0, 2.0, 0.0, 0.0, 0.0)
-    assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).tolist() == pytest.approx([6 + 6 + 10])
+    assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).sum(axis=0).tolist() == \
+        pytest.approx([6 + 6 + 10])
 
 
 def test_message_latency_delays_arrivals_and_returns():
     """Each message arrives ``message_us`` after its copy ends: with 30 µs the chunk of the hand
     example arrives at 44 µs, its 40 rows end at 84 µs on the helper, the outputs reach the home
-    at 84 + 4 + 30 = 118 µs and the weight-gradient at 84 + 10 + 30 = 124 µs; and a planner that
-    knows a message costs more than any move saves moves nothing."""
-    from dataclasses import replace
+    at 84 + 4 + 30 = 118 µs; in the backward the output-gradients arrive at 34 µs, the chunk ends
+    at 114 µs, its weight-gradient is home at 114 + 10 + 30 = 154 µs; and a planner that knows a
+    message costs more than any move saves moves nothing."""
     counts = np.array([[100, 20], [10, 0]])
     moves = np.array([[0, 0, 1, 40]])
-    slow = replace(MODEL, message_us=30.0)
-    assert rank_finish_us(counts, moves, slow).tolist() == pytest.approx([124.0, 84.0])
+    slow = replace(MODEL, row_us=3.0, message_us=30.0)
+    assert rank_finish_us(counts, moves, slow).tolist() == [pytest.approx([118.0, 84.0]),
+                                                            pytest.approx([160.0, 114.0])]
     skewed = np.array([[400, 100], [100, 100]])
     assert len(plan_domain(skewed, PlanConstraints(2, 2, 1, model=MODEL)).moves) > 0
     assert len(plan_domain(skewed, PlanConstraints(2, 2, 1, model=replace(MODEL, message_us=1e4))).moves) == 0
@@ -68,9 +77,9 @@ def test_the_time_model_plan_is_never_slower_than_the_token_plan_or_no_moves(wei
     for counts in random_domains(60, seed=int(weight_copy_us)):
         timed = plan_domain(counts, PlanConstraints(2, 2, 8, model=model))
         tokens = plan_domain(counts, PlanConstraints(2, 2, 8))
-        t = rank_finish_us(counts, timed.moves, model).max()
-        assert t <= rank_finish_us(counts, tokens.moves, model).max() * (1 + 0.005) + 1e-9
-        assert t <= rank_finish_us(counts, np.zeros((0, 4)), model).max() + 1e-9
+        t = makespan_us(rank_finish_us(counts, timed.moves, model))
+        assert t <= makespan_us(rank_finish_us(counts, tokens.moves, model)) * (1 + 0.005) + 1e-9
+        assert t <= makespan_us(rank_finish_us(counts, np.zeros((0, 4)), model)) + 1e-9
     # copies that cost more than any gain: no moves at all
     counts = np.array([[400, 100], [100, 100]])
     assert len(plan_domain(counts, PlanConstraints(2, 2, 1, model=TimeModel(1, 1.0, 0, 1e6, 1e6, 0))).moves) == 0

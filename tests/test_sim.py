@@ -266,14 +266,14 @@ def test_cli_simulate_contract(tmp_path):
 def _recorded_trace(measured_over_model: float) -> Trace:
     """Two ranks (one domain), experts 0-1 on rank 0 and 2-3 on rank 1, three micro-batches; from
     the second on the runtime moved 10 rows of expert 0 to rank 1 with its weights, and the slowest
-    rank's measured stage time is ``measured_over_model`` x the model's 30 µs (see the test)."""
+    rank's measured stage time is ``measured_over_model`` x the model's 90 µs (see the test)."""
     counts = np.zeros((3, 1, 2, 4), np.int64)
     counts[:, 0, 0] = [30, 10, 5, 5]
     moves = np.array([[1, 0, 0, 0, 1, 10, 1], [2, 0, 0, 0, 1, 10, 1]], np.int64)
     stage = np.full((3, 1, 2, 5), np.nan)
     # forward, backward, plan latency, fitted piece and row cost (what the runtime's planner used)
-    stage[1:, 0, 0] = [20.0 * measured_over_model, 10.0 * measured_over_model, 5.0, 0.0, 1.0]
-    stage[1:, 0, 1] = [10.0, 5.0, 5.0, 0.0, 1.0]
+    stage[1:, 0, 0] = [30.0 * measured_over_model, 60.0 * measured_over_model, 5.0, 0.0, 3.0]
+    stage[1:, 0, 1] = [20.0, 40.0, 5.0, 0.0, 3.0]
     return Trace(counts, plan_moves=moves, stage_us=stage)
 
 
@@ -281,16 +281,17 @@ def test_the_time_model_is_compared_with_a_recorded_runs_own_plans(tmp_path):
     from deepspeed_feplb.plan.timeline import TimeModel
     from deepspeed_feplb.sim.measured import compare_measured, predicted_and_measured
 
-    # 1 µs per row, free pieces, a 5 µs weight copy and gradient, 0.1 µs per row copied: rank 0
-    # keeps 20 + 10 rows (30 µs); rank 1 computes its 10, then the chunk (arrived at 6 µs) until
-    # 20 µs, whose outputs (1 µs) and gradients (5 µs) are home at 26 µs: the makespan is 30 µs
-    # (40 µs, had the move been read with the wrong expert or rank)
-    model = TimeModel(1, 1.0, 0.0, 5.0, 5.0, 0.1)
+    # 1 µs per row forward, 2 backward, free pieces, a 5 µs weight copy and gradient, 0.1 µs per
+    # row copied: rank 0 keeps 20 + 10 rows (30 µs forward, 60 backward); rank 1 computes its 10,
+    # then the chunk (arrived at 6 µs) until 20 µs, whose outputs (1 µs) are home at 21 µs; its
+    # backward ends at 40 µs, the gradients (5 µs) are home at 45: the makespan is 30 + 60 µs
+    # (120 µs without the move, had it been read with the wrong expert or rank)
+    model = TimeModel(1, 3.0, 0.0, 5.0, 5.0, 0.1)
     path = tmp_path / "recorded.npz"
     save_trace(path, _recorded_trace(1.1))
     trace = load_trace(path)  # plans and stage times survive the file
     rows = predicted_and_measured(trace, model, ranks_per_node=2)
-    assert rows.tolist() == [[1, 0, 0, 30.0, 33.0], [2, 0, 0, 30.0, 33.0]]  # the first micro-batch is skipped
+    assert rows.tolist() == [[1, 0, 0, 90.0, 99.0], [2, 0, 0, 90.0, 99.0]]  # the first micro-batch is skipped
     errors = compare_measured(trace, model, ranks_per_node=2)
     assert errors["micro_batches"] == 2 and errors["median_rel_error"] == pytest.approx(-1 / 11)
     assert errors["median_abs_rel_error"] == errors["p90_abs_rel_error"] == pytest.approx(1 / 11)
@@ -304,28 +305,28 @@ def test_the_recorded_costs_replace_the_profiles_compute_costs():
 
     slow = TimeModel(1, 7.0, 50.0, 5.0, 5.0, 0.1)  # a profile far from the run: 7 µs per row, 50 per piece
     rows = predicted_and_measured(_recorded_trace(1.0), slow, ranks_per_node=2, recorded_costs=True)
-    assert rows[:, 3].tolist() == [30.0, 30.0]  # the run's 1 µs per row and free pieces (see the test above)
+    assert rows[:, 3].tolist() == [90.0, 90.0]  # the run's 3 µs per row and free pieces (see the test above)
 
 
 def test_the_recorded_message_latency_is_priced_where_the_trace_holds_it():
-    from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+    from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
     from deepspeed_feplb.sim.measured import predicted_and_measured
 
-    model = TimeModel(1, 1.0, 0.0, 5.0, 5.0, 0.1)
+    model = TimeModel(1, 3.0, 0.0, 5.0, 5.0, 0.1)
     trace = _recorded_trace(1.0)
     stage = np.concatenate([trace.stage_us, np.full(trace.stage_us.shape[:-1] + (2, ), np.nan)], axis=-1)
     stage[1:, 0, :, 3] = 0.0  # a current record: column 3 is the fitted piece cost
     stage[1:, 0, :, 6] = 20.0  # the domain's transport measured 20 µs per message
     rows = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True)
-    slow_messages = rank_finish_us(trace.counts[1, 0].sum(axis=0).reshape(2, 2), np.array([[0, 0, 1, 10]]),
-                                   replace(model, message_us=20.0))  # the plan latency: micro-batch 0's, none
-    assert rows[0, 3] == slow_messages.max() > 30.0  # the chunk's messages now end the micro-batch
+    slow_messages = makespan_us(rank_finish_us(trace.counts[1, 0].sum(axis=0).reshape(2, 2), np.array([[0, 0, 1, 10]]),
+                                               replace(model, message_us=20.0)))  # plan latency: micro-batch 0's, none
+    assert rows[0, 3] == slow_messages > 90.0  # the chunk's messages now end the micro-batch
     given = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True,
                                    recorded_message_us=False)  # simulate --message-us: the figure given wins
-    assert given[0, 3] < slow_messages.max()
+    assert given[0, 3] < slow_messages
     stage[1:, 0, :, 6] = np.nan  # no domain had opened: the profile's latency (0 here)
     rows = predicted_and_measured(replace(trace, stage_us=stage), model, ranks_per_node=2, recorded_costs=True)
-    assert rows[0, 3] < slow_messages.max()
+    assert rows[0, 3] < slow_messages
 
 
 def test_the_cpu_share_says_whether_the_ranks_had_a_core_each():
@@ -344,20 +345,24 @@ def test_copies_wait_for_the_plan_and_on_cpu_ranks_for_the_homes_other_experts()
 
     counts = np.array([[30, 10], [5, 5]])
     moves = np.array([[0, 0, 1, 10]])  # 10 rows of rank 0's expert 0 to rank 1, with its weights
-    model = TimeModel(1, 1.0, 0.0, 5.0, 5.0, 0.1)
-    # the copy engine: the chunk arrives at 6 µs, rank 1 computes it from 10 to 20 µs (its gradients
-    # are home at 25, rank 0 ends its own 30 rows at 30)
-    assert rank_finish_us(counts, moves, model).tolist() == [30.0, 20.0]
-    # a grouped static call on the CPU: the chunk leaves once expert 1's 10 rows are computed (arrives at 16),
-    # rank 1 computes it from 16 to 26 µs, its gradients are home at 31
+    model = TimeModel(1, 3.0, 0.0, 5.0, 5.0, 0.1)  # a row: 1 µs forward, 2 µs backward
+    # the copy engine: the chunk arrives at 6 µs, rank 1 computes it from 10 to 20 µs (its outputs
+    # are home at 21, rank 0 ends its own 30 rows at 30); backward: the output-gradients arrive at
+    # 1 µs, rank 1 computes the chunk from 20 to 40 µs, rank 0 its rows until 60
+    backward = [60.0, 40.0]
+    assert rank_finish_us(counts, moves, model).tolist() == [[30.0, 20.0], backward]
+    # a grouped static call on the CPU: the chunk leaves once expert 1's 10 rows are computed (arrives
+    # at 16), rank 1 computes it from 16 to 26 µs
     grouped = rank_finish_us(counts, moves, replace(model, sends_after_static=True))
-    assert grouped.tolist() == [31.0, 26.0]
-    # the plan is there at 25 µs: every rank waits for it, the chunk leaves then (arrives at 31)
+    assert grouped.tolist() == [[30.0, 26.0], backward]
+    # the plan is there at 25 µs: every rank waits for it, the chunk leaves then (arrives at 31),
+    # its outputs are home at 42; the backward does not wait for a plan
     late = rank_finish_us(counts, moves, replace(model, sends_after_static=True, plan_us=25.0))
-    assert late.tolist() == [46.0, 41.0]
+    assert late.tolist() == [[45.0, 41.0], [60.0, 40.0]]
     # an unmoved dynamic expert (rank 0's hottest, its 30 rows) waits for the plan too
     waiting = rank_finish_us(counts, np.zeros((0, 4), np.int64), replace(model, plan_us=25.0), dynamic_experts=1)
-    assert waiting.tolist() == [25.0 + 30.0, 25.0 + 5.0]
-    assert rank_finish_us(counts, np.zeros((0, 4), np.int64), replace(model, plan_us=25.0)).tolist() == [40.0, 25.0]
+    assert waiting.tolist() == [[25.0 + 30.0, 25.0 + 5.0], [80.0, 20.0]]
+    assert rank_finish_us(counts, np.zeros((0, 4), np.int64), replace(model, plan_us=25.0)).tolist() == \
+        [[40.0, 25.0], [80.0, 20.0]]
     late_model = replace(model, plan_us=25.0, sends_after_static=True)
     assert TimeModel.from_array(late_model.as_array()) == late_model  # as the mailbox carries it

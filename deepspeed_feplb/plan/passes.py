@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit
 
 from deepspeed_feplb.plan.hottest import hottest
+from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS
 
 # Per-rank state of one water-filling pass, rows of an int64 [6, G] array (numba compiles no
 # closures, so the pass's functions share their state through it).
@@ -28,6 +29,8 @@ _FEWER_COPIES_SLACK = 0.005
 # chunk the helper or send limit allows; any such chunk (a whole expert then moves as one chunk,
 # which saves weight copies when the Copy-Engine budget binds).
 _NO_CHAIN, _CHAIN_LAST, _CHAIN_ANY = 0, 1, 2
+# A piece's forward + backward cost is FWD_BWD_GEMMS GEMMs' (`timeline`): one of them forward.
+_FORWARD_GEMMS, _BACKWARD_GEMMS = 1, FWD_BWD_GEMMS - 1
 
 
 @njit("boolean(int64[:, :, ::1], int64, int64, int64)", cache=True)
@@ -387,10 +390,44 @@ def _piece_us(n, model):
     return model[2] + ((n + tile - 1) // tile) * tile * model[1]
 
 
-@njit("float64[::1](int64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], int64[:, ::1], float64[::1], "
+@njit("float64[::1](int64[:, ::1], boolean[::1], float64, float64, float64, float64[::1])", cache=True)
+def _copies(moves, fresh, wcopy, rcopy, latency, out_free):
+    """When each move's message arrives: one copy at a time per outgoing and incoming link, in plan
+    order, none before ``out_free[home]`` (updated); ``wcopy`` where ``fresh``."""
+    in_free = np.zeros(out_free.shape[0])
+    arrive = np.empty(moves.shape[0])
+    for m in range(moves.shape[0]):
+        h, j = moves[m, 0], moves[m, 2]
+        start = max(out_free[h], in_free[j])
+        end = start + (wcopy if fresh[m] else 0.0) + moves[m, 3] * rcopy
+        out_free[h] = end
+        in_free[j] = end
+        arrive[m] = end + latency
+    return arrive
+
+
+@njit(cache=True)
+def _share(us, gemms):
+    """``gemms`` of a forward + backward cost's `FWD_BWD_GEMMS` GEMMs (whole µs stay whole)."""
+    return us * gemms / FWD_BWD_GEMMS
+
+
+@njit("float64[::1](int64[:, ::1], float64[::1], float64[::1], int64, float64[::1])", cache=True)
+def _serve(moves, arrive, t, gemms, model):
+    """Each chunk's end on its helper, which computes chunks in arrival order once free (``t``,
+    updated), each at ``gemms`` of a piece's forward + backward GEMMs."""
+    done = np.empty(moves.shape[0])
+    for m in np.argsort(arrive, kind="mergesort"):
+        j = moves[m, 2]
+        t[j] = max(t[j], arrive[m]) + _share(_piece_us(moves[m, 3], model), gemms)
+        done[m] = t[j]
+    return done
+
+
+@njit("float64[:, ::1](int64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], int64[:, ::1], float64[::1], "
       "boolean[:, ::1])", cache=True)
 def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
-    """Each rank's finish time (µs) under the model.
+    """Each rank's forward and backward finish time (µs) under the model.
 
     counts int64 [G, E]: rows per (rank, local expert) before the plan; moves int64 [M, 4] =
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
@@ -398,8 +435,9 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
     whose accumulated gradients go home at the end of this micro-batch; model float64 [9]
     (`timeline.TimeModel.as_array`); dynamic bool [G, E]: each rank's dynamic experts, computed
-    once the plan is there (an expert with moves always is). Returns float64 [G]. The model is
-    described in `timeline`."""
+    once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
+    the forward stage's start, row 1 from the backward stage's start. The model is described in
+    `timeline`."""
     G, E = counts.shape
     M = moves.shape[0]
     wcopy, gcopy, rcopy, latency, plan_ready = model[3], model[4], model[5], model[6], model[7]
@@ -408,45 +446,52 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     for m in range(M):
         kept[moves[m, 0], moves[m, 1]] -= moves[m, 3]
         after_plan[moves[m, 0], moves[m, 1]] = True
-    t = np.zeros(G)  # the static experts first, then, once the plan is there, the dynamic ones
+    static = np.zeros(G)  # the static experts first, then, once the plan is there, the dynamic ones
     later = np.zeros(G)
     for r in range(G):
         for e in range(E):
             if after_plan[r, e]:
                 later[r] += _piece_us(kept[r, e], model)
             else:
-                t[r] += _piece_us(kept[r, e], model)
+                static[r] += _piece_us(kept[r, e], model)
+    out = np.empty((2, G))
+
+    # forward: chunks leave once the plan is there; a helper computes them after its own rows
     out_free = np.full(G, plan_ready)
     if model[8] > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
-        out_free = np.maximum(out_free, t)
-    t = np.maximum(t, plan_ready) + later
-    in_free = np.zeros(G)
-    arrive = np.empty(M)
-    for m in range(M):
-        h, j = moves[m, 0], moves[m, 2]
-        start = max(out_free[h], in_free[j])
-        end = start + (wcopy if fresh[m] else 0.0) + moves[m, 3] * rcopy
-        out_free[h] = end
-        in_free[j] = end
-        arrive[m] = end + latency
-    done = np.empty(M)
-    for m in np.argsort(arrive, kind="mergesort"):
-        j = moves[m, 2]
-        t[j] = max(t[j], arrive[m]) + _piece_us(moves[m, 3], model)
-        done[m] = t[j]
-    finish = t.copy()
-    back_free = t.copy()  # a helper's outgoing link sends gradients once its rows are computed
+        out_free = np.maximum(out_free, _share(static, _FORWARD_GEMMS))
+    t = np.maximum(_share(static, _FORWARD_GEMMS), plan_ready) + _share(later, _FORWARD_GEMMS)
+    arrive = _copies(moves, fresh, wcopy, rcopy, latency, out_free)
+    done = _serve(moves, arrive, t, _FORWARD_GEMMS, model)
+    out[0] = t
+    for m in range(M):  # the outputs go home
+        out[0, moves[m, 0]] = max(out[0, moves[m, 0]], done[m] + moves[m, 3] * rcopy + latency)
+
+    # backward: the output-gradients leave at once; a helper serves its chunks after its own
+    # experts' backward (the runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`)
+    t = _share(static + later, _BACKWARD_GEMMS)
+    arrive = _copies(moves, fresh, 0.0, rcopy, latency, np.zeros(G))  # rows only
+    done = _serve(moves, arrive, t, _BACKWARD_GEMMS, model)
+    out[1] = t
+    back_free = np.zeros(G)  # a helper's outgoing link: weight-gradients, one at a time
     for m in np.argsort(done, kind="mergesort"):
         h, j = moves[m, 0], moves[m, 2]
-        finish[h] = max(finish[h], done[m] + moves[m, 3] * rcopy + latency)
+        out[1, h] = max(out[1, h], done[m] + moves[m, 3] * rcopy + latency)
         if grads_back[m]:
             back_free[j] = max(back_free[j], done[m]) + gcopy
-            finish[h] = max(finish[h], back_free[j] + latency)
+            out[1, h] = max(out[1, h], back_free[j] + latency)
     for f in range(flush.shape[0]):
         h, j = flush[f, 0], flush[f, 1]
         back_free[j] = max(back_free[j], t[j]) + gcopy
-        finish[h] = max(finish[h], back_free[j] + latency)
-    return finish
+        out[1, h] = max(out[1, h], back_free[j] + latency)
+    return out
+
+
+@njit("float64(float64[:, ::1])", cache=True)
+def makespan(finish):
+    """The stage's time of `finish_us`'s ``[2, G]``: the slowest rank's forward plus the slowest
+    rank's backward (each ends in an all-to-all that waits for every rank)."""
+    return finish[0].max() + finish[1].max()
 
 
 @njit("float64(int64[:, ::1], int64[::1], int64[:, :, ::1], boolean, float64[::1], boolean[:, ::1])", cache=True)
@@ -459,8 +504,8 @@ def _makespan(counts, flat, resident, keep, model, dynamic):
     for m in range(M):
         fresh[m] = not holds(resident, moves[m, 0], moves[m, 1], moves[m, 2])
     grads_back = fresh & (not keep)
-    return finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64), model,
-                     dynamic).max()
+    return makespan(finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64),
+                              model, dynamic))
 
 
 @njit("int64(int64[:, ::1], int64[::1], int64[:, :, ::1])", cache=True)
@@ -504,8 +549,8 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
     none = np.zeros((0, 4), np.int64)
     dynamic = dynamic_mask(counts, D)
-    no_moves = finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_), np.zeros((0, 2), np.int64), model,
-                         dynamic)
+    no_moves = makespan(finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_),
+                                  np.zeros((0, 2), np.int64), model, dynamic))
     best_t = _makespan(counts, best, resident, keep, model, dynamic)
     if row_cap > 0:
         capped = plan_pass(counts, D, max_helpers, align, copies, resident, True, row_cap)
@@ -523,7 +568,7 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
         best, best_t = cand, min(t, best_t)
-    if no_moves.max() <= best_t and counts.sum(axis=1).max() <= limit:
+    if no_moves <= best_t and counts.sum(axis=1).max() <= limit:
         out = np.empty(G, np.int64)
         for r in range(G):
             out[r] = counts[r].sum()

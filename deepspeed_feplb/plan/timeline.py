@@ -1,31 +1,47 @@
 """The time model of one domain's micro-batch, shared by the planner and the simulator.
 
-Per micro-batch and rank of a domain (all times µs, forward and backward together):
+Per micro-batch and rank of a domain (all times µs). A piece of ``n`` rows costs ``piece_us +
+ceil(n / tile_rows) * tile_rows * row_us`` forward and backward together: a third of it in the
+forward (one GEMM), two thirds in the backward (the input- and the weight-gradient GEMM). The
+forward and the backward are two timelines, as the runtime orders them; each ends in an all-to-all
+that waits for every rank, so the stage's time is the slowest rank's forward plus the slowest
+rank's backward (`makespan_us`).
 
-* a rank first computes its own rows: every local expert's rows that stay home, each a GEMM
-  piece of ``piece_us + ceil(n / tile_rows) * tile_rows * row_us``; its dynamic experts (its D
-  hottest, and any it moves rows of) only once the plan is there, ``plan_us`` after the stage
-  began (the static experts compute meanwhile);
+Forward, from the stage's start:
+
+* a rank first computes its own rows: every local expert's rows that stay home; its dynamic
+  experts (its D hottest, and any it moves rows of) only once the plan is there, ``plan_us`` after
+  the stage began (the static experts compute meanwhile);
 * each move (home -> helper, ``n`` rows) is one copy over the home's outgoing and the helper's
   incoming copy-engine link (each link carries one copy at a time, moves in plan order): the
   expert's weights when the helper holds no copy yet (``weight_copy_us``) plus the rows
   (``n * row_copy_us``). No copy starts before the plan (the runtime sends between two static
   experts once it is in hand); with ``sends_after_static`` (a grouped static call on CPU ranks,
   which leaves no point to send from) not before its home computed its static experts;
-* a helper starts a moved chunk once it has finished its own rows and the chunk has arrived,
-  chunks in arrival order;
-* the chunk's outputs go home (``n * row_copy_us``), and, unless the helper keeps the weight copy
-  for later micro-batches of the step, its weight-gradients too (``grad_copy_us``, one at a time
-  on the helper's outgoing link); the home finishes when both are back. At the step's last
-  micro-batch every weight copy a helper kept sends its accumulated gradients home the same way
-  (``flush``);
-* every message (a chunk there, its outputs back, gradients back) also arrives ``message_us``
-  after its copy ends: the transport's fixed latency per message, which does not occupy the link
-  (the transport's figure, `Transport.message_us`, docs/GPU.md; 0 in the named profiles).
+* a helper computes a moved chunk once it has finished its own rows and the chunk has arrived,
+  chunks in arrival order; the chunk's outputs go home (``n * row_copy_us``).
 
-The makespan (the slowest rank's finish) is what the planner minimises and what the simulator
-reports as ``expert_time_us``. `TimeModel` holds the constants; the evaluation is compiled with
-the planning pass (`passes.finish_us`, loaded on first use); `rank_finish_us` calls it from Python.
+Backward, from the backward stage's start (`phase2.DynamicExperts`, then the static experts, then
+`phase2.Phase2Anchor`):
+
+* a home sends each chunk's output-gradients to its helper at once (``n * row_copy_us``, one copy
+  at a time per link, plan order) and computes its own rows' backward, the dynamic experts' and
+  the static ones';
+* a helper computes a chunk's backward once its own rows' backward is done and the gradients
+  arrived; the rows' input-gradients go home (``n * row_copy_us``), and, unless the helper keeps
+  the weight copy for later micro-batches of the step, the weight-gradients too (``grad_copy_us``,
+  one at a time on the helper's outgoing link); the home finishes when both are back. At the
+  step's last micro-batch every weight copy a helper kept sends its accumulated gradients home
+  the same way (``flush``).
+
+Every message (a chunk there, its outputs back, output-gradients there, gradients back) also
+arrives ``message_us`` after its copy ends: the transport's fixed latency per message, which does
+not occupy the link (the transport's figure, `Transport.message_us`, docs/GPU.md; 0 in the named
+profiles).
+
+The makespan is what the planner minimises and what the simulator reports as ``expert_time_us``.
+`TimeModel` holds the constants; the evaluation is compiled with the planning pass
+(`passes.finish_us`, loaded on first use); `rank_finish_us` calls it from Python.
 """
 from __future__ import annotations
 
@@ -34,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TimeModel", "rank_finish_us"]
+__all__ = ["TimeModel", "makespan_us", "rank_finish_us"]
 
 # fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
 FWD_BWD_GEMMS = 3
@@ -105,11 +121,13 @@ class TimeModel:
 def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fresh: np.ndarray | None = None,
                    grads_back: np.ndarray | None = None, flush: np.ndarray | None = None,
                    dynamic_experts: int = 0) -> np.ndarray:
-    """Each rank's finish time under ``model`` (`passes.finish_us`, see the module docstring).
+    """Each rank's forward and backward finish time under ``model`` (`passes.finish_us`, see the
+    module docstring).
     counts int64 [G, E]; moves int64 [M, 4]; fresh / grads_back bool [M] (default: every move
     copies weights and returns gradients, i.e. no residency); flush int64 [F, 2] or None;
     ``dynamic_experts``: D, each rank's D hottest experts wait for the plan (as do those with
-    moves, whatever D). Returns float64 [G] µs."""
+    moves, whatever D). Returns float64 [2, G] µs: forward from the stage's start, backward from the
+    backward stage's start."""
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     moves = np.ascontiguousarray(np.asarray(moves, dtype=np.int64).reshape(-1, 4))
     M = moves.shape[0]
@@ -119,3 +137,9 @@ def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fres
              else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2)))
     from deepspeed_feplb.plan.passes import dynamic_mask, finish_us
     return finish_us(counts, moves, fresh, grads_back, flush, model.as_array(), dynamic_mask(counts, dynamic_experts))
+
+
+def makespan_us(finish: np.ndarray) -> float:
+    """The stage's time (µs) of `rank_finish_us`'s ``[2, G]``: the slowest rank's forward plus the
+    slowest rank's backward."""
+    return float(finish[0].max() + finish[1].max())

@@ -5,7 +5,8 @@ runtime's plan (``plan_moves``) and each rank's measured expert-stage time (``st
 and backward, and the piece and row costs its planner had fitted). For every (micro-batch, layer,
 domain) where every rank of the domain was measured, `compare_measured` predicts the domain's
 makespan with the time model (`timeline.rank_finish_us`: the same evaluation the planner
-minimises) and sets it beside the measured one, the slowest rank's forward + backward stage time.
+minimises) and sets it beside the measured one: the slowest rank's forward stage time plus the
+slowest rank's backward stage time (each ends in an all-to-all that waits for every rank).
 The compute costs come from the cost profile (what the simulator uses for other machines), or,
 with ``recorded_costs``, from the domain's own fits as its planner had them at that micro-batch
 (`expert_costs.ComputeTimes.fitted_us`: the costs of a piece and of a row, forward and backward,
@@ -24,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
 from deepspeed_feplb.trace.format import Trace
 
 __all__ = ["compare_measured", "cpu_share", "errors", "predicted_and_measured"]
@@ -51,7 +52,7 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
         raise ValueError(f"{ranks} recorded ranks, {experts} experts: --ranks-per-node {ranks_per_node} must divide "
                          "the ranks, and the ranks the experts")
     per_rank = experts // ranks
-    stage = trace.stage_us[..., 0] + trace.stage_us[..., 1]  # [steps, layers, ranks] forward + backward
+    forward, backward = trace.stage_us[..., 0], trace.stage_us[..., 1]  # [steps, layers, ranks]
     moves = trace.plan_moves
     model = replace(model, sends_after_static=sends_after_static)
     current = trace.stage_us.shape[-1] >= 6  # an older record means other things by columns 2 and 3
@@ -61,29 +62,30 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
             received = trace.counts[step, layer].sum(axis=0).reshape(ranks, per_rank)
             here = moves[(moves[:, 0] == step) & (moves[:, 1] == layer)]
             for domain, first in enumerate(range(0, ranks, ranks_per_node)):
-                measured = stage[step, layer, first:first + ranks_per_node]
+                ranks_here = slice(first, first + ranks_per_node)
+                measured = np.stack([forward[step, layer, ranks_here], backward[step, layer, ranks_here]])
                 if not np.isfinite(measured).all():
                     continue
                 here_model = model
                 if recorded_costs:
-                    piece_us, row_us = np.median(trace.stage_us[step, layer, first:first + ranks_per_node, 3:5], axis=0)
+                    piece_us, row_us = np.median(trace.stage_us[step, layer, ranks_here, 3:5], axis=0)
                     piece_us = piece_us if current else 0.0
                     if not np.isfinite(row_us) or not np.isfinite(piece_us):
                         continue
-                    plan_us = np.median(trace.stage_us[step - 1, layer, first:first + ranks_per_node, 2]) \
+                    plan_us = np.median(trace.stage_us[step - 1, layer, ranks_here, 2]) \
                         if step and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
-                    message_us = _recorded_message_us(trace.stage_us[step, layer, first:first + ranks_per_node]) \
+                    message_us = _recorded_message_us(trace.stage_us[step, layer, ranks_here]) \
                         if recorded_message_us else None
                     if message_us is not None:
                         here_model = replace(here_model, message_us=message_us)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
-                finish = rank_finish_us(received[first:first + ranks_per_node], local, here_model,
+                finish = rank_finish_us(received[ranks_here], local, here_model,
                                         fresh=mine[:, 6].astype(bool), dynamic_experts=dynamic_experts)
-                out.append((step, layer, domain, float(finish.max()), float(measured.max())))
+                out.append((step, layer, domain, makespan_us(finish), makespan_us(measured)))
     return np.array(out, np.float64).reshape(-1, 5)
 
 

@@ -34,7 +34,7 @@ from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, s
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.replicas import exchange_us, route
 from deepspeed_feplb.plan.residency import ResidencyTable
-from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
 
 __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy", "pieces_us"]
 
@@ -335,7 +335,7 @@ class EPLB:
 def pieces_us(piece_rank: np.ndarray, piece_tokens: np.ndarray, R: int, model: TimeModel) -> np.ndarray:
     """Expert pieces -> float64 [R]: each rank's forward + backward GEMM time (µs) under ``model``."""
     counts = np.asarray(piece_tokens, np.int64).reshape(-1, 1)
-    per_piece = rank_finish_us(counts, np.zeros((0, 4), np.int64), model)
+    per_piece = rank_finish_us(counts, np.zeros((0, 4), np.int64), model).sum(axis=0)
     return np.bincount(np.asarray(piece_rank, np.int64), weights=per_piece, minlength=R)
 
 
@@ -477,8 +477,9 @@ class _NodePolicy:
         fresh, kept = table.admit(moves, keep_new=not ends)
         flush = table.flush()[:, [0, 2]] if ends else None
         grads_back = ~kept
-        finish = rank_finish_us(nc, moves, model, fresh, grads_back, flush).max()
-        free = rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0, row_copy_us=0.0)).max()
+        finish = makespan_us(rank_finish_us(nc, moves, model, fresh, grads_back, flush))
+        free = makespan_us(rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0,
+                                                             row_copy_us=0.0)))
         timing["expert_us"] = max(timing["expert_us"], float(finish))
         timing["exposed_us"] = max(timing["exposed_us"], float(finish - free))
         w = self.setup.shape.weight_bytes

@@ -5,10 +5,10 @@ Per (step, layer) and policy: ``T_r`` tokens each rank computes, token straggler
 intra-node policies the gap to the lower bound and Copy-Engine time vs static time.
 
 Time (`plan.timeline`, forward + backward): ``expert_time_us`` is the makespan of the expert
-stage, the slowest rank's finish with every weight and row copy, arrival and gradient return the
-policy causes; ``copy_exposed_us`` what the copies add to it; ``weight_bytes_per_step`` and
-``grad_bytes_per_step`` the expert weights and weight-gradients copied per optimizer step
-(``SimSetup.micro_batches_per_step`` micro-batches) and layer. ``expert_time_us`` includes the
+stage, the slowest rank's forward plus the slowest rank's backward, with every weight and row
+copy, arrival and gradient return the policy causes; ``copy_exposed_us`` what the copies add to
+it; ``weight_bytes_per_step`` and ``grad_bytes_per_step`` the expert weights and weight-gradients
+copied per optimizer step (``SimSetup.micro_batches_per_step`` micro-batches) and layer. ``expert_time_us`` includes the
 transfer time of re-placements (EPLB's, feplb's cross-node layer), added to the micro-batch that
 ends the step where they happen; ``placement_us`` is that time alone (mean per micro-batch).
 
