@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import os
 import queue
 import secrets
@@ -340,6 +341,7 @@ class HostBackend:
         self._opened: dict[int, tuple] = {}
         self._events: dict[int, tuple] = {}  # event -> (stream, ticket) of its last record; (None, 0): complete
         self._streams: dict[int, _HostStream] = {}
+        self._flag_words: dict[int, ctypes.c_uint32] = {}
         self._next = 1
         self._lock = threading.Lock()
         self._importer_lock = threading.Lock()  # `lockf` excludes other processes, not this one's threads
@@ -490,7 +492,7 @@ class HostBackend:
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         host, ticket = self._event_done(event)  # the record as of now, as CUDA does
-        if host is not None:
+        if host is not None and not (host.reached(ticket) and host.error is None):  # else: met already
             self._on(stream, lambda: host.wait(ticket, self.wait_timeout_s), lambda: host.reached(ticket))
 
     def stream_synchronize(self, stream: int) -> None:
@@ -505,9 +507,18 @@ class HostBackend:
         if not self.stream_memops:
             raise RuntimeError(f"{call}: stream memory operations are off (HostBackend(stream_memops=False))")
 
+    def _flag_word(self, ptr: int) -> ctypes.c_uint32:
+        """The 32-bit word at ``ptr``, made once per address (a transport signals the same few)."""
+        word = self._flag_words.get(ptr)
+        if word is None:
+            word = self._flag_words[ptr] = ctypes.c_uint32.from_address(ptr)
+        return word
+
     def stream_wait_value32(self, stream: int, ptr: int, value: int) -> None:
         self._check_memops("cuStreamWaitValue32_v2")
-        word = ctypes.c_uint32.from_address(ptr)
+        word = self._flag_word(ptr)
+        if flag_reached(word.value, value):
+            return  # met already: flags only move on, so the stream would pass it at once
 
         def wait() -> None:
             deadline, pause = time.monotonic() + self.wait_timeout_s, 1e-5
@@ -521,11 +532,7 @@ class HostBackend:
 
     def stream_write_value32(self, stream: int, ptr: int, value: int) -> None:
         self._check_memops("cuStreamWriteValue32_v2")
-        word = ctypes.c_uint32.from_address(ptr)
-
-        def write() -> None:
-            word.value = value & FLAG_MASK
-        self._on(stream, write)
+        self._on(stream, functools.partial(setattr, self._flag_word(ptr), "value", value & FLAG_MASK))
 
     def probe_flags(self) -> str:
         return "" if self.stream_memops else "stream memory operations are off (HostBackend(stream_memops=False))"
@@ -540,7 +547,7 @@ class HostBackend:
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:
-            self._on(stream, lambda: ctypes.memmove(dst, src, nbytes))
+            self._on(stream, functools.partial(ctypes.memmove, dst, src, nbytes))
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
