@@ -5,7 +5,7 @@ the simulator's verdict on the shipped traces under the measured profile next to
 
 For each expert shape (GLM-5-like 6144 x 2048 and DeepSeek-V3-like 7168 x 2048, gated, bf16) it
 times one expert's forward (`sim.calibrate.expert_times_us`: best of 5 means of 10 calls, CUDA
-events) over 16 to 32,768 rows, fits ``t(n) = overhead + ceil(n / tile) * tile * flops / rate``
+events) over 16 to 32,768 rows, fits ``t(n) = max(floor, overhead + ceil(n / tile) * tile * flops / rate)``
 (`sim.calibrate.fit_profile`) and reports the fit's worst relative error and what the named
 ``h200`` profile predicts for the same rows. It then replays the shipped 8-rank traces through
 vanilla EP, EPLB and FEPLB (D=4, 8 micro-batches per step, residency ``step``) under both profiles.
@@ -43,7 +43,7 @@ def measure(hidden: int, ffn: int) -> dict:
     named = gemm_us(rows, shape, PROFILES["h200"])
     return {"rows": list(_GPU_ROWS), "measured_us": [round(t, 2) for t in times],
             "fitted": {"tflops": round(fitted.tflops, 1), "tile_m": fitted.tile_m,
-                       "overhead_us": round(fitted.overhead_us, 2)},
+                       "overhead_us": round(fitted.overhead_us, 2), "floor_us": round(fitted.floor_us, 2)},
             "fit_worst_relative_error": round(float(np.max(np.abs(predicted - times) / times)), 3),
             "h200_profile_us": [round(float(t), 2) for t in named],
             "h200_over_measured": [round(float(n / t), 3) for n, t in zip(named, times)],

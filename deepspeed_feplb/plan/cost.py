@@ -3,12 +3,15 @@
 Expert GEMM (forward) of ``n`` rows on one rank::
 
     t(n) = 0                                                   if n == 0
-         = overhead_us + ceil(n / tile_m) * tile_m * flops_per_row / (tflops * 1e6)   [µs]
+         = max(floor_us, overhead_us + ceil(n / tile_m) * tile_m * flops_per_row / (tflops * 1e6))   [µs]
 
 with ``flops_per_row = 2 * mats * hidden * ffn_hidden`` (``mats`` = 3 for a gated (SwiGLU) expert,
 2 for a plain MLP). ``tile_m`` models the row tile of a grouped GEMM: every expert's rows are padded
 to a whole tile, so splitting an expert into chunks that are not tile multiples costs compute.
-A rank's GEMM time is the sum over the expert pieces it computes.
+A rank's GEMM time is the sum over the expert pieces it computes. ``floor_us`` is what a piece of
+any size costs at least: on an H200 a GLM-5-sized expert's forward takes 45-55 µs for 16 to 256
+rows (launches and a tile that does not fill the GPU), then grows with its rows
+(benchmarks/GPU.md); the named profiles have none, a measured one (``cpu``, ``gpu``) fits it.
 
 Profiles:
 
@@ -37,7 +40,8 @@ class GemmProfile:
     """name; tflops: sustained expert-GEMM rate; tile_m: row tile; overhead_us: fixed cost per
     expert piece; ce_gbps: Copy-Engine bandwidth one way per GPU (GB/s); net_gbps: cross-node
     bandwidth per GPU (GB/s); message_us: fixed latency of one phase-2 message (0: an ideal
-    transport; `cuda_ce` measured about 230 µs one way on an H200 machine, docs/GPU.md)."""
+    transport; `cuda_ce` measured about 230 µs one way on an H200 machine, docs/GPU.md); floor_us:
+    the least one expert piece's forward costs, whatever its rows (module docstring)."""
 
     name: str
     tflops: float
@@ -46,6 +50,7 @@ class GemmProfile:
     ce_gbps: float
     net_gbps: float
     message_us: float = 0.0
+    floor_us: float = 0.0
 
 
 PROFILES = {
@@ -86,7 +91,7 @@ def gemm_us(tokens: np.ndarray, shape: ExpertShape, profile: GemmProfile) -> np.
     tokens = np.asarray(tokens, dtype=np.int64)
     tiles = -(-tokens // profile.tile_m)
     t = tiles * (profile.tile_m * shape.flops_per_row / (profile.tflops * 1e6)) + profile.overhead_us
-    return np.where(tokens > 0, t, 0.0)
+    return np.where(tokens > 0, np.maximum(t, profile.floor_us), 0.0)
 
 
 def rank_gemm_us(ranks: np.ndarray, tokens: np.ndarray, num_ranks: int, shape: ExpertShape,

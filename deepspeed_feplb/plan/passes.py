@@ -387,7 +387,7 @@ def _piece_us(n, model):
     if n <= 0:
         return 0.0
     tile = max(1, int(model[0]))
-    return model[2] + ((n + tile - 1) // tile) * tile * model[1]
+    return max(model[9], model[2] + ((n + tile - 1) // tile) * tile * model[1])
 
 
 @njit("float64[::1](int64[:, ::1], boolean[::1], float64, float64, float64, float64[::1])", cache=True)
@@ -433,7 +433,7 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
-    whose accumulated gradients go home at the end of this micro-batch; model float64 [9]
+    whose accumulated gradients go home at the end of this micro-batch; model float64 [10]
     (`timeline.TimeModel.as_array`); dynamic bool [G, E]: each rank's dynamic experts, computed
     once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
     the forward stage's start, row 1 from the backward stage's start. The model is described in
@@ -528,7 +528,7 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
-    (``model`` float64 [9]; empty: tokens only, one pass); returns the one with the smallest
+    (``model`` float64 [10]; empty: tokens only, one pass); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
     slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch).

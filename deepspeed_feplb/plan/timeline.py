@@ -1,7 +1,7 @@
 """The time model of one domain's micro-batch, shared by the planner and the simulator.
 
-Per micro-batch and rank of a domain (all times µs). A piece of ``n`` rows costs ``piece_us +
-ceil(n / tile_rows) * tile_rows * row_us`` forward and backward together: a third of it in the
+Per micro-batch and rank of a domain (all times µs). A piece of ``n`` rows costs ``max(piece_floor_us,
+piece_us + ceil(n / tile_rows) * tile_rows * row_us)`` forward and backward together: a third of it in the
 forward (one GEMM), two thirds in the backward (the input- and the weight-gradient GEMM). The
 forward and the backward are two timelines, as the runtime orders them; each ends in an all-to-all
 that waits for every rank, so the stage's time is the slowest rank's forward plus the slowest
@@ -54,6 +54,7 @@ __all__ = ["TimeModel", "makespan_us", "rank_finish_us"]
 
 # fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
 FWD_BWD_GEMMS = 3
+WORDS = 10  # `TimeModel.as_array`'s length
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,9 @@ class TimeModel:
     message_us:      fixed latency of one message, on top of its copy;
     plan_us:         when the plan is there, from the stage's start;
     sends_after_static: a home sends its chunks once its static experts are computed (a grouped
-                     static call on CPU ranks), not as soon as the plan is there.
+                     static call on CPU ranks), not as soon as the plan is there;
+    piece_floor_us:  the least one piece costs (forward + backward), whatever its rows (a measured
+                     profile's `cost.GemmProfile.floor_us`; 0: none).
     """
 
     tile_rows: int
@@ -81,6 +84,7 @@ class TimeModel:
     message_us: float = 0.0
     plan_us: float = 0.0
     sends_after_static: bool = False
+    piece_floor_us: float = 0.0
 
     @classmethod
     def of(cls, shape, profile) -> "TimeModel":
@@ -88,7 +92,7 @@ class TimeModel:
         bw = profile.ce_gbps * 1e3  # bytes per µs
         return cls(int(profile.tile_m), FWD_BWD_GEMMS * shape.flops_per_row / (profile.tflops * 1e6),
                    FWD_BWD_GEMMS * profile.overhead_us, shape.weight_bytes / bw, shape.weight_bytes / bw,
-                   shape.row_bytes / bw, profile.message_us)
+                   shape.row_bytes / bw, profile.message_us, piece_floor_us=FWD_BWD_GEMMS * profile.floor_us)
 
     @classmethod
     def measured(cls, expert_seconds: float, rows: int, expert_bytes: int, row_bytes: int,
@@ -103,15 +107,16 @@ class TimeModel:
                    row_bytes / bw)
 
     def as_array(self) -> np.ndarray:
-        """float64 [9], the order `passes.finish_us` takes."""
+        """float64 [`WORDS`], the order `passes.finish_us` takes."""
         return np.array([self.tile_rows, self.row_us, self.piece_us, self.weight_copy_us, self.grad_copy_us,
-                         self.row_copy_us, self.message_us, self.plan_us, self.sends_after_static], dtype=np.float64)
+                         self.row_copy_us, self.message_us, self.plan_us, self.sends_after_static,
+                         self.piece_floor_us], dtype=np.float64)
 
     @classmethod
     def from_array(cls, values) -> "TimeModel":
         """The inverse of `as_array`."""
-        tile, *rest, after = [float(v) for v in values]
-        return cls(int(tile), *rest, sends_after_static=bool(after))
+        tile, *rest, after, floor = [float(v) for v in values]
+        return cls(int(tile), *rest, sends_after_static=bool(after), piece_floor_us=floor)
 
     @property
     def finite(self) -> bool:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
-from deepspeed_feplb.plan.timeline import TimeModel
+from deepspeed_feplb.plan.timeline import WORDS, TimeModel
 from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
 
-_NO_MODEL = np.zeros(9, np.float64)
+_NO_MODEL = np.zeros(WORDS, np.float64)
 
 RING = 4
 E_MAX = 1024
@@ -36,7 +36,7 @@ SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  #
 CONSTRAINTS_DTYPE = np.dtype([
     ("experts", np.int64), ("dynamic_experts", np.int64), ("max_helpers", np.int64), ("chunk_align", np.int64),
     ("expert_bytes", np.int64), ("ce_budget_bytes", np.float64), ("keep_copies", np.int64), ("has_model", np.int64),
-    ("model", np.float64, (9, )),  # `TimeModel.as_array`
+    ("model", np.float64, (WORDS, )),  # `TimeModel.as_array`
     ("max_rows_over_mean", np.float64), ("mean_rows", np.float64)])
 
 
