@@ -70,24 +70,32 @@ class StageFactor:
     time, less the waits for the plan and for peers) / (its forward expert calls as `PieceFit`
     prices them), decayed like `PieceFit`. It holds the backward (which autograd runs where no call
     can be timed alone) and the stage's own host work (publishing the counts, concatenating, phase
-    2's bookkeeping) in proportion to the expert compute. Host clock only: on CUDA it stays at
-    `FWD_BWD_GEMMS`."""
+    2's bookkeeping) in proportion to the expert compute; ``forward_share`` is the forward's part of
+    that busy time (the time model's `TimeModel.forward_share`). Host clock only: on CUDA it stays
+    at `FWD_BWD_GEMMS`, a third forward."""
     decay: float = 0.7
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(2))  # busy, calls
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # busy, calls, forward busy
     warm: bool = False  # the first sample (first calls, the first backward's allocations): dropped
 
-    def add(self, busy_s: float, calls_s: float) -> None:
-        if calls_s <= 0 or busy_s <= 0:
+    def add(self, forward_s: float, backward_s: float, calls_s: float) -> None:
+        """One stage: its forward and backward busy seconds, and its forward calls as fitted."""
+        busy_s = forward_s + backward_s
+        if calls_s <= 0 or busy_s <= 0 or forward_s < 0 or backward_s < 0:
             return
         if not self.warm:
             self.warm = True
             return
-        self.sums = self.sums * self.decay + np.array([busy_s, calls_s])
+        self.sums = self.sums * self.decay + np.array([busy_s, calls_s, forward_s])
 
     @property
     def value(self) -> float:
-        busy, calls = self.sums
+        busy, calls, _ = self.sums
         return float(busy / calls) if calls > 0 else float(FWD_BWD_GEMMS)
+
+    @property
+    def forward_share(self) -> float:
+        busy, _, forward = self.sums
+        return float(forward / busy) if busy > 0 else 1.0 / FWD_BWD_GEMMS
 
 
 @dataclass
@@ -168,14 +176,19 @@ class ComputeTimes:
         else:
             self.pending = (begin, static_done, end, list(pieces))
 
-    def stage_done(self, busy_s: float, calls: tuple, balanced: bool = True) -> None:
-        """A micro-batch's stage has run its backward: ``busy_s`` host seconds of forward and
-        backward, less its waits, for forward expert calls of ``calls`` = (pieces, rows)
-        (`StageFactor`); ``balanced``: it went through the domain (phase 2's own work, a backward
-        per piece) rather than computing every expert here."""
+    def stage_done(self, forward_s: float, backward_s: float, calls: tuple, balanced: bool = True) -> None:
+        """A micro-batch's stage has run its backward: ``forward_s`` and ``backward_s`` host seconds,
+        each less its waits, for forward expert calls of ``calls`` = (pieces, rows) (`StageFactor`);
+        ``balanced``: it went through the domain (phase 2's own work, a backward per piece) rather
+        than computing every expert here."""
         fit = self._forward_fit()
         if fit is not None:
-            (self.factor if balanced else self.local_factor).add(busy_s, calls[0] * fit[0] + calls[1] * fit[1])
+            (self.factor if balanced else self.local_factor).add(forward_s, backward_s,
+                                                                 calls[0] * fit[0] + calls[1] * fit[1])
+
+    def forward_share(self, balanced: bool = True) -> float:
+        """The forward's share of the stage's busy time (`StageFactor.forward_share`) of the path."""
+        return (self.factor if balanced else self.local_factor).forward_share
 
     def fitted_us(self, balanced: bool = True) -> Optional[tuple[float, float]]:
         """(piece_us, row_us), forward + backward (`PieceFit` x `StageFactor`) of a micro-batch
@@ -203,7 +216,7 @@ class ComputeTimes:
         stage = TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
         if stage is None:
             return None
-        stage = replace(stage, sends_after_static=sends_after_static)
+        stage = replace(stage, sends_after_static=sends_after_static, forward_share=self.factor.forward_share)
         if config.fixed_costs == "ignore":
             return stage
         fitted = self.fitted_us()  # none when no call was timed alone (every expert dynamic): the whole stage's

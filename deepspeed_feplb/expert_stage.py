@@ -269,6 +269,7 @@ class ExpertStage:
             if self.device.type == "cuda":
                 record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
+            record["forward_share"] = self.compute_times.forward_share(balanced)
         if balanced:
             params = experts.params()
             with experts.calls(params) as call:
@@ -301,7 +302,8 @@ class ExpertStage:
         this micro-batch did: ``moves`` int64 [M, 5] = (home EP rank, local expert, helper EP rank,
         rows, fresh) of its domain's plan, ``plan_us`` (when the plan was in hand, from the stage's
         start, host clock; NaN: not balanced), ``fit_us`` (the fitted piece and row cost of the path
-        it took, as they were before it: `ComputeTimes.fitted_us`), the stage's time, ``forward_us``
+        it took, as they were before it: `ComputeTimes.fitted_us`), ``forward_share`` (the share of
+        the stage's busy time its planner gave the forward, `StageFactor`), the stage's time, ``forward_us``
         now and ``backward_us`` once its backward ran (host clock; on CUDA also CUDA events, which
         `recorded` reads), ``cpu_us``, the CPU time this process used meanwhile (all its threads:
         on an oversubscribed host far less than the two; NaN until the backward ran), and
@@ -315,6 +317,7 @@ class ExpertStage:
             events[1] = _device_mark()
         calls = self.compute_times.calls  # (0, 0) on CUDA: only host-timed calls are counted (`finish`)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
+        forward_waits_s = plan_wait_s + (phase2.wait_s if phase2 is not None else 0.0)
         last = None
         if self.records:
             first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
@@ -325,6 +328,7 @@ class ExpertStage:
                                           fresh]).astype(np.int64).reshape(-1, 5),
                 "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
                 "fit_us": record["fit_us"] or (float("nan"), float("nan")),
+                "forward_share": record["forward_share"],
                 "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan"),
                 "message_us": self.domain.transport.message_us if self.domain is not None else float("nan")}
             if events is not None:
@@ -348,8 +352,9 @@ class ExpertStage:
                 if events is not None:
                     events[3] = _device_mark()
             if calls[0]:
-                waits = plan_wait_s + (phase2.wait_s if phase2 is not None else 0.0)
-                times.stage_done(forward_s + backward_s - waits, calls, balanced=phase2 is not None)
+                backward_waits_s = (phase2.wait_s if phase2 is not None else 0.0) + plan_wait_s - forward_waits_s
+                times.stage_done(forward_s - forward_waits_s, backward_s - backward_waits_s, calls,
+                                 balanced=phase2 is not None)
 
         out.register_hook(backward_begins)
         rows.register_hook(backward_ends)

@@ -58,15 +58,16 @@ def test_the_stage_factor_turns_forward_calls_into_the_stage_time():
 
     factor = StageFactor()
     assert factor.value == FWD_BWD_GEMMS  # nothing measured: a GEMM's forward and its two backward ones
-    factor.add(busy_s=500.0, calls_s=2.0)  # the first stage (first calls, allocations): dropped
+    assert factor.forward_share == pytest.approx(1 / FWD_BWD_GEMMS)
+    factor.add(forward_s=100.0, backward_s=400.0, calls_s=2.0)  # the first stage (first calls, allocations): dropped
     assert factor.value == FWD_BWD_GEMMS
-    factor.add(busy_s=5.0, calls_s=2.0)
-    assert factor.value == pytest.approx(2.5)
-    factor.add(busy_s=1.0, calls_s=0.0)  # no call timed: no sample
+    factor.add(forward_s=2.0, backward_s=3.0, calls_s=2.0)
+    assert factor.value == pytest.approx(2.5) and factor.forward_share == pytest.approx(0.4)
+    factor.add(forward_s=0.5, backward_s=0.5, calls_s=0.0)  # no call timed: no sample
     assert factor.value == pytest.approx(2.5)
     for _ in range(30):
-        factor.add(busy_s=4.0, calls_s=1.0)  # the machine slowed down: it follows
-    assert factor.value == pytest.approx(4.0, rel=1e-3)
+        factor.add(forward_s=2.0, backward_s=2.0, calls_s=1.0)  # the machine slowed down: it follows
+    assert factor.value == pytest.approx(4.0, rel=1e-3) and factor.forward_share == pytest.approx(0.5, rel=1e-3)
 
 
 def test_the_piece_cost_is_a_one_row_call_and_dropout_draws_the_same_masks():

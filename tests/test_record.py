@@ -79,7 +79,7 @@ def test_recorded_trace_matches_exp_counts(tmp_path):
     expect = np.array(results[0]["migrated"])
     assert np.array_equal(moved[:-1], expect[:-1]) and expect[:-1].sum() > 0, (moved, expect)
     assert (trace.plan_moves[:, 3] // (EXPERTS // WORLD) != trace.plan_moves[:, 2] // (EXPERTS // WORLD)).sum() == 0
-    assert trace.stage_us.shape == (steps, 2, WORLD, 7)
+    assert trace.stage_us.shape == (steps, 2, WORLD, 8)
     assert (trace.stage_us[:-1, :, :, :2] > 0).all() and np.isnan(trace.stage_us[-1]).all()
     plan_in_hand = trace.stage_us[:-1, :, :, 2]  # every micro-batch balanced ("ignore"): within its forward
     assert (plan_in_hand > 0).all() and (plan_in_hand < trace.stage_us[:-1, :, :, 0]).all()
@@ -87,6 +87,8 @@ def test_recorded_trace_matches_exp_counts(tmp_path):
     assert (cpu > 0).all() and (cpu < 3 * trace.stage_us[:-1, :, :, :2].sum(axis=-1)).all()
     message_us = trace.stage_us[:-1, :, :, 6]  # the latency each domain's transport measured when it opened
     assert (message_us > 0).all() and (message_us == message_us[0, 0, 0]).all()
+    share = trace.stage_us[:-1, :, :, 7]  # the forward's share of the stage its planner priced
+    assert ((share > 0) & (share < 1)).all()
 
 
 def test_shipped_real_trace_is_valid_and_skewed():

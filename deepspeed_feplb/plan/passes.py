@@ -11,7 +11,6 @@ import numpy as np
 from numba import njit
 
 from deepspeed_feplb.plan.hottest import hottest
-from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS
 
 # Per-rank state of one water-filling pass, rows of an int64 [6, G] array (numba compiles no
 # closures, so the pass's functions share their state through it).
@@ -29,8 +28,6 @@ _FEWER_COPIES_SLACK = 0.005
 # chunk the helper or send limit allows; any such chunk (a whole expert then moves as one chunk,
 # which saves weight copies when the Copy-Engine budget binds).
 _NO_CHAIN, _CHAIN_LAST, _CHAIN_ANY = 0, 1, 2
-# A piece's forward + backward cost is FWD_BWD_GEMMS GEMMs' (`timeline`): one of them forward.
-_FORWARD_GEMMS, _BACKWARD_GEMMS = 1, FWD_BWD_GEMMS - 1
 
 
 @njit("boolean(int64[:, :, ::1], int64, int64, int64)", cache=True)
@@ -406,20 +403,14 @@ def _copies(moves, fresh, wcopy, rcopy, latency, out_free):
     return arrive
 
 
-@njit(cache=True)
-def _share(us, gemms):
-    """``gemms`` of a forward + backward cost's `FWD_BWD_GEMMS` GEMMs (whole µs stay whole)."""
-    return us * gemms / FWD_BWD_GEMMS
-
-
-@njit("float64[::1](int64[:, ::1], float64[::1], float64[::1], int64, float64[::1])", cache=True)
-def _serve(moves, arrive, t, gemms, model):
+@njit("float64[::1](int64[:, ::1], float64[::1], float64[::1], float64, float64[::1])", cache=True)
+def _serve(moves, arrive, t, share, model):
     """Each chunk's end on its helper, which computes chunks in arrival order once free (``t``,
-    updated), each at ``gemms`` of a piece's forward + backward GEMMs."""
+    updated), each at ``share`` of a piece's forward + backward cost."""
     done = np.empty(moves.shape[0])
     for m in np.argsort(arrive, kind="mergesort"):
         j = moves[m, 2]
-        t[j] = max(t[j], arrive[m]) + _share(_piece_us(moves[m, 3], model), gemms)
+        t[j] = max(t[j], arrive[m]) + share * _piece_us(moves[m, 3], model)
         done[m] = t[j]
     return done
 
@@ -433,7 +424,7 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
-    whose accumulated gradients go home at the end of this micro-batch; model float64 [10]
+    whose accumulated gradients go home at the end of this micro-batch; model float64 [11]
     (`timeline.TimeModel.as_array`); dynamic bool [G, E]: each rank's dynamic experts, computed
     once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
     the forward stage's start, row 1 from the backward stage's start. The model is described in
@@ -441,6 +432,7 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     G, E = counts.shape
     M = moves.shape[0]
     wcopy, gcopy, rcopy, latency, plan_ready = model[3], model[4], model[5], model[6], model[7]
+    forward, backward = model[10], 1.0 - model[10]
     kept = counts.copy()
     after_plan = dynamic.copy()
     for m in range(M):
@@ -459,19 +451,19 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     # forward: chunks leave once the plan is there; a helper computes them after its own rows
     out_free = np.full(G, plan_ready)
     if model[8] > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
-        out_free = np.maximum(out_free, _share(static, _FORWARD_GEMMS))
-    t = np.maximum(_share(static, _FORWARD_GEMMS), plan_ready) + _share(later, _FORWARD_GEMMS)
+        out_free = np.maximum(out_free, forward * static)
+    t = np.maximum(forward * static, plan_ready) + forward * later
     arrive = _copies(moves, fresh, wcopy, rcopy, latency, out_free)
-    done = _serve(moves, arrive, t, _FORWARD_GEMMS, model)
+    done = _serve(moves, arrive, t, forward, model)
     out[0] = t
     for m in range(M):  # the outputs go home
         out[0, moves[m, 0]] = max(out[0, moves[m, 0]], done[m] + moves[m, 3] * rcopy + latency)
 
     # backward: the output-gradients leave at once; a helper serves its chunks after its own
     # experts' backward (the runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`)
-    t = _share(static + later, _BACKWARD_GEMMS)
+    t = backward * (static + later)
     arrive = _copies(moves, fresh, 0.0, rcopy, latency, np.zeros(G))  # rows only
-    done = _serve(moves, arrive, t, _BACKWARD_GEMMS, model)
+    done = _serve(moves, arrive, t, backward, model)
     out[1] = t
     back_free = np.zeros(G)  # a helper's outgoing link: weight-gradients, one at a time
     for m in np.argsort(done, kind="mergesort"):
@@ -528,7 +520,7 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
-    (``model`` float64 [10]; empty: tokens only, one pass); returns the one with the smallest
+    (``model`` float64 [11]; empty: tokens only, one pass); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
     slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch).

@@ -1,8 +1,9 @@
 """The time model of one domain's micro-batch, shared by the planner and the simulator.
 
 Per micro-batch and rank of a domain (all times µs). A piece of ``n`` rows costs ``max(piece_floor_us,
-piece_us + ceil(n / tile_rows) * tile_rows * row_us)`` forward and backward together: a third of it in the
-forward (one GEMM), two thirds in the backward (the input- and the weight-gradient GEMM). The
+piece_us + ceil(n / tile_rows) * tile_rows * row_us)`` forward and backward together:
+``forward_share`` of it in the forward, the rest in the backward (GEMMs alone: a third, one GEMM
+against the input- and the weight-gradient GEMM; a running layer measures its own share). The
 forward and the backward are two timelines, as the runtime orders them; each ends in an all-to-all
 that waits for every rank, so the stage's time is the slowest rank's forward plus the slowest
 rank's backward (`makespan_us`).
@@ -54,7 +55,7 @@ __all__ = ["TimeModel", "makespan_us", "rank_finish_us"]
 
 # fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
 FWD_BWD_GEMMS = 3
-WORDS = 10  # `TimeModel.as_array`'s length
+WORDS = 11  # `TimeModel.as_array`'s length
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ class TimeModel:
     sends_after_static: a home sends its chunks once its static experts are computed (a grouped
                      static call on CPU ranks), not as soon as the plan is there;
     piece_floor_us:  the least one piece costs (forward + backward), whatever its rows (a measured
-                     profile's `cost.GemmProfile.floor_us`; 0: none).
+                     profile's `cost.GemmProfile.floor_us`; 0: none);
+    forward_share:   the forward's share of a piece's cost (1 / `FWD_BWD_GEMMS` for GEMMs alone; the
+                     runtime's `expert_costs.StageFactor` measures its stage's).
     """
 
     tile_rows: int
@@ -85,6 +88,7 @@ class TimeModel:
     plan_us: float = 0.0
     sends_after_static: bool = False
     piece_floor_us: float = 0.0
+    forward_share: float = 1.0 / FWD_BWD_GEMMS
 
     @classmethod
     def of(cls, shape, profile) -> "TimeModel":
@@ -110,13 +114,13 @@ class TimeModel:
         """float64 [`WORDS`], the order `passes.finish_us` takes."""
         return np.array([self.tile_rows, self.row_us, self.piece_us, self.weight_copy_us, self.grad_copy_us,
                          self.row_copy_us, self.message_us, self.plan_us, self.sends_after_static,
-                         self.piece_floor_us], dtype=np.float64)
+                         self.piece_floor_us, self.forward_share], dtype=np.float64)
 
     @classmethod
     def from_array(cls, values) -> "TimeModel":
         """The inverse of `as_array`."""
-        tile, *rest, after, floor = [float(v) for v in values]
-        return cls(int(tile), *rest, sends_after_static=bool(after), piece_floor_us=floor)
+        tile, *rest, after, floor, share = [float(v) for v in values]
+        return cls(int(tile), *rest, sends_after_static=bool(after), piece_floor_us=floor, forward_share=share)
 
     @property
     def finite(self) -> bool:

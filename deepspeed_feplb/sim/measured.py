@@ -11,8 +11,9 @@ The compute costs come from the cost profile (what the simulator uses for other 
 with ``recorded_costs``, from the domain's own fits as its planner had them at that micro-batch
 (`expert_costs.ComputeTimes.fitted_us`: the costs of a piece and of a row, forward and backward,
 fitted from earlier micro-batches; the medians over the domain's ranks), the plan's latency of
-the micro-batch before (what the runtime knew then) and the message latency the domain's transport
-measured (traces with a 7th column): the check then tests how the model composes them.
+the micro-batch before (what the runtime knew then), the message latency the domain's transport
+measured (traces with a 7th column) and the forward's share of the stage its planner had measured
+(an 8th): the check then tests how the model composes them.
 ``sends_after_static``: the run's homes sent their chunks only after their static experts
 (`TimeModel.sends_after_static`: a grouped static call on CPU ranks); otherwise as soon as the
 plan was in hand, which is what the runtime does between its static experts' calls.
@@ -29,6 +30,8 @@ from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
 from deepspeed_feplb.trace.format import Trace
 
 __all__ = ["compare_measured", "cpu_share", "errors", "predicted_and_measured"]
+
+MESSAGE_US, FORWARD_SHARE = 6, 7  # columns of a recorded trace's ``stage_us`` (`trace.format`)
 
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
@@ -76,10 +79,13 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                         if step and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
-                    message_us = _recorded_message_us(trace.stage_us[step, layer, ranks_here]) \
+                    message_us = _recorded(trace.stage_us[step, layer, ranks_here], MESSAGE_US) \
                         if recorded_message_us else None
                     if message_us is not None:
                         here_model = replace(here_model, message_us=message_us)
+                    share = _recorded(trace.stage_us[step, layer, ranks_here], FORWARD_SHARE)
+                    if share is not None:
+                        here_model = replace(here_model, forward_share=share)
                 mine = here[(here[:, 3] >= first) & (here[:, 3] < first + ranks_per_node)]
                 local = np.column_stack([mine[:, 3] - first, mine[:, 2] % per_rank, mine[:, 4] - first,
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
@@ -109,12 +115,13 @@ def errors(rows: np.ndarray) -> dict:
             "median_rel_error": float(np.median(relative)), "micro_batches": int(len(rows))}
 
 
-def _recorded_message_us(stage_us: np.ndarray) -> Optional[float]:
-    """The message latency a domain's ranks priced at one micro-batch (``stage_us`` ``[G, C]``, its
-    column 6, the same on every rank of a domain), or None where the trace lacks it."""
-    if stage_us.shape[-1] < 7:
+def _recorded(stage_us: np.ndarray, column: int) -> Optional[float]:
+    """The median over a domain's ranks at one micro-batch (``stage_us`` ``[G, C]``) of a figure its
+    planner priced alike on every rank (`MESSAGE_US`, `FORWARD_SHARE`), or None where the trace
+    lacks the column or no rank has it."""
+    if stage_us.shape[-1] <= column:
         return None
-    figures = stage_us[:, 6][np.isfinite(stage_us[:, 6])]
+    figures = stage_us[:, column][np.isfinite(stage_us[:, column])]
     return float(np.median(figures)) if figures.size else None
 
 

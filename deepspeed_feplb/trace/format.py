@@ -9,15 +9,17 @@ A trace recorded by a FEPLB run (`trace.record`) also holds what the runtime did
 simulator's time model can be checked against it (``simulate --compare-measured``):
 ``plan_moves`` int64 ``[M, 7]`` = (step, layer, expert, home_rank, helper_rank, rows, fresh):
 the plans' moves (EP ranks; ``fresh``: the chunk carried the expert's weights), and
-``stage_us`` float64 ``[steps, layers, ranks, 7]``: per EP rank, the expert stage's measured
+``stage_us`` float64 ``[steps, layers, ranks, 8]``: per EP rank, the expert stage's measured
 forward and backward time (host clock on CPU ranks, CUDA events on GPUs), when its plan was in
 hand (from the stage's start, host clock; NaN: the micro-batch was not balanced), the rank's
 fitted cost of an expert piece and of a row (forward + backward,
 `expert_costs.ComputeTimes.fitted_us` of the path the micro-batch took, as they stood before it:
 what its planner priced), the CPU time the rank's process used over the forward and the
 backward, and the fixed latency of one phase-2 message that its domain's transport measured when
-it opened (`Transport.message_us`; NaN: no domain), all µs, NaN where not measured. Older traces
-have 5 columns (no CPU time) or 6 (no message latency); they load and replay as recorded.
+it opened (`Transport.message_us`; NaN: no domain), all µs, and the forward's share of the
+stage's busy time that its planner priced (`expert_costs.StageFactor.forward_share`, a fraction),
+NaN where not measured. Older traces have 5 columns (no CPU time), 6 (no message latency) or 7
+(no forward share); they load and replay as recorded.
 """
 from __future__ import annotations
 

@@ -122,14 +122,15 @@ class TraceRecorder:
     def _runtime(self, steps: int, ranks: int, experts: int) -> dict:
         """``plan_moves`` and ``stage_us`` (`trace.format`) of the steps kept, or nothing when no
         stage recorded anything (FEPLB off)."""
-        stage_us = np.full((steps, len(self.stages), ranks, 7), np.nan)
+        stage_us = np.full((steps, len(self.stages), ranks, 8), np.nan)
         moves = set()  # every rank of a domain holds its domain's plan: one copy of each move
         for layer, per_step in enumerate(self.stages):
             for step, everyone in enumerate(per_step[:steps]):
                 for rank, last in enumerate(everyone):
                     if last is not None:
                         stage_us[step, layer, rank] = (last["forward_us"], last["backward_us"], last["plan_us"],
-                                                       *last["fit_us"], last["cpu_us"], last["message_us"])
+                                                       *last["fit_us"], last["cpu_us"], last["message_us"],
+                                                       last["forward_share"])
                         moves |= {(step, layer, home * (experts // ranks) + e, home, helper, n, fresh)
                                   for home, e, helper, n, fresh in last["moves"].tolist()}
         if np.isnan(stage_us).all():
