@@ -38,7 +38,7 @@ def test_finish_times_by_hand():
     # a helper that holds the weights starts at 4 µs: no copy; without gradients going home
     kept = rank_finish_us(counts, moves, hand, fresh=np.array([False]), grads_back=np.array([False]))
     assert kept.tolist() == [pytest.approx([80.0, 50.0]), pytest.approx([160.0, 100.0])]
-    # the step's end: the kept copy's gradient goes home after the helper's work (at 110)
+    # the step's end: the kept copy's gradient (70 µs here) goes home after the helper's work (100 µs): at 170
     home_bound = replace(hand, grad_copy_us=70.0)
     flushed = rank_finish_us(counts, moves, home_bound, np.array([False]), np.array([False]), flush=np.array([[0, 1]]))
     assert flushed[1].tolist() == pytest.approx([100.0 + 70.0, 100.0])
@@ -46,6 +46,18 @@ def test_finish_times_by_hand():
     tiled = TimeModel(4, 1.0, 2.0, 0.0, 0.0, 0.0)
     assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).sum(axis=0).tolist() == \
         pytest.approx([6 + 6 + 10])
+
+
+def test_a_kept_copy_flushes_once_its_helper_has_its_own_helpers_results():
+    """The runtime's backward (`Phase2MicroBatch.backward_rest`) serves other homes' chunks, then
+    waits for its own helpers' results, and only then sends its kept copies' gradients home. Rank 1
+    keeps a copy of rank 0's expert and has moved 100 rows to rank 2, whose backward of them ends
+    at 300 µs (its own 50 rows first): rank 1 has their results at 310, so rank 0's flushed
+    gradient leaves then and arrives at 320, not when rank 1's own compute ends (200 + 10)."""
+    counts = np.array([[10, 0], [200, 0], [50, 0]])
+    hand = replace(MODEL, row_us=3.0)
+    finish = rank_finish_us(counts, np.array([[1, 0, 2, 100]]), hand, flush=np.array([[0, 1]]))
+    assert finish[1].tolist() == pytest.approx([320.0, 310.0, 300.0])
 
 
 def test_message_latency_delays_arrivals_and_returns():

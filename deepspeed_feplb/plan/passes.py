@@ -462,19 +462,21 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     # backward: the output-gradients leave at once; a helper serves its chunks after its own
     # experts' backward (the runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`)
     t = backward * (static + later)
-    arrive = _copies(moves, fresh, 0.0, rcopy, latency, np.zeros(G))  # rows only
+    back_free = np.zeros(G)  # each rank's outgoing link: output-gradients, then weight-gradients, one at a time
+    arrive = _copies(moves, fresh, 0.0, rcopy, latency, back_free)  # rows only
     done = _serve(moves, arrive, t, backward, model)
     out[1] = t
-    back_free = np.zeros(G)  # a helper's outgoing link: weight-gradients, one at a time
     for m in np.argsort(done, kind="mergesort"):
         h, j = moves[m, 0], moves[m, 2]
         out[1, h] = max(out[1, h], done[m] + moves[m, 3] * rcopy + latency)
         if grads_back[m]:
             back_free[j] = max(back_free[j], done[m]) + gcopy
             out[1, h] = max(out[1, h], back_free[j] + latency)
+    # the step's end: a helper sends its kept copies' gradients once its own helpers' results are in
+    served = out[1].copy()
     for f in range(flush.shape[0]):
         h, j = flush[f, 0], flush[f, 1]
-        back_free[j] = max(back_free[j], t[j]) + gcopy
+        back_free[j] = max(back_free[j], served[j]) + gcopy
         out[1, h] = max(out[1, h], back_free[j] + latency)
     return out
 
@@ -488,7 +490,8 @@ def makespan(finish):
 
 @njit("float64(int64[:, ::1], int64[::1], int64[:, :, ::1], boolean, float64[::1], boolean[:, ::1])", cache=True)
 def _makespan(counts, flat, resident, keep, model, dynamic):
-    """The slowest rank's finish (µs, `timeline.finish_us`) of a `plan_pass` result ``flat``."""
+    """The makespan (µs, `makespan`: the slowest forward plus the slowest backward of `finish_us`)
+    of a `plan_pass` result ``flat``."""
     G = counts.shape[0]
     moves = flat[G:].reshape(-1, 4)
     M = moves.shape[0]

@@ -34,7 +34,7 @@ from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, s
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.replicas import exchange_us, route
 from deepspeed_feplb.plan.residency import ResidencyTable
-from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
+from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
 __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy", "pieces_us"]
 
@@ -429,12 +429,15 @@ class _NodePolicy:
         ce = {"ce_us": 0.0, "exposed_us": 0.0, "static_us": 0.0, "copies": 0}
         timing = {"expert_us": 0.0, "exposed_us": 0.0, "weight_bytes": 0, "grad_bytes": 0}
         ends = s.step_ends(step)
+        # each direction ends in an all-to-all over every node: the slowest forward, then the slowest backward
+        finish, free = np.zeros(2), np.zeros(2)
         for n in range(s.nodes):
             nc = counts[n * G:(n + 1) * G]
             cons, static_us = self.constraints(nc, counts.sum() / s.ranks)
             table = self.residency[layer][n]
             moves = self.plan(nc, cons, table.resident.copy())
-            fresh = self._time(nc, moves, table, ends, timing)
+            fresh, node_finish, node_free = self._time(nc, moves, table, ends, timing)
+            finish, free = np.maximum(finish, node_finish.max(axis=1)), np.maximum(free, node_free.max(axis=1))
             lb = max(lb, lower_bound(nc, cons.dynamic_experts))
             kept = nc.copy()
             if len(moves):
@@ -451,6 +454,7 @@ class _NodePolicy:
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
+        timing["expert_us"], timing["exposed_us"] = float(finish.sum()), float(finish.sum() - free.sum())
         if self.placers is not None:
             placer = self.placers[layer]
             placer.observe(loads, refresh=False)
@@ -469,23 +473,21 @@ class _NodePolicy:
         moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
         return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce, timing=timing)
 
-    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict) -> np.ndarray:
-        """Add one node's micro-batch to ``timing`` (the slowest node sets the makespan); update
-        its residency table (copies kept until the step ends, whose gradients go home then).
-        Returns which moves carry weights, bool [M]."""
+    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict) -> tuple:
+        """One node's micro-batch: add its copied bytes to ``timing`` and update its residency table
+        (copies kept until the step ends, whose gradients go home then). Returns (which moves carry
+        weights bool [M], each rank's forward and backward finish [2, G] with the copies, and
+        without them: `timeline.rank_finish_us`)."""
         model = self.setup.time_model
         fresh, kept = table.admit(moves, keep_new=not ends)
         flush = table.flush()[:, [0, 2]] if ends else None
         grads_back = ~kept
-        finish = makespan_us(rank_finish_us(nc, moves, model, fresh, grads_back, flush))
-        free = makespan_us(rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0,
-                                                             row_copy_us=0.0)))
-        timing["expert_us"] = max(timing["expert_us"], float(finish))
-        timing["exposed_us"] = max(timing["exposed_us"], float(finish - free))
+        finish = rank_finish_us(nc, moves, model, fresh, grads_back, flush)
+        free = rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0, row_copy_us=0.0))
         w = self.setup.shape.weight_bytes
         timing["weight_bytes"] += int(fresh.sum()) * w
         timing["grad_bytes"] += (int(grads_back.sum()) + (0 if flush is None else len(flush))) * w
-        return fresh
+        return fresh, finish, free
 
     def summary(self) -> dict:
         if self.placers is None:

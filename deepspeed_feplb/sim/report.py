@@ -156,7 +156,7 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
     expert = {name: run.expert_us.mean(axis=1) for name, run in runs.items() if run.expert_us is not None}
     scale, unit = (1e3, "ms") if expert and max(v.max() for v in expert.values()) >= 1e3 else (1.0, "µs")
     _policy_panel(axes[4], {name: values / scale for name, values in expert.items()},
-                  "expert time, forward + backward with copies\n(slowest rank), mean over layers", unit)
+                  "expert time with copies\n(slowest forward + slowest backward), mean over layers", unit)
 
     if d_sweep:
         ax = axes[5]
