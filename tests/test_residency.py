@@ -48,6 +48,19 @@ def test_finish_times_by_hand():
         pytest.approx([6 + 6 + 10])
 
 
+def test_a_helper_computes_a_homes_chunks_once_their_whole_message_is_there():
+    """The runtime sends one message per (home, helper) with all its chunks, and a helper serves a
+    home's chunks together: rank 0 moves 40 rows of expert 0 and 20 of expert 1 to rank 1, both
+    with weights (2 x 10 + 60 x 0.1 = 26 µs of copying). Rank 1 starts them at 26 µs, after its own
+    10 rows, ends at 86 and the outputs are home at 92 (chunk by chunk it would start the first at
+    14). Backward: the output-gradients arrive at 6, rank 1 ends at 20 + 120 = 140, the two
+    weight-gradients are home at 160, with rank 0's own 80 rows."""
+    counts = np.array([[100, 40], [10, 0]])
+    moves = np.array([[0, 0, 1, 40], [0, 1, 1, 20]])
+    finish = rank_finish_us(counts, moves, replace(MODEL, row_us=3.0))
+    assert finish.tolist() == [pytest.approx([92.0, 86.0]), pytest.approx([160.0, 140.0])]
+
+
 def test_a_kept_copy_flushes_once_its_helper_has_its_own_helpers_results():
     """The runtime's backward (`Phase2MicroBatch.backward_rest`) serves other homes' chunks, then
     waits for its own helpers' results, and only then sends its kept copies' gradients home. Rank 1

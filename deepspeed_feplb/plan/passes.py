@@ -387,31 +387,56 @@ def _piece_us(n, model):
     return max(model[9], model[2] + ((n + tile - 1) // tile) * tile * model[1])
 
 
-@njit("float64[::1](int64[:, ::1], boolean[::1], float64, float64, float64, float64[::1])", cache=True)
-def _copies(moves, fresh, wcopy, rcopy, latency, out_free):
-    """When each move's message arrives: one copy at a time per outgoing and incoming link, in plan
-    order, none before ``out_free[home]`` (updated); ``wcopy`` where ``fresh``."""
+@njit("Tuple((int64[:, ::1], float64[:, ::1]))(int64[:, ::1], boolean[::1], boolean[::1], int64, float64[::1])",
+      cache=True)
+def _messages(moves, fresh, grads_back, G, model):
+    """The plan's chunks as the runtime sends them: one message per (home, helper) pair, ordered by
+    home, then helper (a home sends to its helpers in ascending order; a helper serves its homes
+    so). Returns (int64 [K, 2] = (home, helper), float64 [K, 4] = (rows, weight copies, gradient
+    returns, the chunks' pieces' forward + backward cost µs))."""
+    M = moves.shape[0]
+    key = moves[:, 0] * G + moves[:, 2]
+    order = np.argsort(key, kind="mergesort")
+    pairs = np.empty((M, 2), np.int64)
+    sizes = np.zeros((M, 4))
+    K = -1
+    for i in range(M):
+        m = order[i]
+        if i == 0 or key[m] != key[order[i - 1]]:
+            K += 1
+            pairs[K, 0], pairs[K, 1] = moves[m, 0], moves[m, 2]
+        sizes[K, 0] += moves[m, 3]
+        sizes[K, 1] += fresh[m]
+        sizes[K, 2] += grads_back[m]
+        sizes[K, 3] += _piece_us(moves[m, 3], model)
+    return pairs[:K + 1], sizes[:K + 1]
+
+
+@njit("float64[::1](int64[:, ::1], float64[::1], float64, float64[::1])", cache=True)
+def _copies(pairs, length, latency, out_free):
+    """When each message (``pairs`` [K, 2], ``length`` µs of copying each) arrives: one copy at a
+    time per outgoing and incoming link, in message order, none before ``out_free[home]`` (updated)."""
     in_free = np.zeros(out_free.shape[0])
-    arrive = np.empty(moves.shape[0])
-    for m in range(moves.shape[0]):
-        h, j = moves[m, 0], moves[m, 2]
+    arrive = np.empty(pairs.shape[0])
+    for k in range(pairs.shape[0]):
+        h, j = pairs[k, 0], pairs[k, 1]
         start = max(out_free[h], in_free[j])
-        end = start + (wcopy if fresh[m] else 0.0) + moves[m, 3] * rcopy
+        end = start + length[k]
         out_free[h] = end
         in_free[j] = end
-        arrive[m] = end + latency
+        arrive[k] = end + latency
     return arrive
 
 
-@njit("float64[::1](int64[:, ::1], float64[::1], float64[::1], float64, float64[::1])", cache=True)
-def _serve(moves, arrive, t, share, model):
-    """Each chunk's end on its helper, which computes chunks in arrival order once free (``t``,
-    updated), each at ``share`` of a piece's forward + backward cost."""
-    done = np.empty(moves.shape[0])
-    for m in np.argsort(arrive, kind="mergesort"):
-        j = moves[m, 2]
-        t[j] = max(t[j], arrive[m]) + share * _piece_us(moves[m, 3], model)
-        done[m] = t[j]
+@njit("float64[::1](int64[:, ::1], float64[::1], float64[::1], float64[::1])", cache=True)
+def _serve(pairs, arrive, t, cost):
+    """Each message's end on its helper, which computes a home's chunks (``cost`` µs) once it is
+    free (``t``, updated) and the whole message arrived, homes in ascending order (message order)."""
+    done = np.empty(pairs.shape[0])
+    for k in range(pairs.shape[0]):
+        j = pairs[k, 1]
+        t[j] = max(t[j], arrive[k]) + cost[k]
+        done[k] = t[j]
     return done
 
 
@@ -447,31 +472,31 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
             else:
                 static[r] += _piece_us(kept[r, e], model)
     out = np.empty((2, G))
+    pairs, sizes = _messages(moves, fresh, grads_back, G, model)
+    rows, weights, grads, cost = sizes[:, 0], sizes[:, 1], sizes[:, 2], sizes[:, 3]
 
-    # forward: chunks leave once the plan is there; a helper computes them after its own rows
+    # forward: the messages leave once the plan is there; a helper serves them after its own rows
     out_free = np.full(G, plan_ready)
     if model[8] > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
         out_free = np.maximum(out_free, forward * static)
     t = np.maximum(forward * static, plan_ready) + forward * later
-    arrive = _copies(moves, fresh, wcopy, rcopy, latency, out_free)
-    done = _serve(moves, arrive, t, forward, model)
+    arrive = _copies(pairs, weights * wcopy + rows * rcopy, latency, out_free)
+    done = _serve(pairs, arrive, t, forward * cost)
     out[0] = t
-    for m in range(M):  # the outputs go home
-        out[0, moves[m, 0]] = max(out[0, moves[m, 0]], done[m] + moves[m, 3] * rcopy + latency)
+    for k in range(pairs.shape[0]):  # the outputs go home
+        out[0, pairs[k, 0]] = max(out[0, pairs[k, 0]], done[k] + rows[k] * rcopy + latency)
 
-    # backward: the output-gradients leave at once; a helper serves its chunks after its own
+    # backward: the output-gradients leave at once; a helper serves its homes after its own
     # experts' backward (the runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`)
     t = backward * (static + later)
     back_free = np.zeros(G)  # each rank's outgoing link: output-gradients, then weight-gradients, one at a time
-    arrive = _copies(moves, fresh, 0.0, rcopy, latency, back_free)  # rows only
-    done = _serve(moves, arrive, t, backward, model)
+    arrive = _copies(pairs, rows * rcopy, latency, back_free)
+    done = _serve(pairs, arrive, t, backward * cost)
     out[1] = t
-    for m in np.argsort(done, kind="mergesort"):
-        h, j = moves[m, 0], moves[m, 2]
-        out[1, h] = max(out[1, h], done[m] + moves[m, 3] * rcopy + latency)
-        if grads_back[m]:
-            back_free[j] = max(back_free[j], done[m]) + gcopy
-            out[1, h] = max(out[1, h], back_free[j] + latency)
+    for k in range(pairs.shape[0]):  # a home's input-gradients, and weight-gradients not kept, in one message
+        h, j = pairs[k, 0], pairs[k, 1]
+        back_free[j] = max(back_free[j], done[k]) + grads[k] * gcopy
+        out[1, h] = max(out[1, h], max(done[k] + rows[k] * rcopy, back_free[j]) + latency)
     # the step's end: a helper sends its kept copies' gradients once its own helpers' results are in
     served = out[1].copy()
     for f in range(flush.shape[0]):

@@ -13,27 +13,30 @@ Forward, from the stage's start:
 * a rank first computes its own rows: every local expert's rows that stay home; its dynamic
   experts (its D hottest, and any it moves rows of) only once the plan is there, ``plan_us`` after
   the stage began (the static experts compute meanwhile);
-* each move (home -> helper, ``n`` rows) is one copy over the home's outgoing and the helper's
-  incoming copy-engine link (each link carries one copy at a time, moves in plan order): the
-  expert's weights when the helper holds no copy yet (``weight_copy_us``) plus the rows
-  (``n * row_copy_us``). No copy starts before the plan (the runtime sends between two static
-  experts once it is in hand); with ``sends_after_static`` (a grouped static call on CPU ranks,
-  which leaves no point to send from) not before its home computed its static experts;
-* a helper computes a moved chunk once it has finished its own rows and the chunk has arrived,
-  chunks in arrival order; the chunk's outputs go home (``n * row_copy_us``).
+* a home's moves to one helper (``n`` rows each) travel as one message, as the runtime sends them:
+  one copy over the home's outgoing and the helper's incoming copy-engine link (each link carries
+  one copy at a time; messages by home, then helper), of the weights of every expert the helper
+  holds no copy of yet (``weight_copy_us`` each) plus the rows (``n * row_copy_us``). No copy
+  starts before the plan (the runtime sends between two static experts once it is in hand); with
+  ``sends_after_static`` (a grouped static call on CPU ranks, which leaves no point to send from)
+  not before its home computed its static experts;
+* a helper computes a home's chunks once it has finished its own rows and their whole message has
+  arrived, homes in ascending order (the runtime's blocking receives); their outputs go home in
+  one message (``n * row_copy_us``).
 
 Backward, from the backward stage's start (`phase2.DynamicExperts`, then the static experts, then
 `phase2.Phase2Anchor`):
 
-* a home sends each chunk's output-gradients to its helper at once (``n * row_copy_us``, one copy
-  at a time per link, plan order) and computes its own rows' backward, the dynamic experts' and
-  the static ones';
-* a helper computes a chunk's backward once its own rows' backward is done and the gradients
-  arrived; the rows' input-gradients go home (``n * row_copy_us``), and, unless the helper keeps
-  the weight copy for later micro-batches of the step, the weight-gradients too (``grad_copy_us``,
-  one at a time on the helper's outgoing link); the home finishes when both are back. At the
-  step's last micro-batch every weight copy a helper kept sends its accumulated gradients home
-  the same way (``flush``).
+* a home sends each helper its chunks' output-gradients at once (one message, ``n *
+  row_copy_us``, one copy at a time per link) and computes its own rows' backward, the dynamic
+  experts' and the static ones';
+* a helper computes a home's chunks' backward once its own rows' backward is done and their
+  gradients arrived, homes in ascending order; the rows' input-gradients go home
+  (``n * row_copy_us``) in one message with the weight-gradients of the copies it does not keep
+  for later micro-batches of the step (``grad_copy_us`` each, on the helper's outgoing link); the
+  home finishes when they are back. At the step's last micro-batch, once a helper has its own
+  helpers' results, every weight copy it kept sends its accumulated gradients home the same way
+  (``flush``).
 
 Every message (a chunk there, its outputs back, output-gradients there, gradients back) also
 arrives ``message_us`` after its copy ends: the transport's fixed latency per message, which does
