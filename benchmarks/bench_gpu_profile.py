@@ -38,6 +38,8 @@ def measure(hidden: int, ffn: int) -> dict:
     times = expert_times_us(shape, "cuda", _GPU_ROWS)
     fitted = fit_profile("gpu", shape, _GPU_ROWS, times, (1, 2, 4, 8, 16, 32, 64, 128, 256),
                          PROFILES["h200"].ce_gbps, PROFILES["h200"].net_gbps)
+    line = fit_profile("gpu", shape, _GPU_ROWS, times, (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                       PROFILES["h200"].ce_gbps, PROFILES["h200"].net_gbps, floor=False)
     rows = np.asarray(_GPU_ROWS)
     predicted = gemm_us(rows, shape, fitted)
     named = gemm_us(rows, shape, PROFILES["h200"])
@@ -45,6 +47,8 @@ def measure(hidden: int, ffn: int) -> dict:
             "fitted": {"tflops": round(fitted.tflops, 1), "tile_m": fitted.tile_m,
                        "overhead_us": round(fitted.overhead_us, 2), "floor_us": round(fitted.floor_us, 2)},
             "fit_worst_relative_error": round(float(np.max(np.abs(predicted - times) / times)), 3),
+            "line_fit_worst_relative_error": round(float(np.max(np.abs(gemm_us(rows, shape, line) - times) / times)),
+                                                   3),
             "h200_profile_us": [round(float(t), 2) for t in named],
             "h200_over_measured": [round(float(n / t), 3) for n, t in zip(named, times)],
             "tflops_at_rows": [round(2 * 3 * hidden * ffn * n / (t * 1e6), 1) for n, t in zip(_GPU_ROWS, times)]}

@@ -38,10 +38,11 @@ def test_finish_times_by_hand():
     # a helper that holds the weights starts at 4 µs: no copy; without gradients going home
     kept = rank_finish_us(counts, moves, hand, fresh=np.array([False]), grads_back=np.array([False]))
     assert kept.tolist() == [pytest.approx([80.0, 50.0]), pytest.approx([160.0, 100.0])]
-    # the step's end: the kept copy's gradient (70 µs here) goes home after the helper's work (100 µs): at 170
+    # the step's end: the kept copy's gradient (70 µs here) leaves after the chunk's input-gradients
+    # (100 + 4 µs): at 174
     home_bound = replace(hand, grad_copy_us=70.0)
     flushed = rank_finish_us(counts, moves, home_bound, np.array([False]), np.array([False]), flush=np.array([[0, 1]]))
-    assert flushed[1].tolist() == pytest.approx([100.0 + 70.0, 100.0])
+    assert flushed[1].tolist() == pytest.approx([104.0 + 70.0, 100.0])
     # tiles: 1 row costs a whole tile
     tiled = TimeModel(4, 1.0, 2.0, 0.0, 0.0, 0.0)
     assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).sum(axis=0).tolist() == \
@@ -53,24 +54,26 @@ def test_a_helper_computes_a_homes_chunks_once_their_whole_message_is_there():
     home's chunks together: rank 0 moves 40 rows of expert 0 and 20 of expert 1 to rank 1, both
     with weights (2 x 10 + 60 x 0.1 = 26 µs of copying). Rank 1 starts them at 26 µs, after its own
     10 rows, ends at 86 and the outputs are home at 92 (chunk by chunk it would start the first at
-    14). Backward: the output-gradients arrive at 6, rank 1 ends at 20 + 120 = 140, the two
-    weight-gradients are home at 160, with rank 0's own 80 rows."""
+    14). Backward: the output-gradients arrive at 6, rank 1 ends at 20 + 120 = 140, the 60 rows'
+    input-gradients and the two weight-gradients are home in one message at 140 + 6 + 20 = 166,
+    after rank 0's own 80 rows (160)."""
     counts = np.array([[100, 40], [10, 0]])
     moves = np.array([[0, 0, 1, 40], [0, 1, 1, 20]])
     finish = rank_finish_us(counts, moves, replace(MODEL, row_us=3.0))
-    assert finish.tolist() == [pytest.approx([92.0, 86.0]), pytest.approx([160.0, 140.0])]
+    assert finish.tolist() == [pytest.approx([92.0, 86.0]), pytest.approx([166.0, 140.0])]
 
 
 def test_a_kept_copy_flushes_once_its_helper_has_its_own_helpers_results():
     """The runtime's backward (`Phase2MicroBatch.backward_rest`) serves other homes' chunks, then
     waits for its own helpers' results, and only then sends its kept copies' gradients home. Rank 1
     keeps a copy of rank 0's expert and has moved 100 rows to rank 2, whose backward of them ends
-    at 300 µs (its own 50 rows first): rank 1 has their results at 310, so rank 0's flushed
-    gradient leaves then and arrives at 320, not when rank 1's own compute ends (200 + 10)."""
+    at 300 µs (its own 50 rows first): rank 1 has their results (10 µs of rows, 10 of weight-
+    gradients) at 320, so rank 0's flushed gradient leaves then and arrives at 330, not when rank
+    1's own compute ends (200 + 10)."""
     counts = np.array([[10, 0], [200, 0], [50, 0]])
     hand = replace(MODEL, row_us=3.0)
     finish = rank_finish_us(counts, np.array([[1, 0, 2, 100]]), hand, flush=np.array([[0, 1]]))
-    assert finish[1].tolist() == pytest.approx([320.0, 310.0, 300.0])
+    assert finish[1].tolist() == pytest.approx([330.0, 320.0, 300.0])
 
 
 def test_message_latency_delays_arrivals_and_returns():

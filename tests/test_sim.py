@@ -132,18 +132,26 @@ def test_fit_profile_finds_the_floor_under_small_pieces_and_the_time_model_charg
 def test_the_floor_fits_the_h200_measurement():
     """The expert GEMMs measured on an H200 (benchmarks/data/h200_gpu_profile.json: 16 to 32,768
     rows, two expert shapes) cost 45-55 µs up to 256 rows, then grow with their rows. The fit with
-    a floor is within 15% of every measured size; without one (the fit before) it was 43-46% off
-    for small pieces."""
+    a floor is within 15% of every measured size; the line alone is 19-22% off (and 43-46% as it
+    was fitted before, in absolute terms)."""
     from deepspeed_feplb.sim.calibrate import fit_profile
     with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "h200_gpu_profile.json")) as f:
         measured = json.load(f)["shapes"]
     for name, (hidden, ffn) in {"glm5": (6144, 2048), "deepseek_v3": (7168, 2048)}.items():
         shape, rows, times = ExpertShape(hidden=hidden, ffn_hidden=ffn), measured[name]["rows"], \
             np.array(measured[name]["measured_us"])
-        fitted = fit_profile("gpu", shape, rows, times, (1, 2, 4, 8, 16, 32, 64, 128, 256), 370.0, 50.0)
-        worst = float(np.max(np.abs(gemm_us(np.array(rows), shape, fitted) - times) / times))
-        assert 45.0 <= fitted.floor_us <= 55.0 and worst <= 0.15, (name, fitted, worst)
-        assert measured[name]["fit_worst_relative_error"] > 0.4  # the fit without a floor, as measured
+        tiles = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+        def worst(profile, rows=rows, shape=shape, times=times):
+            return float(np.max(np.abs(gemm_us(np.array(rows), shape, profile) - times) / times))
+        fitted = fit_profile("gpu", shape, rows, times, tiles, 370.0, 50.0)
+        assert 45.0 <= fitted.floor_us <= 55.0 and worst(fitted) <= 0.15, (name, fitted, worst(fitted))
+        line = fit_profile("gpu", shape, rows, times, tiles, 370.0, 50.0, floor=False)
+        assert line.floor_us == 0.0 and worst(line) > 0.18 > 0.15 >= worst(fitted), (name, line)
+        # the same fit from the sizes in another order
+        shuffled = np.random.default_rng(0).permutation(len(rows))
+        again = fit_profile("gpu", shape, np.array(rows)[shuffled], times[shuffled], tiles, 370.0, 50.0)
+        assert again == fitted
 
 
 def test_gpu_profile_needs_a_device():

@@ -495,8 +495,8 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     out[1] = t
     for k in range(pairs.shape[0]):  # a home's input-gradients, and weight-gradients not kept, in one message
         h, j = pairs[k, 0], pairs[k, 1]
-        back_free[j] = max(back_free[j], done[k]) + grads[k] * gcopy
-        out[1, h] = max(out[1, h], max(done[k] + rows[k] * rcopy, back_free[j]) + latency)
+        back_free[j] = max(back_free[j], done[k]) + rows[k] * rcopy + grads[k] * gcopy
+        out[1, h] = max(out[1, h], back_free[j] + latency)
     # the step's end: a helper sends its kept copies' gradients once its own helpers' results are in
     served = out[1].copy()
     for f in range(flush.shape[0]):

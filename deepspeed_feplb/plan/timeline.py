@@ -31,10 +31,10 @@ Backward, from the backward stage's start (`phase2.DynamicExperts`, then the sta
   row_copy_us``, one copy at a time per link) and computes its own rows' backward, the dynamic
   experts' and the static ones';
 * a helper computes a home's chunks' backward once its own rows' backward is done and their
-  gradients arrived, homes in ascending order; the rows' input-gradients go home
-  (``n * row_copy_us``) in one message with the weight-gradients of the copies it does not keep
-  for later micro-batches of the step (``grad_copy_us`` each, on the helper's outgoing link); the
-  home finishes when they are back. At the step's last micro-batch, once a helper has its own
+  gradients arrived, homes in ascending order; the rows' input-gradients (``n * row_copy_us``) go
+  home in one message with the weight-gradients of the copies it does not keep for later
+  micro-batches of the step (``grad_copy_us`` each), one message at a time on the helper's
+  outgoing link; the home finishes when they are back. At the step's last micro-batch, once a helper has its own
   helpers' results, every weight copy it kept sends its accumulated gradients home the same way
   (``flush``).
 
@@ -122,6 +122,8 @@ class TimeModel:
     @classmethod
     def from_array(cls, values) -> "TimeModel":
         """The inverse of `as_array`."""
+        if len(values) != WORDS:
+            raise ValueError(f"a TimeModel array has {WORDS} words, got {len(values)}")
         tile, *rest, after, floor, share = [float(v) for v in values]
         return cls(int(tile), *rest, sends_after_static=bool(after), piece_floor_us=floor, forward_share=share)
 

@@ -82,30 +82,33 @@ def expert_times_us(shape: ExpertShape, device: str = "cpu", rows=_CPU_ROWS, rep
     return times
 
 
-def fit_profile(name: str, shape: ExpertShape, rows, times_us, tiles, ce_gbps: float, net_gbps: float) -> GemmProfile:
+def fit_profile(name: str, shape: ExpertShape, rows, times_us, tiles, ce_gbps: float, net_gbps: float,
+                floor: bool = True) -> GemmProfile:
     """Fit ``t(n) = max(floor, overhead + ceil(n / tile) * tile * flops_per_row / rate)`` to measured
-    ``times_us`` at ``rows`` (ascending), in relative terms (the sizes span orders of magnitude).
-    For each candidate tile, and each number k of smallest sizes that sit on the floor (none, or
-    1 to all but two; the floor is their median), the rest gives the line by least squares; the
-    candidate with the smallest sum of squared relative errors wins, a floor only where it fits
-    better than none."""
-    rows_a = np.asarray(rows, dtype=np.float64)
-    t_a = np.asarray(times_us, dtype=np.float64)
+    ``times_us`` at ``rows``, in relative terms (the sizes span orders of magnitude). For each
+    candidate tile, and each number k of smallest sizes that sit on the floor (none, or 1 to all but
+    two; the floor is their median), the rest gives the line by least squares; the candidate with
+    the smallest sum of squared relative errors wins, one with a floor only where it fits at least
+    10% better than none. ``floor=False``: the line alone (k = 0)."""
+    order = np.argsort(np.asarray(rows, dtype=np.float64), kind="stable")
+    rows_a = np.asarray(rows, dtype=np.float64)[order]
+    t_a = np.maximum(np.asarray(times_us, dtype=np.float64)[order], 1e-9)  # a size timed at 0 weighs like 1 ns
     best = None  # (error, tile, overhead, tflops, floor)
     for tile in tiles:
         padded = np.ceil(rows_a / tile) * tile * shape.flops_per_row
-        for k in range(len(rows_a) - 1):  # k sizes on the floor
-            floor = float(np.median(t_a[:k])) if k else 0.0
-            line = slice(k, None)
-            A = np.stack([np.ones(len(t_a) - k), padded[line]], axis=1) / t_a[line, None]
+        for k in range(len(rows_a) - 1 if floor else 1):  # k sizes on the floor
+            level = float(np.median(t_a[:k])) if k else 0.0
+            A = np.stack([np.ones(len(t_a) - k), padded[k:]], axis=1) / t_a[k:, None]
             (c0, c1), *_ = np.linalg.lstsq(A, np.ones(len(t_a) - k), rcond=None)
             if c1 <= 0:
                 continue
             c0 = max(0.0, float(c0))
-            predicted = np.maximum(floor, c0 + c1 * padded)
-            err = float(np.sum(((predicted - t_a) / t_a) ** 2)) + 1e-12 * bool(k)  # a tie: no floor
+            predicted = np.maximum(level, c0 + c1 * padded)
+            err = float(np.sum(((predicted - t_a) / t_a) ** 2))
+            if k:
+                err = err * 1.1 + 1e-12  # a floor must earn its place
             if best is None or err < best[0]:
-                best = (err, tile, c0, 1.0 / (float(c1) * 1e6), floor)
+                best = (err, tile, c0, 1.0 / (float(c1) * 1e6), level)
     if best is None:  # timings too noisy to fit: fall back to the largest size's average rate
         best = (0.0, 1, 0.0, rows_a[-1] * shape.flops_per_row / (t_a[-1] * 1e6), 0.0)
     return GemmProfile(name, tflops=best[3], tile_m=int(best[1]), overhead_us=best[2], ce_gbps=ce_gbps,

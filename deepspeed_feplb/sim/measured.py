@@ -78,6 +78,7 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                     plan_us = np.median(trace.stage_us[step - 1, layer, ranks_here, 2]) \
                         if step and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
+                                         piece_floor_us=0.0,  # the runtime's fit has none
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
                     message_us = _recorded(trace.stage_us[step, layer, ranks_here], MESSAGE_US) \
                         if recorded_message_us else None
@@ -116,9 +117,9 @@ def errors(rows: np.ndarray) -> dict:
 
 
 def _recorded(stage_us: np.ndarray, column: int) -> Optional[float]:
-    """The median over a domain's ranks at one micro-batch (``stage_us`` ``[G, C]``) of a figure its
-    planner priced alike on every rank (`MESSAGE_US`, `FORWARD_SHARE`), or None where the trace
-    lacks the column or no rank has it."""
+    """The median over a domain's ranks at one micro-batch (``stage_us`` ``[G, C]``) of a figure each
+    recorded (`MESSAGE_US`: alike on every rank; `FORWARD_SHARE`: each rank's own, as the piece and
+    row costs), or None where the trace lacks the column or no rank has it."""
     if stage_us.shape[-1] <= column:
         return None
     figures = stage_us[:, column][np.isfinite(stage_us[:, column])]
