@@ -101,8 +101,8 @@ def dropless_warning() -> dict:
     import warnings
 
     import deepspeed_feplb
-    from deepspeed_feplb.integration import deepspeed_moe as feplb_layer
-    feplb_layer._warned.pop("dropless", None)
+    from deepspeed_feplb.once import forget
+    forget("dropless")
     seen = {}
     for drop_tokens in (False, True, True):
         layer = deepspeed_feplb.MoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=1, k=1, drop_tokens=drop_tokens,

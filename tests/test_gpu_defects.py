@@ -62,7 +62,8 @@ def deepep_present(monkeypatch):
     monkeypatch.setattr(dispatch, "deepep_available", lambda: True)
     monkeypatch.setattr(dispatch, "_on_cuda_bf16", lambda params: (True, True))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(dispatch, "_warned", set())
+    from deepspeed_feplb import once
+    monkeypatch.setattr(once, "_said", set())
     return dispatch
 
 

@@ -15,6 +15,7 @@ import torch
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
+from deepspeed_feplb.once import first_time
 from deepspeed_feplb.segments import ranks_per_host
 
 
@@ -66,7 +67,6 @@ def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int) -> Optional[
     return None
 
 
-_warned: set = set()
 
 
 def dispatcher_kind(config: FEPLBConfig, ep_size: int, expert_params, hidden: int) -> tuple[str, Optional[str]]:
@@ -108,8 +108,7 @@ def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts:
     if kind == "deepep":
         from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
         return DeepEPDispatcher(group, ep_size, num_local_experts)
-    if passed_over and passed_over not in _warned:
-        _warned.add(passed_over)
+    if passed_over and first_time(("deepep passed over", passed_over)):
         warnings.warn(f"FEPLB: not using DeepEP ({passed_over}); phase 1 uses torch all_to_all_single", RuntimeWarning,
                       stacklevel=2)
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher

@@ -44,6 +44,7 @@ from deepspeed_feplb.integration.placement import (
     state_bytes_per_expert,
 )
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
+from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
 
 try:  # DeepSpeed without AutoEP: nothing to install
@@ -252,8 +253,7 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
         raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank "
                                f"do not cover AutoEP layers yet ({name}); set it to 0 (placement still moves "
                                "experts between nodes)")
-    if getattr(layer.router, "num_expert_groups", None) and not _warned_node_limited:
-        _warned_node_limited.append(name)
+    if getattr(layer.router, "num_expert_groups", None) and first_time("node-limited placement"):
         warnings.warn(f"FEPLB: AutoEP layer {name} routes node-limited (num_expert_groups="
                       f"{layer.router.num_expert_groups}), which assumes that expert groups sit on nodes; "
                       "feplb.placement moves experts between nodes, so a token may reach more nodes than the "
@@ -269,8 +269,6 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
         seams.become(layer.router, PlacedRouter)
     object.__setattr__(layer.router, "_feplb_layer", layer)  # not a submodule: the layer holds the router
 
-
-_warned_node_limited: list = []  # layers whose node-limited routing placement was warned about, once per process
 
 
 class PlacedRouter(TokenChoiceTopKRouter if TokenChoiceTopKRouter is not None else torch.nn.Module):

@@ -39,6 +39,7 @@ from deepspeed_feplb.integration.placement import (
 )
 from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.migrate.phase2 import ExpertSpec, run_expert
+from deepspeed_feplb.once import first_time
 from deepspeed_feplb.plan.replicas import load_split
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -225,8 +226,7 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, 
     expert-data-parallel replicas, with ``redundant`` replica slots per rank."""
     dp_group = seams.expert_data_parallel_group(layer.ep_size)
     placement = config.placement
-    if layer.ep_size <= domain_size(config, layer.ep_size) and not _warned.get("one-node placement"):
-        _warned["one-node placement"] = True
+    if layer.ep_size <= domain_size(config, layer.ep_size) and first_time("one-node placement"):
         if dist.get_rank() == 0:  # one line per job, not a warning per rank
             print(f"deepspeed_feplb: feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one "
                   "NVLink domain (feplb.nvlink_domain_size), so placement has no node to balance against another and "
@@ -282,13 +282,9 @@ def _every_micro_batch() -> bool:
     return True
 
 
-_warned: dict = {}  # warnings said once per process, by topic
-
-
 def _warn_dropless_once() -> None:
-    if _warned.get("dropless"):
+    if not first_time("dropless"):
         return
-    _warned["dropless"] = True
     warnings.warn("FEPLB computes every routed token: a MoE layer built with drop_tokens=True (DeepSpeed's default) "
                   "drops the tokens above its capacity in DeepSpeed's MoE but none with FEPLB enabled, so the two "
                   "compute different outputs. Build the layer with drop_tokens=False to make them agree, or set "

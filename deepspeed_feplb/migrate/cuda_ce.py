@@ -72,6 +72,7 @@ import torch
 from deepspeed_feplb.migrate import wire
 from deepspeed_feplb.migrate.arena import RING_SLOTS, inbound_bytes, message_layout, ring_capacity
 from deepspeed_feplb.migrate.backend import flag_reached
+from deepspeed_feplb.once import first_time
 from deepspeed_feplb.segments import (
     WATCH_EVERY_S,
     PeerDiedError,
@@ -160,15 +161,13 @@ def preflight_problems(me: int, ranks: Sequence[int], devices: Sequence[str], sl
 
 def _warn_host_flags(why: str) -> None:
     """Say once per process that phase 2 runs on host flags, and why."""
-    if not _HOST_FLAGS_WARNED:
-        _HOST_FLAGS_WARNED.append(why)
+    if first_time("host flags"):
         warnings.warn(f"FEPLB: this GPU's driver does not run CUDA stream memory operations ({why}); phase 2 "
                       "signals its messages from the host instead, which puts the host on their critical path "
                       "(a background thread polls each message's copies every 0.2 ms). An NVIDIA driver for "
                       "CUDA 11.7 or newer runs them.", RuntimeWarning, stacklevel=3)
 
 
-_HOST_FLAGS_WARNED: list[str] = []
 _SENT: Future = Future()  # what every `send` returns: done (its copies are enqueued or queued on the host)
 _SENT.set_result(None)
 
