@@ -34,6 +34,11 @@ HANDLE_BYTES = 64
 FLAG_MASK = 0xFFFFFFFF
 
 
+def _memops_off(backend) -> str:
+    """Why a backend built with ``stream_memops=False`` runs no stream memory operation."""
+    return f"stream memory operations are off ({type(backend).__name__}(stream_memops=False))"
+
+
 def flag_reached(word: int, value: int) -> bool:
     """Whether a 32-bit flag ``word`` has reached ``value``, cyclically (``(int32)(word - value) >= 0``,
     the comparison of ``CU_STREAM_WAIT_VALUE_GEQ``): true for up to 2**31 - 1 values past it."""
@@ -209,7 +214,7 @@ class CudaBackend:
         """Why stream flags cannot be used here ("" when they can): a write and a wait on a word of
         device memory and on one of page-locked host memory, as the transport's flags are."""
         if not self.stream_memops:
-            return "stream memory operations are off (CudaBackend(stream_memops=False))"
+            return _memops_off(self)
         import mmap
         try:
             page = mmap.mmap(-1, mmap.PAGESIZE)
@@ -505,7 +510,7 @@ class HostBackend:
 
     def _check_memops(self, call: str) -> None:
         if not self.stream_memops:
-            raise RuntimeError(f"{call}: stream memory operations are off (HostBackend(stream_memops=False))")
+            raise RuntimeError(f"{call}: {_memops_off(self)}")
 
     def _flag_word(self, ptr: int) -> ctypes.c_uint32:
         """The 32-bit word at ``ptr``, made once per address (a transport signals the same few)."""
@@ -535,7 +540,7 @@ class HostBackend:
         self._on(stream, functools.partial(setattr, self._flag_word(ptr), "value", value & FLAG_MASK))
 
     def probe_flags(self) -> str:
-        return "" if self.stream_memops else "stream memory operations are off (HostBackend(stream_memops=False))"
+        return "" if self.stream_memops else _memops_off(self)
 
     def register_host(self, ptr: int, nbytes: int) -> int:
         """Host memory is the device's: its address is its own."""
