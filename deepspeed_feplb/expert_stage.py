@@ -317,7 +317,7 @@ class ExpertStage:
             events[1] = _device_mark()
         calls = self.compute_times.calls  # (0, 0) on CUDA: only host-timed calls are counted (`finish`)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
-        forward_waits_s = plan_wait_s + (phase2.wait_s if phase2 is not None else 0.0)
+        phase2_forward_waits_s = phase2.wait_s if phase2 is not None else 0.0  # its backward adds its own
         last = None
         if self.records:
             first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
@@ -352,9 +352,9 @@ class ExpertStage:
                 if events is not None:
                     events[3] = _device_mark()
             if calls[0]:
-                backward_waits_s = (phase2.wait_s if phase2 is not None else 0.0) + plan_wait_s - forward_waits_s
-                times.stage_done(forward_s - forward_waits_s, backward_s - backward_waits_s, calls,
-                                 balanced=phase2 is not None)
+                backward_waits_s = phase2.wait_s - phase2_forward_waits_s if phase2 is not None else 0.0
+                times.stage_done(forward_s - plan_wait_s - phase2_forward_waits_s, backward_s - backward_waits_s,
+                                 calls, balanced=phase2 is not None)
 
         out.register_hook(backward_begins)
         rows.register_hook(backward_ends)

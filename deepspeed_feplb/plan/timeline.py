@@ -1,7 +1,8 @@
 """The time model of one domain's micro-batch, shared by the planner and the simulator.
 
-Per micro-batch and rank of a domain (all times µs). A piece of ``n`` rows costs ``max(piece_floor_us,
-piece_us + ceil(n / tile_rows) * tile_rows * row_us)`` forward and backward together:
+Per micro-batch and rank of a domain (all times µs). A piece of ``n`` rows costs
+``max(piece_floor_us, piece_us + ceil(n / tile_rows) * tile_rows * row_us)`` forward and backward
+together:
 ``forward_share`` of it in the forward, the rest in the backward (GEMMs alone: a third, one GEMM
 against the input- and the weight-gradient GEMM; a running layer measures its own share). The
 forward and the backward are two timelines, as the runtime orders them; each ends in an all-to-all
@@ -34,9 +35,9 @@ Backward, from the backward stage's start (`phase2.DynamicExperts`, then the sta
   gradients arrived, homes in ascending order; the rows' input-gradients (``n * row_copy_us``) go
   home in one message with the weight-gradients of the copies it does not keep for later
   micro-batches of the step (``grad_copy_us`` each), one message at a time on the helper's
-  outgoing link; the home finishes when they are back. At the step's last micro-batch, once a helper has its own
-  helpers' results, every weight copy it kept sends its accumulated gradients home the same way
-  (``flush``).
+  outgoing link; the home finishes when they are back. At the step's last micro-batch, once a
+  helper has its own helpers' results, every weight copy it kept sends its accumulated gradients
+  home the same way (``flush``).
 
 Every message (a chunk there, its outputs back, output-gradients there, gradients back) also
 arrives ``message_us`` after its copy ends: the transport's fixed latency per message, which does

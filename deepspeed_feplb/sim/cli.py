@@ -183,10 +183,9 @@ def add_parser(subparsers) -> None:
                    help="for a trace recorded by a FEPLB run (feplb.stats.record_trace): replay its own plans "
                         "through the time model and compare each micro-batch's predicted expert-stage makespan "
                         "with the measured one (the slowest rank's forward plus the slowest rank's backward "
-                        "stage time), with the "
-                        "profile's compute costs and with the run's own fitted ones; prints the errors, writes "
-                        "them to OUT.json as measured_vs_model, and with --plot draws predicted against measured "
-                        "into OUT_measured_*.png")
+                        "stage time), with the profile's compute costs and with the run's own fitted ones; prints "
+                        "the errors, writes them to OUT.json as measured_vs_model, and with --plot draws predicted "
+                        "against measured into OUT_measured_*.png")
     p.set_defaults(func=run_simulate)
 
 

@@ -8,9 +8,10 @@ Time (`plan.timeline`, forward + backward): ``expert_time_us`` is the makespan o
 stage, the slowest rank's forward plus the slowest rank's backward, with every weight and row
 copy, arrival and gradient return the policy causes; ``copy_exposed_us`` what the copies add to
 it; ``weight_bytes_per_step`` and ``grad_bytes_per_step`` the expert weights and weight-gradients
-copied per optimizer step (``SimSetup.micro_batches_per_step`` micro-batches) and layer. ``expert_time_us`` includes the
-transfer time of re-placements (EPLB's, feplb's cross-node layer), added to the micro-batch that
-ends the step where they happen; ``placement_us`` is that time alone (mean per micro-batch).
+copied per optimizer step (``SimSetup.micro_batches_per_step`` micro-batches) and layer.
+``expert_time_us`` includes the transfer time of re-placements (EPLB's, feplb's cross-node
+layer), added to the micro-batch that ends the step where they happen; ``placement_us`` is that
+time alone (mean per micro-batch).
 
 Averages: every "mean" is over all (step, layer) micro-batches; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
