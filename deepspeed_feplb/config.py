@@ -154,7 +154,7 @@ class PlacementConfig(FEPLBConfigModel):
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
     redundant_experts_per_rank: int = Field(0, ge=0)
-    """Replica slots per rank (DeepSpeed MoE layers): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step, and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step."""
+    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step, and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step."""
 
     network_gbps: float = Field(50.0, gt=0)
     """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""

@@ -24,25 +24,27 @@ STEPS = 3
 HIDDEN, VOCAB, EXPERTS = 32, 64, 8
 
 
-def tiny_model(preset: str, seed: int = 0):
-    """Two-layer random-weight model whose routers send most tokens to rank 0's experts."""
+def tiny_model(preset: str, seed: int = 0, favoured: int = 2, top_k: int = 2):
+    """Two-layer random-weight model, ``top_k`` routes per token, whose routers send most tokens to
+    rank 0's experts (the first ``favoured``)."""
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+                  num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=64,
+                  tie_word_embeddings=False)
     if preset == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**common, intermediate_size=48, num_local_experts=EXPERTS))
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=48, num_experts=EXPERTS,
                                                    decoder_sparse_step=1, norm_topk_prob=True))
-    with torch.no_grad():  # a shared direction in every embedding, which the routers favour for experts 0-1
+    with torch.no_grad():  # a shared direction in every embedding, which the routers favour for those experts
         u = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
         u /= u.norm()
         model.model.embed_tokens.weight += 2.0 * u
         for layer in model.model.layers:
-            layer.mlp.gate.weight[:2] += 4.0 * u
+            layer.mlp.gate.weight[:favoured] += 4.0 * u
     return model
 
 

@@ -15,7 +15,7 @@ from test_autoep import VOCAB, _rel, tiny_model  # noqa: E402
 from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 
-def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 1) -> dict:
+def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 1, redundant: int = 0) -> dict:
     # eps 1e-6 (as `moe_cases.ds_config`): re-placed experts sum in another order, and with eps 1e-8
     # Adam turns the fp32 rounding of a gradient entry near 1e-9 (here: the attention's q and k)
     # into a 1e-4 relative weight difference
@@ -27,34 +27,42 @@ def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 
         "feplb": {"enabled": feplb, "nvlink_domain_size": 2, "dynamic_experts_per_rank": dynamic,
                   "fixed_costs": "ignore",
                   "copy_engine_gbps": 1e6,
-                  "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6}},
+                  "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6,
+                                "redundant_experts_per_rank": redundant}},
     }
 
 
 def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, checkpoint: str = "",
-                   dynamic: int = 1) -> dict:
-    """FEPLB with placement (and ``dynamic`` dynamic experts per rank) and plain AutoEP trained side
-    by side; with ``checkpoint``, FEPLB's engine saves there after ``steps`` steps and a fresh
-    plain AutoEP engine loads it: both then train 2 more steps."""
+                   dynamic: int = 1, redundant: int = 0) -> dict:
+    """FEPLB with placement (``dynamic`` dynamic experts and ``redundant`` replica slots per rank)
+    and plain AutoEP trained side by side; with ``checkpoint``, FEPLB's engine saves there after
+    ``steps`` steps and a fresh plain AutoEP engine loads it: both then train 2 more steps. With
+    replica slots the routers send nearly every token to one expert (top-1), which placement alone
+    cannot spread over the nodes; ``node_rows``: each micro-batch's routes per node, as the
+    routers sent them (float [micro-batches, layers, nodes])."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     import deepspeed_feplb
-    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
+    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts, autoep_layers
     from deepspeed_feplb.integration.placement import canonical_experts, canonical_grad_norms
 
-    model = tiny_model("mixtral")
+    model = tiny_model("mixtral", favoured=1, top_k=1) if redundant else tiny_model("mixtral")
     reference = copy.deepcopy(model)
     pristine = copy.deepcopy(model)
     ours = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(True, zero, gas, clip, dynamic))[0]
+                                      config=_config(True, zero, gas, clip, dynamic, redundant))[0]
     ref = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
                                      config=_config(False, zero, gas, clip))[0]
     layers = [m for m in ours.module.modules() if isinstance(m, FEPLBGroupedExperts)]
+    routed = []  # per router call: its routes per slot id (what AutoEP's dispatch sends)
+    for layer in autoep_layers(ours.module).values():
+        layer.router.register_forward_hook(lambda _m, _i, out: routed.append(out[2].detach().clone()))
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range((steps + 2) * gas)]
-    losses, orders, node_rows = [], [], []
+    losses, orders, node_rows, replica_at = [], [], [], []
+    migrated = []  # per micro-batch and layer: rows phase 2 moved inside this rank's node
 
     def train(engines: dict, micro_batches: list) -> list:
         out = []
@@ -66,11 +74,13 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
                 engine.step()
                 row[name] = loss.item()
             out.append(row)
+            migrated.append([layer.feplb_stats.get("migrated_tokens", 0) for layer in layers])
         return out
 
     for step in range(steps):
         losses += train({"feplb": ours, "reference": ref}, batches[step * gas:(step + 1) * gas])
         orders.append([layer.placement.expert_at.tolist() for layer in layers])
+        replica_at.append([layer.placement.replica_at.tolist() for layer in layers])
         # this step's node loads under DeepSpeed's layout and under the placement it led to
         node_rows.append([[layer.placement.node_loads(layer.placement.last_loads, np.arange(len(order))).tolist(),
                            layer.placement.node_loads(layer.placement.last_loads).tolist()]
@@ -90,8 +100,20 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
         ref_params = dict(ref.module.named_parameters())
         errors.update({f"grad norm {n}": _rel(norm, ref_params[n].grad.float().norm())
                        for (n, _), norm in zip(named, norms)})
+    # the micro-batches' routes per node (slot ids count a rank's primaries, then its replica slots)
+    slots = torch.stack(routed[:len(layers) * steps * gas]).double()  # [micro-batches x layers, slot ids]
+    dist.all_reduce(slots)
+    nodes = slots.view(steps * gas, len(layers), 2, -1).sum(-1)
+    reference_keys = sorted(ref.module.state_dict())
+    # AutoEP's count of routes per expert (what its load-balancing bias reads) stays logical
+    counted_alike = all(torch.equal(a.tokens_per_expert, b.tokens_per_expert) for a, b in
+                        zip(autoep_layers(ours.module).values(), autoep_layers(ref.module).values()))
     out = {"losses": losses, "orders": orders, "node_rows": node_rows, "param_errors": errors,
-           "placed_keys": placed_keys, "moved": sum(layer.placement.moved_experts for layer in layers)}
+           "placed_keys": placed_keys, "moved": sum(layer.placement.moved_experts for layer in layers),
+           "replica_at": replica_at, "routed_node_rows": nodes.tolist(), "migrated": migrated[:steps * gas],
+           "state_dict_keys": sorted(k.replace("feplb_placed_", "") for k in ours.module.state_dict()),
+           "reference_keys": reference_keys, "counted_alike": counted_alike,
+           "grad_sends": sum(layer.placement.replicas.grad_sends for layer in layers if layer.placement.replicas)}
     if checkpoint:
         ours.save_checkpoint(checkpoint, tag="placed")
         loaded = deepspeed_feplb.initialize(model=pristine, model_parameters=pristine.parameters(),
@@ -101,15 +123,17 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     return out
 
 
-def _check(results: list) -> dict:
+def _check(results: list, moves: bool = True) -> dict:
+    """``moves``: the placement must have moved an expert (a replica instead may balance a case)."""
     r = results[0]
     assert all(x["orders"] == r["orders"] for x in results), "ranks disagree on the placement"
-    assert r["moved"] > 0 and any(order != sorted(order) for step in r["orders"] for order in step), \
+    assert not moves or r["moved"] > 0 and any(order != sorted(order) for step in r["orders"] for order in step), \
         f"placement never moved an expert: {r['orders']}"
     for row in r["losses"]:
         assert abs(row["feplb"] - row["reference"]) <= 1e-5 * abs(row["reference"]), r["losses"]
     worst = max(max(x["param_errors"].values()) for x in results)
     assert worst < 1e-5, f"parameters differ from plain AutoEP by {worst:.2e}"
+    assert all(x["counted_alike"] for x in results), "tokens_per_expert differs from plain AutoEP's"
     return r
 
 
@@ -133,15 +157,46 @@ def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
         assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
 
 
-def test_replica_slots_are_refused_for_autoep_layers_naming_the_layer():
+@pytest.mark.parametrize("zero", [0, 1, 2], ids=["zero0", "zero1", "zero2"])
+def test_autoep_replicas_balance_the_nodes_and_train_exactly(zero):
+    """One replica slot per rank; the routers send nearly every token to expert 0 (top-1), so one
+    node has most routes whatever the placement. After the first decision (at the first optimizer
+    step) expert 0 has a replica on the other node and every micro-batch's routes are split
+    evenly between the nodes; the replicas' gradients reach expert 0 before each step, so training
+    equals plain AutoEP; no replica joins the state dict."""
+    gas = 2
+    results = run_distributed(placement_case, 4, zero, 5, gas, 0.0, "", 1, 1, timeout=900)
+    r = _check(results, moves=False)
+    assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
+    assert all(any(q >= 0 for row in layer for q in row) for layer in r["replica_at"][0]), r["replica_at"]
+    nodes = np.array(r["routed_node_rows"])  # [micro-batches, layers, nodes]
+    before, after = nodes[:gas], nodes[gas:]
+    assert (before.max(-1) / before.min(-1)).min() > 1.5, f"placement alone balances the case: {before.tolist()}"
+    assert (after.max(-1) / after.min(-1)).max() <= 1.05, f"routes per node after the first decision: {after.tolist()}"
+    assert sum(x["grad_sends"] for x in results) >= 2 * (len(r["replica_at"]) - 1)  # every step, each layer
+    # inside node 1 the replica slot has all the rows, and phase 2 moves some of them to rank 3
+    assert np.array(results[2]["migrated"])[gas:].min() > 0, results[2]["migrated"]
+    assert r["state_dict_keys"] == r["reference_keys"], "replica slots leaked into the state dict"
+
+
+def test_an_autoep_checkpoint_with_replicas_loads_into_plain_autoep(tmp_path):
+    results = run_distributed(placement_case, 4, 2, 3, 2, 0.0, str(tmp_path), 1, 1, timeout=900)
+    r = _check(results, moves=False)
+    assert any(q >= 0 for layer in r["replica_at"][-1] for row in layer for q in row), "no replica at the save"
+    for row in r["resumed"]:
+        assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
+
+
+def test_replica_slots_are_refused_for_autoep_layers_dispatching_with_deepep():
     from types import SimpleNamespace
 
     from deepspeed_feplb.config import FEPLBConfigError, load_config
     from deepspeed_feplb.integration import autoep
     config = load_config({"feplb": {"nvlink_domain_size": 2,
                                     "placement": {"enabled": True, "redundant_experts_per_rank": 1}}})
-    with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1 .*AutoEP layers .*model.layers.0.mlp"):
-        autoep._place("model.layers.0.mlp", SimpleNamespace(ep_size=4), SimpleNamespace(placement=None), config)
+    with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1 .*model.layers.0.mlp .*DeepEP"):
+        autoep._place("model.layers.0.mlp", SimpleNamespace(ep_size=4, comm_backend="deepep"),
+                      SimpleNamespace(placement=None), config)
 
 
 def moved_state_case(zero: int, bf16: bool) -> dict:

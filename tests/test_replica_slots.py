@@ -121,7 +121,7 @@ def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_ste
         replica_at = np.array([[3]])
 
     slots = ReplicaSlots(OneRank(), [torch.zeros(2, 2)], 1)
-    slots.backward([], [[torch.ones(2, 2, dtype=torch.bfloat16)]], step_ends=False)
+    slots.backward([[torch.ones(2, 2, dtype=torch.bfloat16)]], step_ends=False)
     assert slots._sums[0][0].dtype == torch.float32  # summed in fp32, rounded once at the home
     with pytest.warns(RuntimeWarning, match="did not reach their experts"):
         slots.end_step()

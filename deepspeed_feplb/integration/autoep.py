@@ -34,6 +34,7 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelErro
 from deepspeed_feplb.domain import domain_size, validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
     StackedExperts,
@@ -43,16 +44,20 @@ from deepspeed_feplb.integration.placement import (
     record_expert_order,
     state_bytes_per_expert,
 )
+from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.once import first_time
+from deepspeed_feplb.plan.replicas import load_split
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
 
 try:  # DeepSpeed without AutoEP: nothing to install
+    from deepspeed.module_inject.auto_ep_comm import DEEPEP_BACKEND
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.moe.ep_count import count_tokens_per_expert
     from deepspeed.moe.ep_experts import GroupedExperts, apply_expert_activation
     from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 except ImportError:  # pragma: no cover - depends on the DeepSpeed version
-    AutoEPMoELayer = GroupedExperts = TokenChoiceTopKRouter = None
+    AutoEPMoELayer = GroupedExperts = TokenChoiceTopKRouter = count_tokens_per_expert = DEEPEP_BACKEND = None
 
 
 class SwiGLUExpert(torch.nn.Module):
@@ -108,6 +113,9 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         self._plain_stats: dict = {}
         self._feplb_ready = False
         self.step_ends = step_ends if step_ends is not None else (lambda: True)
+        # this forward's stacked weights [w1, w2, w3] and replica slots' weights [S][3]: the
+        # parameters and `ReplicaSlots.weights`, or their aliases through `ExpertGradOrder`
+        self._weights: Optional[tuple[list[torch.Tensor], list[list[torch.Tensor]]]] = None
 
     @property
     def feplb_stats(self) -> dict:
@@ -122,14 +130,14 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         slices = [self.w1[0], self.w2[0], self.w3[0]]
         # not a submodule: its meta parameters must not join the model's parameters or state_dict
         object.__setattr__(self, "_template", SwiGLUExpert(self))
-        stage = ExpertStage(config, self.feplb_ep_group, self.feplb_ep_size, self.num_experts, slices,
-                            hidden=slices[0].shape[1])
+        slots = self.placement.local_slots if self.placement is not None else self.num_experts
+        stage = ExpertStage(config, self.feplb_ep_group, self.feplb_ep_size, slots, slices, hidden=slices[0].shape[1])
         if stage.balances or self.placement is not None:  # otherwise AutoEP's own forward, untouched
             self.stage = stage
             # a placement weighs its moves by the measured time per row, also where nothing balances
             stage.times_every_call = self.placement is not None
             grouped = self._grouped if _runs_grouped(self) else None  # else the loop, as AutoEP's own
-            self._local_experts = LocalExperts([self._template] * self.num_experts, self._slices,
+            self._local_experts = LocalExperts([self._template] * slots, self._slices,
                                                ExpertSpec.of(self._template, grouped), static_fn=self._static)
         self._feplb_ready = True
 
@@ -148,19 +156,47 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         try:
             facts = stage.exchange(counts, device)
             rows = int(counts.sum())
+            x = self._link_weights(x)
             out = stage.run(x[:rows], counts, self._local_experts, facts, self.step_ends())
         except RuntimeError:
             stage.check_peers()  # a collective failed: a dead peer is the likely cause, name it
             raise
+        finally:
+            self._weights = None
         if x.shape[0] > rows:  # trailing padding rows of AutoEP's permute: zero output
             out = torch.cat([out, out.new_zeros((x.shape[0] - rows, out.shape[1]))])
         return out
 
+    def _link_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """Set this forward's weights (`_weights`). With replica slots: first, after an optimizer
+        step, their weights from the experts' homes (`ReplicaSlots.refresh`, collective); then the
+        rows ``x``, the stacked parameters and the replicas' weights through one `ExpertGradOrder`
+        node, whose backward (on every rank, after the expert stage's) sends the replicas'
+        gradients home at a step's end and adds those of this rank's experts to their rows of the
+        stacked gradients (`_StackedReplicaLink`). Returns ``x`` (or its alias)."""
+        stacked = [self.w1, self.w2, self.w3]
+        replicas = self.placement.replicas if self.placement is not None else None
+        if replicas is None:
+            self._weights = stacked, []
+            return x
+        if replicas.stale and not recomputing() and self.placement.holds_replicas:
+            replicas.refresh([list(w) for w in zip(*(p.unbind(0) for p in stacked))])
+        flat = [t for group in replicas.weights for t in group]
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in stacked)):
+            self._weights = stacked, replicas.weights
+            return x
+        x, *aliases = ExpertGradOrder.apply(_StackedReplicaLink(replicas, self.step_ends()), x, *stacked, *flat)
+        n = len(stacked)
+        self._weights = aliases[:n], [aliases[i:i + n] for i in range(n, len(aliases), n)]
+        return x
+
     def _slices(self) -> list[list[torch.Tensor]]:
-        """Each local expert's weights ``[w1[e], w2[e], w3[e]]``: views from one ``unbind`` per stacked
-        parameter, whose backward assembles that parameter's gradient once (an index per expert
-        would zero-fill a full-size ``[E_local, F, H]`` gradient for each expert and parameter)."""
-        return [list(weights) for weights in zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0))]
+        """Each local slot's weights ``[w1[e], w2[e], w3[e]]``: the primaries' views from one ``unbind``
+        per stacked parameter, whose backward assembles that parameter's gradient once (an index per
+        expert would zero-fill a full-size ``[E_local, F, H]`` gradient for each expert and
+        parameter), then the replica slots'."""
+        stacked, replicas = self._weights
+        return [list(weights) for weights in zip(*(w.unbind(0) for w in stacked))] + [list(w) for w in replicas]
 
     def _grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """k experts at once through the layer's own grouped GEMM (AutoEP's kernel choice and
@@ -171,14 +207,44 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         return GroupedExperts.forward(_StackedAs(self, weights), x, counts)
 
     def _static(self, rows: torch.Tensor, blocks: list, static: list) -> torch.Tensor:
-        """The experts ``static`` (their rows ``blocks[e]``, a split of ``rows``) through AutoEP's own
-        expert compute (grouped GEMM or its loop)."""
-        static_counts = np.zeros(len(blocks), np.int64)
-        static_counts[static] = [len(blocks[e]) for e in static]
-        if not static_counts.sum():
-            return rows.new_zeros((0, rows.shape[1]))
-        x = rows if len(static) == len(blocks) else torch.cat([blocks[e] for e in static])  # all: no copy
-        return GroupedExperts.forward(self, x, torch.as_tensor(static_counts, device=rows.device))
+        """The slots ``static`` (ascending; their rows ``blocks[e]``, a split of ``rows``) through
+        AutoEP's own expert compute (grouped GEMM or its loop): the primaries in one call, each
+        replica slot in its own."""
+        stacked, replicas = self._weights
+        primaries = [e for e in static if e < self.num_experts]
+        sizes = [len(blocks[e]) for e in primaries]
+        outs = []
+        if sum(sizes):
+            static_counts = np.zeros(self.num_experts, np.int64)
+            static_counts[primaries] = sizes
+            # a prefix of the slots is a prefix of the rows: no copy
+            x = rows[:sum(sizes)] if primaries == list(range(len(primaries))) else torch.cat(
+                [blocks[e] for e in primaries])
+            outs.append(GroupedExperts.forward(_StackedAs(self, stacked), x,
+                                               torch.as_tensor(static_counts, device=rows.device)))
+        for e in static[len(primaries):]:
+            if len(blocks[e]):
+                outs.append(self._grouped([w.unsqueeze(0) for w in replicas[e - self.num_experts]], blocks[e],
+                                          [len(blocks[e])]))
+        return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else rows.new_zeros((0, rows.shape[1]))
+
+
+class _StackedReplicaLink:
+    """What `ExpertGradOrder` carries for an AutoEP layer with replica slots: its tensors are the
+    rows, the stacked ``w1, w2, w3``, then each replica slot's three weights."""
+
+    def __init__(self, replicas: ReplicaSlots, step_ends: bool):
+        self.replicas, self.step_ends = replicas, step_ends
+
+    def backward(self, grads: tuple) -> list:
+        rows, stacked, flat = grads[0], list(grads[1:4]), grads[4:]
+        arriving = self.replicas.backward([list(flat[i:i + 3]) for i in range(0, len(flat), 3)], self.step_ends)
+        if arriving:  # at a step's end, on the home of a replicated expert
+            stacked = [g.clone() for g in stacked]
+            for local, sums in arriving:
+                for g, summed in zip(stacked, with_sum([g[local] for g in stacked], sums)):
+                    g[local] = summed
+        return [rows, *stacked, *([None] * len(flat))]
 
 
 class _StackedAs:
@@ -248,52 +314,85 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
     slots (`PlacedRouter`)."""
     if experts.placement is not None:  # installed before: it may have moved experts already
         return
-    redundant = config.placement.redundant_experts_per_rank
-    if redundant and layer.ep_size > domain_size(config, layer.ep_size):
-        raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank "
-                               f"do not cover AutoEP layers yet ({name}); set it to 0 (placement still moves "
-                               "experts between nodes)")
+    placement = config.placement
+    # replica slots only where the EP group spans nodes (inside one, phase 2 does their work)
+    redundant = placement.redundant_experts_per_rank if layer.ep_size > domain_size(config, layer.ep_size) else 0
+    if redundant and getattr(layer, "comm_backend", None) == DEEPEP_BACKEND:
+        raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank need "
+                               f"AutoEP's all-to-all dispatch, and layer {name} dispatches with DeepEP "
+                               "(expert_parallel.comm_backend: deepep); set redundant_experts_per_rank to 0 "
+                               "(placement still moves experts between nodes) or use the all-to-all backend")
+    if redundant and getattr(layer, "folding_group_handles", None) is not None:
+        raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank do "
+                               f"not cover AutoEP layers folded with AutoTP ({name}); set it to 0")
     if getattr(layer.router, "num_expert_groups", None) and first_time("node-limited placement"):
         warnings.warn(f"FEPLB: AutoEP layer {name} routes node-limited (num_expert_groups="
                       f"{layer.router.num_expert_groups}), which assumes that expert groups sit on nodes; "
                       "feplb.placement moves experts between nodes, so a token may reach more nodes than the "
                       "limit (the math is unchanged)", stacklevel=3)
     one_expert = [w[0] for w in (experts.w1, experts.w2, experts.w3)]
-    placement = config.placement
     experts.placement = ExpertPlacement(
         layer.num_experts, layer.ep_group, layer.ep_size, domain_size(config, layer.ep_size),
         placement.interval_steps, placement.history_decay, placement.network_gbps, state_bytes_per_expert(one_expert),
         dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device)
+        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device, redundant=redundant,
+        weight_bytes=sum(w.numel() * w.element_size() for w in one_expert),
+        grad_bytes=sum(w.numel() * 4 for w in one_expert))
+    if redundant:
+        experts.placement.replicas = ReplicaSlots(experts.placement, one_expert, redundant)
+        load_split()
+    if type(layer) is not PlacedLayer:
+        seams.become(layer, PlacedLayer)
     if type(layer.router) is not PlacedRouter:
         seams.become(layer.router, PlacedRouter)
     object.__setattr__(layer.router, "_feplb_layer", layer)  # not a submodule: the layer holds the router
 
 
+class PlacedLayer(AutoEPMoELayer if AutoEPMoELayer is not None else torch.nn.Module):
+    """AutoEP's layer under a cross-node placement, dispatching to slots.
+
+    AutoEP sizes its split plan and its experts' counts by ``num_experts`` and
+    ``num_local_experts``. A rank holds ``local_slots`` slots (its ``E_local`` primaries, then its
+    replica slots), so for the length of a forward the layer counts slots (``num_experts =
+    ep_size * local_slots``; its `PlacedRouter` returns slot ids and per-slot counts). What stays
+    logical is ``tokens_per_expert`` (what AutoEP's load-balancing bias update reads): AutoEP adds
+    the per-slot counts to a scratch, and each slot's count goes to the expert it held."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        placement = self.experts.placement
+        logical = self.num_experts, self.num_local_experts, self.tokens_per_expert
+        slots = placement.ep_size * placement.local_slots
+        self.num_experts, self.num_local_experts = slots, placement.local_slots
+        self.tokens_per_expert = torch.zeros(slots, dtype=logical[2].dtype, device=logical[2].device)
+        try:
+            out = super().forward(hidden_states)
+            slot_counts, holds = self.tokens_per_expert, torch.from_numpy(placement.slot_experts())
+        finally:
+            self.num_experts, self.num_local_experts, self.tokens_per_expert = logical
+        with torch.no_grad():
+            held = holds >= 0
+            self.tokens_per_expert.index_add_(0, holds[held].to(slot_counts.device), slot_counts[held.to(
+                slot_counts.device)])
+        return out
+
 
 class PlacedRouter(TokenChoiceTopKRouter if TokenChoiceTopKRouter is not None else torch.nn.Module):
-    """AutoEP's router whose routes go to the experts' slots under a cross-node placement.
-
-    The router picks logical experts; AutoEP dispatches expert id ``e`` to rank ``e // E_local``.
-    This router returns each route's slot id instead (`ExpertPlacement.route`) and the counts per
-    slot, so AutoEP's dispatch, its split plan and the experts module see slots, as DeepSpeed's MoE
-    layer does under placement. What stays logical: the scores, the router's own bias, and the
-    layer's ``tokens_per_expert`` (what AutoEP's load-balancing bias update reads), to which the
-    difference between the logical and the slot counts is added, since AutoEP adds the returned
-    counts. Training micro-batches (not recomputed ones) feed the placement's history."""
+    """AutoEP's router under a cross-node placement: it returns each route's slot id
+    (`ExpertPlacement.route`, which splits a replicated expert's routes between its holders) and
+    the counts per slot, so that AutoEP's dispatch, its split plan and the experts module see
+    slots (`PlacedLayer`), as DeepSpeed's MoE layer does under placement. The scores and the
+    router's own bias stay logical. Training micro-batches (not recomputed ones) feed the
+    placement's history."""
 
     def forward(self, x: torch.Tensor, expert_bias: Optional[torch.Tensor] = None):
         top_scores, selected, counts, *rest = super().forward(x, expert_bias)
-        layer = self._feplb_layer
-        placement = layer.experts.placement
+        placement = self._feplb_layer.experts.placement
         if self.training and not recomputing():
             placement.record(selected)
-        if placement.identity:
+        if placement.identity and not placement.redundant:
             return (top_scores, selected, counts, *rest)
-        slot_counts = torch.empty_like(counts).scatter_(0, placement.slot_of.to(counts.device), counts)
-        with torch.no_grad():
-            layer.tokens_per_expert.add_(counts - slot_counts)
-        return (top_scores, placement.route(selected), slot_counts, *rest)
+        slots = placement.route(selected)
+        return (top_scores, slots, count_tokens_per_expert(slots, placement.ep_size * placement.local_slots), *rest)
 
 
 def autoep_stats(model: torch.nn.Module) -> dict:

@@ -37,7 +37,7 @@ from deepspeed_feplb.integration.placement import (
     record_expert_order,
     state_bytes_per_expert,
 )
-from deepspeed_feplb.integration.replicas import ReplicaSlots
+from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
 from deepspeed_feplb.migrate.phase2 import ExpertSpec, run_expert
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.plan.replicas import load_split
@@ -323,7 +323,9 @@ class _ReplicaLink:
     def backward(self, grads: tuple) -> list:
         rows, flat = grads[0], list(grads[1:])
         groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
-        homes = self.replicas.backward(groups[:self.primaries], groups[self.primaries:], self.step_ends)
+        homes = groups[:self.primaries]
+        for local, sums in self.replicas.backward(groups[self.primaries:], self.step_ends):
+            homes[local] = with_sum(homes[local], sums)
         return [rows, *(g for group in homes for g in group), *([None] * (len(flat) - self.primaries * self.n))]
 
 

@@ -320,6 +320,12 @@ class ExpertPlacement:
         experts sit in DeepSpeed's slots and forwards route to them alone."""
         return not self._canonical_blocks and bool((self.placer.replica_at >= 0).any())
 
+    def slot_experts(self) -> np.ndarray:
+        """int64 [ep_size * local_slots]: the logical expert each slot id holds (-1: an empty replica
+        slot)."""
+        primaries = self.expert_at.reshape(self.ep_size, self.per_rank)
+        return np.concatenate([primaries, self.replica_at], axis=1).reshape(-1)
+
     def home_of(self, expert: int) -> tuple[int, int]:
         """(EP rank, local index) of ``expert``'s primary slot."""
         slot = int(np.flatnonzero(self.expert_at == expert)[0])

@@ -83,6 +83,12 @@ def relay(transfers: list[tuple[int, int, list[torch.Tensor]]], me: int, ranks_p
         tensor.copy_(received)
 
 
+def with_sum(grads: list[torch.Tensor], sums: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An expert's weight-gradients ``grads`` with a replica's fp32 gradient sums added (in fp32,
+    rounded once to the gradients' dtype)."""
+    return [(g.float() + s).to(g.dtype) for g, s in zip(grads, sums)]
+
+
 class ReplicaSlots:
     """This rank's ``S`` replica slots of one MoE layer.
 
@@ -148,12 +154,12 @@ class ReplicaSlots:
         self.stale = False
         self.refreshes += 1
 
-    def backward(self, primary_grads: list[list[torch.Tensor]], replica_grads: list[list[torch.Tensor]],
-                 step_ends: bool) -> list[list[torch.Tensor]]:
+    def backward(self, replica_grads: list[list[torch.Tensor]],
+                 step_ends: bool) -> list[tuple[int, list[torch.Tensor]]]:
         """One micro-batch's backward: add the replica slots' weight-gradients ``replica_grads``
         (``[S][n]``) to the step's sums; when the step ends, send each sum to its expert's home
-        (collective over the EP group) and return ``primary_grads`` (``[E_local][n]``) with the
-        sums of this rank's experts' replicas added (in holder-rank order), else unchanged."""
+        (collective over the EP group). Returns, on an expert's home, ``(local index, fp32 sums
+        [n])`` per replica of its experts (in holder-rank order, for `with_sum`), else nothing."""
         me = self.me
         held = self._held()
         for q, j, _ in held:
@@ -164,7 +170,7 @@ class ReplicaSlots:
                 self._sums[j] = ([g.float() for g in grads] if self._sums[j] is None
                                  else [s.add_(g) for s, g in zip(self._sums[j], grads)])
         if not step_ends:
-            return primary_grads
+            return []
         transfers, arriving = [], []
         for q, j, e in held:
             home, local = self.placement.home_of(e)
@@ -178,11 +184,8 @@ class ReplicaSlots:
                 tensors = self._shapes(self.weights[0], torch.float32)
             transfers.append((q, home, tensors))
         relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
-        out = [list(grads) for grads in primary_grads]
-        for local, buffers in arriving:
-            out[local] = [(g.float() + b).to(g.dtype) for g, b in zip(out[local], buffers)]
         self._sums = [None] * len(self.weights)
-        return out
+        return arriving
 
     def end_step(self) -> None:
         """At the optimizer step: a replica gradient sum still here did not reach its expert (the
