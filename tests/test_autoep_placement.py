@@ -15,7 +15,8 @@ from test_autoep import VOCAB, _rel, tiny_model  # noqa: E402
 from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 
-def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 1, redundant: int = 0) -> dict:
+def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 1, redundant: int = 0,
+            ep: int = 4) -> dict:
     # eps 1e-6 (as `moe_cases.ds_config`): re-placed experts sum in another order, and with eps 1e-8
     # Adam turns the fp32 rounding of a gradient entry near 1e-9 (here: the attention's q and k)
     # into a 1e-4 relative weight difference
@@ -23,7 +24,7 @@ def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
-        "expert_parallel": {"enabled": True, "autoep_size": 4, "preset_model": "mixtral", "use_grouped_mm": True},
+        "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": True},
         "feplb": {"enabled": feplb, "nvlink_domain_size": 2, "dynamic_experts_per_rank": dynamic,
                   "fixed_costs": "ignore",
                   "copy_engine_gbps": 1e6,
@@ -48,13 +49,14 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts, autoep_layers
     from deepspeed_feplb.integration.placement import canonical_experts, canonical_grad_norms
 
+    ep = dist.get_world_size()  # the EP group is every rank, nodes of 2
     model = tiny_model("mixtral", favoured=1, top_k=1) if redundant else tiny_model("mixtral")
     reference = copy.deepcopy(model)
     pristine = copy.deepcopy(model)
     ours = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(True, zero, gas, clip, dynamic, redundant))[0]
+                                      config=_config(True, zero, gas, clip, dynamic, redundant, ep))[0]
     ref = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
-                                     config=_config(False, zero, gas, clip))[0]
+                                     config=_config(False, zero, gas, clip, ep=ep))[0]
     layers = [m for m in ours.module.modules() if isinstance(m, FEPLBGroupedExperts)]
     routed = []  # per router call: its routes per slot id (what AutoEP's dispatch sends)
     for layer in autoep_layers(ours.module).values():
@@ -103,7 +105,7 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     # the micro-batches' routes per node (slot ids count a rank's primaries, then its replica slots)
     slots = torch.stack(routed[:len(layers) * steps * gas]).double()  # [micro-batches x layers, slot ids]
     dist.all_reduce(slots)
-    nodes = slots.view(steps * gas, len(layers), 2, -1).sum(-1)
+    nodes = slots.view(steps * gas, len(layers), ep // 2, -1).sum(-1)
     reference_keys = sorted(ref.module.state_dict())
     # AutoEP's count of routes per expert (what its load-balancing bias reads) stays logical
     counted_alike = all(torch.equal(a.tokens_per_expert, b.tokens_per_expert) for a, b in
@@ -117,14 +119,15 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     if checkpoint:
         ours.save_checkpoint(checkpoint, tag="placed")
         loaded = deepspeed_feplb.initialize(model=pristine, model_parameters=pristine.parameters(),
-                                            config=_config(False, zero, gas, clip))[0]
+                                            config=_config(False, zero, gas, clip, ep=ep))[0]
         loaded.load_checkpoint(checkpoint, tag="placed")
         out["resumed"] = train({"feplb": ours, "loaded": loaded}, batches[steps * gas:])
     return out
 
 
-def _check(results: list, moves: bool = True) -> dict:
-    """``moves``: the placement must have moved an expert (a replica instead may balance a case)."""
+def _check(results: list, moves: bool = True, tol: float = 1e-5) -> dict:
+    """``moves``: the placement must have moved an expert (a replica instead may balance a case);
+    ``tol``: the parameters' relative difference allowed (the MoE layers' always 1e-5)."""
     r = results[0]
     assert all(x["orders"] == r["orders"] for x in results), "ranks disagree on the placement"
     assert not moves or r["moved"] > 0 and any(order != sorted(order) for step in r["orders"] for order in step), \
@@ -132,7 +135,9 @@ def _check(results: list, moves: bool = True) -> dict:
     for row in r["losses"]:
         assert abs(row["feplb"] - row["reference"]) <= 1e-5 * abs(row["reference"]), r["losses"]
     worst = max(max(x["param_errors"].values()) for x in results)
-    assert worst < 1e-5, f"parameters differ from plain AutoEP by {worst:.2e}"
+    assert worst < tol, f"parameters differ from plain AutoEP by {worst:.2e}"
+    moe = max(v for x in results for n, v in x["param_errors"].items() if ".mlp." in n)
+    assert moe < 1e-5, f"MoE parameters differ from plain AutoEP by {moe:.2e}"
     assert all(x["counted_alike"] for x in results), "tokens_per_expert differs from plain AutoEP's"
     return r
 
@@ -157,16 +162,20 @@ def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
         assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2], ids=["zero0", "zero1", "zero2"])
-def test_autoep_replicas_balance_the_nodes_and_train_exactly(zero):
+@pytest.mark.parametrize("world,zero,steps", [(4, 0, 5), (4, 1, 30), (4, 2, 5), (8, 2, 5)],
+                         ids=["zero0", "zero1-30-steps", "zero2", "zero2-4-nodes"])
+def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps):
     """One replica slot per rank; the routers send nearly every token to expert 0 (top-1), so one
     node has most routes whatever the placement. After the first decision (at the first optimizer
-    step) expert 0 has a replica on the other node and every micro-batch's routes are split
-    evenly between the nodes; the replicas' gradients reach expert 0 before each step, so training
-    equals plain AutoEP; no replica joins the state dict."""
+    step) expert 0 has a replica on every other node (2 nodes of 2 ranks, or 4) and every
+    micro-batch's routes are split evenly between the nodes; the replicas' gradients reach expert
+    0 before each step, so training equals plain AutoEP; no replica joins the state dict."""
     gas = 2
-    results = run_distributed(placement_case, 4, zero, 5, gas, 0.0, "", 1, 1, timeout=900)
-    r = _check(results, moves=False)
+    results = run_distributed(placement_case, world, zero, steps, gas, 0.0, "", 1, 1, timeout=900)
+    # over 30 steps Adam turns the last-bit differences of split GEMMs (rows of one expert computed
+    # in two calls) into up to 1e-4 in the attention's q and k, whose gradient entries are near
+    # 1e-9 (`_config`); the losses and the MoE parameters stay within 1e-5
+    r = _check(results, moves=False, tol=1e-5 if steps <= 5 else 2e-4)
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
     assert all(any(q >= 0 for row in layer for q in row) for layer in r["replica_at"][0]), r["replica_at"]
     nodes = np.array(r["routed_node_rows"])  # [micro-batches, layers, nodes]
