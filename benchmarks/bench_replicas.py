@@ -47,9 +47,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--slots", default="0,1,2", help="replica slots per rank to compare (default: %(default)s)")
+    parser.add_argument("--max-rows-over-mean", default=None, metavar="RATIO",
+                        help="feplb's bound on rows before time (`feplb.max_rows_over_mean`), passed to every "
+                             "simulate command (default: none, time alone)")
     args = parser.parse_args()
     slots = [int(s) for s in args.slots.split(",")]
     py = [sys.executable, "-m"]
+    cap = ["--max-rows-over-mean", args.max_rows_over_mean] if args.max_rows_over_mean else []
     results: dict = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,7 +70,7 @@ def main() -> int:
                 _run(py + ["deepspeed_feplb", "simulate", "--trace", trace, "--ranks-per-node", str(G),
                            "--nodes", str(N), "--dynamic-experts", "4", "--policies", "vanilla,eplb,feplb",
                            "--hidden", "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8",
-                           "--redundant-per-rank", str(r), "--no-progress", "--json", out, *extra])
+                           "--redundant-per-rank", str(r), "--no-progress", "--json", out, *cap, *extra])
                 with open(out) as f:
                     policies = json.load(f)["policies"]
                 eplb, feplb = policies["eplb"], policies["feplb"]
@@ -85,8 +89,8 @@ def main() -> int:
             print(f"| {name} | {r} | {f['token_max_over_mean']:.3f} | {lower:.1f}x lower | "
                   f"{f['expert_time_us']:,.0f} | {f['expert_time_us'] / e['expert_time_us']:.3f}x | {f['replicas']} |")
     with open(args.out, "w") as f:
-        json.dump({"cases": results, "scale": timing, "load_average": os.getloadavg()[0], "commit": _commit()}, f,
-                  indent=1)
+        json.dump({"cases": results, "max_rows_over_mean": args.max_rows_over_mean, "scale": timing,
+                   "load_average": os.getloadavg()[0], "commit": _commit()}, f, indent=1)
     return 0
 
 

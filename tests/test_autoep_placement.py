@@ -180,7 +180,7 @@ def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps)
     assert all(any(q >= 0 for row in layer for q in row) for layer in r["replica_at"][0]), r["replica_at"]
     nodes = np.array(r["routed_node_rows"])  # [micro-batches, layers, nodes]
     before, after = nodes[:gas], nodes[gas:]
-    assert (before.max(-1) / before.min(-1)).min() > 1.5, f"placement alone balances the case: {before.tolist()}"
+    assert (before.max(-1) > 1.5 * before.min(-1)).all(), f"placement alone balances the case: {before.tolist()}"
     assert (after.max(-1) / after.min(-1)).max() <= 1.05, f"routes per node after the first decision: {after.tolist()}"
     assert sum(x["grad_sends"] for x in results) >= 2 * (len(r["replica_at"]) - 1)  # every step, each layer
     # inside node 1 the replica slot has all the rows, and phase 2 moves some of them to rank 3

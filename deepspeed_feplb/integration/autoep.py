@@ -322,7 +322,8 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
                                f"AutoEP's all-to-all dispatch, and layer {name} dispatches with DeepEP "
                                "(expert_parallel.comm_backend: deepep); set redundant_experts_per_rank to 0 "
                                "(placement still moves experts between nodes) or use the all-to-all backend")
-    if redundant and getattr(layer, "folding_group_handles", None) is not None:
+    folding = getattr(layer, "folding_group_handles", None)
+    if redundant and folding is not None and folding.spec.tp_size > 1:  # as AutoEP decides it folds
         raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank do "
                                f"not cover AutoEP layers folded with AutoTP ({name}); set it to 0")
     if getattr(layer.router, "num_expert_groups", None) and first_time("node-limited placement"):

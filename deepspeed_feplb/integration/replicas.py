@@ -159,7 +159,8 @@ class ReplicaSlots:
         """One micro-batch's backward: add the replica slots' weight-gradients ``replica_grads``
         (``[S][n]``) to the step's sums; when the step ends, send each sum to its expert's home
         (collective over the EP group). Returns, on an expert's home, ``(local index, fp32 sums
-        [n])`` per replica of its experts (in holder-rank order, for `with_sum`), else nothing."""
+        [n])`` per replicated expert (its replicas' sums added in holder-rank order, for
+        `with_sum`), else nothing."""
         me = self.me
         held = self._held()
         for q, j, _ in held:
@@ -185,7 +186,10 @@ class ReplicaSlots:
             transfers.append((q, home, tensors))
         relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
         self._sums = [None] * len(self.weights)
-        return arriving
+        summed: dict[int, list[torch.Tensor]] = {}  # an expert with several replicas: one sum, rounded once
+        for local, tensors in arriving:
+            summed[local] = [a.add_(b) for a, b in zip(summed[local], tensors)] if local in summed else tensors
+        return list(summed.items())
 
     def end_step(self) -> None:
         """At the optimizer step: a replica gradient sum still here did not reach its expert (the
