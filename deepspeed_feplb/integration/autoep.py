@@ -42,12 +42,10 @@ from deepspeed_feplb.integration.placement import (
     adopt_loaded_order,
     check_expert_order,
     record_expert_order,
-    state_bytes_per_expert,
 )
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
 from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.once import first_time
-from deepspeed_feplb.plan.replicas import load_split
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
 
 try:  # DeepSpeed without AutoEP: nothing to install
@@ -179,8 +177,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         if replicas is None:
             self._weights = stacked, []
             return x
-        if replicas.stale and not recomputing() and self.placement.holds_replicas:
-            replicas.refresh([list(w) for w in zip(*(p.unbind(0) for p in stacked))])
+        replicas.refresh_if_stale(lambda: [list(w) for w in zip(*(p.unbind(0) for p in stacked))])
         flat = [t for group in replicas.weights for t in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in stacked)):
             self._weights = stacked, replicas.weights
@@ -334,14 +331,9 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
     one_expert = [w[0] for w in (experts.w1, experts.w2, experts.w3)]
     experts.placement = ExpertPlacement(
         layer.num_experts, layer.ep_group, layer.ep_size, domain_size(config, layer.ep_size),
-        placement.interval_steps, placement.history_decay, placement.network_gbps, state_bytes_per_expert(one_expert),
+        placement.interval_steps, placement.history_decay, placement.network_gbps, one_expert,
         dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device, redundant=redundant,
-        weight_bytes=sum(w.numel() * w.element_size() for w in one_expert),
-        grad_bytes=sum(w.numel() * 4 for w in one_expert))
-    if redundant:
-        experts.placement.replicas = ReplicaSlots(experts.placement, one_expert, redundant)
-        load_split()
+        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device, redundant=redundant)
     if type(layer) is not PlacedLayer:
         seams.become(layer, PlacedLayer)
     if type(layer.router) is not PlacedRouter:
@@ -367,13 +359,16 @@ class PlacedLayer(AutoEPMoELayer if AutoEPMoELayer is not None else torch.nn.Mod
         self.tokens_per_expert = torch.zeros(slots, dtype=logical[2].dtype, device=logical[2].device)
         try:
             out = super().forward(hidden_states)
-            slot_counts, holds = self.tokens_per_expert, torch.from_numpy(placement.slot_experts())
+            slot_counts = self.tokens_per_expert
         finally:
             self.num_experts, self.num_local_experts, self.tokens_per_expert = logical
         with torch.no_grad():
-            held = holds >= 0
-            self.tokens_per_expert.index_add_(0, holds[held].to(slot_counts.device), slot_counts[held.to(
-                slot_counts.device)])
+            if placement.holds_replicas:  # routing went through the host already: its slot table
+                holds = torch.from_numpy(placement.slot_experts()).to(slot_counts.device)
+                held = holds >= 0
+                self.tokens_per_expert.index_add_(0, holds[held], slot_counts[held])
+            else:  # each expert in its primary slot alone: a gather on the device, no host copy
+                self.tokens_per_expert.add_(slot_counts[placement.slot_ids])
         return out
 
 

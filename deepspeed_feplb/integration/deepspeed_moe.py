@@ -35,12 +35,10 @@ from deepspeed_feplb.integration.placement import (
     adopt_loaded_order,
     check_expert_order,
     record_expert_order,
-    state_bytes_per_expert,
 )
-from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
+from deepspeed_feplb.integration.replicas import with_sum
 from deepspeed_feplb.migrate.phase2 import ExpertSpec, run_expert
 from deepspeed_feplb.once import first_time
-from deepspeed_feplb.plan.replicas import load_split
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
 
@@ -152,8 +150,8 @@ class FEPLBMOELayer(MOELayer):
         used_token = input[1] if len(input) > 1 else None
         timed = self.stage.stage_times.measure
         replicas = self.placement.replicas if self.placement is not None else None
-        if replicas is not None and replicas.stale and not recomputing() and self.placement.holds_replicas:
-            replicas.refresh(self._primary_params())  # collective: the first forward after a step
+        if replicas is not None:
+            replicas.refresh_if_stale(self._primary_params)  # collective: the first forward after a step
         with timed("gate"):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
         if self.recorder is not None and not recomputing():
@@ -233,14 +231,9 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, 
                   "will not move experts; per-micro-batch balancing inside the domain does the work", flush=True)
     placed = ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
                              domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
-                             placement.network_gbps, state_bytes_per_expert(expert_params),
+                             placement.network_gbps, expert_params,
                              dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-                             dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant,
-                             weight_bytes=sum(p.numel() * p.element_size() for p in expert_params),
-                             grad_bytes=sum(p.numel() * 4 for p in expert_params))
-    if redundant:
-        placed.replicas = ReplicaSlots(placed, expert_params, redundant)
-        load_split()
+                             dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant)
     return placed
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfigError
 from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.plan import replicas
 from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads
 
@@ -224,7 +225,8 @@ class ExpertPlacement:
         ep_size: ranks in it; ``E / ep_size`` slots each.
         ranks_per_node: consecutive EP ranks that form a node (the NVLink domain).
         interval_steps, decay, network_gbps: `config.PlacementConfig`.
-        state_bytes: bytes one expert's move carries (`state_bytes_per_expert`).
+        expert_params: one expert's parameters (what a move carries, `state_bytes_per_expert`; what
+            a replica holds and sends home).
         dynamic_experts: D of the intra-node planner (the policy judges placements by the load left
             after D dynamic experts per rank are balanced inside a node).
         intra_gbps: bandwidth of a move inside a node (``copy_engine_gbps``).
@@ -234,16 +236,14 @@ class ExpertPlacement:
             chooses which hot experts get a replica on another node (`plan.replicas.choose`), and
             `route` splits their rows between their holders every micro-batch; the layer's local
             experts are then its ``E / ep_size`` primary slots followed by ``redundant`` replica
-            slots (`integration.replicas.ReplicaSlots`, attached as ``replicas`` by the layer).
-        weight_bytes: one expert's weight bytes (a replica's weights, sent to it at every step).
-        grad_bytes: one expert's gradient in fp32 (a replica's gradient sum sent home at every step;
-            None: ``weight_bytes``).
+            slots (``replicas``, an `integration.replicas.ReplicaSlots`; its weights come at every
+            step and its fp32 gradient sum goes home).
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
-                 decay: float, network_gbps: float, state_bytes: int, dynamic_experts: int = 0,
+                 decay: float, network_gbps: float, expert_params: list[torch.Tensor], dynamic_experts: int = 0,
                  intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
-                 redundant: int = 0, weight_bytes: int = 0, grad_bytes: Optional[int] = None):
+                 redundant: int = 0):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         self.num_experts, self.ep_group, self.ep_size, self.dp_group = num_experts, ep_group, ep_size, dp_group
@@ -252,13 +252,16 @@ class ExpertPlacement:
         self.interval_steps = interval_steps
         # interval and warmup count micro-batches: set at the first step's end, when M is known
         self.placer = CrossNodePlacer(num_experts, ep_size // ranks_per_node, ranks_per_node, interval=interval_steps,
-                                      decay=decay, expert_state_bytes=float(state_bytes), net_gbps=network_gbps,
-                                      dynamic_experts=dynamic_experts, intra_gbps=intra_gbps, warmup=1,
-                                      redundant=redundant, weight_bytes=float(weight_bytes),
-                                      grad_bytes=grad_bytes)
+                                      decay=decay, expert_state_bytes=float(state_bytes_per_expert(expert_params)),
+                                      net_gbps=network_gbps, dynamic_experts=dynamic_experts, intra_gbps=intra_gbps,
+                                      warmup=1, redundant=redundant,
+                                      weight_bytes=float(sum(p.numel() * p.element_size() for p in expert_params)),
+                                      grad_bytes=float(sum(p.numel() * 4 for p in expert_params)))
         self.redundant = redundant
         self.local_slots = self.per_rank + redundant  # the layer's local experts: primaries, then replica slots
-        self.replicas = None  # ReplicaSlots, attached by the layer when redundant > 0
+        self.replicas = ReplicaSlots(self, expert_params, redundant) if redundant else None
+        if redundant:
+            replicas.load_split()
         self.expert_at = np.arange(num_experts, dtype=np.int64)  # slot -> logical expert
         self.slot_of = torch.arange(num_experts, dtype=torch.long, device=device)  # logical expert -> slot
         self.device = torch.device(device)

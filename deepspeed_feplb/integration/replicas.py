@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES
+from deepspeed_feplb.stats import recomputing
 
 
 def relay(transfers: list[tuple[int, int, list[torch.Tensor]]], me: int, ranks_per_node: int,
@@ -153,6 +154,13 @@ class ReplicaSlots:
         self._experts = now
         self.stale = False
         self.refreshes += 1
+
+    def refresh_if_stale(self, expert_params: Callable[[], list[list[torch.Tensor]]]) -> None:
+        """`refresh` where the weights may be stale and a replica is held, but not in a recomputed
+        forward (activation checkpointing: the original forward's weights hold). Collective over
+        the EP group; ``expert_params``: called for `refresh`'s argument only then."""
+        if self.stale and not recomputing() and self.placement.holds_replicas:
+            self.refresh(expert_params())
 
     def backward(self, replica_grads: list[list[torch.Tensor]],
                  step_ends: bool) -> list[tuple[int, list[torch.Tensor]]]:
