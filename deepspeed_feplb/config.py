@@ -154,7 +154,7 @@ class PlacementConfig(FEPLBConfigModel):
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
     redundant_experts_per_rank: int = Field(0, ge=0)
-    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step, and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step."""
+    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step."""
 
     network_gbps: float = Field(50.0, gt=0)
     """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""
@@ -203,7 +203,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """'step' residency: MiB of kept copies a rank holds over all its FEPLB layers (each copy counts its weights and its fp32 weight-gradient); a copy beyond it is used for its micro-batch only. 'auto': 10% of the smallest GPU's memory in the domain, no bound for CPU experts."""
 
     max_rows_over_mean: Optional[Annotated[float, Field(ge=1.0, allow_inf_nan=False)]] = None
-    """Bound on any rank's rows, as a multiple of the EP group's mean rows per rank (e.g. to bound activation memory); the fastest plan within the bound wins. null: minimise expert time alone, which at small micro-batches may leave rows unbalanced."""
+    """Bound on any rank's rows, as a multiple of the EP group's mean rows per rank (e.g. to bound activation memory); the fastest plan within the bound wins; with placement.redundant_experts_per_rank, replicas are chosen to bring the busiest rank within it too, even where they cost time. null: minimise expert time alone, which at small micro-batches may leave rows unbalanced."""
 
     fixed_costs: Literal["measured", "ignore"] = "measured"
     """'measured': price each expert piece and message as timed on this rank, and skip micro-batches no move can speed up. 'ignore': rows and bytes only, so moves happen at any size (exactness tests at toy sizes)."""

@@ -3,6 +3,8 @@
 node takes its share of every micro-batch; the replicas' gradients reach the expert before the
 optimizer step, so training equals DeepSpeed's MoE; checkpoints hold no replica; and on a replayed
 trace the runtime makes the simulator's replica decisions and splits."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -69,10 +71,12 @@ def test_checkpoints_hold_no_replica_and_load_both_ways(tmp_path):
                                                                                         r["continued"])
 
 
-def test_runtime_replicas_equal_the_simulators(tmp_path):
+@pytest.mark.parametrize("bound", [None, 1.02], ids=["time", "row_bound"])
+def test_runtime_replicas_equal_the_simulators(tmp_path, bound):
     """Simulator parity with replica slots: replaying a trace, the runtime chooses the simulator's
     replicas at the same optimizer steps and every rank receives the rows the simulator's split
-    gives it, micro-batch by micro-batch."""
+    gives it, micro-batch by micro-batch. ``row_bound``: over a network so slow that no replica
+    pays in time, ``feplb.max_rows_over_mean`` makes them (rows before time) alike on both."""
     from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, scaled
     from deepspeed_feplb.plan.replicas import route
     from deepspeed_feplb.sim.policies import FEPLB, SimSetup
@@ -83,26 +87,37 @@ def test_runtime_replicas_equal_the_simulators(tmp_path):
     path = tmp_path / "trace.npz"
     save_trace(path, trace)
     gas, interval, decay = 2, 2, 0.3
-    results = run_distributed(moe_cases.placement_replay_case, 4, str(path), gas, interval, decay, 1, timeout=600)
+    network_gbps = 1e6 if bound is None else 1e-6
+    results = run_distributed(moe_cases.placement_replay_case, 4, str(path), gas, interval, decay, 1, bound,
+                              network_gbps, timeout=600)
     r = results[0]
     assert all(x["replica_at"] == r["replica_at"] for x in results)
     setup = SimSetup(ranks_per_node=2, nodes=2, experts=trace.experts, dynamic_experts=1, chunk_align=1,
                      shape=ExpertShape(hidden=16, ffn_hidden=32, mats=2, dtype_bytes=4),
-                     profile=scaled(PROFILES["h100"], net_gbps=1e6, ce_gbps=1e6), placement="on",
+                     profile=scaled(PROFILES["h100"], net_gbps=network_gbps, ce_gbps=1e6), placement="on",
                      placement_interval=interval * gas, eplb_decay=decay, expert_state_bytes=r["state_bytes"],
-                     micro_batches_per_step=gas, redundant_per_rank=1)
-    policy = FEPLB(setup, 1)
-    placer = policy.placers[0]
-    placer.weight_bytes = r["weight_bytes"]  # the runtime's expert, not the profile's shape
-    rows, replica_at = [], []
-    for step in range(trace.steps):
-        src = fold_sources(trace.counts[step, 0], 4)
-        rows.append(route(src, placer.slots, 2, setup.experts_per_rank).sum(axis=1).tolist())
-        placer.us_per_token = r["us_per_token"][step // gas]
-        policy.step(step, 0, src)
-        if setup.step_ends(step):
-            replica_at.append(placer.replica_at.tolist())
+                     micro_batches_per_step=gas, redundant_per_rank=1, max_rows_over_mean=bound)
+
+    def replay(setup):
+        policy = FEPLB(setup, 1)
+        placer = policy.placers[0]
+        placer.weight_bytes = r["weight_bytes"]  # the runtime's expert, not the profile's shape
+        placer.grad_bytes = r["grad_bytes"]
+        rows, replica_at = [], []
+        for step in range(trace.steps):
+            src = fold_sources(trace.counts[step, 0], 4)
+            rows.append(route(src, placer.slots, 2, setup.experts_per_rank).sum(axis=1).tolist())
+            placer.us_per_token = r["us_per_token"][step // gas]
+            policy.step(step, 0, src)
+            if setup.step_ends(step):
+                replica_at.append(placer.replica_at.tolist())
+        return rows, replica_at
+
+    rows, replica_at = replay(setup)
     assert any(q >= 0 for step in replica_at for row in step for q in row), "no replica: parity shows nothing"
+    if bound is not None:  # the bound made them: by time alone none pays
+        assert not any(q >= 0 for step in replay(replace(setup, max_rows_over_mean=None))[1] for row in step
+                       for q in row)
     assert r["replica_at"] == replica_at
     runtime_rows = [[int(v) for v in row] for row in _node_rows(results, 1)]
     assert runtime_rows == rows

@@ -118,6 +118,23 @@ def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
     assert (rp.choose(drifting, e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args).replica_at < 0).all()
 
 
+def test_a_row_bound_puts_rows_before_time():
+    """``feplb.max_rows_over_mean``: a replica whose exchange costs more than it saves is still made
+    where it brings the busiest rank toward the bound; where the bound holds without one, none is,
+    and of replicas that bring the rows equally close the cheapest set wins."""
+    e2r = np.arange(E) // PRIMARIES
+    args = dict(ranks_per_node=G, dynamic_experts=1, micro_batches_per_step=8, us_per_row=1.0, weight_bytes=1e9,
+                net_gbps=1.0)
+    bound = rp.choose(_skewed_samples(400.0), e2r, redundant=1, max_rows_over_mean=1.02, **args)
+    assert 0 in bound.replica_at and bound.cost_us > bound.gain_us > 0, bound
+    for loads in _skewed_samples(400.0)[4:]:  # the held-out half: the busiest rank came closer to the bound
+        assert (rp.predicted_rows(loads, _slots(bound.replica_at), G, 1)
+                < rp.predicted_rows(loads, _slots([[-1]] * R), G, 1))
+    assert (rp.choose(np.full((8, E), 100.0), e2r, redundant=1, max_rows_over_mean=1.02, **args).replica_at < 0).all()
+    two = rp.choose(_skewed_samples(400.0), e2r, redundant=2, max_rows_over_mean=1.02, **args)
+    assert (two.replica_at >= 0).sum() == 1 and two.cost_us == bound.cost_us  # a second replica brings nothing
+
+
 def test_the_placer_adds_replicas_at_its_decision():
     placer = CrossNodePlacer(E, N, G, interval=8, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
                              dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8)

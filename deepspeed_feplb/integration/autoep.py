@@ -333,7 +333,8 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
         layer.num_experts, layer.ep_group, layer.ep_size, domain_size(config, layer.ep_size),
         placement.interval_steps, placement.history_decay, placement.network_gbps, one_expert,
         dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device, redundant=redundant)
+        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device, redundant=redundant,
+        max_rows_over_mean=config.max_rows_over_mean or 0.0)
     if type(layer) is not PlacedLayer:
         seams.become(layer, PlacedLayer)
     if type(layer.router) is not PlacedRouter:

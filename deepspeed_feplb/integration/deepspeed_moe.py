@@ -233,7 +233,8 @@ def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, 
                              domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
                              placement.network_gbps, expert_params,
                              dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-                             dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant)
+                             dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant,
+                             max_rows_over_mean=config.max_rows_over_mean or 0.0)
     return placed
 
 

@@ -238,12 +238,14 @@ class ExpertPlacement:
             experts are then its ``E / ep_size`` primary slots followed by ``redundant`` replica
             slots (``replicas``, an `integration.replicas.ReplicaSlots`; its weights come at every
             step and its fp32 gradient sum goes home).
+        max_rows_over_mean: ``feplb.max_rows_over_mean`` (0: none): replicas are chosen to bring the
+            busiest rank within it before time (`plan.replicas.choose`).
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
                  decay: float, network_gbps: float, expert_params: list[torch.Tensor], dynamic_experts: int = 0,
                  intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
-                 redundant: int = 0):
+                 redundant: int = 0, max_rows_over_mean: float = 0.0):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         self.num_experts, self.ep_group, self.ep_size, self.dp_group = num_experts, ep_group, ep_size, dp_group
@@ -256,7 +258,8 @@ class ExpertPlacement:
                                       net_gbps=network_gbps, dynamic_experts=dynamic_experts, intra_gbps=intra_gbps,
                                       warmup=1, redundant=redundant,
                                       weight_bytes=float(sum(p.numel() * p.element_size() for p in expert_params)),
-                                      grad_bytes=float(sum(p.numel() * 4 for p in expert_params)))
+                                      grad_bytes=float(sum(p.numel() * 4 for p in expert_params)),
+                                      max_rows_over_mean=max_rows_over_mean)
         self.redundant = redundant
         self.local_slots = self.per_rank + redundant  # the layer's local experts: primaries, then replica slots
         self.replicas = ReplicaSlots(self, expert_params, redundant) if redundant else None

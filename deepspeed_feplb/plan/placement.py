@@ -440,6 +440,9 @@ class CrossNodePlacer:
                      exchange at every optimizer step (``micro_batches_per_step`` micro-batches:
                      its gradient sum, ``grad_bytes`` (None: ``weight_bytes``), goes home and the
                      weights come back, a new replica's first ones among them).
+    max_rows_over_mean: the bound on rows before time (``feplb.max_rows_over_mean``; 0: none):
+                     the replicas chosen are those that bring the predicted busiest rank closest
+                     to it, the fastest among equals (`replicas.choose`).
 
     A decision (`refresh`) takes the candidate of `improve_placement` with the largest
     ``gain - cost`` (none when nothing pays); ``last_cost_us`` is the transfer time of the last
@@ -472,6 +475,7 @@ class CrossNodePlacer:
     weight_bytes: float = 0.0
     grad_bytes: Optional[float] = None
     micro_batches_per_step: int = 1
+    max_rows_over_mean: float = 0.0
     expert_to_rank: np.ndarray = field(init=False)
     replica_at: np.ndarray = field(init=False)
     ema: Optional[np.ndarray] = field(init=False, default=None)
@@ -557,7 +561,7 @@ class CrossNodePlacer:
         choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
                                  self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
                                  self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
-                                 intra_gbps=self.intra_gbps)
+                                 intra_gbps=self.intra_gbps, max_rows_over_mean=self.max_rows_over_mean)
         if np.array_equal(choice.replica_at, self.replica_at):
             return False
         self.replica_at = choice.replica_at

@@ -303,7 +303,8 @@ class Choice:
 
 def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int, redundant: int,
            dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
-           net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf) -> Choice:
+           net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf,
+           max_rows_over_mean: float = 0.0) -> Choice:
     """The replicas to hold over the primaries ``expert_to_rank``, judged on ``samples`` float [K, E]:
     the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
     catches, and what a moving average hides).
@@ -325,7 +326,12 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     travels as ``grad_bytes``, default ``weight_bytes``): the sum joins the expert's gradient
     before the optimizer step, and the stepped weights reach it with the exchange's return half,
     both relayed over every link of the two nodes (``net_gbps`` between nodes, ``intra_gbps``
-    inside one)."""
+    inside one).
+
+    ``max_rows_over_mean`` (``feplb.max_rows_over_mean``; 0: none) puts rows before time, as the
+    intra-node planner does: the prefix whose predicted busiest rank exceeds that multiple of the
+    mean rows per rank by the fewest rows (on the later half, averaged; `ROWS_TIE` of the mean
+    apart is a tie) wins, the largest net gain among those, even where it costs time."""
     samples = np.atleast_2d(np.asarray(samples, np.float64))
     e2r = np.asarray(expert_to_rank, np.int64)
     E = samples.shape[1]
@@ -339,26 +345,35 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     half = len(samples) // 2
     fit, judge = (samples[:half], samples[half:]) if half else (samples, samples)
 
-    def judged_rows(replicas: np.ndarray) -> float:
+    caps = max_rows_over_mean * judge.sum(axis=1) / R if max_rows_over_mean > 0 else np.full(len(judge), np.inf)
+
+    def judged_rows(replicas: np.ndarray) -> tuple[float, float]:
+        """(mean predicted busiest rows, mean rows over the bound) on the later half."""
         slots = slot_experts(e2r, replicas)
-        return float(np.mean([predicted_rows(w, slots, G, dynamic_experts) for w in judge]))
+        rows = np.array([predicted_rows(w, slots, G, dynamic_experts) for w in judge])
+        return float(rows.mean()), float(np.maximum(rows - caps, 0.0).mean())
 
     def cost(replicas: np.ndarray) -> float:
         slots = slot_experts(e2r, replicas)
         return exchange_us(slots, E // R, G, weight_bytes, grad, net_gbps, intra_gbps) / micro_batches_per_step
 
     expected = fit.mean(axis=0)
-    base = judged_rows(none)
-    best = (none, 0.0, 0.0)
+    base, over = judged_rows(none)
+    weighed = [(none, 0.0, 0.0, over)]  # (replica_at, gain, cost, rows over the bound)
     for repeat in (False, True):
         sequence = _sequence(expected, e2r, G, redundant, repeat)
         stride = max(1, len(sequence) // 32)  # at most ~32 prefixes weighed
         for k in sorted({*range(stride - 1, len(sequence), stride), len(sequence) - 1} - {-1}):
-            gain = (base - judged_rows(sequence[k])) * us_per_row
-            spent = cost(sequence[k])
-            if gain - spent > best[1] - best[2]:
-                best = (sequence[k], gain, spent)
-    return Choice(*best)
+            rows, excess = judged_rows(sequence[k])
+            weighed.append((sequence[k], (base - rows) * us_per_row, cost(sequence[k]), excess))
+    # over the bound by at most ROWS_TIE x the mean rows more than the closest: as close (a
+    # prediction is not that exact), and the fastest of those wins
+    within = min(w[3] for w in weighed) + ROWS_TIE * judge.sum(axis=1).mean() / R
+    best = max((w for w in weighed if w[3] <= within), key=lambda w: w[1] - w[2])  # ties: the earliest
+    return Choice(*best[:3])
+
+
+ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:

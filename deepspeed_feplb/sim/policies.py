@@ -382,7 +382,8 @@ class _NodePolicy:
                                             warmup=setup.warmup, redundant=setup.redundant_per_rank,
                                             weight_bytes=setup.shape.weight_bytes,
                                             grad_bytes=setup.shape.grad_bytes,
-                                            micro_batches_per_step=setup.micro_batches_per_step)
+                                            micro_batches_per_step=setup.micro_batches_per_step,
+                                            max_rows_over_mean=setup.max_rows_over_mean or 0.0)
                             for _ in range(layers)]
         self.budget_copies = []
         self.replica_exchange_us = 0.0
