@@ -104,14 +104,21 @@ def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, d
 
 
 class TinyMoEModel(torch.nn.Module):
-    """Dense -> MoE -> dense, returning (prediction, l_aux)."""
+    """Dense -> MoE -> dense, returning (prediction, l_aux); ``recompute``: the MoE layer runs under
+    non-reentrant activation checkpointing (its forward runs again in the backward)."""
 
-    def __init__(self, moe: torch.nn.Module):
+    def __init__(self, moe: torch.nn.Module, recompute: bool = False):
         super().__init__()
         self.inp, self.moe, self.out = torch.nn.Linear(HIDDEN, HIDDEN), moe, torch.nn.Linear(HIDDEN, HIDDEN)
+        self.recompute = recompute
 
     def forward(self, x):
-        y, l_aux, _ = self.moe(self.inp(x) + 1.0)
+        h = self.inp(x) + 1.0
+        if self.recompute:
+            from torch.utils.checkpoint import checkpoint
+            y, l_aux = checkpoint(lambda t: self.moe(t)[:2], h, use_reentrant=False)
+        else:
+            y, l_aux, _ = self.moe(h)
         return self.out(y), l_aux
 
 
@@ -675,14 +682,16 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
             **counters, "monitored": monitored, "bundle_bytes": placement.bundle_bytes}
 
 
-def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, learn_router: bool = False):
-    """TinyMoEModel (top-1) whose gate sends most tokens to expert 0 (``hot`` raises its logit;
-    0.5: about 95% of all rows, far more than a node of 2 of 4 ranks should compute, which
-    placement alone cannot split) and spreads the rest; the router and the layer before it are
-    frozen unless ``learn_router``."""
+def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, learn_router: bool = False,
+                          recompute: bool = False):
+    """TinyMoEModel (top-1, ``recompute`` as there) whose gate sends most tokens to expert 0 (``hot``
+    raises its logit; 0.5: about 95% of all rows, far more than a node of 2 of 4 ranks should
+    compute, which placement alone cannot split) and spreads the rest; the router and the layer
+    before it are frozen unless ``learn_router``."""
     torch.manual_seed(11)
     model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
-                                      ep_size=ep_size, k=1, min_capacity=0, drop_tokens=False, use_rts=False))
+                                      ep_size=ep_size, k=1, min_capacity=0, drop_tokens=False, use_rts=False),
+                         recompute)
     with torch.no_grad():
         weight = model.moe.deepspeed_moe.gate.wg.weight
         weight.mul_(0.2)
@@ -696,10 +705,10 @@ def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, lear
 
 
 def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1,
-                       learn_router: bool = False) -> dict:
+                       learn_router: bool = False, recompute: bool = False) -> dict:
     """feplb.placement with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
-    with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``), ``gas``
-    micro-batches per step: FEPLB and
+    with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``, the layer
+    recomputed in the backward if ``recompute``), ``gas`` micro-batches per step: FEPLB and
     DeepSpeed's MoE trained side by side. Returns both loss curves, the parameter errors (FEPLB's
     experts back in DeepSpeed's layout), each micro-batch's rows per rank before balancing
     (this rank's domain: ``ranks``, ``tokens_before``), the replica table after each step and the
@@ -713,11 +722,13 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
              "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5, "network_gbps": 1e6,
                            "redundant_experts_per_rank": redundant}}
     config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
-    models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router)
+    models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router, recompute=recompute)
               for name in ("reference", "feplb")}
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
         model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
     ours = engines["feplb"]
+    forwards = []  # one entry per forward of FEPLB's layer (a recomputed one included)
+    ours.module.moe.register_forward_pre_hook(lambda *_: forwards.append(1))
     losses = {name: [] for name in engines}
     micro, replica_at = [], []
     for step in range(steps):
@@ -737,6 +748,7 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
         names = sorted(ours.module.state_dict())
     return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,
             "refreshes": placement.replicas.refreshes if placement.replicas else 0,
+            "forwards": len(forwards),
             "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
             "state_dict_keys": names, "reference_keys": sorted(engines["reference"].module.state_dict())}
 

@@ -133,18 +133,23 @@ def test_runtime_placement_equals_the_simulators(tmp_path):
 
 
 @pytest.mark.parametrize("ds_config,problem", [({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
-                                               ({}, "pipeline parallelism")])
+                                               ({}, "pipeline parallelism"),
+                                               ({"bf16": {"enabled": True}}, "bf16 at ZeRO stage 0"),
+                                               ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}},
+                                                "fp16 at ZeRO stage 0")])
 def test_placement_refuses_what_it_cannot_move(ds_config, problem):
     import torch
     from deepspeed.runtime.pipe.module import PipelineModule
 
     from deepspeed_feplb.config import FEPLBConfigError
-    from deepspeed_feplb.integration.engine import _check_placement
+    from deepspeed_feplb.integration.placement import check_config
     model = torch.nn.Linear(2, 2)
     if problem == "pipeline parallelism":
         model = PipelineModule.__new__(PipelineModule)  # only its type matters here
     with pytest.raises(FEPLBConfigError, match=f"feplb.placement.enabled: not supported with {problem}"):
-        _check_placement(model, ds_config)
+        check_config(model, ds_config)
+    for fine in ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 0}}):
+        check_config(torch.nn.Linear(2, 2), fine)
 
 
 def one_node_placement_warning() -> list:

@@ -80,7 +80,8 @@ def initialize(*args, **kwargs):
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from deepspeed.runtime.pipe.module import PipelineModule
     if config.enabled and config.placement.enabled:
-        _check_placement(model, _as_dict(ds_config))
+        from deepspeed_feplb.integration.placement import check_config as check_placement
+        check_placement(model, _as_dict(ds_config))
     if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
         from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
         _prepare_pipeline(model, _as_dict(ds_config))
@@ -165,19 +166,6 @@ def check_consistency(model, config: FEPLBConfig) -> None:
         params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
         validate_transport(config, params)
         validate_dispatcher(config, module.ep_size, params, module.deepspeed_moe.gate.wg.in_features)
-
-
-def _check_placement(model, ds_config: dict) -> None:
-    """feplb.placement moves experts with their optimizer state after ``engine.step()``: ZeRO stage 3
-    (experts partitioned across ranks) and pipelines (whose engine steps internally) are refused."""
-    from deepspeed.runtime.pipe.module import PipelineModule
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage > 2:
-        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with ZeRO stage {stage}; use stage 0, 1 or 2, "
-                               "or set feplb.placement.enabled to false")
-    if isinstance(model, PipelineModule):
-        raise FEPLBConfigError("feplb.placement.enabled: not supported with pipeline parallelism yet; set "
-                               "feplb.placement.enabled to false")
 
 
 def _as_dict(ds_config) -> dict:

@@ -75,7 +75,7 @@ def _torch_state(optimizer, param: torch.Tensor) -> dict:
         return {}
     raise RuntimeError(f"FEPLB placement: optimizer {type(optimizer).__name__} keeps state for some parameters but "
                        "none for an expert parameter, so experts cannot move with their optimizer state; placement "
-                       "supports ZeRO stages 0-2 with fp32 or bf16 and the fp16 optimizer only with ZeRO 1 or 2")
+                       "supports ZeRO stage 0 in fp32 and ZeRO stages 1-2 in fp32, bf16 or fp16")
 
 
 def expert_state(params: list[torch.Tensor], optimizer, keys: list[str]) -> list[torch.Tensor]:
@@ -592,9 +592,32 @@ def placed_layers(module):
     return [m for m in module.modules() if isinstance(getattr(m, "placement", None), ExpertPlacement)]
 
 
+def check_config(model, ds_config: dict) -> None:
+    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under: ZeRO stage 3
+    (experts partitioned across ranks), pipelines (whose engine steps internally), and fp16 or bf16
+    at ZeRO stage 0 (DeepSpeed's fp16 optimizer wrapper keeps the fp32 master weights in groups of
+    its own, apart from the parameters)."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage > 2:
+        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with ZeRO stage {stage}; use stage 0, 1 or 2, "
+                               "or set feplb.placement.enabled to false")
+    if isinstance(model, PipelineModule):
+        raise FEPLBConfigError("feplb.placement.enabled: not supported with pipeline parallelism yet; set "
+                               "feplb.placement.enabled to false")
+    half = [key for key in ("bf16", "bfloat16", "fp16") if (ds_config.get(key) or {}).get("enabled") is True]
+    if half and stage == 0:
+        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with {half[0]} at ZeRO stage 0 (DeepSpeed's "
+                               "fp16/bf16 optimizer wrapper keeps the fp32 master weights apart from the parameters, "
+                               "and a moved expert could not take them along); use zero_optimization.stage 1 or 2, "
+                               "or set feplb.placement.enabled to false")
+
+
 def install(engine) -> None:
+    """Move experts at ``engine``'s optimizer steps (`check_config` first: raises for what cannot)."""
     if getattr(engine, "_feplb_placement_installed", False):
         return
+    check_config(getattr(engine, "module", None), engine.config)
     engine._feplb_placement_installed = True
 
     def after_step(boundary: bool) -> None:
