@@ -57,6 +57,17 @@ def test_a_pair_that_would_overshoot_splits_so_that_both_nodes_reach_one_level()
     assert len(rp.split(src, _slots([[-1]] * R), G, PRIMARIES).rows) == 0
 
 
+def test_fractional_rows_count_whole_when_every_expert_is_replicated():
+    """Replayed traces may carry fractional rows per source; with no expert held once the nodes
+    start empty and each pair's rows count in full (once they were truncated to whole rows, and
+    the 0.4 of the third pair went to the heavier node)."""
+    src = np.array([[0.4, 3.4], [19.9, 0.1]])  # 2 nodes of 1 rank, each expert on both
+    parts = rp.split(src, np.array([[0, 1], [1, 0]]), 1, 1)
+    # 19.9 splits 9 / 10.9, 3.4 splits 2 / 1.4: nodes at 12.3 and 11, so the 0.4 goes to node 1
+    assert parts.rank.tolist() == [1, 0, 1, 0, 1, 1]
+    assert parts.rows == pytest.approx([9.0, 10.9, 2.0, 1.4, 0.4, 0.1])
+
+
 def test_expected_counts_fill_the_lightest_node_first():
     w = np.zeros(E)
     w[0], w[5] = 100.0, 20.0

@@ -16,7 +16,7 @@ predicted gain over the following micro-batches pays for it.
 
 Slots: rank q holds ``slots[q]`` (int64 [R, S]): its primary experts (the placement's, ascending
 ids), then its ``redundant`` replica slots (-1: empty). All functions are pure numpy and
-deterministic; `split`'s greedy loop is compiled by numba on first use.
+deterministic; `split` is one call compiled by numba on first use.
 """
 from __future__ import annotations
 
@@ -46,76 +46,121 @@ def _copies(slots: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
     return held, np.bincount(slots[held], minlength=experts)
 
 
-def _holders(slots: np.ndarray, experts: int, primaries: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per expert its holders' ranks, the primary first, then replicas by rank: (ranks int64
-    [E, most holders], -1 padded; how many int64 [E])."""
-    held = slots >= 0
-    q, s = np.nonzero(held)
-    e = slots[q, s]
-    order = np.lexsort((q, s >= primaries, e))  # by expert, primary first, then by rank
-    q, e = q[order], e[order]
-    count = np.bincount(e, minlength=experts)
-    ranks = np.full((experts, max(int(count.max(initial=0)), 1)), -1, np.int64)
-    first = np.concatenate([[0], np.cumsum(count)[:-1]])
-    ranks[e, np.arange(len(e)) - first[e]] = q
-    return ranks, count
+def _split_kernel(src, slots, ranks_per_node, primaries):
+    """`split`, compiled whole (`_compiled_split`): src int64/float [R_src, E], slots int64 [R, S].
+    Returns (source, expert, rank int64 [K], rows float64 [K]).
 
-
-def _split_pairs(pair_rows, pair_expert, pair_source, holder_ranks, holder_count, node_rows, ranks_per_node,
-                 src_node, out_rank, out_rows):
-    """`split`'s greedy over pairs (largest first). A pair goes to the holder whose node has the
-    fewest rows so far (ties: the source's own node, then the lower node, then the earlier
-    holder); when that would lift its node above the next lightest node that holds the expert, it
-    is split between the two so that both reach the same level (the other one takes the odd
-    row). Writes ``out_rank`` int64 [K, 2] (-1: no second part) and ``out_rows`` float64 [K, 2];
-    adds to ``node_rows`` float64 [N]."""
-    for i in range(pair_rows.shape[0]):
+    Each replicated expert's holders: its primary first, then its replicas by rank. The pairs of
+    replicated experts with rows are listed by expert, then source, and sorted stably by rows
+    (largest first). A pair goes to the holder whose node has the fewest rows so far (ties: the
+    source's own node, then the lower node, then the earlier holder); when that would lift its node
+    above the next lightest node that holds the expert, it is split between the two so that both
+    reach the same level (the other one takes the odd row)."""
+    Rs, E = src.shape
+    R, S = slots.shape
+    G = ranks_per_node
+    N = R // G
+    copies = np.zeros(E, np.int64)
+    for q in range(R):
+        for j in range(S):
+            if slots[q, j] >= 0:
+                copies[slots[q, j]] += 1
+    holders = np.full((E, max(copies.max(), 1)), -1, np.int64)
+    count = np.zeros(E, np.int64)
+    for first, last in ((0, primaries), (primaries, S)):  # the primaries, then the replicas by rank
+        for q in range(R):
+            for j in range(first, last):
+                e = slots[q, j]
+                if e >= 0 and copies[e] > 1:
+                    holders[e, count[e]] = q
+                    count[e] += 1
+    node_rows = np.zeros(N)
+    loads = np.zeros(E)
+    start = np.zeros(E + 1, np.int64)  # the pairs of expert e: start[e] to start[e + 1], by source
+    for r in range(Rs):
+        for e in range(E):
+            loads[e] += src[r, e]
+            start[e + 1] += copies[e] > 1 and src[r, e] > 0
+    start = np.cumsum(start)
+    pairs = start[E]
+    pair_rows = np.empty(pairs)
+    pair_expert = np.empty(pairs, np.int64)
+    pair_source = np.empty(pairs, np.int64)
+    for r in range(Rs):
+        for e in range(E):
+            if copies[e] > 1 and src[r, e] > 0:
+                i = start[e]
+                pair_rows[i], pair_expert[i], pair_source[i] = src[r, e], e, r
+                start[e] += 1
+    for q in range(R):  # the rows of the experts held once
+        for j in range(S):
+            e = slots[q, j]
+            if e >= 0 and copies[e] == 1:
+                node_rows[q // G] += loads[e]
+    order = np.argsort(-pair_rows, kind="mergesort")  # stable: ties stay by expert, then source
+    out_rank = np.full((pairs, 2), -1, np.int64)
+    out_rows = np.zeros((pairs, 2))
+    for k in range(pairs):
+        i = order[k]
         e, s = pair_expert[i], pair_source[i]
+        home = s * N // Rs  # the source's node (a trace replayed on R ranks: its share of them)
         a, b = -1, -1  # the best holder and the best on another node
-        for h in range(holder_count[e]):
-            q = holder_ranks[e, h]
-            n = q // ranks_per_node
+        for h in range(count[e]):
+            q = holders[e, h]
+            n = q // G
             if a < 0:
                 a = q
                 continue
-            an = a // ranks_per_node
+            an = a // G
             if node_rows[n] < node_rows[an] or (node_rows[n] == node_rows[an] and (
-                    (n == src_node[s]) > (an == src_node[s])
-                    or ((n == src_node[s]) == (an == src_node[s]) and n < an))):
+                    (n == home) > (an == home) or ((n == home) == (an == home) and n < an))):
                 if n != an:
                     b = a
                 a = q
             elif n != an:
-                bn = b // ranks_per_node
+                bn = b // G
                 if b < 0 or node_rows[n] < node_rows[bn] or (node_rows[n] == node_rows[bn] and (
-                        (n == src_node[s]) > (bn == src_node[s])
-                        or ((n == src_node[s]) == (bn == src_node[s]) and n < bn))):
+                        (n == home) > (bn == home) or ((n == home) == (bn == home) and n < bn))):
                     b = q
         rows = pair_rows[i]
-        an = a // ranks_per_node
-        out_rank[i, 0] = a
-        out_rows[i, 0] = rows
+        an = a // G
+        out_rank[k, 0] = a
+        out_rows[k, 0] = rows
         if b >= 0:
-            bn = b // ranks_per_node
+            bn = b // G
             x = np.floor((rows + node_rows[bn] - node_rows[an]) / 2.0)
             if 0 < x < rows:
-                out_rows[i, 0] = x
-                out_rank[i, 1] = b
-                out_rows[i, 1] = rows - x
+                out_rows[k, 0] = x
+                out_rank[k, 1] = b
+                out_rows[k, 1] = rows - x
                 node_rows[bn] += rows - x
-        node_rows[an] += out_rows[i, 0]
+        node_rows[an] += out_rows[k, 0]
+    parts = 0
+    for k in range(pairs):
+        parts += 1 + (out_rank[k, 1] >= 0)
+    source, expert, rank, rows_out = (np.empty(parts, np.int64), np.empty(parts, np.int64),
+                                      np.empty(parts, np.int64), np.empty(parts))
+    p = 0
+    for k in range(pairs):
+        for c in range(2):
+            if out_rank[k, c] >= 0:
+                i = order[k]
+                source[p], expert[p], rank[p], rows_out[p] = pair_source[i], pair_expert[i], out_rank[k, c], \
+                    out_rows[k, c]
+                p += 1
+    return source, expert, rank, rows_out
 
 
 @functools.cache
 def _compiled_split():
-    """`_split_pairs` compiled by numba (``cache=True``), loaded on first use (`load_split`):
+    """`_split_kernel` compiled by numba (``cache=True``), loaded on first use (`load_split`):
     importing this module (the runtime imports it) loads no compiler."""
     from numba import njit
-    return njit(cache=True)(_split_pairs)
+    return njit(cache=True)(_split_kernel)
 
 
 def load_split() -> None:
-    """Load (or compile) `split`'s loop now: a runtime does it when a layer with replica slots
+    """Load (or compile) `split` now: a runtime does it when a layer with replica slots
     attaches, so that no rank compiles inside a collective forward."""
     slots = np.array([[0, -1], [1, 0]], np.int64)
     split(np.ones((2, 2), np.int64), slots, 1, 1)
@@ -141,31 +186,12 @@ def split(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
 
     The (source, expert) pairs of replicated experts with rows, largest first (ties: lower expert,
     then lower source), are placed greedily on the nodes, each on its lightest holder node so far,
-    split with the next lightest where the whole pair would overshoot it (`_split_pairs`), over
+    split with the next lightest where the whole pair would overshoot it (`_split_kernel`), over
     the rows the experts held once put on each node. Deterministic: every rank computes the same
-    split from the same all-gathered routes."""
-    src = np.asarray(src)
-    slots = np.asarray(slots, np.int64)
-    R = slots.shape[0]
-    E = src.shape[1]
-    N = R // ranks_per_node
-    held, copies = _copies(slots, E)
-    single = held & (copies[np.maximum(slots, 0)] == 1)
-    loads = src.sum(axis=0).astype(np.float64)
-    node_rows = np.bincount(np.nonzero(single)[0] // ranks_per_node, weights=loads[slots[single]], minlength=N)
-    s_idx, e_idx = np.nonzero((src > 0) & (copies > 1)[None, :])
-    rows = src[s_idx, e_idx].astype(np.float64)
-    order = np.lexsort((s_idx, e_idx, -rows))  # largest first; ties: lower expert, then lower source
-    s_idx, e_idx, rows = s_idx[order].astype(np.int64), e_idx[order].astype(np.int64), rows[order]
-    out_rank = np.full((len(rows), 2), -1, np.int64)
-    out_rows = np.zeros((len(rows), 2))
-    if len(rows):
-        ranks, count = _holders(slots, E, primaries)
-        src_node = (np.arange(src.shape[0]) * N // src.shape[0]).astype(np.int64)  # replayed on R ranks
-        _compiled_split()(rows, e_idx, s_idx, ranks, count, node_rows, ranks_per_node, src_node, out_rank, out_rows)
-    part = out_rank >= 0
-    return Split(np.repeat(s_idx, part.sum(axis=1)), np.repeat(e_idx, part.sum(axis=1)), out_rank[part],
-                 out_rows[part])
+    split from the same all-gathered routes. One compiled call (EP 256, 512 experts: about 0.1 ms,
+    benchmarks/bench_replicas.py ``scale``)."""
+    src = np.ascontiguousarray(src, np.float64 if np.asarray(src).dtype.kind == "f" else np.int64)
+    return Split(*_compiled_split()(src, np.ascontiguousarray(slots, np.int64), int(ranks_per_node), int(primaries)))
 
 
 def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
