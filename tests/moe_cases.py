@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 import os
 import time
@@ -916,17 +917,20 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     engine = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
     tokens = routing.tokens_needed(world)
     micro, placements, replica_at, us_per_token = [], [], [], []  # us_per_token: the measured time gains used
-    for step in range(trace.steps // gas):
-        for m in range(gas):
-            x, target = _placed_inputs(step * gas + m, tokens)
-            train_step(engine, x, target)
-            stats = engine.module.moe.feplb_stats
-            micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
-        placement = placed_layers(engine.module)[0].placement
-        placements.append(placement.placer.expert_to_rank.tolist())
-        replica_at.append(placement.replica_at.tolist())
-        us_per_token.append(placement.placer.us_per_token)
-    return {"micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for step in range(trace.steps // gas):
+            for m in range(gas):
+                x, target = _placed_inputs(step * gas + m, tokens)
+                train_step(engine, x, target)
+                stats = engine.module.moe.feplb_stats
+                micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
+            placement = placed_layers(engine.module)[0].placement
+            placements.append(placement.placer.expert_to_rank.tolist())
+            replica_at.append(placement.replica_at.tolist())
+            us_per_token.append(placement.placer.us_per_token)
+    return {"said": [line for line in printed.getvalue().splitlines() if "max_rows_over_mean" in line],
+            "micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
             "refreshes": placement.refreshes, "us_per_token": us_per_token, "replica_at": replica_at,
             "weight_bytes": placement.placer.weight_bytes, "grad_bytes": placement.placer.grad_bytes}
 

@@ -120,9 +120,11 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound):
 
     rows, replica_at = replay(setup)
     assert any(q >= 0 for step in replica_at for row in step for q in row), "no replica: parity shows nothing"
-    if bound is not None:  # the bound made them: by time alone none pays
+    if bound is not None:  # the bound made them: by time alone none pays, and rank 0 says what they cost
         assert not any(q >= 0 for step in replay(replace(setup, max_rows_over_mean=None))[1] for row in step
                        for q in row)
+        assert len(r["said"]) == 1 and "feplb.max_rows_over_mean 1.02 keeps" in r["said"][0], r["said"]
+    assert all(x["said"] == [] for x in results[1 if bound is not None else 0:]), [x["said"] for x in results]
     assert r["replica_at"] == replica_at
     runtime_rows = [[int(v) for v in row] for row in _node_rows(results, 1)]
     assert runtime_rows == rows

@@ -58,9 +58,9 @@ def test_a_pair_that_would_overshoot_splits_so_that_both_nodes_reach_one_level()
 
 
 def test_fractional_rows_count_whole_when_every_expert_is_replicated():
-    """Replayed traces may carry fractional rows per source; with no expert held once the nodes
-    start empty and each pair's rows count in full (once they were truncated to whole rows, and
-    the 0.4 of the third pair went to the heavier node)."""
+    """A caller may pass float rows per source (the runtime and the simulator pass int64); with no
+    expert held once the nodes start empty and each pair's rows count in full (once they were
+    truncated to whole rows, and the 0.4 of the third pair went to the heavier node)."""
     src = np.array([[0.4, 3.4], [19.9, 0.1]])  # 2 nodes of 1 rank, each expert on both
     parts = rp.split(src, np.array([[0, 1], [1, 0]]), 1, 1)
     # 19.9 splits 9 / 10.9, 3.4 splits 2 / 1.4: nodes at 12.3 and 11, so the 0.4 goes to node 1

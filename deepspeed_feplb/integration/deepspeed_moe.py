@@ -364,7 +364,8 @@ class MoE(ds_layer.MoE):
             self.deepspeed_moe.step_ends = seams.step_ends(engine)
         if self.deepspeed_moe.feplb_config is None and engine is not None:
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
-        if engine is not None and self.deepspeed_moe.feplb_config.placement.enabled:
+        if engine is not None and self.deepspeed_moe.feplb_config.enabled and \
+                self.deepspeed_moe.feplb_config.placement.enabled:
             from deepspeed_feplb.integration.placement import install as install_placement
             install_placement(engine)
 

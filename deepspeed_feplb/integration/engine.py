@@ -91,7 +91,7 @@ def initialize(*args, **kwargs):
             result[0].feplb_monitor.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
-    if config.placement.enabled:
+    if config.enabled and config.placement.enabled:
         from deepspeed_feplb.integration.placement import install as install_placement
         install_placement(result[0])
     from deepspeed_feplb.integration.autoep import install as install_autoep

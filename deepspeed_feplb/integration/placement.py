@@ -49,6 +49,7 @@ import torch.distributed as dist
 from deepspeed_feplb.config import FEPLBConfigError
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.replicas import ReplicaSlots
+from deepspeed_feplb.once import first_time
 from deepspeed_feplb.plan import replicas
 from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads
 
@@ -440,7 +441,9 @@ class ExpertPlacement:
         self.placer.us_per_token = float(both[0, -1]) / ranks
         if not self.placer.due:
             return False
-        if not self.placer.refresh():
+        changed = self.placer.refresh()
+        self._say_what_the_bound_costs(loads)
+        if not changed:
             return False
         moved = self._move_to(self.placer.expert_to_rank, experts)
         self.refreshes += 1
@@ -448,6 +451,20 @@ class ExpertPlacement:
         self._report["placement_moved_experts"] += moved
         self._report["placement_bytes"] += moved * self.bundle_bytes
         return True
+
+    def _say_what_the_bound_costs(self, loads: np.ndarray) -> None:
+        """Once per job (EP rank 0 of the first layer it happens to): where ``max_rows_over_mean``
+        made the decision keep replicas whose predicted exchange costs more than a tenth of a
+        micro-batch's expert time beyond what they save, say so, with the figures."""
+        choice, bound = self.placer.replica_choice, self.placer.max_rows_over_mean
+        expert_us = self.placer.us_per_token * float(loads.sum(axis=1).mean()) / self.ep_size
+        if choice is None or not bound or choice.cost_us - choice.gain_us <= 0.1 * expert_us:
+            return
+        if (self.ep_group is None or dist.get_rank(self.ep_group) == 0) and first_time("replicas for the bound"):
+            print(f"deepspeed_feplb: feplb.max_rows_over_mean {bound:g} keeps {int((choice.replica_at >= 0).sum())} "
+                  f"replica(s) that cost {choice.cost_us - choice.gain_us:.0f} µs per micro-batch more than they save "
+                  f"(predicted; the experts take about {expert_us:.0f} µs), to hold the busiest rank's rows near "
+                  "the bound; a higher bound, or none, lets time decide", flush=True)
 
     def take_report(self) -> dict:
         """Refreshes, experts moved and the bytes they carried (whole EP group) since the last call,

@@ -489,6 +489,7 @@ class CrossNodePlacer:
     _decided_at: int = field(init=False, default=0, repr=False)
     _probe: Optional[tuple] = field(init=False, default=None, repr=False)
     _recent: deque = field(init=False, repr=False)
+    replica_choice: Optional[replicas.Choice] = field(init=False, default=None)  # the last decision's
 
     def __post_init__(self):
         R = self.num_nodes * self.ranks_per_node
@@ -562,6 +563,7 @@ class CrossNodePlacer:
                                  self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
                                  self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
                                  intra_gbps=self.intra_gbps, max_rows_over_mean=self.max_rows_over_mean)
+        self.replica_choice = choice
         if np.array_equal(choice.replica_at, self.replica_at):
             return False
         self.replica_at = choice.replica_at

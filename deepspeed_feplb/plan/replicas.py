@@ -160,7 +160,8 @@ def _compiled_split():
 
 
 def load_split() -> None:
-    """Load (or compile) `split` now: a runtime does it when a layer with replica slots
+    """Load (or compile) `split` for int64 routes now (what the runtime and the simulator pass;
+    float routes compile on their first use): a runtime does it when a layer with replica slots
     attaches, so that no rank compiles inside a collective forward."""
     slots = np.array([[0, -1], [1, 0]], np.int64)
     split(np.ones((2, 2), np.int64), slots, 1, 1)
@@ -191,7 +192,13 @@ def split(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
     split from the same all-gathered routes. One compiled call (EP 256, 512 experts: about 0.1 ms,
     benchmarks/bench_replicas.py ``scale``)."""
     src = np.ascontiguousarray(src, np.float64 if np.asarray(src).dtype.kind == "f" else np.int64)
-    return Split(*_compiled_split()(src, np.ascontiguousarray(slots, np.int64), int(ranks_per_node), int(primaries)))
+    slots = np.ascontiguousarray(slots, np.int64)
+    # the compiled call checks no index: wrong shapes must stop here
+    if src.ndim != 2 or slots.ndim != 2 or slots.max(initial=-1) >= src.shape[1] or \
+            slots.shape[0] % ranks_per_node or not 0 <= primaries <= slots.shape[1]:
+        raise ValueError(f"split: src [R_src, E] {src.shape} and slots [R, S] {slots.shape} (experts < E, R a "
+                         f"multiple of {ranks_per_node} ranks per node, {primaries} primaries per rank) do not fit")
+    return Split(*_compiled_split()(src, slots, int(ranks_per_node), int(primaries)))
 
 
 def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
