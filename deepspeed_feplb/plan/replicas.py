@@ -189,7 +189,7 @@ def split(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
     then lower source), are placed greedily on the nodes, each on its lightest holder node so far,
     split with the next lightest where the whole pair would overshoot it (`_split_kernel`), over
     the rows the experts held once put on each node. Deterministic: every rank computes the same
-    split from the same all-gathered routes. One compiled call (EP 256, 512 experts: about 0.1 ms,
+    split from the same all-gathered routes. One compiled call (EP 256, 512 experts: about 0.3 ms,
     benchmarks/bench_replicas.py ``scale``)."""
     src = np.ascontiguousarray(src, np.float64 if np.asarray(src).dtype.kind == "f" else np.int64)
     slots = np.ascontiguousarray(slots, np.int64)
