@@ -6,6 +6,7 @@ against EPLB, at EP 64 (8 x 8) and EP 16 (2 x 8).
 Every case is one ``python -m deepspeed_feplb simulate`` command (printed as it runs), on seeded
 generated traces (``python -m deepspeed_feplb trace``, written to a temporary folder) and on the
 two shipped recordings replayed on 16 ranks (``--merge-sources``: their rows per rank halve). D = 4,
+up to 7 helpers per expert (the default since 2026-12-03; JSONs of earlier commits used 2),
 8 micro-batches per optimizer step, GLM-5-like experts (6144 x 2048 SwiGLU), the h100 profile
 (inter-node 50 GB/s per rank, 370 GB/s inside a node); the replicas' exchange (fp32 gradient
 sums home, weights back, relayed over every link of the two nodes) is in the expert time. The
@@ -68,7 +69,8 @@ def main() -> int:
             for r in slots:
                 out = os.path.join(tmp, "out.json")
                 _run(py + ["deepspeed_feplb", "simulate", "--trace", trace, "--ranks-per-node", str(G),
-                           "--nodes", str(N), "--dynamic-experts", "4", "--policies", "vanilla,eplb,feplb",
+                           "--nodes", str(N), "--dynamic-experts", "4", "--max-helpers", "7",
+                           "--policies", "vanilla,eplb,feplb",
                            "--hidden", "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8",
                            "--redundant-per-rank", str(r), "--no-progress", "--json", out, *cap, *extra])
                 with open(out) as f:

@@ -169,8 +169,8 @@ class FEPLBConfig(FEPLBConfigModel):
     dynamic_experts_per_rank: int = Field(2, ge=0)
     """D: each rank's D hottest local experts of a micro-batch may be moved to helper ranks; the others are static and start computing at once. 0 disables migration."""
 
-    max_helpers_per_expert: int = Field(2, ge=1)
-    """Most helper ranks that the tokens of one dynamic expert are split over (each helper also receives the expert's weights)."""
+    max_helpers_per_expert: int = Field(7, ge=1)
+    """Most helper ranks that the tokens of one dynamic expert are split over (each helper also receives the expert's weights); the planner uses as many as its time model says pay. 7: every other GPU of an 8-GPU node (more than a domain's other ranks means all of them)."""
 
     chunk_align_tokens: int = Field(8, ge=1)
     """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment)."""

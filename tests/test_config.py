@@ -46,7 +46,7 @@ def test_defaults():
     cfg = load_config({})
     assert cfg == FEPLBConfig()
     assert cfg.model_dump() == {
-        "enabled": True, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 2, "chunk_align_tokens": 8,
+        "enabled": True, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 7, "chunk_align_tokens": 8,
         "nvlink_domain_size": "auto", "ep_backend": "auto", "transport": "auto", "copy_engine_gbps": 370.0,
         "ce_budget": "auto", "transport_slot_mb": "auto", "weight_residency": "step", "max_resident_experts": 8,
         "resident_budget_mb": "auto", "max_rows_over_mean": None,

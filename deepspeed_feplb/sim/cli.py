@@ -80,6 +80,8 @@ def _d_list(text: str) -> list:
 
 def add_parser(subparsers) -> None:
     """Register ``simulate`` on an argparse sub-parsers object."""
+    from deepspeed_feplb.config import FEPLBConfig  # the runtime's defaults are the simulator's
+
     p = subparsers.add_parser(
         "simulate", help="replay a routing trace through balancing policies",
         description="Replay a routing trace through load-balancing policies (vanilla, FasterMoE, EPLB,\n"
@@ -110,7 +112,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dump-plans", metavar="PLANS.npz",
                    help="write feplb's moves int64 [M, 6] = (step, layer, expert, home_rank, helper_rank, "
                         "tokens) and rank_tokens int64 [steps, layers, ranks] here")
-    p.add_argument("--max-helpers", type=whole_number(1), default=2, metavar="H",
+    p.add_argument("--max-helpers", type=whole_number(1),
+                   default=FEPLBConfig.model_fields["max_helpers_per_expert"].default, metavar="H",
                    help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
     p.add_argument("--chunk-align", type=whole_number(1), default=8, metavar="TOKENS",
                    help="token chunks moved to helpers are multiples of this many tokens (default: %(default)s)")

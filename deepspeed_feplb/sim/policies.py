@@ -79,7 +79,7 @@ class SimSetup:
     nodes: int
     experts: int
     dynamic_experts: int = 4
-    max_helpers: int = 2
+    max_helpers: int = FEPLBConfig.model_fields["max_helpers_per_expert"].default
     chunk_align: int = 1
     shape: ExpertShape = field(default_factory=ExpertShape)
     profile: GemmProfile = PROFILES["h100"]
