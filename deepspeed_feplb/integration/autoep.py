@@ -329,12 +329,8 @@ def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) 
                       "feplb.placement moves experts between nodes, so a token may reach more nodes than the "
                       "limit (the math is unchanged)", stacklevel=3)
     one_expert = [w[0] for w in (experts.w1, experts.w2, experts.w3)]
-    experts.placement = ExpertPlacement(
-        layer.num_experts, layer.ep_group, layer.ep_size, domain_size(config, layer.ep_size),
-        placement.interval_steps, placement.history_decay, placement.network_gbps, one_expert,
-        dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-        dp_group=seams.expert_data_parallel_group(layer.ep_size), device=experts.w1.device, redundant=redundant,
-        max_rows_over_mean=config.max_rows_over_mean or 0.0)
+    experts.placement = ExpertPlacement.of(config, layer.num_experts, layer.ep_group, layer.ep_size, one_expert,
+                                           experts.w1.device, redundant)
     if type(layer) is not PlacedLayer:
         seams.become(layer, PlacedLayer)
     if type(layer.router) is not PlacedRouter:

@@ -222,20 +222,13 @@ class FEPLBMOELayer(MOELayer):
 def _make_placement(layer: "FEPLBMOELayer", config: FEPLBConfig, expert_params, redundant: int) -> ExpertPlacement:
     """The layer's `ExpertPlacement` over its EP group (nodes of ``nvlink_domain_size`` ranks) and its
     expert-data-parallel replicas, with ``redundant`` replica slots per rank."""
-    dp_group = seams.expert_data_parallel_group(layer.ep_size)
-    placement = config.placement
     if layer.ep_size <= domain_size(config, layer.ep_size) and first_time("one-node placement"):
         if dist.get_rank() == 0:  # one line per job, not a warning per rank
             print(f"deepspeed_feplb: feplb.placement.enabled: the expert-parallel group ({layer.ep_size} ranks) is one "
                   "NVLink domain (feplb.nvlink_domain_size), so placement has no node to balance against another and "
                   "will not move experts; per-micro-batch balancing inside the domain does the work", flush=True)
-    placed = ExpertPlacement(layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
-                             domain_size(config, layer.ep_size), placement.interval_steps, placement.history_decay,
-                             placement.network_gbps, expert_params,
-                             dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
-                             dp_group=dp_group, device=layer.gate.wg.weight.device, redundant=redundant,
-                             max_rows_over_mean=config.max_rows_over_mean or 0.0)
-    return placed
+    return ExpertPlacement.of(config, layer.ep_size * layer.num_local_experts, layer.ep_group, layer.ep_size,
+                              expert_params, layer.gate.wg.weight.device, redundant)
 
 
 def refuse_stateful_experts(expert: torch.nn.Module, hidden: int, migrating: bool) -> None:

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfigError
+from deepspeed_feplb.domain import domain_size
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.once import first_time
@@ -279,6 +280,18 @@ class ExpertPlacement:
         self._canonical_blocks = 0  # `canonical` blocks now open
 
     # ---------------------------------------------------------------- every forward
+    @classmethod
+    def of(cls, config, num_experts: int, ep_group, ep_size: int, expert_params: list[torch.Tensor],
+           device: torch.device | str, redundant: int) -> "ExpertPlacement":
+        """The placement an `FEPLBConfig` asks for over an EP group (nodes of its NVLink domain size,
+        its expert-data-parallel group from DeepSpeed)."""
+        placement = config.placement
+        return cls(num_experts, ep_group, ep_size, domain_size(config, ep_size), placement.interval_steps,
+                   placement.history_decay, placement.network_gbps, expert_params,
+                   dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
+                   dp_group=seams.expert_data_parallel_group(ep_size), device=device, redundant=redundant,
+                   max_rows_over_mean=config.max_rows_over_mean or 0.0)
+
     def route(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids (any shape; -1 = no route; out-of-range ids stay out of range for the
         dispatcher to report) -> slot ids: ``rank * local_slots + local index``. With replicas held,
