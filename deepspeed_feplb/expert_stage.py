@@ -25,6 +25,7 @@ from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -61,7 +62,8 @@ from deepspeed_feplb.stats import (
 # static_fn(rows, blocks, static) -> outputs of the experts in ``static`` (local ids, ascending),
 # concatenated in expert order; ``rows`` ``[N, H]`` the micro-batch's rows grouped by expert,
 # ``blocks[e]`` ``[n_e, H]`` expert e's (one split of ``rows``: its backward is one concatenation,
-# where a slice per expert would zero-fill a full-size gradient each).
+# where a slice per expert would zero-fill a full-size gradient each). A layer kind's
+# `LocalExperts.static_fn` takes this forward's parameters first (`LocalExperts.static`).
 StaticFn = Callable[[torch.Tensor, list, list], torch.Tensor]
 ExpertCall = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -78,17 +80,26 @@ class LocalExperts:
     direct: ``call(e, x)`` as the model itself runs expert e (``modules[e]``, each its own), for
         experts computed at home: with `calls`, on ``params`` bound as the modules' parameters
         (None: functionally);
-    static_fn: computes a set of experts at once (AutoEP's grouped GEMM), or None.
+    static_fn: ``static_fn(params, rows, blocks, static)`` computes a set of experts at once on
+        ``params`` (AutoEP's grouped GEMM, a known MLP's `grouped_mlp.StackedMLP`), or None.
     """
     modules: Sequence[torch.nn.Module]
     params: Callable[[], list[list[torch.Tensor]]]
     spec: ExpertSpec
     direct: Optional[ExpertCall] = None
-    static_fn: Optional[StaticFn] = None
+    static_fn: Optional[Callable[..., torch.Tensor]] = None
 
     def __post_init__(self):
         if self.direct is not None and len({id(m) for m in self.modules}) != len(self.modules):
             raise ValueError("direct calls need one module per local expert; shared templates run functionally")
+
+    def static(self, params: Optional[list[list[torch.Tensor]]]) -> Optional[StaticFn]:
+        """`static_fn` on ``params`` (None: the modules' own parameters, for direct calls)."""
+        if self.static_fn is None:
+            return None
+        if params is None:
+            params = [list(m.parameters()) for m in self.modules]
+        return partial(self.static_fn, params)
 
     @contextmanager
     def calls(self, params: list[list[torch.Tensor]]):
@@ -274,7 +285,8 @@ class ExpertStage:
             params = experts.params()
             with experts.calls(params) as call:
                 out, stats = run_experts(rows, counts, experts.modules, params, experts.spec, self.domain, config,
-                                         self.expert_bytes, self.compute_times, self.stage_times, experts.static_fn,
+                                         self.expert_bytes, self.compute_times, self.stage_times,
+                                         experts.static(params),
                                          self.residency, step_ends, self._mean_rows(facts), record, call)
             if stats is not None:
                 self.stats = stats
@@ -286,9 +298,10 @@ class ExpertStage:
         # timed for the fit and for the placement's time per row; a recompute is not a micro-batch
         timed = (self.balances or self.times_every_call) and not recomputing()
         probe = self.balances and config.fixed_costs == "measured"
-        with experts.calls(experts.params()) if aliased else nullcontext(experts.direct) as call:
+        params = experts.params() if aliased else None
+        with experts.calls(params) if aliased else nullcontext(experts.direct) as call:
             out = run_local(rows, counts, call, self.compute_times if timed else None, self.stage_times, probe,
-                            experts.static_fn)
+                            experts.static(params))
         if config.stats.enabled and not recomputing():
             self.stats = self._local_stats(counts, facts)
         return self._measure(record, rows, out, start, cpu_start)

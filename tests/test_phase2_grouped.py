@@ -8,7 +8,7 @@ import os
 import torch
 
 from deepspeed_feplb.migrate import messages
-from deepspeed_feplb.migrate.phase2 import _flags_tensor, _stacked_view, _stacked_weights
+from deepspeed_feplb.migrate.phase2 import _flags_tensor, _stacked_weights, stacked_view
 
 
 def _descriptions(carries: list[bool]) -> list:
@@ -31,23 +31,23 @@ def test_carried_weights_land_stacked_in_chunk_order_and_are_taken_in_place():
     parts = messages.rows_to_helper(carries, 2, 0).unpack(outs[1:], "forward rows")
     carried = [part["weights"] for part in parts if part["weights"]]
     for j in range(2):
-        stacked = _stacked_view([weights[j] for weights in carried])
+        stacked = stacked_view([weights[j] for weights in carried])
         assert stacked.shape == (3, *carried[0][j].shape)
         assert stacked.data_ptr() == carried[0][j].data_ptr()  # a view: no copy
         stacked[2].fill_(5)
         assert (carried[2][j] == 5).all()
-    rows = _stacked_view([part["rows"][0] for part in parts], join=True)  # every chunk's rows, one buffer
+    rows = stacked_view([part["rows"][0] for part in parts], join=True)  # every chunk's rows, one buffer
     assert rows.shape == (1 + 2 + 3 + 4, 4) and rows.data_ptr() == parts[0]["rows"][0].data_ptr()
 
 
 def test_weights_apart_are_not_taken_as_a_stack():
     w = torch.arange(24.0).view(4, 6)
-    assert _stacked_view([w[0], w[2]]) is None  # not back to back
-    assert _stacked_view([w[1], w[0]]) is None  # back to back, but in the other order
-    in_place = _stacked_view([w[1], w[2], w[3]])
+    assert stacked_view([w[0], w[2]]) is None  # not back to back
+    assert stacked_view([w[1], w[0]]) is None  # back to back, but in the other order
+    in_place = stacked_view([w[1], w[2], w[3]])
     assert torch.equal(in_place, w[1:]) and in_place.data_ptr() == w[1].data_ptr()
-    assert torch.equal(_stacked_view([w[:1], w[1:3]], join=True), w[:3])
-    assert _stacked_view([w[:1], w[2:3]], join=True) is None
+    assert torch.equal(stacked_view([w[:1], w[1:3]], join=True), w[:3])
+    assert stacked_view([w[:1], w[2:3]], join=True) is None
 
 
 def _shm_pair(label: str):

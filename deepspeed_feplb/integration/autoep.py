@@ -203,10 +203,11 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         counts = torch.tensor(sizes, dtype=torch.int64).to(x.device, non_blocking=True)
         return GroupedExperts.forward(_StackedAs(self, weights), x, counts)
 
-    def _static(self, rows: torch.Tensor, blocks: list, static: list) -> torch.Tensor:
+    def _static(self, _slices: list, rows: torch.Tensor, blocks: list, static: list) -> torch.Tensor:
         """The slots ``static`` (ascending; their rows ``blocks[e]``, a split of ``rows``) through
-        AutoEP's own expert compute (grouped GEMM or its loop): the primaries in one call, each
-        replica slot in its own."""
+        AutoEP's own expert compute (grouped GEMM or its loop): the primaries in one call on this
+        forward's stacked weights (not on ``_slices``, their per-slot views), each replica slot in
+        its own."""
         stacked, replicas = self._weights
         primaries = [e for e in static if e < self.num_experts]
         sizes = [len(blocks[e]) for e in primaries]

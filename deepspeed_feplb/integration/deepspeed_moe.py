@@ -27,6 +27,7 @@ from deepspeed_feplb.domain import domain_size, install_exit_handlers
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.gate.top1 import DroplessTop1Gate
+from deepspeed_feplb.grouped_mlp import StackedMLP
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
@@ -115,11 +116,16 @@ class FEPLBMOELayer(MOELayer):
             self.placement = _make_placement(self, config, expert_params, redundant)
             self.stage.times_every_call = True
         adopt_loaded_order(self)
-        spec = ExpertSpec.of(experts[0])
+        # a known MLP computes any set of its experts in one grouped GEMM per projection
+        self.stacked_mlp = StackedMLP.of(experts[0])
+        spec = ExpertSpec.of(experts[0], self.stacked_mlp.grouped if self.stacked_mlp is not None else None)
         # replica slots are computed functionally on their weights, and every rank of the EP group
-        # must run their gradient exchange (`ExpertGradOrder`): no direct calls then
-        direct = None if redundant else (lambda e, x: run_expert(experts[e], x))
-        self.local_experts = LocalExperts(experts + [experts[0]] * redundant, self._expert_params, spec, direct=direct)
+        # must run their gradient exchange (`ExpertGradOrder`): no direct calls then; nor for a known
+        # MLP, whose experts without rows stay out of the grouped call and get their zero gradients
+        # from `ExpertGradOrder` (as DeepSpeed's capacity buffer gives them)
+        direct = None if redundant or self.stacked_mlp is not None else (lambda e, x: run_expert(experts[e], x))
+        self.local_experts = LocalExperts(experts + [experts[0]] * redundant, self._expert_params, spec, direct=direct,
+                                          static_fn=self._static if self.stacked_mlp is not None else None)
         self._linked_params: Optional[list[list[torch.Tensor]]] = None  # this forward's, with replica slots
         self.dispatcher = make_dispatcher(config, self.stage.ep_group, self.ep_size, local_slots,
                                           expert_params, hidden=hidden, on_error=self.stage.check_peers,
@@ -182,6 +188,21 @@ class FEPLBMOELayer(MOELayer):
             return gate(x, used_token, True, False)
         finally:
             gate.ep_group = group
+
+    def _static(self, params: list[list[torch.Tensor]], rows: torch.Tensor, blocks: list,
+                static: list) -> torch.Tensor:
+        """The experts ``static`` (ascending; rows ``blocks[e]``, a split of ``rows``) with ``params``
+        in one grouped call (`StackedMLP`): ``[sum n_e, H]`` in their order. Experts without rows
+        stay out of it (no stacked copy of their weights, no gradient to assemble for them)."""
+        with_rows = [e for e in static if len(blocks[e])]
+        if not with_rows:
+            return rows[:0]
+        sizes = [len(blocks[e]) for e in with_rows]
+        # all the rows: no copy; else one (whose backward hands each block a view, where a slice of
+        # ``rows`` would zero-fill a full-size gradient)
+        x = rows if sum(sizes) == len(rows) else torch.cat([blocks[e] for e in with_rows])
+        mlp = self.stacked_mlp
+        return mlp.grouped(mlp.stack([params[e] for e in with_rows]), x, sizes)
 
     def _primary_params(self) -> list[list[torch.Tensor]]:
         return [list(expert.parameters()) for expert in self.experts.deepspeed_experts]

@@ -348,14 +348,14 @@ class Phase2MicroBatch:
         with_rows = [i for i, (*_, x) in enumerate(pieces) if len(x)]
         stacked = None
         if self.spec.grouped is not None and with_rows:
-            stacked = [_stacked_view([pieces[i][1][j].detach() for i in with_rows])
+            stacked = [stacked_view([pieces[i][1][j].detach() for i in with_rows])
                        for j in range(len(self.spec.param_names))]
         if stacked is None or any(w is None for w in stacked):
             return [self._compute_one(*piece) for piece in pieces]
         start, began = time.perf_counter(), self.mark()
         sizes = [len(pieces[i][3]) for i in with_rows]
         rows = [pieces[i][3].detach() for i in with_rows]
-        x = _stacked_view(rows, join=True)
+        x = stacked_view(rows, join=True)
         x = (torch.cat(rows) if x is None else x).requires_grad_(self.needs_grad)
         params = [w.requires_grad_(self.needs_grad) for w in stacked]
         with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):  # as in `_compute_one`
@@ -559,7 +559,7 @@ def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.d
     """A `Transport.recv` ``into`` for a forward-rows message of ``chunks`` chunks: the weights of the
     chunks that carry them land in one buffer per parameter, stacked ``[k, *shape]`` in chunk order,
     and the chunks' rows in one ``[sum n, H]``, so that a grouped call computes from them without
-    another copy (`_stacked_view`)."""
+    another copy (`stacked_view`)."""
     def into(descriptions: list) -> list[torch.Tensor]:
         carries = _flags_of(int(descriptions[0][0][1]), chunks)
         layout = messages.rows_to_helper(carries, n_params, n_buffers)
@@ -588,7 +588,7 @@ def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.d
     return into
 
 
-def _stacked_view(tensors: list[torch.Tensor], join: bool = False) -> Optional[torch.Tensor]:
+def stacked_view(tensors: list[torch.Tensor], join: bool = False) -> Optional[torch.Tensor]:
     """``torch.stack(tensors)`` ``[k, ...]`` (``join``: ``torch.cat``, ``[sum n, ...]``) as a view, where
     they already lie back to back in one storage, in order (received so, `_stacked_weights`, or
     neighbours in a layer's stacked parameters); None where that would take a copy."""

@@ -23,9 +23,10 @@ time-out still leaves data):
    MoE on 2 ranks, fp32 with TF32 off: outputs and gradients within 1e-5, tokens migrated > 0.
 7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
    dispatcher on the device.
-8. ``syncs``, ``launches``, ``memory``, ``layer_speed``: the hot path (`hot_path.py`): device-to-host
-   syncs per layer forward (at most 1) and backward (0), kernels per layer, FEPLB's added peak
-   memory against docs/GPU.md's bound, and the layer's speed against DeepSpeed's MoE at EP = 1.
+8. ``syncs``, ``launches``, ``memory``, ``layer_speed``, ``launch_budget``: the hot path (`hot_path.py`):
+   device-to-host syncs per layer forward (at most 1) and backward (0), kernels per layer, FEPLB's
+   added peak memory against docs/GPU.md's bound, the layer's speed against DeepSpeed's MoE at
+   EP = 1, aten ops and host time per layer (`benchmarks/bench_launches.py`).
 9. ``leaks``: no ``feplb-`` segment left in /dev/shm, device memory back to where it started.
 10. ``gpu_tests``: (CUDA) ``pytest tests/gpu`` with none skipped.
 """
@@ -87,6 +88,9 @@ def preflight(check: Check) -> dict:
         return {**figures, "ok": False, "error": "no CUDA device usable by torch and CuPy: the GPU path cannot run"}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     figures["free_bytes"], figures["total_bytes"] = torch.cuda.mem_get_info(0)
+    from deepspeed_feplb.grouped_mlp import grouped_mm_runs
+    figures["grouped_mm_runs"] = {str(dtype): grouped_mm_runs("cuda", dtype)
+                                  for dtype in (torch.float32, torch.bfloat16, torch.float16)}
     return figures
 
 
@@ -390,6 +394,7 @@ def main(argv=None) -> int:
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport,
               "transport_speed": transport_speed, "layer": layer,
               "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
+              "launch_budget": lambda c: hot_path.launch_budget(c.cpu, c.out),
               "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
     chosen = [name.strip() for name in args.stages.split(",") if name.strip()] or list(stages)
     unknown = sorted(set(chosen) - set(stages))

@@ -11,7 +11,9 @@ code on CPU stand-ins with tiny shapes (CI's dry run), where syncs and kernels c
   memory FEPLB adds (allocator peak with FEPLB on minus off, plus the transport's slots) against
   the bound of docs/GPU.md.
 * `layer_speed`: one GPU, EP = 1, bf16, 64 experts top-8, 8k tokens, hidden 2048 / ffn 1408:
-  forward + backward of the FEPLB layer against DeepSpeed's MoE.
+  forward + backward of the FEPLB layer (its experts grouped, `grouped_mlp`, and one call per
+  expert) against DeepSpeed's MoE.
+* `launch_budget`: `benchmarks/bench_launches.py` on the device (aten ops and host time per layer).
 * `parity` (issue "the model is the runtime"): 2 ranks on one GPU train a balancing layer (bf16,
   16 experts top-2, 8k tokens per rank, hidden 2048 / ffn 1408, costs measured) with a recorded
   trace; the time model replays its plans with the costs its planner had (`sim.measured`):
@@ -244,8 +246,11 @@ def _layer_speed_worker(cpu: bool) -> dict:
     kwargs = dict(hidden_size=hidden, expert=expert, num_experts=experts, ep_size=1, k=k, min_capacity=0,
                   drop_tokens=False, use_rts=False)
     torch.manual_seed(0)
-    layers = {"deepspeed_moe": DeepSpeedMoE(**kwargs), "feplb_deepspeed_kind": deepspeed_feplb.MoE(**kwargs)}
-    layers["feplb_deepspeed_kind"].load_state_dict(layers["deepspeed_moe"].state_dict())
+    layers = {"deepspeed_moe": DeepSpeedMoE(**kwargs), "feplb_deepspeed_kind": deepspeed_feplb.MoE(**kwargs),
+              # the same MLP in a class FEPLB does not know: one call per expert (the path before grouping)
+              "feplb_loop": deepspeed_feplb.MoE(**{**kwargs, "expert": UnknownExpert(*expert)})}
+    for name in ("feplb_deepspeed_kind", "feplb_loop"):
+        layers[name].load_state_dict(layers["deepspeed_moe"].state_dict())
     x = torch.randn(tokens, hidden, device=dev, dtype=dtype, requires_grad=True)
     figures = {"shape": {"experts": experts, "top_k": k, "tokens": tokens, "hidden": hidden, "ffn": ffn,
                          "dtype": str(dtype)}}
@@ -260,8 +265,30 @@ def _layer_speed_worker(cpu: bool) -> dict:
         _time_ms(step, 3, cpu)  # warm-up
         figures[f"{name}_ms"] = round(_time_ms(step, 5 if cpu else 20, cpu), 3)
     figures["feplb_over_deepspeed"] = round(figures["feplb_deepspeed_kind_ms"] / figures["deepspeed_moe_ms"], 3)
+    figures["feplb_loop_over_deepspeed"] = round(figures["feplb_loop_ms"] / figures["deepspeed_moe_ms"], 3)
     figures["autoep_grouped_experts"] = "not measured here: needs transformers on the device"
     return figures
+
+
+class UnknownExpert(torch.nn.Sequential):
+    """A ``Sequential`` under a class FEPLB does not know (`grouped_mlp.StackedMLP.of`): every expert its own call."""
+
+
+def launch_budget(cpu: bool, out_dir) -> dict:
+    """`benchmarks/bench_launches.py` on this device: aten ops per layer and per expert stage, forward
+    and backward, and host time per micro-batch, grouped and per-expert experts, balanced and not
+    (2 ranks; on a GPU both on device 0 with the CE transport)."""
+    import json
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import bench_launches
+    path = Path(out_dir) / "launch_budget.json"
+    bench_launches.main(["--device", "cpu" if cpu else "cuda", "--reps", "5" if cpu else "30", "--json", str(path)])
+    result = json.loads(path.read_text())
+    balanced = result["variants"]["grouped, balanced"]["per_rank"]
+    return {**result, "ok": all(r["migrated_rows"] > 0 for r in balanced[:1])}
 
 
 def layer_speed(cpu: bool) -> dict:

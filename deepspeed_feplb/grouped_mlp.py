@@ -1,0 +1,146 @@
+"""Experts that are a known MLP, computed several at once with one grouped GEMM per projection.
+
+DeepSpeed's MoE keeps one module per local expert (state-dict keys ``deepspeed_experts.<e>.<name>``),
+and computing them one by one costs the host three to five launches per expert and twice that in
+backward. When the expert is a ``Sequential(Linear(H, F), act, Linear(F, H))`` with an elementwise
+activation (bias or not), `StackedMLP.of` returns how to compute any set of such experts at once:
+each parameter stacked ``[k, ...]`` (one ``stack`` per parameter, whose backward hands each expert a
+view of one gradient), ``torch._grouped_mm`` for each projection, the bias added per row. The
+parameters, their names and the state dict stay the module's; the math is the module's (a
+``Linear``'s ``x @ W.T + b``), with the GEMM's own summation order.
+
+Any other expert (a custom module, dropout inside, an activation that is not elementwise, shapes
+the grouped GEMM cannot take) keeps the per-expert call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+import torch
+
+# elementwise and stateless: applied to all experts' rows at once, each row gets what its expert gives it
+ELEMENTWISE = (torch.nn.GELU, torch.nn.ReLU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Identity,
+               torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Mish, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.Softplus)
+_ALIGN_BYTES = 16  # torch._grouped_mm needs every row of its operands to start at a multiple of 16 bytes
+
+
+@dataclass(frozen=True)
+class StackedMLP:
+    """How to compute k experts of one ``Sequential(Linear, act, Linear)`` shape at once.
+
+    ``grouped(weights, x, sizes)``: ``weights`` per parameter (``named_parameters`` order: up weight
+    ``[k, F, H]``, up bias ``[k, F]``, down weight ``[k, H, F]``, down bias ``[k, H]``; no biases when
+    the Linears have none), ``x`` ``[N, H]`` with ``sizes[i]`` rows of expert i -> ``[N, H]``.
+    """
+    activation: torch.nn.Module
+    bias: bool
+
+    @classmethod
+    def of(cls, expert: torch.nn.Module) -> Optional["StackedMLP"]:
+        """The stacked form of ``expert``, or None where it is not a known MLP."""
+        if type(expert) is not torch.nn.Sequential or len(expert) != 3 or any(True for _ in expert.buffers()):
+            return None
+        up, act, down = expert
+        if type(up) is not torch.nn.Linear or type(down) is not torch.nn.Linear or type(act) not in ELEMENTWISE:
+            return None
+        if up.out_features != down.in_features or (up.bias is None) != (down.bias is None):
+            return None
+        if any(True for _ in act.parameters()) or getattr(act, "inplace", False):
+            return None
+        element = up.weight.element_size()
+        if (up.in_features * element) % _ALIGN_BYTES or (up.out_features * element) % _ALIGN_BYTES:
+            return None
+        return cls(act, up.bias is not None)
+
+    def stack(self, params: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """``params[i]`` (expert i's, ``named_parameters`` order) -> per parameter ``[k, ...]``."""
+        return [torch.stack(group) for group in zip(*params)]
+
+    def grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """k experts on their rows (class docstring): x ``[N, H]`` -> ``[N, H]``."""
+        if not grouped_mm_runs(x.device.type, x.dtype):
+            return self._loop(weights, x, sizes)
+        k = len(sizes)
+        # the group ends (int32, as the GEMM reads them) and, for the biases, the sizes: one host copy
+        meta = torch.from_numpy(np.concatenate([np.cumsum(sizes), sizes]).astype(np.int32)).to(x.device,
+                                                                                                non_blocking=True)
+        ends, counts = meta[:k], meta[k:]
+        if self.bias:
+            w_up, b_up, w_down, b_down = weights
+            expert_of_row = torch.repeat_interleave(counts, output_size=len(x))
+        else:
+            (w_up, w_down), expert_of_row = weights, None
+        h = torch._grouped_mm(_Contiguous.apply(x), w_up.transpose(-2, -1), offs=ends)
+        if expert_of_row is not None:
+            h = _RowBias.apply(h, b_up, expert_of_row)
+        h = self.activation(h)
+        y = torch._grouped_mm(h, w_down.transpose(-2, -1), offs=ends)
+        if expert_of_row is not None:
+            y = _RowBias.apply(y, b_down, expert_of_row)
+        return _Contiguous.apply(y)
+
+    def _loop(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The same one expert at a time, where this device has no grouped GEMM for ``x.dtype``."""
+        outs = []
+        for i, rows in enumerate(x.split(sizes)):
+            w = [t[i] for t in weights]
+            up = torch.nn.functional.linear(rows, w[0], w[1] if self.bias else None)
+            down_w, down_b = (w[2], w[3]) if self.bias else (w[1], None)
+            outs.append(torch.nn.functional.linear(self.activation(up), down_w, down_b))
+        return torch.cat(outs) if outs else x.new_zeros((0, weights[-1].shape[1]))
+
+
+@lru_cache(maxsize=None)
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward for ``dtype`` on this kind of
+    device (tried once on a tiny case: builds and devices differ in what they support)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    device = torch.device(device_type)
+    if device_type == "cuda":
+        device = torch.device(device_type, torch.cuda.current_device())
+    try:
+        x = torch.ones(4, 8, dtype=dtype, device=device, requires_grad=True)
+        w = torch.ones(2, 8, 8, dtype=dtype, device=device, requires_grad=True)
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
+        y.backward(torch.ones_like(y))
+        return bool(y.shape == (4, 8))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class _RowBias(torch.autograd.Function):
+    """``h + bias[expert_of_row]``: h ``[N, F]``, bias ``[k, F]``, expert_of_row ``int [N]``. Its
+    backward sums each expert's bias gradient in fp32 and rounds once, as a Linear's ``grad.sum(0)``
+    does (an ``index_add`` in bf16 would round after every row). In bf16 the forward rounds twice
+    (the GEMM's output, then the sum) where a Linear's fused ``addmm`` rounds once: one bf16 rounding,
+    as DeepSpeed's MoE itself rounds its experts' first Linear when it holds several."""
+
+    @staticmethod
+    def forward(ctx, h, bias, expert_of_row):
+        ctx.save_for_backward(expert_of_row)
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        return h + bias.index_select(0, expert_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (expert_of_row, ) = ctx.saved_tensors
+        sums = grad.new_zeros(ctx.bias_shape, dtype=torch.float32)
+        sums.index_add_(0, expert_of_row, grad if grad.dtype == torch.float32 else grad.float())
+        return grad, sums.to(ctx.bias_dtype), None
+
+
+class _Contiguous(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: ``torch._grouped_mm``'s backward refuses
+    an expanded one (``out.sum().backward()``); a contiguous gradient passes unchanged, with no copy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
