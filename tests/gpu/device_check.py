@@ -390,11 +390,12 @@ def main(argv=None) -> int:
     baseline = 0 if args.cpu else torch.cuda.memory_allocated(0)
     segments_before = set(leftover_segments())
     import hot_path
-    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed", "parity")}
+    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed")}
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport,
               "transport_speed": transport_speed, "layer": layer,
               "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
               "launch_budget": lambda c: hot_path.launch_budget(c.cpu, c.out),
+              "parity": lambda c: hot_path.parity(c.cpu),
               "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
     chosen = [name.strip() for name in args.stages.split(",") if name.strip()] or list(stages)
     unknown = sorted(set(chosen) - set(stages))
