@@ -6,7 +6,8 @@ One DeepSpeed-kind FEPLB layer per variant (64 experts top-8 over 2 ranks: 32 lo
 16, ffn 64, 512 tokens per rank, a gate skewed towards rank 0's experts, no auxiliary loss):
 
 * ``grouped, balanced`` / ``grouped, off``: the experts are ``Sequential(Linear, GELU, Linear)``, a
-  known MLP (`deepspeed_feplb.grouped_mlp`); balanced with D = 2 and the shared-memory transport
+  known MLP (`deepspeed_feplb.grouped_mlp`; grouped where its GEMM runs natively: on CUDA in bf16,
+  ``--dtype bfloat16``); balanced with D = 2 and the shared-memory transport
   (``cuda_ce`` with ``--device cuda``), or with ``dynamic_experts_per_rank: 0``;
 * ``loop, balanced`` / ``loop, off``: the same weights in an expert class FEPLB does not know, so
   every expert is its own call (what every expert was before the grouped path).
@@ -54,6 +55,7 @@ def _worker(opts: dict) -> dict:
     op_count = _op_count()
     cuda = opts["device"] == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = getattr(torch, opts["dtype"])
     if cuda:
         torch.cuda.set_device(0)
     hidden, ffn, experts, k, tokens = opts["hidden"], opts["ffn"], opts["experts"], opts["k"], opts["tokens"]
@@ -74,11 +76,11 @@ def _worker(opts: dict) -> dict:
         with torch.no_grad():  # no auxiliary loss: the gate favours rank 0's experts
             layer.deepspeed_moe.gate.wg.weight[:experts // 2] += opts["skew"] / hidden
         layer.set_deepspeed_parallelism()
-        layers[name] = layer.to(dev)
+        layers[name] = layer.to(dev, dtype)
 
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    batches = [((torch.randn(tokens, hidden, generator=g) + 1.0).to(dev),
-                torch.randn(tokens, hidden, generator=g).to(dev)) for _ in range(4)]
+    batches = [((torch.randn(tokens, hidden, generator=g) + 1.0).to(dev, dtype),
+                torch.randn(tokens, hidden, generator=g).to(dev, dtype)) for _ in range(4)]
 
     def step(layer, batch):
         x = batch[0].clone().requires_grad_(True)
@@ -137,7 +139,8 @@ def _worker(opts: dict) -> dict:
                                  "stage_ops": parts["stage"].ops, "stage_non_view": parts["stage"].non_view,
                                  "stage_top": parts["stage"].top(6)}
         stats = layer.feplb_stats
-        figures[name] = {**counts, "migrated_rows": int(stats.get("migrated_tokens", 0))}
+        figures[name] = {**counts, "migrated_rows": int(stats.get("migrated_tokens", 0)),
+                         "grouped": layer.deepspeed_moe.stacked_mlp is not None}
     ExpertStage.run = original_run
 
     host = {name: [] for name in layers}
@@ -167,6 +170,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30, help="timed micro-batches per variant")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: both ranks on GPU 0, the CE transport")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: the dtype whose grouped GEMM CUDA runs natively (Hopper, Blackwell)")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()[0]
     ranks = run_distributed(_worker, 2, vars(args), timeout=900)
-    result = {"shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "k", "device")},
+    result = {"shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "k", "device", "dtype")},
               "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "variants": {}}
     print(f"{'variant':<20} {'rank':>4} {'layer fwd':>9} {'layer bwd':>9} {'stage fwd':>9} {'stage bwd':>9} "
           f"{'host us (median)':>16}   non-view aten ops (all ops)")

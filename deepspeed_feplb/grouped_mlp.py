@@ -10,7 +10,8 @@ parameters, their names and the state dict stay the module's; the math is the mo
 ``Linear``'s ``x @ W.T + b``), with the GEMM's own summation order.
 
 Any other expert (a custom module, dropout inside, an activation that is not elementwise, shapes
-the grouped GEMM cannot take) keeps the per-expert call.
+the grouped GEMM cannot take, a dtype it has no native kernel for on this GPU: `grouped_mm_runs`)
+keeps the per-expert call.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class StackedMLP:
             return None
         if any(True for _ in act.parameters()) or getattr(act, "inplace", False):
             return None
+        if not grouped_mm_runs(up.weight.device, up.weight.dtype):
+            return None
         element = up.weight.element_size()
         if (up.in_features * element) % _ALIGN_BYTES or (up.out_features * element) % _ALIGN_BYTES:
             return None
@@ -61,7 +64,7 @@ class StackedMLP:
 
     def grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """k experts on their rows (class docstring): x ``[N, H]`` -> ``[N, H]``."""
-        if not grouped_mm_runs(x.device.type, x.dtype):
+        if not grouped_mm_runs(x.device, x.dtype):  # the layer moved to another dtype or device since
             return self._loop(weights, x, sizes)
         k = len(sizes)
         # the group ends (int32, as the GEMM reads them) and, for the biases, the sizes: one host copy
@@ -83,7 +86,7 @@ class StackedMLP:
         return _Contiguous.apply(y)
 
     def _loop(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """The same one expert at a time, where this device has no grouped GEMM for ``x.dtype``."""
+        """The same one expert at a time, where this device has no native grouped GEMM for ``x.dtype``."""
         outs = []
         for i, rows in enumerate(x.split(sizes)):
             w = [t[i] for t in weights]
@@ -93,23 +96,29 @@ class StackedMLP:
         return torch.cat(outs) if outs else x.new_zeros((0, weights[-1].shape[1]))
 
 
-@lru_cache(maxsize=None)
-def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward for ``dtype`` on this kind of
-    device (tried once on a tiny case: builds and devices differ in what they support)."""
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` computes ``dtype`` on ``device`` without the host: on the CPU
+    always (no device to wait for); on CUDA in bf16 on Hopper and Blackwell, its native kernel.
+    Elsewhere torch takes a fallback that reads the group ends on the host (a device-to-host sync
+    per call, measured on an H200 in fp32), and the experts are computed one call each instead."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    device = torch.device(device_type)
-    if device_type == "cuda":
-        device = torch.device(device_type, torch.cuda.current_device())
-    try:
-        x = torch.ones(4, 8, dtype=dtype, device=device, requires_grad=True)
-        w = torch.ones(2, 8, 8, dtype=dtype, device=device, requires_grad=True)
-        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
-        y.backward(torch.ones_like(y))
-        return bool(y.shape == (4, 8))
-    except (RuntimeError, NotImplementedError):
-        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and _capability_major(device) in (9, 10)
+
+
+def empty_groups_zeroed(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm``'s backward writes zeros for the weight-gradient of a group without
+    rows on ``device``: on the CPU and on Hopper, so experts without rows can join a grouped call
+    and get their zero gradients from it; not on Blackwell (pytorch/pytorch#172439: garbage), where
+    they stay out of it."""
+    return device.type == "cpu" or (device.type == "cuda" and _capability_major(device) == 9)
+
+
+@lru_cache(maxsize=None)
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 class _RowBias(torch.autograd.Function):

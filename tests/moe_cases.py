@@ -27,9 +27,15 @@ HIDDEN = 16
 TOKENS = 48
 
 
-def make_expert(hidden: int = HIDDEN) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
-                               torch.nn.Linear(2 * hidden, hidden))
+class UnknownExpert(torch.nn.Sequential):
+    """The same MLP under a class FEPLB does not recognise (`grouped_mlp.StackedMLP.of`): the layer
+    computes it one call per expert, the path every other expert module takes."""
+
+
+def make_expert(hidden: int = HIDDEN, known: bool = True) -> torch.nn.Module:
+    """Linear-GELU-Linear: a known MLP (grouped compute), or with ``known=False`` an `UnknownExpert`."""
+    cls = torch.nn.Sequential if known else UnknownExpert
+    return cls(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(), torch.nn.Linear(2 * hidden, hidden))
 
 
 def skew_gate(gate_weight: torch.Tensor, strength: float = 3.0, spread: bool = True) -> None:
@@ -297,7 +303,7 @@ def contiguous_expert_inputs(experts) -> None:
 
 def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, residual: bool = False,
                         training: bool = True, feplb: dict | None = None, reference_drop_tokens: bool = False,
-                        contiguous_reference: bool = False) -> dict:
+                        contiguous_reference: bool = False, known_expert: bool = True) -> dict:
     """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors (and
     ``bitwise``: whether output, input gradient and every gradient are bit-equal). With
     ``contiguous_reference`` DeepSpeed's experts get contiguous rows (`contiguous_expert_inputs`)."""
@@ -309,7 +315,7 @@ def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, resid
     reference = DeepSpeedMoE(expert=make_expert(), **kwargs)
     skew_gate(reference.deepspeed_moe.gate.wg.weight, spread=False)
     diversify_experts(reference)
-    ours = deepspeed_feplb.MoE(expert=make_expert(), **kwargs, feplb_config=feplb)
+    ours = deepspeed_feplb.MoE(expert=make_expert(known=known_expert), **kwargs, feplb_config=feplb)
     ours.load_state_dict(reference.state_dict())
     if contiguous_reference:
         contiguous_expert_inputs(reference.deepspeed_moe.experts)

@@ -123,7 +123,7 @@ class TorchDispatcher:
         recv_np = np.ascontiguousarray(routes[:, first:first + self.num_local_experts])
         announced = table[:, num_experts + 3:].contiguous().view(torch.float64).numpy()
         received = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
-        send_splits = send_counts.sum(1).tolist()
+        send_splits = routes[self._group_rank()].reshape(self.ep_size, -1).sum(1).tolist()  # host: no second copy
         recv_splits = recv_np.sum(1).tolist()
         rows = AllToAllV.apply(send_rows, send_splits, recv_splits, self.group, self.on_error, self.stage_times) \
             if self.ep_size > 1 else send_rows

@@ -27,7 +27,7 @@ from deepspeed_feplb.domain import domain_size, install_exit_handlers
 from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.gate.top1 import DroplessTop1Gate
-from deepspeed_feplb.grouped_mlp import StackedMLP
+from deepspeed_feplb.grouped_mlp import StackedMLP, empty_groups_zeroed
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import (
     ExpertPlacement,
@@ -192,17 +192,19 @@ class FEPLBMOELayer(MOELayer):
     def _static(self, params: list[list[torch.Tensor]], rows: torch.Tensor, blocks: list,
                 static: list) -> torch.Tensor:
         """The experts ``static`` (ascending; rows ``blocks[e]``, a split of ``rows``) with ``params``
-        in one grouped call (`StackedMLP`): ``[sum n_e, H]`` in their order. Experts without rows
-        stay out of it (no stacked copy of their weights, no gradient to assemble for them)."""
-        with_rows = [e for e in static if len(blocks[e])]
-        if not with_rows:
+        in one grouped call (`StackedMLP`): ``[sum n_e, H]`` in their order. Experts without rows join
+        it where the grouped GEMM zeroes their weight-gradients (`empty_groups_zeroed`): every
+        expert then gets a view of one stacked gradient, as DeepSpeed's capacity buffer gives each a
+        gradient; elsewhere they stay out, and `ExpertGradOrder` gives them zeros."""
+        members = static if empty_groups_zeroed(rows.device) else [e for e in static if len(blocks[e])]
+        sizes = [len(blocks[e]) for e in members]
+        if not sum(sizes):
             return rows[:0]
-        sizes = [len(blocks[e]) for e in with_rows]
         # all the rows: no copy; else one (whose backward hands each block a view, where a slice of
         # ``rows`` would zero-fill a full-size gradient)
-        x = rows if sum(sizes) == len(rows) else torch.cat([blocks[e] for e in with_rows])
+        x = rows if sum(sizes) == len(rows) else torch.cat([blocks[e] for e in members])
         mlp = self.stacked_mlp
-        return mlp.grouped(mlp.stack([params[e] for e in with_rows]), x, sizes)
+        return mlp.grouped(mlp.stack([params[e] for e in members]), x, sizes)
 
     def _primary_params(self) -> list[list[torch.Tensor]]:
         return [list(expert.parameters()) for expert in self.experts.deepspeed_experts]

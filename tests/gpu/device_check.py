@@ -89,7 +89,7 @@ def preflight(check: Check) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     figures["free_bytes"], figures["total_bytes"] = torch.cuda.mem_get_info(0)
     from deepspeed_feplb.grouped_mlp import grouped_mm_runs
-    figures["grouped_mm_runs"] = {str(dtype): grouped_mm_runs("cuda", dtype)
+    figures["grouped_mm_runs"] = {str(dtype): grouped_mm_runs(torch.device("cuda", 0), dtype)
                                   for dtype in (torch.float32, torch.bfloat16, torch.float16)}
     return figures
 

@@ -74,10 +74,10 @@ def _count_syncs(cpu: bool, into: dict, key: str):
             torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     into[key] = len(syncs)
-    into[key + "_where"] = sorted({f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in syncs})
+    into[key + "_where"] = sorted({f"{'/'.join(w.filename.rsplit('/', 3)[-3:])}:{w.lineno}" for w in syncs})
 
 
-def _balanced_layer(cpu: bool, num_experts: int = 16, residency: str = "micro_batch"):
+def _balanced_layer(cpu: bool, num_experts: int = 16, residency: str = "micro_batch", dtype=torch.float32):
     """A FEPLB layer on 2 ranks (one GPU), tokens skewed to rank 0, domain open and balancing."""
     import moe_cases
     dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
@@ -85,25 +85,25 @@ def _balanced_layer(cpu: bool, num_experts: int = 16, residency: str = "micro_ba
              "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0},
              "weight_residency": residency, "max_helpers_per_expert": 4}
     _, layer = moe_cases.build_pair(num_experts, 2, 2, feplb, seed=3)
-    return layer.to(dev), dev
+    return layer.to(dev, dtype), dev
 
 
-def _warm_layer(cpu: bool):
+def _warm_layer(cpu: bool, dtype=torch.float32):
     """`_balanced_layer` after three micro-batches (the domain opens, the scheduler serves, buffers
     are allocated), and the measured micro-batch's input (requiring gradients) and output weight."""
     import moe_cases
     if not cpu:
         torch.cuda.set_device(0)
-    layer, dev = _balanced_layer(cpu)
+    layer, dev = _balanced_layer(cpu, dtype=dtype)
     for seed in range(3):
         x, w = moe_cases.rank_inputs(seed)
-        moe_cases.run_layer(layer, x.to(dev), w.to(dev))
+        moe_cases.run_layer(layer, x.to(dev, dtype), w.to(dev, dtype))
     x, w = moe_cases.rank_inputs(9)
-    return layer, x.to(dev).requires_grad_(True), w.to(dev)
+    return layer, x.to(dev, dtype).requires_grad_(True), w.to(dev, dtype)
 
 
-def _syncs_worker(cpu: bool) -> dict:
-    layer, x, w = _warm_layer(cpu)
+def _syncs_worker(cpu: bool, dtype) -> dict:
+    layer, x, w = _warm_layer(cpu, dtype)
     figures: dict = {}
     with _count_syncs(cpu, figures, "forward"):
         out, l_aux, _ = layer(x)
@@ -111,18 +111,24 @@ def _syncs_worker(cpu: bool) -> dict:
     with _count_syncs(cpu, figures, "backward"):
         loss.backward()
     figures["migrated_tokens"] = int(layer.feplb_stats["migrated_tokens"])
+    figures["grouped_experts"] = layer.deepspeed_moe.stacked_mlp is not None
     return figures
 
 
 def syncs(cpu: bool) -> dict:
+    """fp32 (one call per expert on CUDA: `grouped_mlp.grouped_mm_runs`) and bf16 (grouped)."""
     from deepspeed_feplb.testing import run_distributed
-    results = run_distributed(_syncs_worker, 2, cpu, timeout=150)
-    figures = {"per_rank": results, "layer_kind": "DeepSpeed MoE (FEPLBMOELayer)",
+    figures = {"layer_kind": "DeepSpeed MoE (FEPLBMOELayer)",
                "autoep_kind": "not measured here: needs transformers on the device"}
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        results = run_distributed(_syncs_worker, 2, cpu, dtype, timeout=150)
+        figures[f"per_rank_{str(dtype).split('.')[-1]}"] = results
+        ok = ok and all(r["forward"] is None or (r["forward"] <= 1 and r["backward"] == 0) for r in results)
+        ok = ok and sum(r["migrated_tokens"] for r in results) > 0
     if cpu:
         return {**figures, "note": "CPU dry run: the path runs, syncs are counted on CUDA only"}
-    ok = all(r["forward"] <= 1 and r["backward"] == 0 for r in results)
-    return {"ok": ok and sum(r["migrated_tokens"] for r in results) > 0, **figures}
+    return {"ok": ok, **figures}
 
 
 def _launches_worker(cpu: bool) -> dict:
@@ -285,7 +291,8 @@ def launch_budget(cpu: bool, out_dir) -> dict:
     sys.path.insert(0, str(root / "benchmarks"))
     import bench_launches
     path = Path(out_dir) / "launch_budget.json"
-    bench_launches.main(["--device", "cpu" if cpu else "cuda", "--reps", "5" if cpu else "30", "--json", str(path)])
+    bench_launches.main(["--device", "cpu" if cpu else "cuda", "--dtype", "float32" if cpu else "bfloat16",
+                         "--reps", "5" if cpu else "30", "--json", str(path)])
     result = json.loads(path.read_text())
     balanced = result["variants"]["grouped, balanced"]["per_rank"]
     return {**result, "ok": all(r["migrated_rows"] > 0 for r in balanced[:1])}
