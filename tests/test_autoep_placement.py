@@ -135,8 +135,8 @@ def _check(results: list, moves: bool = True, tol: float = 1e-5, moe_tol: float 
         f"placement never moved an expert: {r['orders']}"
     for row in r["losses"]:
         assert abs(row["feplb"] - row["reference"]) <= loss_tol * abs(row["reference"]), r["losses"]
-    worst = max(max(x["param_errors"].values()) for x in results)
-    assert worst < tol, f"parameters differ from plain AutoEP by {worst:.2e}"
+    worst, name = max((v, n) for x in results for n, v in x["param_errors"].items())
+    assert worst < tol, f"parameters differ from plain AutoEP by {worst:.2e} ({name})"
     moe = max(v for x in results for n, v in x["param_errors"].items() if ".mlp." in n)
     assert moe < moe_tol, f"MoE parameters differ from plain AutoEP by {moe:.2e}"
     assert all(x["counted_alike"] for x in results), "tokens_per_expert differs from plain AutoEP's"
@@ -181,10 +181,11 @@ def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps,
         # gradient that never reached its expert gives 0.41 and losses 2e-4 apart.
         r = _check(results, moves=False, tol=0.1, moe_tol=0.1, loss_tol=1e-4)
     else:
-        # over 30 steps Adam turns the last-bit differences of split GEMMs (rows of one expert
-        # computed in two calls) into up to 1e-4 in the attention's q and k, whose gradient entries
-        # are near 1e-9 (`_config`); the losses and the MoE parameters stay within 1e-5
-        r = _check(results, moves=False, tol=1e-5 if steps <= 5 else 2e-4)
+        # Adam turns the last-bit differences of split GEMMs (rows of one expert computed in two
+        # calls) into up to 1e-4 in the attention's q and k, whose gradient entries are near 1e-9
+        # (`_config`): over 30 steps here, and already 1.15e-5 after 5 steps on some CPU models (the
+        # GEMM kernel decides the last bits); the losses and the MoE parameters stay within 1e-5
+        r = _check(results, moves=False, tol=2e-4)
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
     assert all(any(q >= 0 for row in layer for q in row) for layer in r["replica_at"][0]), r["replica_at"]
     nodes = np.array(r["routed_node_rows"])  # [micro-batches, layers, nodes]

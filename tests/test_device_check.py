@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "transport_speed", "layer", "deepep", "syncs",
-          "launches", "memory", "layer_speed", "parity", "leaks", "gpu_tests")
+          "launches", "memory", "layer_speed", "launch_budget", "parity", "leaks", "gpu_tests")
 
 
 def test_device_check_dry_run(tmp_path):

@@ -28,8 +28,9 @@ VARIANTS = {
 # migrating layer differs only in the weight-gradients of split experts: two bf16 partial sums, one
 # rounding (2^-8 relative) more than DeepSpeed's single GEMM; these two use an expert class FEPLB
 # does not recognise (one call per expert). A known MLP's grouped compute (`grouped_mlp`) adds its
-# bias after the GEMM's rounding where a Linear's addmm rounds once: one bf16 rounding more per Linear
-TOLERANCE = {"bf16": 2e-2, "bf16_migrating_contiguous_reference": 2**-8, "bf16_grouped_contiguous_reference": 2**-7}
+# bias after the GEMM's rounding where a Linear's addmm rounds once: one bf16 rounding more per
+# Linear (outputs within 2^-7), which the gate's weight-gradient sums over every route (8.3e-3)
+TOLERANCE = {"bf16": 2e-2, "bf16_migrating_contiguous_reference": 2**-8, "bf16_grouped_contiguous_reference": 2**-6}
 
 
 def two_rank_cases():

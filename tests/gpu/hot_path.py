@@ -3,9 +3,11 @@ and the device, measured where it runs. `device_check.py` calls them; ``cpu=True
 code on CPU stand-ins with tiny shapes (CI's dry run), where syncs and kernels cannot be counted.
 
 * `syncs`: device-to-host synchronisations per layer forward and backward of a balanced
-  micro-batch (``torch.cuda.set_sync_debug_mode``), with the source line of each; those inside
-  torch.distributed collectives are not counted (one GPU hosts both ranks over gloo, which copies
-  CUDA tensors through the host; NCCL would not).
+  micro-batch (``torch.cuda.set_sync_debug_mode``), fp32 and bf16, with the frames that asked for
+  each; those inside torch.distributed collectives are not counted (one GPU hosts both ranks over
+  gloo, which copies CUDA tensors through the host; NCCL would not), and those reached from no
+  frame of FEPLB or DeepSpeed are listed apart (``*_unattributed``: on an H200, one per forward
+  from ``torch/cuda/__init__.py``, most likely gloo's own thread).
 * `launches`: CUDA kernels per layer forward and backward (the profiler).
 * `memory`: four FEPLB layers, 8 micro-batches per step, residency ``"step"``: the peak device
   memory FEPLB adds (allocator peak with FEPLB on minus off, plus the transport's slots) against
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import traceback
 import warnings
 
 import torch
@@ -65,16 +68,32 @@ def _count_syncs(cpu: bool, into: dict, key: str):
         yield
         into[key] = None
         return
-    with warnings.catch_warnings(record=True) as caught, _collectives_unsynced():
+    caught, unattributed = [], []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        # the caller's frames (torch's own line says only where it synced): a sync reached from no
+        # frame of the layer (FEPLB's or DeepSpeed's code) came from elsewhere: a warning raised in
+        # another thread (gloo copies CUDA tensors through the host in its own) or the harness
+        frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+        ours = [f for f in frames if ("deepspeed_feplb" in f.filename and "testing/launcher" not in f.filename)
+                or "deepspeed/" in f.filename]
+        where = " <- ".join(f"{'/'.join(f.filename.rsplit('/', 3)[-3:])}:{f.lineno}"
+                            for f in [frames[-1], *reversed(ours[-3:])])
+        (caught if ours else unattributed).append(where)
+
+    with warnings.catch_warnings(), _collectives_unsynced():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    into[key] = len(syncs)
-    into[key + "_where"] = sorted({f"{'/'.join(w.filename.rsplit('/', 3)[-3:])}:{w.lineno}" for w in syncs})
+    into[key] = len(caught)
+    into[key + "_where"] = sorted(set(caught))
+    into[key + "_unattributed"] = sorted(set(unattributed))
 
 
 def _balanced_layer(cpu: bool, num_experts: int = 16, residency: str = "micro_batch", dtype=torch.float32):
