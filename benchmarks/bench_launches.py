@@ -140,7 +140,7 @@ def _worker(opts: dict) -> dict:
                                  "stage_top": parts["stage"].top(6)}
         stats = layer.feplb_stats
         figures[name] = {**counts, "migrated_rows": int(stats.get("migrated_tokens", 0)),
-                         "grouped": layer.deepspeed_moe.stacked_mlp is not None}
+                         "grouped": getattr(layer.deepspeed_moe, "stacked_mlp", None) is not None}
     ExpertStage.run = original_run
 
     host = {name: [] for name in layers}
@@ -175,7 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, ROOT)
+    if ROOT not in sys.path:  # after PYTHONPATH: an older checkout put there is the one measured
+        sys.path.append(ROOT)
     from deepspeed_feplb.testing import run_distributed
 
     load = os.getloadavg()[0]

@@ -176,7 +176,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment)."""
 
     nvlink_domain_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"
-    """Consecutive ranks that share an NVLink / copy-engine domain (a node); migration stays inside a domain. 'auto': the local world size."""
+    """Consecutive ranks that share an NVLink / copy-engine domain (a node); migration stays inside a domain, which never spans hosts. 'auto': the ranks per host: the launcher's local world size (LOCAL_WORLD_SIZE or LOCAL_SIZE), else counted from the ranks' hostnames by deepspeed_feplb.initialize."""
 
     ep_backend: Literal["auto", "torch", "deepep"] = "auto"
     """Phase-1 expert-parallel dispatch: 'torch' (all_to_all_single), 'deepep' (DeepEP, CUDA); 'auto': deepep when available, else torch."""

@@ -8,6 +8,7 @@ All FEPLB layers that share an EP group share its domain runtime; it is created 
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import secrets
 import signal
@@ -15,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,13 @@ from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.plan.residency import KeptBytes
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
-from deepspeed_feplb.segments import PeerWatch, cleanup, ranks_per_host
+from deepspeed_feplb.segments import (
+    PeerWatch,
+    cleanup,
+    launcher_tells_ranks_per_host,
+    learnt_ranks_per_host,
+    ranks_per_host,
+)
 
 _RUNTIMES: dict[tuple, "DomainRuntime"] = {}
 _LOCK = threading.Lock()
@@ -48,8 +56,37 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
 
 
 def validate_domain_size(config: FEPLBConfig, ep_size: int) -> None:
-    """`FEPLBConfigError` naming ``feplb.nvlink_domain_size`` where it does not divide ``ep_size``."""
-    domain_size(config, ep_size)
+    """`FEPLBConfigError` naming ``feplb.nvlink_domain_size`` where it does not divide ``ep_size``, or
+    where a domain of that size would span hosts (more ranks than a host has, as far as the launcher
+    or `learn_ranks_per_host` told)."""
+    size = domain_size(config, ep_size)
+    per_host = ranks_per_host(0)
+    if per_host and (size > per_host or per_host % size):
+        raise FEPLBConfigError(f"feplb.nvlink_domain_size: {size} ranks per domain, but there are {per_host} ranks per "
+                               f"host, so a domain would span hosts; use a divisor of {per_host}, or \"auto\"")
+
+
+def learn_ranks_per_host() -> Optional[int]:
+    """Ranks per host from every rank's hostname, where the launcher does not tell them (srun,
+    mpirun: no ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``); a collective over the world, run by
+    `deepspeed_feplb.initialize` on every rank. Domains are runs of consecutive ranks on one host,
+    so the ranks must lie host by host (every launcher's default; with srun,
+    ``--distribution=block``): `FEPLBConfigError` otherwise, at initialize and not at the first
+    balanced micro-batch. Hosts with different rank counts give the smallest. Returns the figure
+    (None where the launcher tells it or there is no process group)."""
+    if launcher_tells_ranks_per_host() or not dist.is_initialized():
+        return None
+    hosts = gather_small(socket.gethostname())
+    runs = [(host, len(list(ranks))) for host, ranks in itertools.groupby(hosts)]
+    if len({host for host, _ in runs}) != len(runs):
+        order = ", ".join(f"{host} x{n}" for host, n in runs[:8]) + (", ..." if len(runs) > 8 else "")
+        raise FEPLBConfigError(f"feplb.nvlink_domain_size: the ranks are not placed host by host (hosts in rank "
+                               f"order: {order}); FEPLB's NVLink domains are consecutive ranks of one host: launch "
+                               "the ranks host by host (srun --distribution=block), or set feplb.nvlink_domain_size "
+                               "to 1 (no balancing)")
+    per_host = min(n for _, n in runs)
+    learnt_ranks_per_host(per_host)
+    return per_host
 
 
 def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:

@@ -65,9 +65,24 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+_LEARNT_RANKS_PER_HOST: list[int] = []  # from the ranks' hostnames, at initialize (`domain.learn_ranks_per_host`)
+
+
 def ranks_per_host(default: int) -> int:
-    """Ranks the launcher started on this host (``LOCAL_WORLD_SIZE``, or ``LOCAL_SIZE``), else ``default``."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", default)))
+    """Ranks the launcher started on this host (``LOCAL_WORLD_SIZE``, or ``LOCAL_SIZE``), else what
+    the ranks' hostnames said (`domain.learn_ranks_per_host`), else ``default``."""
+    told = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE"))
+    if told is not None:
+        return int(told)
+    return _LEARNT_RANKS_PER_HOST[-1] if _LEARNT_RANKS_PER_HOST else default
+
+
+def launcher_tells_ranks_per_host() -> bool:
+    return "LOCAL_WORLD_SIZE" in os.environ or "LOCAL_SIZE" in os.environ
+
+
+def learnt_ranks_per_host(n: int) -> None:
+    _LEARNT_RANKS_PER_HOST[:] = [n]
 
 
 def cpu_seconds(pid: int) -> float:

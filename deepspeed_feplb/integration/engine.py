@@ -9,6 +9,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 from deepspeed_feplb import exits
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
+from deepspeed_feplb.domain import learn_ranks_per_host
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import MoE
 
@@ -73,6 +74,8 @@ def initialize(*args, **kwargs):
     if not dist.is_initialized() and given.get("dist_init_required") is not False:
         # what deepspeed.initialize would do first, without building the CPU shm op
         init_distributed(**({"distributed_port": given["distributed_port"]} if "distributed_port" in given else {}))
+    if config.enabled:
+        learn_ranks_per_host()  # where the launcher does not tell it (srun, mpirun): domains stay on one host
     convert(model, config)
     check_consistency(model, config)
     bound = _cpu_adam(bound, ds_config)
