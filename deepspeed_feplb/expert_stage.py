@@ -178,19 +178,23 @@ class ExpertStage:
             return ()
         return (*(self.compute_times.fitted_us() or (float("nan"), float("nan"))), self._exchange_us)
 
-    def exchange(self, counts: np.ndarray, device: torch.device) -> GroupFacts:
+    def exchange(self, counts: torch.Tensor) -> tuple[np.ndarray, GroupFacts]:
         """For a layer kind whose dispatch does not tell the group's counts (AutoEP): every rank's
-        received rows (``counts int64 [E_local]``) and `announce` values, in one all-gather on
-        ``device`` (the group's: CUDA for NCCL)."""
+        received rows (``counts`` ``[E_local]``, integer, on the group's device: CUDA for NCCL) and
+        `announce` values, in one all-gather and one copy to the host (this rank's counts come back
+        with the others'). Returns (this rank's counts, int64 ``[E_local]``; the `GroupFacts`)."""
         announced = np.array(self.announce(), dtype=np.float64)
-        mine = torch.from_numpy(np.concatenate([counts.astype(np.int64), announced.view(np.int64)])).to(device)
+        mine = torch.cat([counts.reshape(-1).to(torch.int64),
+                          torch.from_numpy(announced.view(np.int64)).to(counts.device, non_blocking=True)])
         gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
         start = time.perf_counter()
         dist.all_gather(gathered, mine, group=self.ep_group)
         table = torch.stack(gathered).cpu().numpy()
-        return GroupFacts(received=np.ascontiguousarray(table[:, :len(counts)]),
-                          announced=np.ascontiguousarray(table[:, len(counts):]).view(np.float64),
-                          exchange_seconds=time.perf_counter() - start)
+        here = dist.get_rank(self.ep_group) if self.ep_group is not None else dist.get_rank()
+        facts = GroupFacts(received=np.ascontiguousarray(table[:, :len(counts)]),
+                           announced=np.ascontiguousarray(table[:, len(counts):]).view(np.float64),
+                           exchange_seconds=time.perf_counter() - start)
+        return facts.received[here].copy(), facts
 
     # ------------------------------------------------------------------ the skip rule
     def balances_now(self, facts: GroupFacts) -> bool:

@@ -1152,3 +1152,43 @@ def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
         for i, moe in enumerate(ours.module.moes):
             migrated[i] += moe.feplb_stats["migrated_tokens"]
     return {"errors": errors, "migrated": migrated}
+
+
+def sync_audit_case(placed: bool, redundant: int = 1) -> dict:
+    """Host reads of device-side tensors (`testing.sync_audit`, what a GPU would synchronise on) in
+    one balanced FEPLB layer's forward and backward, per micro-batch of a step (``gas`` = 2: one
+    that does not end the step, one that does). ``placed``: 4 ranks as 2 nodes of 2 with
+    feplb.placement and ``redundant`` replica slots per rank, audited once a replica exists (the
+    router sends most rows to expert 0); else 2 ranks, one domain. Returns ``{"forward": [...], "backward":
+    [...], "migrated": rows, "replicas": whether any replica is held}`` for the audited micro-batches."""
+    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.testing.sync_audit import audit_syncs
+    world, gas = dist.get_world_size(), 2
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "scheduler": {"start_after_steps": 0}}
+    if placed:
+        feplb.update(copy_engine_gbps=1e6, placement={"enabled": True, "interval_steps": 1, "history_decay": 0.5,
+                                                      "network_gbps": 1e6, "redundant_experts_per_rank": redundant})
+    config = {**ds_config(0, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
+    model = _one_hot_expert_model(4 * world, world, hot=0.5 if placed else 0.2)
+    engine = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
+    moe = engine.module.moe
+    for step in range(3):
+        for m in range(gas):
+            train_step(engine, *_placed_inputs(step * gas + m, 256))
+    out = {"forward": [], "backward": [], "migrated": 0}
+    for m in range(gas):
+        x, target = _placed_inputs(100 + m, 256)
+        params = list(engine.module.parameters())
+        with audit_syncs(x, *params) as forward:
+            prediction, l_aux = engine(x)
+        loss = ((prediction - target)**2).mean() + 0.01 * l_aux
+        with audit_syncs(loss, *params) as backward:
+            engine.backward(loss)
+        engine.step()
+        out["forward"].append(forward.reads)
+        out["backward"].append(backward.reads)
+        out["migrated"] += int(moe.feplb_stats.get("migrated_tokens", 0))
+    if placed:
+        out["replicas"] = bool((placed_layers(engine.module)[0].placement.replica_at >= 0).any())
+    return out

@@ -149,10 +149,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 self._plain_stats = unbalanced_stats(counts[None], [rank])
             return super().forward(x, num_tokens_per_expert)
-        counts = num_tokens_per_expert.detach().to("cpu", torch.int64).numpy()  # the host copy (free on CPU)
-        device = num_tokens_per_expert.device if num_tokens_per_expert.is_cuda else torch.device("cpu")
         try:
-            facts = stage.exchange(counts, device)
+            counts, facts = stage.exchange(num_tokens_per_expert.detach())  # the one copy to the host
             rows = int(counts.sum())
             x = self._link_weights(x)
             out = stage.run(x[:rows], counts, self._local_experts, facts, self.step_ends())

@@ -308,8 +308,8 @@ class ExpertPlacement:
         if not self.holds_replicas:
             return torch.where(valid, self.slot_ids[clamped], invalid)
         # one copy to the host (the counts) and one back (the table and the split pairs)
-        key = torch.where(valid, expert_ids, self.num_experts).reshape(-1)  # E: no valid route
-        counts = torch.bincount(key, minlength=self.num_experts + 1)
+        key = torch.where(valid, expert_ids, self.num_experts).reshape(-1).long()  # E: no valid route
+        counts = _route_counts(key, self.num_experts)
         table, seconds = self._micro_batch_slots(counts[:self.num_experts])
         first = np.full(self.num_experts, np.iinfo(np.int64).max)  # routes to the first part's slot, per expert
         second = np.zeros(self.num_experts, np.int64)  # the second part's slot
@@ -414,9 +414,7 @@ class ExpertPlacement:
 
     def record(self, expert_ids: torch.Tensor) -> None:
         """Add one training micro-batch's routes (logical ids, -1 = none) to the step's history."""
-        ids = expert_ids.reshape(-1)
-        ids = ids[(ids >= 0) & (ids < self.num_experts)]
-        self.pending.append(torch.bincount(ids, minlength=self.num_experts).to(torch.float64))
+        self.pending.append(_route_counts(expert_ids, self.num_experts)[:self.num_experts].to(torch.float64))
 
     # ---------------------------------------------------------------- at the optimizer step
     def end_step(self, experts, us_per_token: float) -> bool:
@@ -842,3 +840,12 @@ def adopt_loaded_order(layer) -> None:
             "(engine.save_checkpoint, or `with deepspeed_feplb.canonical_experts(engine):`)")
     layer.placement.adopt(order)
     layer.loaded_expert_order = None
+
+
+def _route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per logical expert, int64 ``[E + 1]`` (the last: routes not taken or out of range),
+    without reading the ids on the host: a mask index or ``bincount`` would (on CUDA, bincount
+    sizes its output from the largest id), a device-to-host sync per forward."""
+    ids = expert_ids.reshape(-1).long()
+    key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    return torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).index_add_(0, key, torch.ones_like(key))
