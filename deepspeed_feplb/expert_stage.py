@@ -247,7 +247,7 @@ class ExpertStage:
         slot = self.config.transport_slot_mb
         if slot == "auto":
             # per chunk: the parameters, a buffer or two, the rows (a bound: `messages.rows_to_helper`)
-            rows = self._mean_rows(facts) or self._rows_here  # DeepEP tells no other rank's rows
+            rows = self._mean_rows(facts) or self._rows_here  # a backend that tells no other rank's rows
             slot = slot_bytes(self.config.dynamic_experts_per_rank, self.expert_bytes, self.expert_tensors + 2, rows,
                               self.row_bytes)
         else:
@@ -386,7 +386,7 @@ class ExpertStage:
         return _device_times(last)
 
     def _mean_rows(self, facts: GroupFacts) -> float:
-        """Rows per rank over the EP group (0: not known, as with the DeepEP dispatcher; the
+        """Rows per rank over the EP group (0: not known, with a dispatcher that tells no `GroupFacts`; the
         planner then takes its domain's mean)."""
         return float(facts.received.sum()) / self.ep_size if facts.received is not None else 0.0
 

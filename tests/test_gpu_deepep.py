@@ -3,7 +3,7 @@
 `deep_ep` itself cannot be built or imported here (no GPU, no NVSHMEM), so the
 adapter runs on `ReferenceBuffer`, which implements the intranode contract of ``deep_ep.Buffer``
 over gloo. On 3 ranks: the contract's properties, then `DeepEPDispatcher` against
-`TorchDispatcher` (rows, counts, combined output, and gradients of x and gates).
+`TorchDispatcher` (rows, counts, the group's facts, combined output, and gradients of x and gates).
 """
 import pytest
 import torch
@@ -53,13 +53,15 @@ def adapter_vs_torch() -> dict:
                              ("deepep", DeepEPDispatcher(None, world, E_LOCAL, buffer=ReferenceBuffer(None)))):
         x = x0.clone().requires_grad_(True)
         gates = gates0.clone().requires_grad_(True)
-        rows, counts, handle, _ = dispatcher.dispatch(x, expert_ids)
+        announce = (float(rank), 2.5 * rank)
+        rows, counts, handle, facts = dispatcher.dispatch(x, expert_ids, announce)
         g = torch.Generator().manual_seed(7 + rank)
         weight = torch.randn(rows.shape[0], HIDDEN, generator=g)
         out_rows = torch.tanh(rows * weight)  # a row-wise "expert"
         out = dispatcher.combine(out_rows, gates, handle)
         (out * torch.randn(out.shape, generator=g)).sum().backward()
-        results[name] = dict(rows=rows.detach(), counts=counts, out=out.detach(), dx=x.grad, dgates=gates.grad)
+        results[name] = dict(rows=rows.detach(), counts=counts, out=out.detach(), dx=x.grad, dgates=gates.grad,
+                             received=facts.received, announced=facts.announced)
     return results
 
 
@@ -127,6 +129,9 @@ def test_adapter_matches_torch_dispatcher_exactly(results):
         assert torch.allclose(a["dx"], b["dx"], rtol=1e-6, atol=1e-7)
         assert torch.allclose(a["dgates"], b["dgates"], rtol=1e-6, atol=1e-7)
         assert a["counts"].sum() > 0
+        # the group's facts, as the skip rule reads them: every rank's received rows and announced values
+        assert (a["received"] == b["received"]).all() and (a["announced"] == b["announced"]).all()
+        assert b["announced"].tolist() == [[float(r), 2.5 * r] for r in range(3)]
 
 
 def test_the_layers_of_a_process_share_one_deepep_buffer(monkeypatch):

@@ -25,7 +25,9 @@ receive counts, unweighted combine summed over ranks in fp32, cached re-dispatch
 from __future__ import annotations
 
 import os
+import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -287,8 +289,9 @@ class DeepEPDispatcher:
 
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, announce=()):
         """As `TorchDispatcher.dispatch`: x ``[S, H]``, expert_ids ``[k, S]`` (-1: not taken) ->
-        `Dispatched`. ``announce`` is not exchanged: DeepEP's layout gives a rank its own receive
-        counts only, so the `GroupFacts` are empty."""
+        `Dispatched`. DeepEP's layout tells a rank only what it sends; one all-gather of every
+        rank's routes per expert and ``announce`` values, read on the host once, gives the
+        `GroupFacts` (every rank's received rows: the skip rule) and this rank's counts per source."""
         buffer = self._buffer(x)
         k, num_tokens = expert_ids.shape
         routes = expert_ids.reshape(-1, 1).long().contiguous()  # route j * S + t
@@ -297,25 +300,43 @@ class DeepEPDispatcher:
         # returns an EventOverlap without an event, whose current_stream_wait() would assert
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             routes, self.ep_size * self.num_local_experts)
+        table, facts = self._exchange(per_expert, announce)
+        here = buffer_rank(buffer, self.group)
+        first = here * self.num_local_experts
+        counts = np.ascontiguousarray(table[:, first:first + self.num_local_experts])  # [sources, E_local]
         weights = torch.ones(routes.shape, dtype=torch.float32, device=x.device)
         box: dict = {}
         recv_x, recv_idx = _Dispatch.apply(x_routes, buffer, (per_rank, per_rdma, per_expert, in_rank), routes,
                                            weights, box)
         local = recv_idx.reshape(-1)
-        counts_local, position = kernels.expert_positions(local, self.num_local_experts)
+        _, position = kernels.expert_positions(local, self.num_local_experts)
         grouped_from = torch.empty_like(position)
         grouped_from[position] = torch.arange(position.numel(), device=position.device)
         rows = _Permute.apply(recv_x, grouped_from, position)
-        deepep_handle = box["handle"]
-        prefix = deepep_handle[0].long()[:, buffer_rank(buffer, self.group)]
-        starts = torch.cat([prefix.new_zeros(1), prefix])
-        source = torch.repeat_interleave(torch.arange(self.ep_size, device=local.device), torch.diff(starts))
-        counts = torch.zeros((self.ep_size, self.num_local_experts), dtype=torch.long, device=local.device)
-        counts.index_put_((source, local), torch.ones_like(local), accumulate=True)
-        if int(counts_local.sum()) != local.numel():
-            raise RuntimeError("DeepEP delivered a route for an expert that is not local (recv_topk_idx -1)")
-        handle = DeepEPHandle(deepep_handle, position, grouped_from, k, num_tokens, buffer)
-        return Dispatched(rows, counts.cpu().numpy(), handle, GroupFacts())
+        if int(counts.sum()) != local.numel():  # both known on the host
+            raise RuntimeError(f"DeepEP delivered {local.numel()} routes where the group's layouts sent "
+                               f"{int(counts.sum())} to this rank's experts")
+        handle = DeepEPHandle(box["handle"], position, grouped_from, k, num_tokens, buffer)
+        return Dispatched(rows, counts, handle, facts)
+
+    def _exchange(self, per_expert: torch.Tensor, announce) -> tuple[np.ndarray, GroupFacts]:
+        """Every rank's routes per global expert (``per_expert`` ``[E]``, this rank's, on the device)
+        and ``announce`` values, all-gathered and read on the host once: (routes int64 ``[ep_size,
+        E]``, `GroupFacts` with each rank's received rows per local expert)."""
+        values = np.asarray(announce, dtype=np.float64).view(np.int64)
+        mine = torch.cat([per_expert.long(), torch.from_numpy(values).to(per_expert.device, non_blocking=True)])
+        start = time.perf_counter()
+        if self.ep_size > 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
+            dist.all_gather(gathered, mine, group=self.group)
+            table = torch.stack(gathered).cpu().numpy()  # the one copy to the host of phase 1
+        else:
+            table = mine[None].cpu().numpy()
+        experts = self.ep_size * self.num_local_experts
+        routes = table[:, :experts]
+        received = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
+        announced = np.ascontiguousarray(table[:, experts:]).view(np.float64)
+        return routes, GroupFacts(received, announced, time.perf_counter() - start)
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
         """As `TorchDispatcher.combine`: rows ``[N, H]`` (grouped), gates ``[k, S]`` -> ``[S, H]``."""
