@@ -244,6 +244,13 @@ class CudaBackend:
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def empty_on(self, stream: int, nbytes: int) -> torch.Tensor:
+        """uint8 ``[nbytes]`` from torch's caching allocator as ``stream``'s own: only that stream
+        uses it, so it needs to wait for no other stream's work on the memory, and freed, the
+        memory goes back to that stream's pool."""
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
 
 class _HostStream:
     """A CUDA stream on the host: one thread runs the operations queued on it, in order.
@@ -350,6 +357,7 @@ class HostBackend:
         self._next = 1
         self._lock = threading.Lock()
         self._importer_lock = threading.Lock()  # `lockf` excludes other processes, not this one's threads
+        self.caller_stream = 0  # `current_stream`
 
     def bind_thread(self) -> None:
         pass
@@ -506,7 +514,14 @@ class HostBackend:
             host.wait(host.queued, self.wait_timeout_s)
 
     def current_stream(self) -> int:
-        return 0
+        """`caller_stream`: 0, the calling thread (what it queues runs at once), unless a test made
+        the caller's a stream of its own, to emulate a compute stream with work queued (`delay`)."""
+        return self.caller_stream
+
+    def delay(self, stream: int, seconds: float) -> None:
+        """Queue ``seconds`` of work on ``stream`` (an emulated kernel: the stream's thread sleeps;
+        the caller goes on, as after a kernel launch)."""
+        self._on(stream, functools.partial(time.sleep, seconds), ready=lambda: False)
 
     def _check_memops(self, call: str) -> None:
         if not self.stream_memops:
@@ -556,6 +571,9 @@ class HostBackend:
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def empty_on(self, stream: int, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def live(self) -> dict:
         """What this process still holds: owned and opened segments, events, streams."""

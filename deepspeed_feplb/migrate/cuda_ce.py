@@ -40,7 +40,10 @@ wait for the device; the receiving stream orders itself on a flag word.
 * **Memory of sent tensors** stays referenced, with an event recorded after their copies, until a
   later call finds that event complete: the caching allocator cannot hand it out while a copy
   still reads it. The receiver's copy-out waits for the caller's stream first, since the caller
-  allocated the destination tensors on it.
+  allocated the destination tensors on it; a message of more parts than the ring has slots is
+  read into a staging buffer of the receive stream's own first, so that its parts are
+  acknowledged (and later parts sent) without waiting for the caller's stream: the receiver's
+  host never waits for its own GPU.
 * **Slots are fixed**: allocated when the domain opens, never grown or freed until `close`, so no
   step pays a ``cudaMalloc``, a ``cudaFree`` (a device-wide sync) or a new IPC handle.
 * **A dead peer is an error, not a hung GPU.** With a `segments.PeerWatch`, the transport's
@@ -586,21 +589,38 @@ class CudaCETransport:
         channel[TAKEN] = number  # the description is read: the sender may reuse its entry
         try:
             stream, own, caller = self._recv_streams[src], self._inbound[src], backend.current_stream()
-            # the tensors were allocated on the caller's stream, whose earlier work may still use that memory
-            backend.event_record(self._events["caller_at"][src], caller)
-            backend.stream_wait_event(stream, self._events["caller_at"][src])
             pieces = [(out.data_ptr(), offset, out.nbytes) for out, (_, offset, _) in zip(tensors, found)]
-            for lo, hi in part_ranges(nbytes, self._capacity):
+            parts = list(part_ranges(nbytes, self._capacity))
+            # the tensors were allocated on the caller's stream, whose earlier work may still use that
+            # memory: the copies into them wait for the caller's stream. A message of more parts than
+            # the ring has slots goes through a staging buffer of the receive stream's own, so that
+            # reading a part (and freeing its slot for part n + RING_SLOTS) never waits for the
+            # caller's stream: the host waits for its peer's host alone, never for its own GPU
+            staging = backend.empty_on(stream, nbytes) if len(parts) > RING_SLOTS else None
+            if staging is None:
+                backend.event_record(self._events["caller_at"][src], caller)
+                backend.stream_wait_event(stream, self._events["caller_at"][src])
+            targets = pieces if staging is None else [(staging.data_ptr(), 0, nbytes)]
+            for lo, hi in parts:
                 n = self._parts_read[src] + 1
                 self._wait(lambda due=n: channel[ENQUEUED] >= due, src, (src, me, BELL),
                            "to enqueue part {n} (message tag {tag:#x})", n=n, tag=tag)
                 self._await(stream, src, me, SEQ_FLAG, self._flag(n), "for part {n} (message tag {tag:#x})", n=n,
                             tag=tag)
                 slot = own + (n - 1) % RING_SLOTS * self._capacity
-                for at, dst, length in part_copies(pieces, lo, hi):
+                for at, dst, length in part_copies(targets, lo, hi):
                     backend.memcpy_async(dst, slot + at, length, stream)
                 self._signal(stream, src, me, ACK_FLAG, self._flag(n))
                 self._parts_read[src] = n
+            if staging is not None:
+                backend.event_record(self._events["caller_at"][src], caller)
+                backend.stream_wait_event(stream, self._events["caller_at"][src])
+                for at, dst, length in part_copies(pieces, 0, nbytes):
+                    backend.memcpy_async(dst, staging.data_ptr() + at, length, stream)
+                copied = self._event()
+                backend.event_record(copied, stream)
+                with self._lock:
+                    self._in_flight[src].append((copied, [staging]))  # kept until its copies ran
             backend.event_record(self._events["done"][src], stream)
             backend.stream_wait_event(caller, self._events["done"][src])  # the caller sees the data
         except BaseException as exc:  # the message is taken but not read: the link is out of step
