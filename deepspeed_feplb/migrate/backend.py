@@ -23,9 +23,11 @@ import fcntl
 import functools
 import os
 import queue
+import random
 import secrets
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -252,58 +254,86 @@ class CudaBackend:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
 
-class _HostStream:
-    """A CUDA stream on the host: one thread runs the operations queued on it, in order.
-
-    ``queued`` counts the operations handed to it, ``done`` those that ran; an event recorded on
-    it is complete once ``done`` reaches ``queued`` at the time of the record. As an idle GPU
-    stream starts an operation at once, an operation handed to an idle stream that can run
-    without waiting runs on the caller's thread (no thread wake-up); the rest go to the stream's
-    thread, and one operation runs at a time, in order. An operation that fails makes the stream
-    fail (as a CUDA error is sticky): the rest are skipped, and whoever synchronises gets the error.
-    """
+class _HostQueue:
+    """A hardware queue of a GPU: one thread runs the operations of the streams mapped onto it, in
+    the order they were handed to it, whichever stream they belong to (as CUDA runs the streams it
+    maps onto one of its ``CUDA_DEVICE_MAX_CONNECTIONS`` queues: an operation that waits holds up
+    the queue's later ones, of every stream)."""
 
     def __init__(self, name: str):
-        self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # a plain lock: cheaper than the default RLock, entered directly (C)
-        self._changed = threading.Condition(self._lock)
-        self.queued = self.done = 0
-        self._waiting = 0  # threads in `wait`: only they need a notification
-        self.error: BaseException | None = None
+        self.ops: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()  # a plain lock: cheaper than the default RLock, entered directly (C)
+        self.changed = threading.Condition(self.lock)
+        self.pending = 0  # operations handed to the thread and not yet run
+        self.waiting = 0  # threads in `_HostStream.wait`: only they need a notification
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _run(self) -> None:
+        while True:
+            item = self.ops.get()
+            if item is None:
+                return
+            stream, op = item
+            stream.execute(op)
+            with self.lock:
+                self.pending -= 1
+                stream.ran_locked()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Run what is queued, then end the thread; False if it did not end in time."""
+        self.ops.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+class _HostStream:
+    """A CUDA stream on the host, on a `_HostQueue` (its own, or one it shares with other streams).
+
+    ``queued`` counts the operations handed to it, ``done`` those that ran; an event recorded on
+    it is complete once ``done`` reaches ``queued`` at the time of the record. As an idle GPU
+    stream starts an operation at once, an operation handed to a stream whose queue is idle and
+    that can run without waiting runs on the caller's thread (no thread wake-up); the rest go to
+    the queue's thread, one at a time, in order. An operation that fails makes the stream fail (as
+    a CUDA error is sticky): its later ones are skipped, and whoever synchronises gets the error.
+    ``jitter``: a function of no argument that an operation handed to the thread calls first (a
+    random delay: kernels that take their time), or None.
+    """
+
+    def __init__(self, name: str, host_queue: Optional[_HostQueue] = None, jitter=None):
+        self.owns_queue = host_queue is None
+        self.queue = host_queue or _HostQueue(name)
+        self._lock, self._changed = self.queue.lock, self.queue.changed
+        self.queued = self.done = 0
+        self.error: BaseException | None = None
+        self.jitter = jitter
+
     def submit(self, op, ready=None) -> None:
         """Queue ``op``; ``ready()``: whether it could run now without waiting (None: always)."""
+        host_queue = self.queue
         with self._lock:  # queued in call order, whichever thread submits
             self.queued += 1
-            if self.done + 1 == self.queued and (ready is None or ready()):
+            if host_queue.pending == 0 and self.jitter is None and (ready is None or ready()):
                 # idle: nothing is queued or running; holding the lock keeps it so while ``op`` runs
-                self._execute(op)
-                self._ran_locked()
+                self.execute(op)
+                self.ran_locked()
                 return
-            self._ops.put(op)
+            host_queue.pending += 1
+            if self.jitter is not None:
+                op = _after(self.jitter, op)
+            host_queue.ops.put((self, op))
 
-    def _execute(self, op) -> None:
+    def execute(self, op) -> None:
         if self.error is None:
             try:
                 op()
             except BaseException as exc:  # noqa: BLE001 - kept for whoever synchronises
                 self.error = exc
 
-    def _ran_locked(self) -> None:
+    def ran_locked(self) -> None:
         self.done += 1
-        if self._waiting:
+        if self.queue.waiting:
             self._changed.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            op = self._ops.get()
-            if op is None:
-                return
-            self._execute(op)
-            with self._lock:
-                self._ran_locked()
 
     def reached(self, ticket: int) -> bool:
         return self.done >= ticket
@@ -311,21 +341,29 @@ class _HostStream:
     def wait(self, ticket: int, timeout_s: float) -> None:
         if self.done < ticket:
             with self._changed:
-                self._waiting += 1
+                self.queue.waiting += 1
                 try:
                     if not self._changed.wait_for(lambda: self.done >= ticket, timeout_s):
-                        raise TimeoutError(f"host stream {self._thread.name} did not reach its operation {ticket} "
-                                           f"within {timeout_s:g} s")
+                        raise TimeoutError(f"host stream did not reach its operation {ticket} within {timeout_s:g} s")
                 finally:
-                    self._waiting -= 1
+                    self.queue.waiting -= 1
         if self.error is not None:
-            raise RuntimeError(f"host stream {self._thread.name} failed: {self.error}") from self.error
+            raise RuntimeError(f"host stream failed: {self.error}") from self.error
 
     def stop(self, timeout_s: float) -> bool:
-        """Run what is queued, then end the thread; False if it did not end in time."""
-        self._ops.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        """Run what is queued (its own queue: then end the thread); False if it did not end in time."""
+        if self.owns_queue:
+            return self.queue.stop(timeout_s)
+        marker = threading.Event()
+        self.submit(marker.set)
+        return marker.wait(timeout_s)
+
+
+def _after(first, op):
+    def both():
+        first()
+        op()
+    return both
 
 
 class HostBackend:
@@ -339,15 +377,26 @@ class HostBackend:
     (on a GPU it would wait forever; a test then fails instead of hanging). ``stream_memops=False``
     stands for a driver without stream memory operations: `probe_flags` says so and the flag
     calls raise, which is how CPU machines test the transport's host-flag fallback.
+
+    For ordering stress: ``executors`` maps the streams onto that many shared queues (threads), as
+    CUDA maps streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (0: a queue per stream);
+    ``jitter_s`` delays every stream operation by a random time up to it (seeded by ``seed``), so
+    that work finishes in orders a fast path would never show; ``poison_released`` asks the
+    transport to fill memory it is done with (ring slots once read, staging buffers once copied
+    out) with 0xFF bytes (NaN), so that a read after release shows in the data.
     """
 
     name = "host"
     _HEADER = 64  # bytes before the payload: the importers' pids (int64, 0: free entry)
 
-    def __init__(self, prefix: str = "feplb-host", wait_timeout_s: float = 60.0, stream_memops: bool = True):
+    def __init__(self, prefix: str = "feplb-host", wait_timeout_s: float = 60.0, stream_memops: bool = True,
+                 executors: int = 0, jitter_s: float = 0.0, seed: int = 0, poison_released: bool = False):
         self.prefix = prefix
         self.wait_timeout_s = wait_timeout_s
         self.stream_memops = stream_memops
+        self.poison_released = poison_released
+        self._queues = [_HostQueue(f"feplb-host-queue-{i}") for i in range(executors)]
+        self._jitter_s, self._seed = jitter_s, seed
         self.device = torch.device("cpu")
         self._owned: dict[int, tuple] = {}  # ptr -> (shm, view)
         self._opened: dict[int, tuple] = {}
@@ -479,12 +528,27 @@ class HostBackend:
 
     def stream_create(self) -> int:
         stream = self._new_id()
-        self._streams[stream] = _HostStream(f"feplb-host-stream-{stream}")
+        jitter = None
+        if self._jitter_s > 0:
+            rng, most = random.Random(self._seed * 7919 + stream), self._jitter_s
+            jitter = lambda: time.sleep(rng.uniform(0.0, most))  # noqa: E731 - one draw per operation
+        shared = self._queues[stream % len(self._queues)] if self._queues else None
+        self._streams[stream] = _HostStream(f"feplb-host-stream-{stream}", shared, jitter)
         return stream
 
     def stream_destroy(self, stream: int) -> None:
         if not self._streams.pop(stream).stop(self.wait_timeout_s):
             raise RuntimeError(f"host stream {stream} still runs an operation; its thread is left behind")
+
+    def close_queues(self) -> None:
+        """End the shared queues' threads (``executors``), once no stream uses them."""
+        for host_queue in self._queues:
+            host_queue.stop(self.wait_timeout_s)
+        self._queues = []
+
+    def memset_async(self, ptr: int, byte: int, nbytes: int, stream: int) -> None:
+        if nbytes:
+            self._on(stream, functools.partial(ctypes.memset, ptr, byte, nbytes))
 
     def _stream(self, stream: int):
         if not stream:

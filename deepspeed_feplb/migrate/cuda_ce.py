@@ -254,6 +254,7 @@ class CudaCETransport:
         self._outgoing = {dst: collections.deque() for dst in self._peers}  # _Outgoing not fully out, in order
         self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors)
         self._capacity = ring_capacity(slot_bytes)
+        self._poison = bool(getattr(self.backend, "poison_released", False))  # `HostBackend`, for ordering tests
         self._lock = threading.RLock()  # the sending side's state: callers and the background thread
         self._stop, self._wake = threading.Event(), threading.Event()
         self._dead: set[int] = set()  # peers found dead (their flags are kept released)
@@ -610,6 +611,8 @@ class CudaCETransport:
                 slot = own + (n - 1) % RING_SLOTS * self._capacity
                 for at, dst, length in part_copies(targets, lo, hi):
                     backend.memcpy_async(dst, slot + at, length, stream)
+                if self._poison:  # a part read from this slot again before it is rewritten shows as NaN
+                    backend.memset_async(slot, 0xFF, hi - lo, stream)
                 self._signal(stream, src, me, ACK_FLAG, self._flag(n))
                 self._parts_read[src] = n
             if staging is not None:
@@ -617,6 +620,8 @@ class CudaCETransport:
                 backend.stream_wait_event(stream, self._events["caller_at"][src])
                 for at, dst, length in part_copies(pieces, 0, nbytes):
                     backend.memcpy_async(dst, staging.data_ptr() + at, length, stream)
+                if self._poison:
+                    backend.memset_async(staging.data_ptr(), 0xFF, nbytes, stream)
                 copied = self._event()
                 backend.event_record(copied, stream)
                 with self._lock:
