@@ -325,3 +325,38 @@ def test_fingerprints_read_on_the_host_are_each_experts_own():
         assert got[i] == tuple(fingerprint(params[i]).tolist())
     params[2][0].data[1, 1] += 1.0  # read when asked: a change before then shows
     assert prints.of([2])[2] != got[2]
+
+
+def test_the_fingerprints_of_several_experts_are_theirs_in_few_operations():
+    """`fingerprints` of D experts equals each one's `fingerprint` (the formula's integer sums in
+    another grouping) in 2 * D * n + 4 operations: 19 for 2 experts of 4 parameters, where one at a
+    time took 75 (on a GPU: launches per layer forward)."""
+    import pytest
+    import torch
+
+    from deepspeed_feplb.migrate.resident import fingerprint, fingerprints
+    from deepspeed_feplb.testing.op_count import count_ops
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        experts = [[torch.randn(64, 16).to(dtype), torch.randn(64).to(dtype), torch.randn(16, 64).to(dtype) * 1e6,
+                    torch.randn(16).to(dtype)] for _ in range(2)]
+        with count_ops() as count:
+            together = fingerprints(experts)
+        assert count.non_view <= 2 * 2 * 4 + 4, count.top()
+        assert torch.equal(together, torch.stack([fingerprint(p) for p in experts]))
+        assert torch.equal(together[1], _fingerprint_by_the_formula(experts[1]))
+    with pytest.raises(ValueError, match="differ in shape"):
+        fingerprints([[torch.randn(4, 3)], [torch.randn(3, 4)]])
+
+
+def _fingerprint_by_the_formula(params):
+    """`resident.fingerprint`'s docstring, one parameter at a time (int64 sums wrap alike in any order)."""
+    import torch
+    out = []
+    for p in params:
+        bits = p.reshape(p.shape[0] if p.dim() else 1, -1).view({2: torch.int16, 4: torch.int32}[p.element_size()])
+        rows, cols = bits.sum(1, dtype=torch.int64), bits.sum(0, dtype=torch.int64)
+        by_row, by_col = torch.arange(1, len(rows) + 1), torch.arange(1, len(cols) + 1)
+        out += [rows.sum(), (rows * by_row).sum(), (cols * by_col).sum()]
+    return torch.stack(out)
