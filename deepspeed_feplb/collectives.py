@@ -1,8 +1,12 @@
-"""Small collectives the runtime shares: every rank's small Python object in one all-gather."""
+"""Small collectives the runtime shares: every rank's small Python object in one all-gather
+(`gather_small`); every rank's counts and announced values in one (`gather_counts`)."""
 from __future__ import annotations
 
 import pickle
+import time
+from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,3 +41,23 @@ def gather_small(obj, group=None, device=None) -> list:
     if max(sizes) > GATHER_BYTES - 8:  # every rank sees the same sizes: all take this branch together
         gathered = gather(max(sizes) + 8)
     return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+
+
+def gather_counts(counts: torch.Tensor, announce: Sequence[float], group,
+                  size: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Every rank of ``group`` (``size`` ranks) its ``counts`` (integer ``[n]``, on the group's
+    device: CUDA for NCCL) and ``announce`` values, in one all-gather and one copy to the host:
+    (int64 ``[size, n]``, float64 ``[size, len(announce)]``, seconds the exchange took)."""
+    values = np.asarray(announce, dtype=np.float64).view(np.int64)
+    mine = torch.cat([counts.reshape(-1).to(torch.int64),
+                      torch.from_numpy(values).to(counts.device, non_blocking=True)])
+    start = time.perf_counter()
+    if size > 1:
+        gathered = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(gathered, mine, group=group)
+        table = torch.stack(gathered).cpu().numpy()
+    else:
+        table = mine[None].cpu().numpy()
+    n = counts.numel()
+    return (np.ascontiguousarray(table[:, :n]), np.ascontiguousarray(table[:, n:]).view(np.float64),
+            time.perf_counter() - start)

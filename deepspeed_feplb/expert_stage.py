@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepspeed_feplb.collectives import gather_small
+from deepspeed_feplb.collectives import gather_counts, gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.dispatch import GroupFacts
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
@@ -183,18 +183,9 @@ class ExpertStage:
         received rows (``counts`` ``[E_local]``, integer, on the group's device: CUDA for NCCL) and
         `announce` values, in one all-gather and one copy to the host (this rank's counts come back
         with the others'). Returns (this rank's counts, int64 ``[E_local]``; the `GroupFacts`)."""
-        announced = np.array(self.announce(), dtype=np.float64)
-        mine = torch.cat([counts.reshape(-1).to(torch.int64),
-                          torch.from_numpy(announced.view(np.int64)).to(counts.device, non_blocking=True)])
-        gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
-        start = time.perf_counter()
-        dist.all_gather(gathered, mine, group=self.ep_group)
-        table = torch.stack(gathered).cpu().numpy()
-        here = dist.get_rank(self.ep_group) if self.ep_group is not None else dist.get_rank()
-        facts = GroupFacts(received=np.ascontiguousarray(table[:, :len(counts)]),
-                           announced=np.ascontiguousarray(table[:, len(counts):]).view(np.float64),
-                           exchange_seconds=time.perf_counter() - start)
-        return facts.received[here].copy(), facts
+        received, announced, seconds = gather_counts(counts, self.announce(), self.ep_group, self.ep_size)
+        here = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
+        return received[here].copy(), GroupFacts(received, announced, seconds)
 
     # ------------------------------------------------------------------ the skip rule
     def balances_now(self, facts: GroupFacts) -> bool:

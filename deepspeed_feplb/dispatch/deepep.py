@@ -25,12 +25,12 @@ receive counts, unweighted combine summed over ranks in fp32, cached re-dispatch
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.collectives import gather_counts
 from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
 from deepspeed_feplb.kernels import cuda as kernels
 
@@ -300,10 +300,11 @@ class DeepEPDispatcher:
         # returns an EventOverlap without an event, whose current_stream_wait() would assert
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             routes, self.ep_size * self.num_local_experts)
-        table, facts = self._exchange(per_expert, announce)
-        here = buffer_rank(buffer, self.group)
-        first = here * self.num_local_experts
-        counts = np.ascontiguousarray(table[:, first:first + self.num_local_experts])  # [sources, E_local]
+        # the one copy to the host of phase 1: every rank's routes per expert and announced values
+        sent, announced, seconds = gather_counts(per_expert, announce, self.group, self.ep_size)  # [sources, E]
+        facts = GroupFacts(sent.sum(axis=0).reshape(self.ep_size, self.num_local_experts), announced, seconds)
+        first = buffer_rank(buffer, self.group) * self.num_local_experts
+        counts = np.ascontiguousarray(sent[:, first:first + self.num_local_experts])  # [sources, E_local]
         weights = torch.ones(routes.shape, dtype=torch.float32, device=x.device)
         box: dict = {}
         recv_x, recv_idx = _Dispatch.apply(x_routes, buffer, (per_rank, per_rdma, per_expert, in_rank), routes,
@@ -318,25 +319,6 @@ class DeepEPDispatcher:
                                f"{int(counts.sum())} to this rank's experts")
         handle = DeepEPHandle(box["handle"], position, grouped_from, k, num_tokens, buffer)
         return Dispatched(rows, counts, handle, facts)
-
-    def _exchange(self, per_expert: torch.Tensor, announce) -> tuple[np.ndarray, GroupFacts]:
-        """Every rank's routes per global expert (``per_expert`` ``[E]``, this rank's, on the device)
-        and ``announce`` values, all-gathered and read on the host once: (routes int64 ``[ep_size,
-        E]``, `GroupFacts` with each rank's received rows per local expert)."""
-        values = np.asarray(announce, dtype=np.float64).view(np.int64)
-        mine = torch.cat([per_expert.long(), torch.from_numpy(values).to(per_expert.device, non_blocking=True)])
-        start = time.perf_counter()
-        if self.ep_size > 1:
-            gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
-            dist.all_gather(gathered, mine, group=self.group)
-            table = torch.stack(gathered).cpu().numpy()  # the one copy to the host of phase 1
-        else:
-            table = mine[None].cpu().numpy()
-        experts = self.ep_size * self.num_local_experts
-        routes = table[:, :experts]
-        received = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
-        announced = np.ascontiguousarray(table[:, experts:]).view(np.float64)
-        return routes, GroupFacts(received, announced, time.perf_counter() - start)
 
     def combine(self, rows: torch.Tensor, gates: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
         """As `TorchDispatcher.combine`: rows ``[N, H]`` (grouped), gates ``[k, S]`` -> ``[S, H]``."""
