@@ -78,19 +78,17 @@ def fingerprints(experts: list[list[torch.Tensor]]) -> torch.Tensor:
     experts of n parameters (launches, on a GPU), where one fingerprint at a time took ``9 * D * n``.
     Integer sums wrap alike in any order, so the values are those of the formula, whatever the
     grouping."""
+    shapes = [p.shape for p in experts[0]]
+    if any([p.shape for p in params] != shapes for params in experts[1:]):
+        raise ValueError("fingerprints: the experts' parameters differ in shape; fingerprint them one by one")
     sums = []
     for params in experts:
         for p in params:
             bits = p.detach().reshape(p.shape[0] if p.dim() else 1, -1).view(_INT_OF_SIZE[p.element_size()])
             sums += [bits.sum(dim=1, dtype=torch.int64), bits.sum(dim=0, dtype=torch.int64)]  # [R], [C]
-    n = len(experts[0])
-    shapes = tuple((len(sums[2 * j]), len(sums[2 * j + 1])) for j in range(n))
-    if any(len(params) != n for params in experts) or any(
-            (len(sums[2 * (i * n + j)]), len(sums[2 * (i * n + j) + 1])) != shapes[j]
-            for i in range(len(experts)) for j in range(n)):
-        raise ValueError("fingerprints: the experts' parameters differ in shape; fingerprint them one by one")
+    grid = tuple((len(rows), len(cols)) for rows, cols in zip(sums[0:2 * len(shapes):2], sums[1:2 * len(shapes):2]))
     joined = torch.cat(sums).view(len(experts), -1)  # [D, sum over parameters of R + C]
-    return (joined[:, None, :] * _fingerprint_weights(shapes, joined.device)).sum(dim=-1)  # [D, 3n]
+    return (joined[:, None, :] * _fingerprint_weights(grid, joined.device)).sum(dim=-1)  # [D, 3n]
 
 
 @lru_cache(maxsize=64)
