@@ -395,7 +395,7 @@ class HostBackend:
         self.wait_timeout_s = wait_timeout_s
         self.stream_memops = stream_memops
         self.poison_released = poison_released
-        self._queues = [_HostQueue(f"feplb-host-queue-{i}") for i in range(executors)]
+        self._queues: list[Optional[_HostQueue]] = [None] * executors  # shared queues, each while a stream uses it
         self._jitter_s, self._seed = jitter_s, seed
         self.device = torch.device("cpu")
         self._owned: dict[int, tuple] = {}  # ptr -> (shm, view)
@@ -532,19 +532,20 @@ class HostBackend:
         if self._jitter_s > 0:
             rng, most = random.Random(self._seed * 7919 + stream), self._jitter_s
             jitter = lambda: time.sleep(rng.uniform(0.0, most))  # noqa: E731 - one draw per operation
-        shared = self._queues[stream % len(self._queues)] if self._queues else None
+        shared = None
+        if self._queues:
+            i = stream % len(self._queues)
+            shared = self._queues[i] = self._queues[i] or _HostQueue(f"feplb-host-queue-{i}")
         self._streams[stream] = _HostStream(f"feplb-host-stream-{stream}", shared, jitter)
         return stream
 
     def stream_destroy(self, stream: int) -> None:
-        if not self._streams.pop(stream).stop(self.wait_timeout_s):
+        host = self._streams.pop(stream)
+        if not host.stop(self.wait_timeout_s):
             raise RuntimeError(f"host stream {stream} still runs an operation; its thread is left behind")
-
-    def close_queues(self) -> None:
-        """End the shared queues' threads (``executors``), once no stream uses them."""
-        for host_queue in self._queues:
-            host_queue.stop(self.wait_timeout_s)
-        self._queues = []
+        if not host.owns_queue and all(other.queue is not host.queue for other in self._streams.values()):
+            self._queues[self._queues.index(host.queue)] = None  # the last stream of a shared queue: its thread ends
+            host.queue.stop(self.wait_timeout_s)
 
     def memset_async(self, ptr: int, byte: int, nbytes: int, stream: int) -> None:
         if nbytes:
