@@ -1,6 +1,8 @@
 """`grouped_mlp.StackedMLP`: which experts compute grouped, the same math as one call per expert,
 and a launch count that does not grow with the experts; in the layer, the aten-op budget of issue
 "GPU hot path II" (the expert stage of a known MLP at 32 local experts)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -36,28 +38,31 @@ def test_only_a_known_mlp_is_grouped(expert, known):
     assert (StackedMLP.of(expert) is not None) == known
 
 
-def _both(experts, sizes, dtype, grad_of_sum=False):
-    """(grouped, per-expert) outputs and gradients of x and of every parameter."""
+def grouped_and_per_expert(experts, sizes, dtype, grad_of_sum=False, around_grouped=contextlib.nullcontext):
+    """(grouped, per-expert) outputs and gradients of x and of every parameter, on the experts'
+    device; the grouped forward and backward run inside ``around_grouped()``."""
     torch.manual_seed(1)
-    x = torch.randn(sum(sizes), H, dtype=dtype)
-    grad = torch.randn(sum(sizes), H, dtype=dtype)
+    device, hidden = experts[0][0].weight.device, experts[0][0].in_features
+    x = torch.randn(sum(sizes), hidden, dtype=dtype).to(device)
+    grad = torch.randn(sum(sizes), hidden, dtype=dtype).to(device)
     runs = []
     for grouped in (True, False):
         for e in experts:
             e.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        if grouped:
-            layer = StackedMLP.of(experts[0])
-            y = layer.grouped(layer.stack([list(e.parameters()) for e in experts]), xi, sizes)
-        else:
-            y = torch.cat([e(rows) for e, rows in zip(experts, xi.split(sizes))])
-        y.sum().backward() if grad_of_sum else y.backward(grad)
+        with around_grouped() if grouped else contextlib.nullcontext():
+            if grouped:
+                layer = StackedMLP.of(experts[0])
+                y = layer.grouped(layer.stack([list(e.parameters()) for e in experts]), xi, sizes)
+            else:
+                y = torch.cat([e(rows) for e, rows in zip(experts, xi.split(sizes))])
+            y.sum().backward() if grad_of_sum else y.backward(grad)
         runs.append([y.detach(), xi.grad] + [p.grad if p.grad is not None else torch.zeros_like(p)
                                              for e in experts for p in e.parameters()])
     return runs
 
 
-def _relative(a, b):
+def relative(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
@@ -66,10 +71,10 @@ def _relative(a, b):
 def test_grouped_equals_one_call_per_expert(dtype, tolerance, sizes):
     torch.manual_seed(0)
     experts = [mlp(torch.nn.GELU()).to(dtype) for _ in sizes]
-    grouped, loop = _both(experts, sizes, dtype)
+    grouped, loop = grouped_and_per_expert(experts, sizes, dtype)
     for got, want in zip(grouped, loop):
         assert got.shape == want.shape and got.dtype == want.dtype
-        assert _relative(got, want) <= tolerance
+        assert relative(got, want) <= tolerance
     empty = [i for i, n in enumerate(sizes) if n == 0]
     for i in empty:  # an expert without rows: zero gradients (its parameters are 4 per expert)
         assert all(not g.any() for g in grouped[2 + 4 * i:2 + 4 * i + 4])
@@ -77,8 +82,8 @@ def test_grouped_equals_one_call_per_expert(dtype, tolerance, sizes):
 
 def test_an_expanded_output_gradient_is_taken():
     experts = [mlp(torch.nn.SiLU(), bias=False) for _ in range(3)]
-    grouped, loop = _both(experts, [4, 2, 6], torch.float32, grad_of_sum=True)
-    assert all(_relative(a, b) <= 1e-6 for a, b in zip(grouped, loop))
+    grouped, loop = grouped_and_per_expert(experts, [4, 2, 6], torch.float32, grad_of_sum=True)
+    assert all(relative(a, b) <= 1e-6 for a, b in zip(grouped, loop))
 
 
 def test_its_launches_do_not_grow_with_the_experts():
