@@ -6,12 +6,13 @@ helpers (which import DeepSpeed) load on first use.
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
 
 __all__ = ["FEPLBConfig", "FEPLBConfigError", "FEPLBModelError", "load_config", "MoE", "convert", "initialize",
-           "init_distributed", "shutdown", "canonical_experts"]
+           "init_distributed", "shutdown", "canonical_experts", "weights_changed"]
 __version__ = "0.1.0"
 
 _LAZY = {"MoE": "deepspeed_feplb.integration.deepspeed_moe", "convert": "deepspeed_feplb.integration.engine",
          "initialize": "deepspeed_feplb.integration.engine", "init_distributed": "deepspeed_feplb.integration.engine",
-         "shutdown": "deepspeed_feplb.domain", "canonical_experts": "deepspeed_feplb.integration.placement"}
+         "shutdown": "deepspeed_feplb.domain", "canonical_experts": "deepspeed_feplb.integration.placement",
+         "weights_changed": "deepspeed_feplb.weight_watch"}
 
 
 def __getattr__(name):

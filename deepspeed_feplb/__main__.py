@@ -1,7 +1,8 @@
 """`feplb` (or `python -m deepspeed_feplb`) {schema, simulate, trace, cleanup, report}.
 
 Each sub-command lives in the module that owns it and registers itself through
-`add_parser(subparsers)`; the handler is stored as `func`.
+`add_parser(subparsers)`; the handler is stored as `func`. An input file that its loader refuses
+(`exits.InputFileError`) ends the command in one line on stderr with exit status 2.
 """
 import argparse
 import importlib
@@ -44,7 +45,12 @@ def main(argv=None):
     if unknown:  # named by the command's own usage (argparse would print the top-level one)
         parser.commands[args.command].error(
             f"unrecognized arguments: {' '.join(unknown)}")
-    return args.func(args) or 0
+    from deepspeed_feplb.exits import InputFileError, fail
+
+    try:
+        return args.func(args) or 0
+    except InputFileError as e:  # raised by the loaders only; any other error is a bug and keeps its traceback
+        fail(args.command, str(e))
 
 
 if __name__ == "__main__":

@@ -16,15 +16,27 @@ Example::
 import argparse
 import difflib
 import json
+import math
 import os
 import reprlib
 import sys
 import warnings
 from typing import Annotated, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-__all__ = ["FEPLBConfig", "SchedulerConfig", "PlacementConfig", "GatingConfig", "StatsConfig", "FEPLBConfigError", "load_config", "schema"]
+__all__ = ["FEPLBConfig", "SchedulerConfig", "PlacementConfig", "GatingConfig", "StatsConfig", "FEPLBConfigError", "load_config",
+           "schema", "idle_keys", "MIN_TRANSPORT_SLOT_MB"]
 
 SECTION = "feplb"
 SCHEMA_COMMAND = "python -m deepspeed_feplb schema --output config_schemas/feplb.schema.json"
@@ -52,7 +64,10 @@ class FEPLBConfigModel(BaseModel):
     simulator: the same ``model_config`` (unknown keys are errors, aliases or field names both
     accepted, validation on assignment), and a value ``"auto"`` for a field that does not accept
     it means "use the default", as DeepSpeed's non-strict mode does (e.g. configs written for HF
-    Trainer). Fields whose type includes ``Literal["auto"]`` keep ``"auto"`` as the string.
+    Trainer). Fields whose type includes ``Literal["auto"]`` keep ``"auto"`` as the string. A
+    boolean is refused for a number field (pydantic would take ``true`` as 1: a key meant for
+    another field, or a number written as a switch, would run as 1 unnoticed); integers are still
+    numbers for float fields.
     Deprecations use pydantic's ``Field(deprecated=...)``: a warning on use and
     ``"deprecated": true`` in the schema.
     """
@@ -77,11 +92,42 @@ class FEPLBConfigModel(BaseModel):
                     if not (isinstance(v, str) and v == "auto" and k in fields and not _accepts_auto(fields[k].annotation))}
         return data
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value, info: ValidationInfo):
+        if isinstance(value, bool) and _takes_number(cls.model_fields[info.field_name].annotation):
+            raise PydanticCustomError("bool_not_number", "Input should be a number, not a boolean")
+        return value
+
 
 def _accepts_auto(annotation) -> bool:
     if get_origin(annotation) is Literal:
         return "auto" in get_args(annotation)
     return any(_accepts_auto(arg) for arg in get_args(annotation))
+
+
+def _takes_number(annotation) -> bool:
+    """Whether a field's type is, or has a member that is, ``int`` or ``float`` (not ``bool``)."""
+    if annotation in (int, float):
+        return True
+    return get_origin(annotation) is not Literal and any(_takes_number(arg) for arg in get_args(annotation))
+
+
+# The smallest phase-2 slot: a `cuda_ce` ring is `migrate.arena.RING_SLOTS` (4) slots, each a whole
+# number of `arena.ALIGN` (256-byte) pieces (`arena.ring_capacity`), and a message travels through
+# them as byte ranges (`cuda_ce.part_ranges`; its description is in the control block, not the
+# ring), so 1 KiB is the least ring a slot size gives: a smaller one is rounded up to it, and one
+# under a byte is 0 bytes, which no part fits. Not imported from `arena`, which loads torch.
+MIN_TRANSPORT_SLOT_MB = 4 * 256 / 2**20
+
+
+def _slot_size(value: float) -> float:
+    if not (math.isfinite(value) and value >= MIN_TRANSPORT_SLOT_MB):
+        raise PydanticCustomError(
+            "slot_too_small", "Input should be a finite number of at least {minimum} MiB (1 KiB: a phase-2 ring is 4 "
+            "slots of whole 256-byte pieces, so a smaller size is rounded up to it, and one under a byte would be 0 "
+            "bytes, which no message part fits)", {"minimum": MIN_TRANSPORT_SLOT_MB})
+    return value
 
 
 class SchedulerConfig(FEPLBConfigModel):
@@ -154,7 +200,7 @@ class PlacementConfig(FEPLBConfigModel):
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
     redundant_experts_per_rank: int = Field(0, ge=0)
-    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step."""
+    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step. A node holds one copy of an expert at most, so a layer of E experts over R ranks in N nodes fills at most E * (N - 1) / R slots per rank (more is refused when the layer is built); an EP group within one node has no replicas."""
 
     network_gbps: float = Field(50.0, gt=0)
     """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""
@@ -190,8 +236,9 @@ class FEPLBConfig(FEPLBConfigModel):
     ce_budget: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
     """Cap on the expert-weight bytes a rank sends, and receives, per MoE layer pass (rows not counted). 'auto': no cap; the planner's time model keeps only the copies that shorten the slowest rank."""
 
-    transport_slot_mb: Union[Literal["auto"], Annotated[float, Field(gt=0)]] = "auto"
-    """Size of each phase-2 receive slot (one per peer of the domain, on the GPU with 'cuda_ce'), in MiB, allocated once when the domain opens; a larger message travels through it in parts. 'auto': D chunks with their weights plus a rank's mean rows in one part (docs/GPU.md has the formula)."""
+    transport_slot_mb: Union[Literal["auto"], Annotated[float, AfterValidator(_slot_size),
+                                                        Field(json_schema_extra={"minimum": MIN_TRANSPORT_SLOT_MB})]] = "auto"
+    """Size of each phase-2 receive slot (one per peer of the domain, on the GPU with 'cuda_ce'), in MiB, allocated once when the domain opens; a larger message travels through it in parts. At least 1/1024 (1 KiB: a ring of 4 slots of whole 256-byte pieces). 'auto': D chunks with their weights plus a rank's mean rows in one part (docs/GPU.md has the formula)."""
 
     weight_residency: Literal["step", "micro_batch"] = "step"
     """'step': a helper keeps a received copy until the optimizer step (later micro-batches need no new copy) and returns its accumulated weight-gradient in the step's last backward. 'micro_batch': copy and return every micro-batch (the paper's scheme)."""
@@ -212,6 +259,58 @@ class FEPLBConfig(FEPLBConfigModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     gating: GatingConfig = Field(default_factory=GatingConfig)
     stats: StatsConfig = Field(default_factory=StatsConfig)
+
+
+# (why the keys have no effect, when, the keys): `idle_keys`, checked in this order
+_MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "ce_budget", "transport_slot_mb", "weight_residency",
+              "max_resident_experts", "resident_budget_mb", "scheduler.mode", "scheduler.plan_timeout_ms",
+              "scheduler.restart", "scheduler.start_after_steps")
+_IDLE_RULES = (
+    ("feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler)",
+     lambda c: c.dynamic_experts_per_rank == 0, _MIGRATION),
+    ("feplb.placement.enabled is false",
+     lambda c: not c.placement.enabled,
+     ("placement.redundant_experts_per_rank", "placement.interval_steps", "placement.history_decay",
+      "placement.network_gbps")),
+    ("feplb.weight_residency is \"micro_batch\": no copy is kept past its micro-batch",
+     lambda c: c.weight_residency == "micro_batch", ("max_resident_experts", "resident_budget_mb")),
+    ("feplb.max_resident_experts is 0: no copy is kept past its micro-batch",
+     lambda c: c.max_resident_experts == 0, ("resident_budget_mb", )),
+    ("feplb.scheduler.mode is \"inline\": every rank plans itself, no scheduler process",
+     lambda c: c.scheduler.mode == "inline",
+     ("scheduler.plan_timeout_ms", "scheduler.restart", "scheduler.start_after_steps")),
+    ("feplb.gating.score is \"softmax\": DeepSpeed's own gate scores the experts",
+     lambda c: c.gating.score == "softmax", ("gating.bias_update_rate", "gating.normalize_topk")),
+    ("feplb.stats.enabled is false", lambda c: not c.stats.enabled, ("stats.monitor", )),
+)
+
+
+def idle_keys(config: FEPLBConfig) -> list[str]:
+    """One line per reason that keys set in ``config`` (to other than their default) have no
+    effect beside the others, naming them (each key once, under the first reason):
+    ``deepspeed_feplb.initialize`` says each line once per job, so that a setting that does nothing
+    is not taken for one that works. A key left at its default is never named: it changes nothing
+    either way."""
+    named, lines = set(), []
+    for why, applies, keys in _IDLE_RULES:
+        if not applies(config):
+            continue
+        idle = [key for key in keys if key not in named and _changed(config, key)]
+        named.update(idle)
+        if idle:
+            what = ", ".join(f"feplb.{key}" for key in idle)
+            lines.append(f"{why}, so {what} {'has' if len(idle) == 1 else 'have'} no effect")
+    return lines
+
+
+def _changed(config: FEPLBConfig, key: str) -> bool:
+    """Whether the dotted ``key`` (under ``feplb``) was given a value other than its default."""
+    *parents, name = key.split(".")
+    model = config
+    for parent in parents:
+        model = getattr(model, parent)
+    field = type(model).model_fields[name]
+    return name in model.model_fields_set and getattr(model, name) != field.get_default(call_default_factory=True)
 
 
 def load_config(ds_config: Union[dict, str, os.PathLike]) -> FEPLBConfig:

@@ -190,6 +190,10 @@ class DomainRuntime:
             self.closed = True
             self.scheduler.close()  # first: the leader's transport close removes every segment of the domain
             self.transport.close()
+            if self.local_rank != 0 and not self.watch.alive(0):
+                # the leader died before removing them: no rank can use the domain any more (its names
+                # are this job's own), and a rank that still maps one keeps its memory until it unmaps
+                cleanup(prefix=f"{self.name}-")
 
 
 def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None,

@@ -15,6 +15,11 @@ replaces ``sys.excepthook`` so that
   broke (DeepSpeed's own, outside FEPLB) only says "connection reset" or times out.
 
 The exit status stays 1.
+
+The command-line tools (``feplb simulate``, ``trace``, ``report``) end on a bad option or input
+file as argparse does: one line on stderr, exit status 2 (`fail`). The loaders of their input
+files raise `InputFileError` naming the file and what is wrong in it, which ``__main__`` turns
+into that line; any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -24,10 +29,25 @@ import sys
 import threading
 from typing import Callable, Optional
 
-__all__ = ["install", "interrupted"]
+__all__ = ["InputFileError", "fail", "install", "interrupted"]
 
 _installed = False
 _interrupted = False
+
+
+class InputFileError(ValueError):
+    """A command's input file cannot be used; the message names the file and what is wrong.
+
+    A ValueError, so that library callers that already catch bad values (a trace given to
+    `testing.routing`) keep working."""
+
+
+def fail(command: str, message: str):
+    """End a command as argparse ends on a bad option: ``COMMAND: error: MESSAGE`` on one line of
+    stderr, exit status 2, no traceback. Line breaks in the message (a path, a value quoted from a
+    corrupt file) are flattened so that the line stays one."""
+    print(f"{command}: error: {' '.join(str(message).splitlines())}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def interrupted() -> bool:

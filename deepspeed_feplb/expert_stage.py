@@ -48,7 +48,7 @@ from deepspeed_feplb.migrate.phase2 import (
     grad_experts,
     tensor_slots,
 )
-from deepspeed_feplb.migrate.resident import Fingerprints, LayerResidency, copy_bytes
+from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
 from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
 from deepspeed_feplb.stats import (
     MicroBatchStats,
@@ -546,9 +546,6 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         dyn_x, *dyn_params = Phase2Anchor.apply(box, len(spec.param_names), dyn_x, *dyn_params)
     ready = domain.transport.mark()
     row_counts = [int(counts[e]) for e in dynamic]
-    # on CUDA read before the static experts are queued: reading them once the plan is in hand waits for nothing
-    prints = (Fingerprints([params[e] for e in dynamic])
-              if residency is not None and residency.table.max_resident and rows.is_cuda else None)
     got: dict = {}  # the plan once in hand: "planned", "phase2", "at" (host seconds)
 
     def take(planned) -> None:
@@ -556,7 +553,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
         got["at"] = time.perf_counter()
         phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic, row_counts,
                                   list(modules), spec, needs_grad, with_grads, stage_times, residency, step_ends,
-                                  ready, mark, prints)
+                                  ready, mark)
         phase2.send_forward(dyn_x.detach(), [[p.detach() for p in params[e]] for e in dynamic])
         got.update(planned=planned, phase2=phase2)
 
@@ -589,7 +586,7 @@ def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.
     if config.stats.enabled and not recompute:
         stats = layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks,
                             residency_stats(phase2.fresh, phase2.copy_kept, len(phase2.flush_entries),
-                                            expert_bytes), seq)
+                                            expert_bytes, phase2.resent), seq)
     if not recompute:
         times.finish(begin, static_done, mark(), int(counts.sum()), pieces + phase2.timed)
     return torch.cat(outs), stats

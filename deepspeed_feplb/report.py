@@ -6,7 +6,10 @@ Input: the per-step JSON lines that the examples print (``{"step": ..., "loss": 
 (files ``FEPLB_<layer>_<metric>.csv``, as `deepspeed_feplb.integration.monitor` writes them).
 Steps are shown as logged (no renumbering). Several inputs are separate runs (e.g. FEPLB on and
 off), shown side by side: their layers become ``<run>: <layer>`` (run = ``--label`` or the file
-name) and summary.md gets a table of the runs (steps, median step time, loss).
+name) and summary.md gets a table of the runs (steps, median step time, loss). An input the
+report cannot use (a record that is cut or holds a value of the wrong type or beyond any real
+one, a CSV line that is not ``step,value``, a file without stats) ends the command in one line
+naming the file, the line and the key, exit status 2.
 
 Output, in ``--out``: ``stragglers.png`` (token straggler before/after balancing and measured
 GEMM straggler per layer over steps), ``migration.png`` (migrated tokens and bytes, plan latency,
@@ -25,8 +28,12 @@ import json
 import math
 import os
 import re
+import reprlib
 import sys
 from pathlib import Path
+
+from deepspeed_feplb.exits import InputFileError
+from deepspeed_feplb.trace.format import MAX_COUNT
 
 STRAGGLER_METRICS = ("token_straggler_before", "token_straggler_after", "gemm_straggler_ms")
 MIGRATION_METRICS = ("migrated_tokens", "migrated_bytes", "plan_latency_us", "fallbacks")
@@ -93,18 +100,82 @@ PLOT_INSTALL = "pip install -e '.[plot]' in the repository checkout (or pip inst
 
 
 def _records(path: str | os.PathLike):
-    """The per-step records (JSON objects with a ``step``) of a log; other lines are skipped."""
-    with open(path, errors="replace") as f:  # a launcher's log may hold bytes that are not UTF-8
-        for line in f:
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "step" in record:
-                yield record
+    """The per-step records (JSON objects with a ``step``) of a log, each checked (`_check_record`);
+    other lines are skipped, as a launcher's log holds many. A record line that does not parse is
+    a corrupt file (`InputFileError`), unless it is the last line: a run still writing its log."""
+    try:
+        with open(path, errors="replace") as f:  # a launcher's log may hold bytes that are not UTF-8
+            lines = [line.strip() for line in f]
+    except OSError as e:
+        raise InputFileError(f"{path}: cannot read it ({e.strerror or e})") from None
+    last = max((number for number, line in enumerate(lines, 1) if line), default=0)
+    for number, line in enumerate(lines, 1):
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            if line.startswith('{"step"') and number != last:
+                raise InputFileError(f"{path}: line {number}: a cut or corrupt stats record ({e})") from None
+            continue  # a dict that a launcher printed, or the cut last line
+        if isinstance(record, dict) and "step" in record:
+            _check_record(record, f"{path}: line {number}")
+            yield record
+
+
+# Metrics that count rows: a value beyond MAX_COUNT (2**40) is a corrupt number, not a batch.
+ROW_METRICS = ("token_straggler_before", "token_straggler_after", "warm_start_token_straggler", "migrated_tokens")
+
+
+def _number(value) -> float | None:
+    """``value`` as a float if it is a JSON number that fits one, else None (a bool is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond 1e308
+        return None
+
+
+def _metric_problem(metric: str, value) -> str | None:
+    """What is wrong with one logged value of ``metric``, or None: every metric is a finite
+    number (the tables and figures compute with it), the row counts at most MAX_COUNT."""
+    number = _number(value)
+    if number is None or not math.isfinite(number):
+        return f"is {reprlib.repr(value)}, expected a finite number"
+    if metric in ROW_METRICS and not 0 <= number <= MAX_COUNT:
+        return f"is {reprlib.repr(value)}, expected rows from 0 to 2**40 = {MAX_COUNT}"
+    return None
+
+
+def _check_record(record: dict, where: str) -> None:
+    """Refuse (`InputFileError`, ``where`` names the file and line) a record whose values the report
+    cannot use: a table or figure would fail on it far from the cause, or show nonsense. Keys
+    other than these are not read; a null value counts as absent."""
+    step = record["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InputFileError(f"{where}: step is {reprlib.repr(step)}, expected a whole number >= 0")
+    loss = record.get("loss")
+    if loss is not None and _number(loss) is None:  # NaN and inf are losses (a diverged run)
+        raise InputFileError(f"{where}: loss is {reprlib.repr(loss)}, expected a number")
+    for key in ("step_ms", "tokens"):
+        value = record.get(key)
+        number = _number(value)
+        if value is not None and (number is None or not 0 <= number < math.inf):
+            raise InputFileError(f"{where}: {key} is {reprlib.repr(value)}, expected a finite number >= 0")
+    layers = record.get("layers")
+    if layers is None:
+        return
+    if not isinstance(layers, dict):
+        raise InputFileError(f"{where}: layers is {reprlib.repr(layers)}, expected {{layer: {{metric: value}}}}")
+    for layer, metrics in layers.items():
+        if not isinstance(metrics, dict):
+            raise InputFileError(f"{where}: layers[{reprlib.repr(layer)}] is {reprlib.repr(metrics)}, expected "
+                                 "{metric: value}")
+        for metric, value in metrics.items():
+            problem = _metric_problem(metric, value)
+            if problem:
+                raise InputFileError(f"{where}: layers[{reprlib.repr(layer)}][{reprlib.repr(metric)}] {problem}")
 
 
 def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -113,12 +184,11 @@ def read_jsonl(path: str | os.PathLike) -> tuple[dict, dict]:
     loss: dict = {}
     for record in _records(path):
         step = record["step"]
-        if "loss" in record:
-            loss[step] = record["loss"]
+        if record.get("loss") is not None:
+            loss[step] = float(record["loss"])
         for layer, metrics in (record.get("layers") or {}).items():
             for metric, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    series.setdefault(layer, {}).setdefault(metric, []).append((step, float(value)))
+                series.setdefault(layer, {}).setdefault(metric, []).append((step, float(value)))
     return series, loss
 
 
@@ -126,7 +196,7 @@ def read_step_ms(path: str | os.PathLike) -> dict:
     """-> ``{step: (wall milliseconds, tokens over all ranks or None)}`` of the records that carry
     ``step_ms`` (the examples' lines; ``tokens`` where they give it)."""
     return {r["step"]: (float(r["step_ms"]), r.get("tokens")) for r in _records(path)
-            if isinstance(r.get("step_ms"), (int, float))}
+            if r.get("step_ms") is not None}
 
 
 def labels_for(inputs: list, given: list | None) -> list[str]:
@@ -150,12 +220,35 @@ def read_csv_dir(directory: str | os.PathLike) -> dict:
     series: dict = {}
     for path in sorted(Path(directory).rglob("FEPLB_*.csv")):
         match = _CSV_NAME.match(path.name)
-        if not match:
-            continue
-        with open(path) as f:
-            rows = list(csv.reader(f))[1:]
-        series.setdefault(match["layer"], {})[match["metric"]] = [(int(float(s)), float(v)) for s, v in rows]
+        if match:
+            series.setdefault(match["layer"], {})[match["metric"]] = _csv_points(path, match["metric"])
     return series
+
+
+def _csv_points(path: Path, metric: str) -> list:
+    """``[(step, value)]`` of one CSV-monitor file (a header, then ``step,value`` lines), each value
+    checked as a JSON line's is (`_metric_problem`); a line that is not one is an `InputFileError`."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))[1:]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise InputFileError(f"{path}: cannot read it as CSV text ({e})") from None
+    points = []
+    for number, row in enumerate(rows, 2):
+        if not row:
+            continue  # a blank line
+        try:
+            step, value = map(float, row)  # ValueError: not a number, or not two fields
+        except ValueError:
+            step = value = math.nan
+        if not (step.is_integer() and step >= 0):
+            raise InputFileError(f"{path}: line {number} is {reprlib.repr(row)}, expected step,value with a whole "
+                                 "step >= 0")
+        problem = _metric_problem(metric, value)
+        if problem:
+            raise InputFileError(f"{path}: line {number}: {metric} {problem}")
+        points.append((int(step), value))
+    return points
 
 
 def summary(series: dict) -> dict:
@@ -474,22 +567,21 @@ def _report_command(args) -> int:
         labels = labels_for(args.inputs, args.label)
     except ValueError as e:
         args.fail(str(e))
-    draw = True
-    try:
-        pyplot()
-    except ImportError as e:
-        draw = False
-        print(f"report: {e}; writing summary.json and summary.md only", file=sys.stderr)
     several = len(args.inputs) > 1
     series: dict = {}
     losses: dict = {}
     runs: dict = {}
-    for label, source in zip(labels, args.inputs):
+    for label, source in zip(labels, args.inputs):  # a file the readers refuse ends the command (InputFileError)
         found_loss, step_ms = {}, {}
         if os.path.isdir(source):
             found = read_csv_dir(source)
+            if not found:
+                raise InputFileError(f"{source}: no FEPLB_<layer>_<metric>.csv file of DeepSpeed's CSV monitor in it")
         else:
             (found, found_loss), step_ms = read_jsonl(source), read_step_ms(source)
+            if not (found or found_loss or step_ms):
+                raise InputFileError(f"{source}: no per-step stats in it (JSON lines with a \"step\" and its "
+                                     "\"layers\", \"loss\" or \"step_ms\", as the examples print)")
         prefix = f"{label}: " if several else ""  # runs side by side, never merged into one column
         for layer in sorted(found):
             series.setdefault(prefix + layer, {}).update(found[layer])
@@ -497,8 +589,14 @@ def _report_command(args) -> int:
             losses[label] = found_loss
         runs[label] = run_table(label, source, found_loss, step_ms)
     if not series:
-        print(f"report: no FEPLB stats found in {', '.join(args.inputs)}")
-        return 1
+        raise InputFileError(f"{', '.join(args.inputs)}: no FEPLB layer stats (the \"layers\" of the JSON lines) "
+                             "to plot")
+    draw = True
+    try:
+        pyplot()
+    except ImportError as e:
+        draw = False
+        print(f"report: {e}; writing summary.json and summary.md only", file=sys.stderr)
     loss = losses if several else next(iter(losses.values()), {})
     for path in plot(series, loss, args.out, args.inputs, draw, runs):
         print(path)

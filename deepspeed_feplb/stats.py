@@ -30,7 +30,7 @@ class MicroBatchStats(TypedDict):
     """``layer.feplb_stats``: what one FEPLB layer did in its last forward, for the G ranks of its
     NVLink domain (or this rank alone where it has none). Every key is always present; a forward
     that moved nothing has zeros (and ``seq`` -1 when it did not run phase 2). All keys but
-    ``fallback`` are the same on every rank of the domain."""
+    ``fallback`` and ``weight_resends`` are the same on every rank of the domain."""
     ranks: list            # the G global ranks of the domain
     tokens_before: list    # rows each rank received per local expert, summed: [G]
     tokens_after: list     # rows each rank computed after balancing: [G]
@@ -45,6 +45,7 @@ class MicroBatchStats(TypedDict):
     fallback: bool         # this rank planned in-process because the scheduler process was late
     weight_copies: int     # chunks that carried an expert's weights (the rest found them kept)
     resident_hits: int     # chunks whose helper kept the weights from an earlier micro-batch
+    weight_resends: int    # of those, this rank's that carried them again: its weights changed in the step
     flushed_copies: int    # kept copies whose gradients went home at the step's end
     weight_bytes: int      # weight bytes sent, domain-wide
     grad_bytes: int        # weight-gradient bytes returned, domain-wide
@@ -52,7 +53,8 @@ class MicroBatchStats(TypedDict):
     domain_counts: np.ndarray  # int64 [G, E_local]: rows each rank received per local expert
 
 
-NO_TRAFFIC = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "weight_bytes": 0, "grad_bytes": 0}
+NO_TRAFFIC = {"weight_copies": 0, "resident_hits": 0, "weight_resends": 0, "flushed_copies": 0, "weight_bytes": 0,
+              "grad_bytes": 0}
 
 
 def layer_stats(domain_counts: np.ndarray, moves: np.ndarray, plan_seconds: float, fallback: bool,
@@ -84,16 +86,19 @@ def unbalanced_stats(domain_counts: np.ndarray, ranks: list[int]) -> MicroBatchS
     return layer_stats(domain_counts, np.zeros((0, 4), np.int64), 0.0, False, ranks)
 
 
-def residency_stats(fresh: np.ndarray, kept: np.ndarray, flushed: int, expert_bytes: int) -> dict:
+def residency_stats(fresh: np.ndarray, kept: np.ndarray, flushed: int, expert_bytes: int, resent: int = 0) -> dict:
     """Weight traffic of one layer's micro-batch in its domain: fresh / kept bool [M] per move of
     the plan (`plan.residency.ResidencyTable.admit`), ``flushed`` kept copies whose gradients went
-    home at the step's end. Weight and gradient bytes count one expert per copy (the parameters'
-    dtype), domain-wide. A copy refreshed because the home's weights changed counts as a hit here
-    (rare: weights change at the optimizer step, when the table is empty)."""
+    home at the step's end, ``resent`` this rank's chunks (as a home) that carried weights again to
+    a helper keeping a copy, because they changed within the step (only the home and its helper
+    know: ``weight_resends``, which `integration.monitor` sums over the domain's ranks and moves
+    from ``resident_hits`` to ``weight_copies``). Weight and gradient bytes count one expert per
+    copy (the parameters' dtype), domain-wide."""
     copies, hits = int(fresh.sum()), int((~fresh).sum())
     grads = int((~kept).sum()) + int(flushed)
-    return {"weight_copies": copies, "resident_hits": hits, "flushed_copies": int(flushed),
-            "weight_bytes": copies * int(expert_bytes), "grad_bytes": grads * int(expert_bytes)}
+    return {"weight_copies": copies, "resident_hits": hits, "weight_resends": int(resent),
+            "flushed_copies": int(flushed), "weight_bytes": copies * int(expert_bytes),
+            "grad_bytes": grads * int(expert_bytes)}
 
 
 class StageTimes:

@@ -208,14 +208,17 @@ class CheckpointedMoEModel(TinyMoEModel):
 
 def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 4, steps: int = 3,
                       max_resident: int = 8, checkpointing: str | None = None, write: str = "no_grad",
-                      budget_copies: float | None = None) -> dict:
+                      budget_copies: float | None = None, evaluate: bool = False) -> dict:
     """Train DeepSpeed's MoE and FEPLB side by side with ``gas`` micro-batches per optimizer step.
 
     Between steps, and once between two micro-batches of a step, both models' expert weights are
     changed in place the same way (in the step: ``write`` says how: "no_grad" in place under
-    ``torch.no_grad()``, "data" through ``p.data``, "load_state_dict" a scaled state dict): a
+    ``torch.no_grad()``, "data" through ``p.data`` then declared (`deepspeed_feplb.weights_changed`),
+    "data-undeclared" not, "load_state_dict" a scaled state dict): a
     helper that computed with a copy it kept from before the change would make FEPLB's losses and
-    weights differ. ``budget_copies``: ``feplb.resident_budget_mb`` as that many kept copies. Returns
+    weights differ. ``budget_copies``: ``feplb.resident_budget_mb`` as that many kept copies. With
+    ``evaluate``, each step is followed by an evaluation forward on other weights swapped in and out
+    through ``p.data`` (a kept copy of them must not outlive it). Returns
     the losses, the parameter errors, FEPLB's weight traffic summed over every micro-batch (its
     stats, domain-wide) and the most kept-copy bytes any rank held after a micro-batch."""
     import deepspeed
@@ -255,11 +258,13 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
                 continue
             for expert in engine.module.moe.deepspeed_moe.experts.deepspeed_experts:
                 for p in expert.parameters():
-                    if write == "data":
+                    if write.startswith("data"):
                         p.data.mul_(scale)
                     else:
                         with torch.no_grad():
                             p.mul_(scale)
+        if write == "data":
+            deepspeed_feplb.weights_changed(ours)
 
     losses = {name: [] for name in engines}
     traffic = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "moves": 0}
@@ -278,6 +283,16 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
             if domain is not None:
                 most_kept = max(most_kept, int(domain.kept_bytes.held.max()))
         perturb(1.02)  # between steps
+        if evaluate:
+            for engine in engines.values():
+                experts = [p for e in engine.module.moe.deepspeed_moe.experts.deepspeed_experts for p in e.parameters()]
+                saved = [p.detach().clone() for p in experts]
+                for p in experts:
+                    p.data.mul_(0.9)
+                with torch.no_grad():
+                    engine(rank_inputs(999)[0])
+                for p, kept in zip(experts, saved):
+                    p.data.copy_(kept)
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
     domain = ours.module.moe.deepspeed_moe.stage.domain
@@ -598,12 +613,12 @@ def misuse_case(kind: str) -> dict:
     return {"error": "", "kind": ""}
 
 
-def _placed_model(num_experts: int, ep_size: int, learn_gate: bool = False):
+def _placed_model(num_experts: int, ep_size: int, learn_gate: bool = False, moe_class=DeepSpeedMoE):
     """TinyMoEModel whose gate sends most routes to the experts of the first node (the first half of
     the ranks), several of them about equally hot (so that moving experts can balance the nodes);
     the gate learns with ``learn_gate``, else its loads are stationary."""
     torch.manual_seed(11)
-    model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
+    model = TinyMoEModel(moe_class(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
                                       ep_size=ep_size, k=2, min_capacity=0, drop_tokens=False, use_rts=False,
                                       top2_2nd_expert_sampling=False))
     with torch.no_grad():
@@ -874,6 +889,13 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
     fresh_placed = placed_layers(fresh.module)[0].placement.expert_at.tolist()
     resumed["placement-order state dict into a fresh job"] = _train({"fresh": fresh}, range(save_at,
                                                                                             save_at + 1))["fresh"]
+    # the same into a model built with deepspeed_feplb.MoE, loaded before deepspeed_feplb.initialize
+    # (whose `convert` sets the layers up again: the loaded order must survive it)
+    model = _placed_model(4 * world, world, moe_class=deepspeed_feplb.MoE)
+    model.load_state_dict(canonical["outside"])
+    early = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
+    resumed["placement-order state dict before initialize"] = _train({"early": early}, range(save_at,
+                                                                                            save_at + 1))["early"]
     fresh_refusals = {}
     for kind, placed in (("deepspeed", True), ("feplb without placement", False)):
         other = engine("feplb" if placed is False else kind, placement=placed)
@@ -1192,3 +1214,117 @@ def sync_audit_case(placed: bool, redundant: int = 1) -> dict:
     if placed:
         out["replicas"] = bool((placed_layers(engine.module)[0].placement.replica_at >= 0).any())
     return out
+
+
+def scale_blocks(p: torch.Tensor) -> None:
+    """x2 and x1/2 on the diagonals of each expert's first 2x2 block (through ``p.data``; ``p`` one
+    expert's matrix, or AutoEP's stacked ``[E, F, H]``): no row or column sum of bit patterns
+    changes, the structured write a row/column-sum fingerprint cannot see."""
+    if p.dim() >= 2:
+        p.data[..., :2, :2].mul_(torch.tensor([[2.0, 0.5], [0.5, 2.0]], dtype=p.dtype))
+
+
+def write_in_place(p: torch.Tensor) -> None:
+    """An in-place write under ``no_grad`` to each expert's first column (or AutoEP's stacked ``[E, ...]``)."""
+    with torch.no_grad():
+        p[..., 0].add_(0.05)
+
+
+def replica_weight_writes_case(zero_stage: int, swaps: bool = True) -> dict:
+    """`replica_slots_case`'s layer (replica slots, 2 nodes of 2, 2 micro-batches per step) with
+    FEPLB and DeepSpeed's MoE written alike outside the optimizer step, every write one that the
+    replicas must follow (`weight_watch`): between steps, evaluation forwards with other weights
+    swapped in and out through ``p.data`` (an EMA's, a 2x2 block scaled x2 / x1/2, all x0.98);
+    between two micro-batches of a step, an in-place write under ``no_grad`` and one through
+    ``p.data``, each declared (`deepspeed_feplb.weights_changed`), and a ``load_state_dict``.
+    Every write touches every expert alike, so the placement (which moves experts) cannot matter.
+    Returns both loss curves (training and evaluation), the parameter errors, the replicas'
+    refreshes, and whether an undeclared in-place write between micro-batches was said."""
+    import deepspeed
+
+    from deepspeed_feplb.integration.placement import ModuleExperts, placed_layers
+    world = dist.get_world_size()
+    gas = 2
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "copy_engine_gbps": 1e6,
+             "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6,
+                           "redundant_experts_per_rank": 1}}
+    config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
+    models = {name: _one_hot_expert_model(4 * world, world) for name in ("reference", "feplb")}
+    engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
+        model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
+    ours = engines["feplb"]
+
+    def expert_params(engine) -> list:
+        return [p for expert in engine.module.moe.deepspeed_moe.experts.deepspeed_experts for p in expert.parameters()]
+
+    def evaluate_with(swap) -> dict:
+        """Swap other weights in through ``p.data``, evaluate, swap the training weights back."""
+        out = {}
+        for name, engine in engines.items():
+            saved = [p.detach().clone() for p in expert_params(engine)]
+            for p in expert_params(engine):
+                swap(p)
+            engine.eval()
+            with torch.no_grad():
+                x, target = _placed_inputs(999, 256)
+                prediction, _ = engine(x)
+                out[name] = float(((prediction - target)**2).mean())
+            engine.train()
+            for p, s in zip(expert_params(engine), saved):
+                p.data.copy_(s)
+        return out
+
+    def mid_step(write: str) -> None:
+        for engine in engines.values():
+            if write == "load_state_dict":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # FEPLB's experts are re-placed: it says so
+                    state = engine.module.state_dict()
+                for k in state:  # in place: the state dict's metadata (the recorded expert order) stays
+                    if "expert" in k:
+                        state[k] = state[k] * 1.01
+                engine.module.load_state_dict(state)
+                continue
+            for p in expert_params(engine):
+                if write == "no_grad":
+                    write_in_place(p)
+                else:
+                    p.data.mul_(0.98)
+        if write != "load_state_dict":
+            deepspeed_feplb.weights_changed(ours)
+
+    between = {2: lambda p: p.data.mul_(0.9).add_(0.01), 3: scale_blocks, 4: lambda p: p.data.mul_(0.98)}
+    if not swaps:
+        between = {k: (lambda p: None) for k in between}
+    within = {5: "no_grad", 6: "data", 7: "load_state_dict"}
+    losses = {name: [] for name in engines}
+    evaluations = []
+    for step in range(8):
+        if step in between:
+            evaluations.append(evaluate_with(between[step]))
+        for m in range(gas):
+            if m == 1 and step in within:
+                mid_step(within[step])
+            x, target = _placed_inputs(step * gas + m, 256)
+            for name, engine in engines.items():
+                losses[name].append(train_step(engine, x, target))
+    layer = placed_layers(ours.module)[0]
+    placement = layer.placement
+    held = bool((placement.replica_at >= 0).any())
+    refreshes = placement.replicas.refreshes
+    params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
+    reference = dict(engines["reference"].module.named_parameters())
+    with placement.canonical(ModuleExperts(params, ours.optimizer)):
+        errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
+    # last: an undeclared in-place write between two micro-batches is said (the replicas cannot follow it)
+    x, target = _placed_inputs(100, 256)
+    train_step(ours, x, target)  # the step's first micro-batch
+    for p in expert_params(ours):
+        write_in_place(p)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(ours, x, target)
+    said = any("weights_changed" in str(w.message) for w in caught)
+    return {"losses": losses, "evaluations": evaluations, "param_errors": errors, "held_replicas": held,
+            "refreshes": refreshes, "said": said}

@@ -7,14 +7,17 @@ import re
 import pytest
 
 from deepspeed_feplb.config import (
+    MIN_TRANSPORT_SLOT_MB,
     SCHEMA_COMMAND,
     FEPLBConfig,
     FEPLBConfigError,
     add_parser,
+    idle_keys,
     load_config,
     schema,
     schema_text,
 )
+from deepspeed_feplb.once import forget
 
 SCHEMA_FILE = pathlib.Path(__file__).resolve().parents[1] / "config_schemas" / "feplb.schema.json"
 
@@ -151,6 +154,12 @@ BAD_VALUES = [
     ("scheduler.poll_ms", -1),
     ("scheduler.start_after_steps", -1),
     ("transport_slot_mb", 0),
+    ("transport_slot_mb", 1e-9),
+    ("transport_slot_mb", float("inf")),
+    ("dynamic_experts_per_rank", True),
+    ("copy_engine_gbps", True),
+    ("nvlink_domain_size", True),
+    ("placement.redundant_experts_per_rank", True),
     ("resident_budget_mb", -1),
     ("gating", "sigmoid"),
     ("gating.score", "relu"),
@@ -234,3 +243,132 @@ def test_a_misspelled_section_is_refused_instead_of_running_on_defaults(section)
     with pytest.raises(FEPLBConfigError, match=f"^{section}: unknown ds_config section, did you mean 'feplb'"):
         load_config({section: {"dynamic_experts_per_rank": 2}, "train_batch_size": 8})
     assert load_config({"train_batch_size": 8, "fp16": {"enabled": False}}) == load_config({})
+
+
+def _number_fields():
+    """Dotted paths of every field of the section whose schema takes an integer or a number."""
+    s = schema()
+
+    def numeric(prop):
+        return prop.get("type") in ("integer", "number") or any(numeric(p) for p in prop.get("anyOf", []))
+
+    paths = []
+    for name, prop in s["properties"].items():
+        if "$ref" in prop:
+            sub = s["$defs"][prop["$ref"].split("/")[-1]]["properties"]
+            paths += [f"{name}.{key}" for key, p in sub.items() if numeric(p)]
+        elif numeric(prop):
+            paths.append(name)
+    return paths
+
+
+NUMBER_FIELDS = _number_fields()
+
+
+def test_number_fields_are_found():
+    assert {"dynamic_experts_per_rank", "nvlink_domain_size", "ce_budget", "transport_slot_mb", "max_rows_over_mean",
+            "scheduler.plan_timeout_ms", "placement.redundant_experts_per_rank", "gating.bias_update_rate"} \
+        <= set(NUMBER_FIELDS)
+    assert "enabled" not in NUMBER_FIELDS and "scheduler.restart" not in NUMBER_FIELDS
+
+
+@pytest.mark.parametrize("path", NUMBER_FIELDS)
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_not_taken_for_a_number(path, value):
+    """pydantic would take true as 1 (false as 0) for an int or float key: refused, naming the key."""
+    with pytest.raises(FEPLBConfigError) as info:
+        load_config({"feplb": _nest(path, value)})
+    assert str(info.value) == f"feplb.{path}: Input should be a number, not a boolean (got {value!r})"
+    cfg = FEPLBConfig()
+    *parents, name = path.split(".")
+    model = getattr(cfg, parents[0]) if parents else cfg
+    with pytest.raises(ValueError, match="not a boolean"):  # on assignment too
+        setattr(model, name, value)
+
+
+def test_integers_are_still_numbers_and_auto_still_works():
+    cfg = load_config({"feplb": {"copy_engine_gbps": 300, "transport_slot_mb": 1, "ce_budget": 0,
+                                 "max_rows_over_mean": 2, "scheduler": {"plan_timeout_ms": 5},
+                                 "placement": {"history_decay": 1}, "gating": {"bias_update_rate": 0}}})
+    assert cfg.copy_engine_gbps == 300.0 and cfg.transport_slot_mb == 1.0 and cfg.max_rows_over_mean == 2.0
+    cfg = load_config({"feplb": {"transport_slot_mb": "auto", "ce_budget": "auto", "dynamic_experts_per_rank": "auto"}})
+    assert cfg.transport_slot_mb == "auto" and cfg.ce_budget == "auto" and cfg.dynamic_experts_per_rank == 2
+    assert load_config({"feplb": {"enabled": True, "scheduler": {"restart": False}}}).enabled is True
+
+
+def test_the_smallest_transport_slot_is_the_smallest_ring():
+    """1 KiB: a ring of RING_SLOTS slots of one 256-byte piece each, what any smaller slot is rounded
+    up to (`arena.ring_capacity`); under a byte the slot would be 0 bytes, which no message part fits."""
+    from deepspeed_feplb.migrate.arena import ALIGN, RING_SLOTS, inbound_bytes, ring_capacity
+
+    smallest = int(MIN_TRANSPORT_SLOT_MB * 2**20)
+    assert smallest == RING_SLOTS * ALIGN == inbound_bytes(1) == inbound_bytes(smallest)
+    assert ring_capacity(0) == 0 and ring_capacity(smallest) == ALIGN
+    smallest_mb = load_config({"feplb": {"transport_slot_mb": MIN_TRANSPORT_SLOT_MB}}).transport_slot_mb
+    assert smallest_mb == MIN_TRANSPORT_SLOT_MB
+    with pytest.raises(FEPLBConfigError) as info:
+        load_config({"feplb": {"transport_slot_mb": 1e-9}})
+    message = str(info.value)
+    assert message.startswith("feplb.transport_slot_mb: Input should be 'auto' or a finite number of at least "
+                              "0.0009765625 MiB (1 KiB") and message.endswith("(got 1e-09)"), message
+
+
+def test_message_splitting_refuses_a_slot_of_no_bytes():
+    """The second line of defence: a 0-byte ring slot used to split a message into empty parts
+    without end (MemoryError on one rank, a timeout on its peer)."""
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport, part_ranges
+
+    assert list(part_ranges(600, 256)) == [(0, 256), (256, 512), (512, 600)]
+    assert list(part_ranges(0, 256)) == [(0, 0)]
+    with pytest.raises(ValueError, match="ring slots of 0 bytes .*feplb.transport_slot_mb must be at least"):
+        list(part_ranges(600, 0))
+    with pytest.raises(ValueError, match="slot_bytes=0 gives ring slots of no bytes"):
+        CudaCETransport("feplb-test-noslot", 0, 2, 1.0, True, slot_bytes=0)  # before any CUDA or segment
+
+
+def _with(**section):
+    return load_config({"feplb": section})
+
+
+@pytest.mark.parametrize("section,lines", [
+    ({}, []),
+    ({"placement": {"redundant_experts_per_rank": 0}}, []),  # at its default: changes nothing either way
+    ({"placement": {"enabled": True, "redundant_experts_per_rank": 2}}, []),
+    ({"placement": {"redundant_experts_per_rank": 2}},
+     ["feplb.placement.enabled is false, so feplb.placement.redundant_experts_per_rank has no effect"]),
+    ({"weight_residency": "micro_batch", "max_resident_experts": 3, "resident_budget_mb": 100},
+     ['feplb.weight_residency is "micro_batch": no copy is kept past its micro-batch, so '
+      "feplb.max_resident_experts, feplb.resident_budget_mb have no effect"]),
+    ({"max_resident_experts": 0, "resident_budget_mb": 100},
+     ["feplb.max_resident_experts is 0: no copy is kept past its micro-batch, so feplb.resident_budget_mb has no "
+      "effect"]),
+    ({"scheduler": {"mode": "inline", "plan_timeout_ms": 5, "peer_timeout_s": 10}},
+     ['feplb.scheduler.mode is "inline": every rank plans itself, no scheduler process, so '
+      "feplb.scheduler.plan_timeout_ms has no effect"]),
+    ({"gating": {"bias_update_rate": 0.1, "normalize_topk": False}},
+     ["feplb.gating.score is \"softmax\": DeepSpeed's own gate scores the experts, so "
+      "feplb.gating.bias_update_rate, feplb.gating.normalize_topk have no effect"]),
+    ({"gating": {"score": "sigmoid", "bias_update_rate": 0.1}}, []),
+    ({"stats": {"enabled": False, "monitor": False}},
+     ["feplb.stats.enabled is false, so feplb.stats.monitor has no effect"]),
+    ({"dynamic_experts_per_rank": 0, "weight_residency": "micro_batch", "max_resident_experts": 3,
+      "scheduler": {"restart": False}},  # each key once, under the first reason
+     ["feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler), so "
+      "feplb.weight_residency, feplb.max_resident_experts, feplb.scheduler.restart have no effect"]),
+])
+def test_keys_without_effect_are_named(section, lines):
+    assert idle_keys(_with(**section)) == lines
+
+
+def test_keys_without_effect_are_said_once_per_job(capsys):
+    from deepspeed_feplb.integration.engine import say_idle_keys
+
+    config = _with(placement={"redundant_experts_per_rank": 1})
+    [line] = idle_keys(config)
+    forget(("idle keys", line))
+    try:
+        say_idle_keys(config)
+        say_idle_keys(_with(placement={"redundant_experts_per_rank": 1}))  # another initialize of the job
+        assert capsys.readouterr().out == f"deepspeed_feplb: {line}\n"
+    finally:
+        forget(("idle keys", line))

@@ -86,14 +86,16 @@ def test_dead_rank_stops_the_others_with_an_error_naming_it(scenario):
             p.wait()
 
 
-def test_a_dead_owner_rank_is_named_by_the_survivor_even_outside_feplb():
+def test_a_dead_owner_rank_is_named_by_the_survivor_even_outside_feplb_and_its_segments_removed():
     procs = start_job("owner-dies")
     try:
-        read_until(procs[1], "READY")
+        _, prefix, _ = read_until(procs[1], "READY").split()
         out, _ = procs[1].communicate(timeout=120)
         assert procs[1].returncode not in (0, None)
         assert "rank 0 (pid" in out and "died" in out, out[-3000:]  # named, not only gloo's "connection reset"
         assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        # the owner died with the domain's segments: the survivor removed them as it exited
+        assert leftover_segments(prefix) == []
     finally:
         for p in procs:
             p.kill()

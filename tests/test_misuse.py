@@ -109,3 +109,71 @@ def test_a_fresh_segment_is_never_taken_for_a_leftover():
         assert young not in reclaim_leftovers()
     finally:
         os.unlink(os.path.join("/dev/shm", young))
+
+
+def _one_expert():
+    import torch
+    return [torch.zeros(4, 3), torch.zeros(3, 4)]
+
+
+def test_replica_slots_beyond_the_experts_of_other_nodes_are_refused_when_the_layer_is_built():
+    """A node holds one copy of an expert at most (`plan.replicas.choose`), so a rank's replica
+    slots beyond E * (N - 1) / R stay empty for good, each holding an expert's weights: refused
+    before they are allocated, naming the key, the value and the bound."""
+    from deepspeed_feplb import FEPLBConfigError
+    from deepspeed_feplb.integration.placement import ExpertPlacement
+
+    with pytest.raises(FEPLBConfigError) as info:  # 8 experts, 4 ranks as 2 nodes of 2: 4 elsewhere, 2 per rank
+        ExpertPlacement(8, None, 4, 2, 10, 0.5, 50.0, _one_expert(), redundant=3)
+    message = str(info.value)
+    assert message.startswith("feplb.placement.redundant_experts_per_rank: 3 replica slots per rank, but a layer "
+                              "of 8 experts over 4 ranks (2 nodes of 2) fills at most 2: a node holds one copy of an "
+                              "expert at most"), message
+    assert message.endswith("set it to at most 2"), message
+    with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1000 .* fills at most 12"):
+        ExpertPlacement(32, None, 8, 2, 10, 0.5, 50.0, _one_expert(), redundant=1000)
+    with pytest.raises(FEPLBConfigError, match="redundant_experts_per_rank: 1 .*over 2 ranks \\(1 node of 2\\) "
+                                               "fills at most 0"):
+        ExpertPlacement(8, None, 2, 2, 10, 0.5, 50.0, _one_expert(), redundant=1)
+
+
+@pytest.mark.parametrize("experts,ranks,per_node", [(8, 4, 2), (16, 4, 2), (32, 8, 2), (16, 8, 4), (12, 6, 2)])
+def test_the_replica_slot_bound_is_what_choose_can_fill(experts, ranks, per_node):
+    """With every expert hot, `choose`'s candidate sequence fills every slot of the bound (each node
+    then holds every expert of the other nodes once) and none beyond it."""
+    import numpy as np
+
+    from deepspeed_feplb.plan import replicas
+
+    most = replicas.most_replica_slots(experts, ranks, per_node)
+    assert most == experts // ranks * (ranks // per_node - 1)
+    e2r = np.repeat(np.arange(ranks), experts // ranks)
+    expected = np.linspace(2.0, 1.0, experts)
+    for slots in (most, most + 1):
+        table = replicas._sequence(expected, e2r, per_node, slots, repeat=True)[-1]
+        assert (table[:, :most] >= 0).all() and (table[:, most:] < 0).all(), table
+        held = replicas.slot_experts(e2r, table)
+        for node in range(ranks // per_node):  # every expert once per node
+            assert sorted(held[node * per_node:(node + 1) * per_node, :experts // ranks + most].ravel()) == \
+                list(range(experts))
+
+
+def test_replica_slots_on_a_one_node_group_are_said_to_have_no_effect(capsys, monkeypatch):
+    from deepspeed_feplb.config import load_config
+    from deepspeed_feplb.integration import seams
+    from deepspeed_feplb.integration.placement import ExpertPlacement
+    from deepspeed_feplb.once import forget
+
+    monkeypatch.setattr(seams, "expert_data_parallel_group", lambda ep_size: None)
+    config = load_config({"feplb": {"nvlink_domain_size": 2, "placement": {"enabled": True,
+                                                                          "redundant_experts_per_rank": 1}}})
+    forget("one-node replica slots")
+    try:
+        for _ in range(2):  # two layers: said once
+            placement = ExpertPlacement.of(config, 4, None, 2, _one_expert(), "cpu", redundant=0)
+            assert placement.replicas is None
+        assert capsys.readouterr().out == (
+            "deepspeed_feplb: feplb.placement.redundant_experts_per_rank=1 has no effect: the expert-parallel group "
+            "(2 ranks) is one NVLink domain (feplb.nvlink_domain_size), so there is no other node to hold replicas\n")
+    finally:
+        forget("one-node replica slots")

@@ -97,7 +97,9 @@ def test_report_plots_json_lines_and_csv_monitor_dirs(tmp_path, capsys):
     assert summary["run.log: 1.moe"]["migrated_tokens_total"] == 30
     assert summary["csv: 2.moe"] == {"gemm_straggler_ms_mean": 3.0}
     assert "run.log: 1.moe: token straggler 40.0 -> 5.0" in capsys.readouterr().out
-    assert main(["report", str(tmp_path / "plots" / "summary.json"), "--out", str(out)]) == 1  # nothing to plot
+    with pytest.raises(SystemExit) as exit_:  # no per-step records: refused in one line
+        main(["report", str(tmp_path / "plots" / "summary.json"), "--out", str(out)])
+    assert exit_.value.code == 2 and "summary.json: no per-step stats" in capsys.readouterr().err
 
 
 def _gather_both_sizes() -> list:

@@ -78,6 +78,8 @@ def test_placement_checkpoints_stay_canonical(tmp_path, zero_stage):
     fresh = r["resumed"]["placement-order state dict into a fresh job"]
     assert r["fresh_placed"] == r["placed_at_save"]
     assert np.allclose(fresh, r["continued"][:1], rtol=1e-5, atol=1e-6), (fresh, r["continued"][:1])
+    early = r["resumed"]["placement-order state dict before initialize"]  # (into a deepspeed_feplb.MoE model)
+    assert np.allclose(early, r["continued"][:1], rtol=1e-5, atol=1e-6), (early, r["continued"][:1])
     assert "feplb_placed_experts" in r["fresh_refusals"]["deepspeed"], r["fresh_refusals"]
     assert "feplb.placement.enabled" in r["fresh_refusals"]["feplb without placement"], r["fresh_refusals"]
 

@@ -41,6 +41,7 @@ from deepspeed_feplb.integration.placement import (
     adopt_expert_order,
     adopt_loaded_order,
     check_expert_order,
+    copies_stale,
     record_expert_order,
 )
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
@@ -98,7 +99,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         self.feplb_config = config
         # cross-node placement, set by `install` (feplb.placement); a second install keeps it
         self.placement: Optional[ExpertPlacement] = getattr(self, "placement", None)
-        self.loaded_expert_order: Optional[list[int]] = None  # a placement-order state dict's, loaded before it
+        # a placement-order state dict's, loaded before it: kept by a second install
+        self.loaded_expert_order: Optional[list[int]] = getattr(self, "loaded_expert_order", None)
         if not getattr(self, "_feplb_state_hooks", False):  # install may run twice on one model
             self._feplb_state_hooks = True
             self.register_state_dict_post_hook(record_expert_order)
@@ -119,6 +121,10 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
     def feplb_stats(self) -> dict:
         """Stats of the last forward (`stats.MicroBatchStats`; empty before the first)."""
         return self.stage.stats if self.stage is not None else self._plain_stats
+
+    def feplb_weights_changed(self) -> None:
+        """`weight_watch.weights_changed` for this layer."""
+        copies_stale(self.stage, getattr(self, "placement", None))
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order
@@ -164,8 +170,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         return out
 
     def _link_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """Set this forward's weights (`_weights`). With replica slots: first, after an optimizer
-        step, their weights from the experts' homes (`ReplicaSlots.refresh`, collective); then the
+        """Set this forward's weights (`_weights`). With replica slots: first their weights made the
+        experts' homes' (`ReplicaSlots.keep_current`, collective); then the
         rows ``x``, the stacked parameters and the replicas' weights through one `ExpertGradOrder`
         node, whose backward (on every rank, after the expert stage's) sends the replicas'
         gradients home at a step's end and adds those of this rank's experts to their rows of the
@@ -175,7 +181,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         if replicas is None:
             self._weights = stacked, []
             return x
-        replicas.refresh_if_stale(lambda: [list(w) for w in zip(*(p.unbind(0) for p in stacked))])
+        replicas.keep_current(lambda: [list(w) for w in zip(*(p.unbind(0) for p in stacked))], self.step_ends(),
+                              stacked)
         flat = [t for group in replicas.weights for t in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in stacked)):
             self._weights = stacked, replicas.weights

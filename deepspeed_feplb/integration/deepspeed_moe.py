@@ -35,6 +35,7 @@ from deepspeed_feplb.integration.placement import (
     adopt_expert_order,
     adopt_loaded_order,
     check_expert_order,
+    copies_stale,
     record_expert_order,
 )
 from deepspeed_feplb.integration.replicas import with_sum
@@ -61,7 +62,9 @@ class FEPLBMOELayer(MOELayer):
         self._feplb_ready = False
         self.stage: Optional[ExpertStage] = None  # at the first forward
         self.placement: Optional[ExpertPlacement] = None  # cross-node placement (feplb.placement), EP > 1
-        self.loaded_expert_order: Optional[list[int]] = None  # a placement-order state dict's, loaded before attach
+        # a placement-order state dict's, loaded before attach: kept by a second setup (`convert` in
+        # `deepspeed_feplb.initialize` of a model built with `deepspeed_feplb.MoE` and loaded before it)
+        self.loaded_expert_order: Optional[list[int]] = getattr(self, "loaded_expert_order", None)
         if not getattr(self, "_feplb_state_hooks", False):  # feplb_setup may run twice (MoE, then convert)
             self._feplb_state_hooks = True
             self.register_state_dict_post_hook(record_expert_order)
@@ -74,6 +77,10 @@ class FEPLBMOELayer(MOELayer):
     def feplb_stats(self) -> dict:
         """Stats of the last forward (`stats.MicroBatchStats`; empty before the first)."""
         return self.stage.stats if self.stage is not None else {}
+
+    def feplb_weights_changed(self) -> None:
+        """`weight_watch.weights_changed` for this layer."""
+        copies_stale(self.stage, self.placement)
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:
@@ -157,7 +164,8 @@ class FEPLBMOELayer(MOELayer):
         timed = self.stage.stage_times.measure
         replicas = self.placement.replicas if self.placement is not None else None
         if replicas is not None:
-            replicas.refresh_if_stale(self._primary_params)  # collective: the first forward after a step
+            replicas.keep_current(self._primary_params, self.step_ends(),  # collective
+                                  [p for expert in self.experts.deepspeed_experts for p in expert.parameters()])
         with timed("gate"):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
         if self.recorder is not None and not recomputing():

@@ -8,10 +8,11 @@ import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 from deepspeed_feplb import exits
-from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, load_config
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError, idle_keys, load_config
 from deepspeed_feplb.domain import learn_ranks_per_host
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import MoE
+from deepspeed_feplb.once import first_time
 
 
 def convert(model, feplb_config=None):
@@ -47,7 +48,8 @@ def initialize(*args, **kwargs):
     """`deepspeed.initialize` with FEPLB: same arguments, same return.
 
     Reads and validates the ``"feplb"`` section of the ds_config (`FEPLBConfigError` names a bad
-    key), converts the model's MoE layers and hands everything to DeepSpeed. On a machine
+    key; keys set where they have no effect are said once, `say_idle_keys`), converts the model's
+    MoE layers and hands everything to DeepSpeed. On a machine
     without CUDA it initialises the process group without DeepSpeed's shared-memory allreduce op
     (`init_distributed`) and gives an ``"Adam"``/``"AdamW"`` optimizer torch's implementation unless
     ``torch_adam`` is set (both would otherwise compile C++ ops for minutes), saying so once. For a
@@ -76,6 +78,7 @@ def initialize(*args, **kwargs):
         init_distributed(**({"distributed_port": given["distributed_port"]} if "distributed_port" in given else {}))
     if config.enabled:
         learn_ranks_per_host()  # where the launcher does not tell it (srun, mpirun): domains stay on one host
+        say_idle_keys(config)
     convert(model, config)
     check_consistency(model, config)
     bound = _cpu_adam(bound, ds_config)
@@ -102,6 +105,15 @@ def initialize(*args, **kwargs):
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result
+
+
+def say_idle_keys(config: FEPLBConfig) -> None:
+    """Print each line of `config.idle_keys` (keys set to no effect beside the others) once per job:
+    once per process (`once.first_time`), on rank 0."""
+    import torch.distributed as dist
+    for line in idle_keys(config):
+        if first_time(("idle keys", line)) and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"deepspeed_feplb: {line}", flush=True)
 
 
 def _cpu_adam(bound: inspect.BoundArguments, ds_config) -> inspect.BoundArguments:

@@ -27,7 +27,8 @@ every rank gets the same per-layer summary, and global rank 0 writes it to DeepS
   + grad_bytes``;
 * ``weight_bytes``: expert weights copied to helpers (one expert per copy; a helper that kept a
   copy from earlier in the step needs none, ``feplb.weight_residency: "step"``),
-  ``weight_copies`` their number, ``resident_hits`` chunks served from a kept copy,
+  ``weight_copies`` their number (re-sends after the home's weights changed within the step
+  included), ``resident_hits`` chunks served from a kept copy,
   ``flushed_copies`` kept copies whose accumulated gradients went home at the step's end, and
   ``grad_bytes`` the weight-gradients sent home (per chunk, or once per kept copy); sums;
 * ``plan_latency_us``: mean planning time; ``fallbacks``: micro-batches planned in-process
@@ -124,8 +125,8 @@ class Record:
     extra: dict = field(default_factory=dict)
 
     SUMMARY_STATS = ("ranks", "token_straggler_before", "token_straggler_after", "plan_latency_us", "fallback",
-                     "migrated_tokens", "moves", "weight_bytes", "weight_copies", "resident_hits", "flushed_copies",
-                     "grad_bytes")
+                     "migrated_tokens", "moves", "weight_bytes", "weight_copies", "resident_hits", "weight_resends",
+                     "flushed_copies", "grad_bytes")
 
     def lean(self) -> "Record":
         """This record with only the stats that `summarize` reads (what every step gathers)."""
@@ -280,6 +281,11 @@ def summarize(records_by_rank: list[dict[int, dict[str, Record]]], step: int) ->
                 counted = {key: int(st.get(key, 0)) for key in TRAFFIC}
                 # stats without weight traffic (recorded before residency existed): one copy per move each way
                 counted["weight_bytes"] = int(st.get("weight_bytes", moves * lead.expert_bytes))
+                # a home that sent weights again (they changed within the step) alone knows it: every home's, summed
+                resent = sum(int(r.stats.get("weight_resends", 0)) for r in members)
+                counted["weight_copies"] += resent
+                counted["resident_hits"] -= resent
+                counted["weight_bytes"] += resent * lead.expert_bytes
                 counted["grad_bytes"] = int(st.get("grad_bytes", moves * lead.expert_bytes)) if lead.training else 0
                 migrated_bytes += (passes * 2 * tokens * lead.hidden * lead.elem_bytes + counted["weight_bytes"]
                                    + counted["grad_bytes"])

@@ -250,6 +250,15 @@ class ExpertPlacement:
                  redundant: int = 0, max_rows_over_mean: float = 0.0):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
+        most = replicas.most_replica_slots(num_experts, ep_size, ranks_per_node)
+        if redundant > most:  # before the slots' weights are allocated (`ReplicaSlots`)
+            nodes = ep_size // ranks_per_node
+            raise FEPLBConfigError(
+                f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank, but a layer of "
+                f"{num_experts} experts over {ep_size} ranks ({nodes} node{'s' if nodes > 1 else ''} of "
+                f"{ranks_per_node}) fills at most {most}: a node holds one copy of an expert at most, so its ranks' "
+                f"replica slots share the {num_experts * (nodes - 1) // nodes} experts of the other nodes, and a "
+                f"slot beyond that would hold an expert's weights for nothing; set it to at most {most}")
         self.num_experts, self.ep_group, self.ep_size, self.dp_group = num_experts, ep_group, ep_size, dp_group
         self.ranks_per_node = ranks_per_node
         self.per_rank = num_experts // ep_size
@@ -286,6 +295,11 @@ class ExpertPlacement:
         """The placement an `FEPLBConfig` asks for over an EP group (nodes of its NVLink domain size,
         its expert-data-parallel group from DeepSpeed)."""
         placement = config.placement
+        if placement.redundant_experts_per_rank and not redundant and ep_size <= domain_size(config, ep_size) \
+                and first_time("one-node replica slots") and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"deepspeed_feplb: feplb.placement.redundant_experts_per_rank={placement.redundant_experts_per_rank} "
+                  f"has no effect: the expert-parallel group ({ep_size} ranks) is one NVLink domain "
+                  "(feplb.nvlink_domain_size), so there is no other node to hold replicas", flush=True)
         return cls(num_experts, ep_group, ep_size, domain_size(config, ep_size), placement.interval_steps,
                    placement.history_decay, placement.network_gbps, expert_params,
                    dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
@@ -742,6 +756,16 @@ def _rename(state_dict, prefix: str, pairs: tuple, to_placed: bool) -> bool:
             state_dict[prefix + new + k[len(prefix + old):]] = state_dict.pop(k)
         renamed |= bool(keys)
     return renamed
+
+
+def copies_stale(stage, placement: Optional["ExpertPlacement"]) -> None:
+    """Every copy of one layer's experts' weights takes them again at its next forward
+    (`weight_watch.weights_changed`): helpers' kept copies (``stage``: the layer's `ExpertStage`, or
+    None) and replica slots (``placement``, or None)."""
+    if stage is not None and stage.residency is not None:
+        stage.residency.declared += 1
+    if placement is not None:
+        placement._replicas_stale()
 
 
 def record_expert_order(layer, state_dict, prefix, local_metadata) -> None:

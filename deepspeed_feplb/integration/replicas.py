@@ -7,7 +7,10 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
 
 * **Weights** come from the expert's home (its primary slot) at the first forward after each
   optimizer step, and after anything that may have changed them (a decision, a checkpoint load,
-  a `canonical_experts` block): `ReplicaSlots.refresh`.
+  a `canonical_experts` block, `weight_watch.weights_changed`): `ReplicaSlots.refresh`. At the
+  first forward of every other accumulation cycle (after an evaluation, say, with other weights
+  swapped in and out through ``p.data``), the homes' and the holders' `weight_watch.content_hash`
+  are compared, and a difference refreshes (`ReplicaSlots.keep_current`).
 * **Gradients**: the layer computes a replica slot like any local expert, on parameters that are
   aliases of the replica's weights (`deepspeed_moe.ExpertGradOrder`). Its backward hands the
   replicas' gradients to `ReplicaSlots.backward`, which sums them over the step's micro-batches
@@ -29,9 +32,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES
 from deepspeed_feplb.stats import recomputing
+from deepspeed_feplb.weight_watch import content_hash, write_marks
 
 
 def relay(transfers: list[tuple[int, int, list[torch.Tensor]]], me: int, ranks_per_node: int,
@@ -107,6 +112,8 @@ class ReplicaSlots:
         self._sums: list[Optional[list[torch.Tensor]]] = [None] * slots  # the step's gradients so far, per slot
         self._experts = [-1] * slots  # the expert each of this rank's slots held at the last refresh
         self.stale = True  # the weights may differ from their experts' (set by the placement, cleared by refresh)
+        self.check_due = True  # the next forward begins an accumulation cycle: compare contents (`keep_current`)
+        self._marks: Optional[tuple] = None  # `write_marks` of the homes' weights when last found current
         self.refreshes = 0  # times the weights were sent
         self.grad_sends = 0  # replica gradients sent home
 
@@ -147,6 +154,11 @@ class ReplicaSlots:
                            else self.weights[j] if q == me else self._shapes(self.weights[0]))
                 transfers.append((home, q, tensors))
             relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
+            for j in range(len(self.weights)):
+                # received by the process group, which writes no version: a helper's kept copy of the slot
+                # (`LayerResidency.stamp`) must see the new weights
+                for w in self.weights[j]:
+                    increment_version(w)
         # a slot that now holds another expert starts its sum afresh; one that holds the same (a
         # refresh in the middle of a step, after a `canonical_experts` block) keeps it
         now = self.placement.replica_at[me].tolist()
@@ -155,12 +167,44 @@ class ReplicaSlots:
         self.stale = False
         self.refreshes += 1
 
-    def refresh_if_stale(self, expert_params: Callable[[], list[list[torch.Tensor]]]) -> None:
-        """`refresh` where the weights may be stale and a replica is held, but not in a recomputed
-        forward (activation checkpointing: the original forward's weights hold). Collective over
-        the EP group; ``expert_params``: called for `refresh`'s argument only then."""
-        if self.stale and not recomputing() and self.placement.holds_replicas:
+    def keep_current(self, expert_params: Callable[[], list[list[torch.Tensor]]], step_ends: bool,
+                     watched: list[torch.Tensor]) -> None:
+        """At a forward (collective over the EP group, not in a recomputed one, where the original
+        forward's weights hold): make every held replica's weights its home's, as they are now.
+        `refresh` where they may be stale; at the first forward of an accumulation cycle, compare
+        contents first (`changed`). ``expert_params``: called for `refresh`'s argument; ``step_ends``:
+        this forward is its cycle's last (so the next begins one); ``watched``: this rank's
+        expert parameters (or their stacked tensors), whose `write_marks` show an in-place write
+        between the micro-batches of a cycle: nothing the other ranks know of, so it is said (the
+        fix: `weight_watch.weights_changed` on every rank)."""
+        if recomputing() or not self.placement.holds_replicas:
+            return
+        if self.stale or (self.check_due and self.changed(expert_params())):
             self.refresh(expert_params())
+        elif self._marks is not None and write_marks(watched) != self._marks:
+            warnings.warn("FEPLB: expert weights were written in place between two micro-batches of one "
+                          "accumulation cycle while replica slots hold copies of them; the replicas keep computing "
+                          "with the earlier weights until the optimizer step. Call "
+                          "deepspeed_feplb.weights_changed(model) on every rank after such a write",
+                          RuntimeWarning, stacklevel=3)
+        self._marks = write_marks(watched)
+        self.check_due = step_ends or not torch.is_grad_enabled()
+
+    def changed(self, expert_params: list[list[torch.Tensor]]) -> bool:
+        """Collective over the EP group: whether any held replica's weights differ from its home's
+        (``expert_params``: this rank's primary experts' parameters, ``[E_local][n]``), by
+        `weight_watch.content_hash` (home's and holder's, one all-reduce, one read on the host)."""
+        me, held = self.me, self._held()
+        hashes = torch.zeros(len(held), 2, 2 * len(self.weights[0]), dtype=torch.int64, device=self.device)
+        for i, (q, j, e) in enumerate(held):
+            home, local = self.placement.home_of(e)
+            if home == me:
+                hashes[i, 0] = content_hash(expert_params[local])
+            if q == me:
+                hashes[i, 1] = content_hash(self.weights[j])
+        if self.placement.ep_group is not None and dist.get_world_size(self.placement.ep_group) > 1:
+            dist.all_reduce(hashes, group=self.placement.ep_group)  # each entry has one contributor
+        return bool((hashes[:, 0] != hashes[:, 1]).any())
 
     def backward(self, replica_grads: list[list[torch.Tensor]],
                  step_ends: bool) -> list[tuple[int, list[torch.Tensor]]]:

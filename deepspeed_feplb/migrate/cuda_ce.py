@@ -112,7 +112,11 @@ RELEASE = 1 << 30  # a flag this far ahead meets every wait queued before it (cy
 
 def part_ranges(nbytes: int, capacity: int):
     """The byte ranges ``[lo, hi)`` of a message of ``nbytes`` that travel as parts through ring
-    slots of ``capacity`` bytes (one part for an empty message)."""
+    slots of ``capacity`` bytes (one part for an empty message). A slot of no bytes is refused:
+    it would give empty parts without end (a list of them fills the memory; the peer times out)."""
+    if capacity <= 0:
+        raise ValueError(f"FEPLB phase-2 transport: ring slots of {capacity} bytes cannot carry a message of {nbytes} "
+                         "bytes; feplb.transport_slot_mb must be at least 1/1024 MiB (1 KiB)")
     lo = 0
     while True:
         hi = min(nbytes, lo + capacity)
@@ -236,6 +240,9 @@ class CudaCETransport:
     def __init__(self, name: str, local_rank: int, size: int, timeout_s: float, create: bool, watch=None, *,
                  device=None, backend=None, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  max_tensors: int = DEFAULT_MAX_TENSORS, first_flag: int = 0):
+        if ring_capacity(slot_bytes) <= 0:  # before any resource: a ring of no bytes carries nothing (`part_ranges`)
+            raise ValueError(f"FEPLB phase-2 transport: slot_bytes={slot_bytes} gives ring slots of no bytes; "
+                             "feplb.transport_slot_mb must be at least 1/1024 MiB (1 KiB)")
         if backend is None:
             from deepspeed_feplb.migrate.backend import CudaBackend
             backend = CudaBackend(device)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.migrate import Transport, messages
-from deepspeed_feplb.migrate.resident import Fingerprints, HeldCopy, LayerResidency
+from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
 from deepspeed_feplb.stats import StageTimes
 
 FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
@@ -194,8 +194,8 @@ class Phase2MicroBatch:
     mark: marks "now" for the timed forward calls (`expert_costs.ComputeTimes.clock`: host
     seconds, or CUDA events); ``timed`` receives (k pieces, n rows, start, end) per forward call,
     and ``wait_s`` the host seconds spent blocked on a peer (receives, sends to finish).
-    fingerprints: the dynamic experts' parameter fingerprints for weight residency, taken before
-    the static experts were queued (`resident.Fingerprints`; None: read when needed).
+    resent: chunks that carried weights to a helper that keeps a copy because the home's weights
+    changed since (`LayerResidency.stamp`; this rank's, as a home).
     """
     transport: Transport
     seq: int
@@ -212,7 +212,6 @@ class Phase2MicroBatch:
     step_ends: bool = True
     ready: object = None
     mark: Callable[[], object] = time.perf_counter
-    fingerprints: Optional[Fingerprints] = None
     home_pieces: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # src -> list[_Piece]
 
@@ -222,9 +221,13 @@ class Phase2MicroBatch:
         self.wait_s = 0.0
         self._forward_sends: Optional[list] = None  # `send_forward`'s futures
         self.timed: list = []
+        self.resent = 0
         M = self.moves.shape[0]
         if self.residency is not None:
-            self.fresh, self.copy_kept = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
+            # no copy is kept past a forward without gradients (an evaluation, which may run on weights
+            # swapped in through ``p.data`` and out again before training resumes: unseen)
+            self.fresh, self.copy_kept = self.residency.table.admit(self.moves,
+                                                                    keep_new=self.needs_grad and not self.step_ends)
             self.residency.pending |= bool(self.needs_grad and self.copy_kept.any())
         else:
             self.fresh, self.copy_kept = np.ones(M, np.bool_), np.zeros(M, np.bool_)
@@ -236,20 +239,14 @@ class Phase2MicroBatch:
         self.flush_entries, self.flush_held = np.zeros((0, 3), np.int64), {}
         self._sends: list = []  # backward: the futures `backward_home` leaves to `backward_rest`
 
-    def _fingerprints(self, params: list[list[torch.Tensor]]) -> dict:
-        """{i: fingerprint tuple} of the dynamic experts ``i`` with a chunk to a helper that keeps a
-        copy (`resident.Fingerprints`: the caller's, taken when the stage began, or read now)."""
-        held = sorted({i for chunks in self.view.outgoing.values() for i, _, _, m in chunks if self.copy_kept[m]})
-        if not held:
-            return {}
-        return (self.fingerprints or Fingerprints(params)).of(held)
-
-    def _carries_weights(self, m: int, expert: int, helper: int, now: Optional[tuple]) -> bool:
-        """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights: unless the helper keeps a
-        copy it received earlier in the step and their fingerprint ``now`` did not change since."""
+    def _carries_weights(self, m: int, expert: int, helper: int, params: list[torch.Tensor]) -> bool:
+        """Whether chunk ``m`` to ``helper`` carries ``expert``'s weights (``params``): unless the helper
+        keeps a copy it received earlier in the step and the weights' stamp did not change since."""
         if not self.copy_kept[m]:
             return True
+        now = self.residency.stamp(params)
         carry = bool(self.fresh[m]) or self.residency.sent.get((expert, helper)) != now
+        self.resent += int(carry and not self.fresh[m])
         self.residency.sent[(expert, helper)] = now
         return carry
 
@@ -270,9 +267,8 @@ class Phase2MicroBatch:
         if self._forward_sends is not None:
             return
         starts, sends = self.view.starts, []
-        prints = self._fingerprints(params)
         for helper, chunks in self.view.outgoing.items():
-            carries = [self._carries_weights(m, self.dynamic[i], helper, prints.get(i)) for i, _, _, m in chunks]
+            carries = [self._carries_weights(m, self.dynamic[i], helper, params[i]) for i, _, _, m in chunks]
             layout = messages.rows_to_helper(carries, len(self.spec.param_names), len(self.spec.buffer_names))
             parts = [{"weights": params[i], "buffers": self.spec.buffers(self.experts[self.dynamic[i]]),
                       "rows": [dyn_x[starts[i] + offset:starts[i] + offset + tokens]]}

@@ -26,8 +26,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Choice", "slot_experts", "Split", "split", "load_split", "route", "expected_counts", "predicted_rows",
-           "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us", "choose"]
+__all__ = ["Choice", "most_replica_slots", "slot_experts", "Split", "split", "load_split", "route", "expected_counts",
+           "predicted_rows", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us", "choose"]
+
+
+def most_replica_slots(experts: int, ranks: int, ranks_per_node: int) -> int:
+    """The most replica slots per rank that replicas can fill, for ``experts`` over ``ranks`` in
+    nodes of ``ranks_per_node``: ``E * (N - 1) / R`` (a whole number: ``E / R`` primaries per rank,
+    whatever the placement). `choose` puts a replica only on a node that does not hold the expert
+    yet (`_sequence`), so a node holds one copy of an expert at most: the replica slots of a
+    node's ``G`` ranks hold distinct experts among the ``E * (N - 1) / N`` whose primaries are on
+    the other nodes. A slot beyond it stays empty for good, while it costs an expert's weights and
+    a column of the layer's dispatch."""
+    nodes = ranks // ranks_per_node
+    return experts * (nodes - 1) // ranks if nodes > 1 else 0
 
 
 def slot_experts(expert_to_rank: np.ndarray, replica_at: np.ndarray) -> np.ndarray:

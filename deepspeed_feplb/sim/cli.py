@@ -4,8 +4,9 @@
         --dynamic-experts D --policies vanilla,fastermoe,eplb,feplb \\
         [--json OUT.json] [--markdown OUT.md] [--plot OUT.png] [--dump-plans PLANS.npz]
 
-The markdown table is printed; the files are optional. Bad input (a missing trace, one that does
-not fit G x N ranks, a missing optional package) ends in one line on stderr and exit status 2.
+The markdown table is printed; the files are optional. Bad input (a missing, corrupt or malformed
+trace, one that does not fit G x N ranks, options that contradict each other, a missing optional
+package) ends in one line on stderr and exit status 2.
 
 OUT.json: ``{"policies": {name: {"token_straggler", "token_max_over_mean", "gemm_straggler_us",
 "reduction_vs_vanilla", ...}}, "setup": {...}, "trace": {...}, "d_sweep": {...}}``.
@@ -19,12 +20,11 @@ import dataclasses
 import json
 import math
 import os
-import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from deepspeed_feplb.exits import InputFileError, fail
 from deepspeed_feplb.trace.cli import whole_number
 
 __all__ = ["add_parser", "run_simulate"]
@@ -194,8 +194,7 @@ def add_parser(subparsers) -> None:
 
 def _fail(message: str):
     """One line on stderr and exit status 2, as argparse does for a bad option; no traceback."""
-    print(f"simulate: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    fail("simulate", message)
 
 
 def _shipped_traces() -> str:
@@ -207,9 +206,9 @@ def _shipped_traces() -> str:
 
 def _load_fitting_trace(args):
     """The trace of ``--trace`` (cut to ``--steps``); fails in one line when it is missing,
-    unreadable, or does not fit G x N ranks (what `trace.format.fold_sources` and contiguous
-    placement accept: experts divisible by the ranks, source ranks equal to 1 or a multiple of
-    them)."""
+    unreadable or malformed (`trace.format.load_trace` says what is wrong), or does not fit G x N
+    ranks (what `trace.format.fold_sources` and contiguous placement accept: experts divisible by
+    the ranks, source ranks equal to 1 or a multiple of them)."""
     from deepspeed_feplb.trace.format import load_trace
 
     path = args.trace
@@ -218,12 +217,10 @@ def _load_fitting_trace(args):
     if not os.path.isfile(path):
         _fail(f"trace file {path} not found; shipped traces: {_shipped_traces()}; or write one with "
               "`python -m deepspeed_feplb trace --out T.npz`")
-    if not zipfile.is_zipfile(path):
-        _fail(f"trace {path} is not an .npz file; a trace holds counts int64 [steps, layers, src_ranks, experts]")
     try:
         trace = load_trace(path)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        _fail(f"cannot read trace {path}: {e} (expected an .npz with counts int64 [steps, layers, src_ranks, experts])")
+    except InputFileError as e:
+        _fail(str(e))
     if args.steps:
         trace = trace.with_counts(trace.counts[: args.steps])
     if getattr(args, "merge_sources", False):
@@ -297,7 +294,7 @@ def _setup(args, trace, D):
     profile = get_profile(args.profile, shape if args.profile != "cpu" else None)
     if args.message_us is not None:
         if args.message_us < 0:
-            raise SystemExit(f"simulate: --message-us must be >= 0 (got {args.message_us:g})")
+            _fail(f"--message-us must be >= 0 (got {args.message_us:g})")
         from deepspeed_feplb.plan.cost import scaled
         profile = scaled(profile, message_us=args.message_us)
     return SimSetup(ranks_per_node=args.ranks_per_node, nodes=args.nodes, experts=trace.experts,
@@ -333,7 +330,7 @@ def _compare_measured(args, trace, setup) -> dict:
         except ValueError as e:
             if recorded:  # a run that fitted nothing (fixed_costs "ignore") has no recorded costs
                 continue
-            _fail(f"--compare-measured: {e}")
+            _fail(f"--compare-measured: {args.trace}: {e}")
         out[key] = figures
         print(f"time model vs measured, {what} ({figures['micro_batches']} micro-batches x domains): median "
               f"|error| {figures['median_abs_rel_error']:.1%}, p90 {figures['p90_abs_rel_error']:.1%}, median signed "
@@ -355,6 +352,10 @@ def run_simulate(args) -> int:
     _check_outputs(args, policies)
     trace = _load_fitting_trace(args)
     setup = _setup(args, trace, args.dynamic_experts)
+    try:
+        setup.check()  # options that contradict each other (replica slots without the placement layer)
+    except ValueError as e:
+        _fail(str(e))
     result = simulate(trace, setup, policies, progress=not args.no_progress and _have("tqdm"),
                       keep_moves=bool(args.dump_plans))
     metrics = result.metrics()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 __all__ = ["add_parser", "run_trace"]
 
@@ -75,8 +74,9 @@ def add_parser(subparsers) -> None:
 
 def _fail(message: str):
     """One line on stderr and exit status 2, as argparse does for a bad option; no traceback."""
-    print(f"trace: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    from deepspeed_feplb.exits import fail
+
+    fail("trace", message)
 
 
 def run_trace(args) -> int:

@@ -19,17 +19,25 @@ backward, and the fixed latency of one phase-2 message that its domain's transpo
 it opened (`Transport.message_us`; NaN: no domain), all µs, and the forward's share of the
 stage's busy time that its planner priced (`expert_costs.StageFactor.forward_share`, a fraction),
 NaN where not measured. Older traces have 5 columns (no CPU time), 6 (no message latency) or 7
-(no forward share); they load and replay as recorded.
+(no forward share); they load and replay as recorded. `load_trace` refuses a file that is not
+this (`trace_from_arrays`: wrong shapes or dtypes, a dimension of 0, rows below 0 or above
+`MAX_COUNT`, plan moves outside the trace's steps, layers, experts and ranks).
 """
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
+from numpy.lib.npyio import NpzFile
 
-__all__ = ["Trace", "load_trace", "save_trace", "fold_sources", "home_rank", "rank_loads"]
+from deepspeed_feplb.exits import InputFileError
+
+__all__ = ["MAX_COUNT", "Trace", "load_trace", "trace_from_arrays", "save_trace", "fold_sources", "home_rank",
+           "rank_loads"]
 
 
 @dataclass(frozen=True)
@@ -86,20 +94,87 @@ def save_trace(path: str | os.PathLike, trace: Trace) -> None:
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
-    """Read a trace; raises ValueError naming what is wrong."""
-    with np.load(path, allow_pickle=False) as z:
-        if "counts" not in z:
-            raise ValueError(f"{path}: no 'counts' array in trace")
-        meta = {}
-        for key in ("top_k", "hidden", "ffn_hidden"):
-            if key in z:
-                meta[key] = int(z[key])
-        if "source" in z:
-            meta["source"] = str(z["source"])
-        for key in ("plan_moves", "stage_us"):
-            if key in z:
-                meta[key] = z[key]
-        return Trace(counts=z["counts"], **meta)
+    """Read a trace; an unreadable file or one that `trace_from_arrays` refuses raises
+    `exits.InputFileError` naming ``path`` and what is wrong."""
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, NpzFile):
+            with loaded:
+                arrays = {key: loaded[key] for key in loaded.files}  # they decompress here: a corrupt one fails here
+    except (OSError, EOFError, ValueError, MemoryError, zipfile.BadZipFile, zlib.error) as e:
+        raise InputFileError(f"{path}: cannot read it as an .npz archive ({type(e).__name__}: {e}); {_EXPECTED}") \
+            from None
+    if not isinstance(loaded, NpzFile):
+        raise InputFileError(f"{path}: a single .npy array, not an .npz archive; {_EXPECTED}")
+    return trace_from_arrays(arrays, path)
+
+
+_EXPECTED = "a trace holds counts int64 [steps, layers, src_ranks, experts]"
+MAX_COUNT = 2 ** 40  # rows in one entry of counts or plan_moves: far above any batch, far below int64 overflow in sums
+MAX_SIZE = 2 ** 24  # hidden and ffn_hidden: far above any model's
+
+
+def trace_from_arrays(arrays: dict, path: str | os.PathLike) -> Trace:
+    """The `Trace` that the arrays of the trace file ``path`` (name -> array, as ``np.load`` gives
+    them) hold. Everything the simulator indexes by is checked here, so that a bad file is refused
+    in one line (`exits.InputFileError` naming the file and the first array that is missing, of the
+    wrong kind or shape, or holds values no run records) instead of failing deep inside a replay
+    or, worse, replaying as nonsense. Arrays of other names are ignored."""
+    def refuse(problem: str):
+        raise InputFileError(f"{path}: {problem}")
+
+    if "counts" not in arrays:
+        refuse(f"no counts array; {_EXPECTED}")
+    counts = np.asarray(arrays["counts"])
+    if counts.ndim != 4 or not np.issubdtype(counts.dtype, np.integer):
+        refuse(f"counts has {_kind(counts)}, expected integers of shape (steps, layers, src_ranks, experts)")
+    if 0 in counts.shape:
+        refuse(f"counts has shape {counts.shape}: a trace needs at least one step (micro-batch), layer, source rank "
+               "and expert")
+    low, high = counts.min(), counts.max()
+    if low < 0 or high > MAX_COUNT:
+        refuse(f"counts holds {low if low < 0 else high}, expected rows from 0 to 2**40 = {MAX_COUNT}")
+    steps, layers, ranks, experts = counts.shape
+    meta = {}
+    for key, most in (("top_k", experts), ("hidden", MAX_SIZE), ("ffn_hidden", MAX_SIZE)):
+        if key in arrays:
+            value = np.asarray(arrays[key])
+            if value.shape != () or not np.issubdtype(value.dtype, np.integer):
+                refuse(f"{key} has {_kind(value)}, expected a whole number (shape ())")
+            if not 1 <= value <= most:
+                refuse(f"{key} is {value}, expected 1 to {most}" + (" (the experts)" if key == "top_k" else ""))
+            meta[key] = int(value)
+    if "source" in arrays:
+        source = np.asarray(arrays["source"])
+        if source.shape != () or source.dtype.kind not in "US":
+            refuse(f"source has {_kind(source)}, expected a string")
+        meta["source"] = str(source)
+    if "plan_moves" in arrays:
+        moves = np.asarray(arrays["plan_moves"])
+        if moves.ndim != 2 or moves.shape[1] != 7 or not np.issubdtype(moves.dtype, np.integer):
+            refuse(f"plan_moves has {_kind(moves)}, expected integers of shape (M, 7) = (step, layer, expert, "
+                   "home_rank, helper_rank, rows, fresh)")
+        columns = (("step", steps), ("layer", layers), ("expert", experts), ("home_rank", ranks),
+                   ("helper_rank", ranks), ("rows", MAX_COUNT + 1), ("fresh", 2))
+        for column, (name, limit) in enumerate(columns):
+            bad = np.flatnonzero((moves[:, column] < 0) | (moves[:, column] >= limit))
+            if bad.size:
+                refuse(f"plan_moves row {bad[0]} has {name} {moves[bad[0], column]}, expected 0 to {limit - 1} "
+                       f"(counts has shape {counts.shape})")
+        meta["plan_moves"] = moves.astype(np.int64)
+    if "stage_us" in arrays:
+        stage = np.asarray(arrays["stage_us"])
+        real = np.issubdtype(stage.dtype, np.floating) or np.issubdtype(stage.dtype, np.integer)
+        if not real or stage.ndim != 4 or stage.shape[:3] != counts.shape[:3] or not 5 <= stage.shape[3] <= 8:
+            refuse(f"stage_us has {_kind(stage)}, expected floats of shape (steps, layers, ranks, 5 to 8) = "
+                   f"({steps}, {layers}, {ranks}, 5 to 8), as counts")
+        meta["stage_us"] = stage.astype(np.float64)
+    return Trace(counts=counts, **meta)
+
+
+def _kind(array: np.ndarray) -> str:
+    """An array's shape and dtype, for a message (never its values: a corrupt file's bytes)."""
+    return f"shape {array.shape} and dtype {array.dtype}"
 
 
 def fold_sources(counts: np.ndarray, ranks: int) -> np.ndarray:

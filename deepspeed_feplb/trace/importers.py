@@ -25,6 +25,8 @@ from deepspeed_feplb.trace.format import Trace
 
 __all__ = ["read_megatron_router_trace"]
 
+MAX_EXPERTS = 2 ** 20  # a larger expert index is a corrupt record, not a model (the counts get a column per expert)
+
 
 def _files(paths: Iterable[str | os.PathLike]) -> list[str]:
     out = []
@@ -47,8 +49,9 @@ def read_megatron_router_trace(paths: Iterable[str | os.PathLike], num_experts: 
     seen = {}  # (step, layer, rank) -> micro-batches so far
     topk = None
     max_expert = -1
-    for path in _files(paths):
-        with open(path) as f:
+    files = _files(paths)
+    for path in files:
+        with open(path, errors="replace") as f:  # binary garbage then fails as a record naming its line
             for lineno, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
@@ -59,10 +62,11 @@ def read_megatron_router_trace(paths: Iterable[str | os.PathLike], num_experts: 
                         continue
                     step, layer, rank = int(rec["step"]), int(rec["layer"]), int(rec["rank"])
                     idx = np.asarray(rec["top_indices"], dtype=np.int64)
-                except (KeyError, ValueError, TypeError) as e:
+                    if "mtp_idx" in rec:
+                        layer = -1 - int(rec["mtp_idx"]) * 100000 - layer  # keep MTP layers distinct
+                    topk = int(rec.get("topk", idx.shape[-1] if idx.ndim == 2 else 1))
+                except (KeyError, ValueError, TypeError, OverflowError) as e:
                     raise ValueError(f"{path}:{lineno}: not a router_trace record ({e})") from None
-                if "mtp_idx" in rec:
-                    layer = -1 - int(rec["mtp_idx"]) * 100000 - layer  # keep MTP layers distinct
                 key = (step, layer, rank)
                 micro = seen.get(key, 0)
                 seen[key] = micro + 1
@@ -71,10 +75,11 @@ def read_megatron_router_trace(paths: Iterable[str | os.PathLike], num_experts: 
                     max_expert = max(max_expert, int(flat.max()))
                     if flat.min() < 0:
                         raise ValueError(f"{path}:{lineno}: negative expert index")
+                    if flat.max() >= MAX_EXPERTS:
+                        raise ValueError(f"{path}:{lineno}: expert index {flat.max()} is not below {MAX_EXPERTS}")
                 hist[(step, micro, layer, rank)] = np.bincount(flat, minlength=1)
-                topk = int(rec.get("topk", idx.shape[-1] if idx.ndim == 2 else 1))
     if not hist:
-        raise ValueError("router_trace files hold no records")
+        raise ValueError(f"{', '.join(files)}: no router_trace records")
     E = num_experts if num_experts is not None else max_expert + 1
     if max_expert >= E:
         raise ValueError(f"expert index {max_expert} out of range for {E} experts")
