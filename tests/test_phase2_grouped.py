@@ -89,7 +89,8 @@ def _mixed_message_case() -> dict:
     moves = np.array([[0, 0, 1, 3], [0, 1, 1, 2]], np.int64)  # home 0's experts 0 and 1: 3 and 2 rows to helper 1
     dynamic, counts = ([0, 1], [5, 4]) if rank == 0 else ([], [])
     x = torch.randn(sum(counts), 8, generator=torch.Generator().manual_seed(1))
-    step = Phase2MicroBatch(transport, 1, rank, moves, dynamic, counts, [template, template], spec, False, dynamic,
+    # a training forward (needs_grad): copies are kept only past forwards that take gradients
+    step = Phase2MicroBatch(transport, 1, rank, moves, dynamic, counts, [template, template], spec, True, dynamic,
                             residency=residency, step_ends=False)
     y = step.forward(x, [[weights[e]] for e in dynamic])
     out = {"kept": step.copy_kept.tolist()}

@@ -163,9 +163,6 @@ class FEPLBMOELayer(MOELayer):
         used_token = input[1] if len(input) > 1 else None
         timed = self.stage.stage_times.measure
         replicas = self.placement.replicas if self.placement is not None else None
-        if replicas is not None:
-            replicas.keep_current(self._primary_params, self.step_ends(),  # collective
-                                  [p for expert in self.experts.deepspeed_experts for p in expert.parameters()])
         with timed("gate"):
             self.l_aux, _, _, expert_ids, _, gates, self.exp_counts = self._route(x, used_token)
         if self.recorder is not None and not recomputing():
@@ -174,6 +171,9 @@ class FEPLBMOELayer(MOELayer):
             if self.training and not recomputing():  # a reentrant checkpoint's first forward runs without grad
                 self.placement.record(expert_ids)
             expert_ids = self.placement.route(expert_ids)
+        if replicas is not None:  # collective; after the route, which may find them stale
+            replicas.keep_current(self._primary_params, self.step_ends(),
+                                  [p for expert in self.experts.deepspeed_experts for p in expert.parameters()])
         with timed("dispatch"):
             rows, counts_by_source, handle, facts = self.dispatcher.dispatch(x, expert_ids, self.stage.announce())
         if replicas is not None:

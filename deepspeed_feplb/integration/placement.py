@@ -378,16 +378,23 @@ class ExpertPlacement:
 
     def _micro_batch_slots(self, counts: torch.Tensor) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
         """This rank's slots for one micro-batch, from its route counts per logical expert (long
-        [E]): the EP group's counts are all-gathered and split between each replicated expert's
-        holders (`plan.replicas.split`, the simulator's split). Returns (logical expert -> slot id,
-        int64 [E]: a replicated expert's first part; (expert, rows of the first part, slot id of
-        the second) for each expert whose rows from here are split)."""
+        [E]): the EP group's counts (with in-place write flags) are all-gathered and split between
+        each replicated expert's holders (`plan.replicas.split`, the simulator's split). Returns
+        (logical expert -> slot id, int64 [E]: a replicated expert's first part; (expert, rows of
+        the first part, slot id of the second) for each expert whose rows from here are split)."""
+        # and whether this rank's experts were written in place since its last forward: every rank
+        # then refreshes the replicas before they compute (`ReplicaSlots.keep_current`)
+        wrote = self.replicas is not None and self.replicas.wrote_in_place()
+        counts = torch.cat([counts, torch.tensor([int(wrote)], dtype=counts.dtype).to(counts.device)])
         if self.ep_group is not None and self.ep_size > 1:
             gathered = [torch.empty_like(counts) for _ in range(self.ep_size)]
             dist.all_gather(gathered, counts, group=self.ep_group)
             src = torch.stack(gathered).cpu().numpy()
         else:
             src = counts.cpu().numpy()[None]
+        if src[:, -1].any():
+            self._replicas_stale()
+        src = src[:, :-1]
         me = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
         parts = replicas.split(src, self.placer.slots, self.ranks_per_node, self.per_rank)
         primary = self._primary_slot_ids()

@@ -10,7 +10,9 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
   a `canonical_experts` block, `weight_watch.weights_changed`): `ReplicaSlots.refresh`. At the
   first forward of every other accumulation cycle (after an evaluation, say, with other weights
   swapped in and out through ``p.data``), the homes' and the holders' `weight_watch.content_hash`
-  are compared, and a difference refreshes (`ReplicaSlots.keep_current`).
+  are compared, and a difference refreshes (`ReplicaSlots.keep_current`); an in-place write
+  between micro-batches, seen by the home's version counters alone, travels with the route
+  counts every forward gathers (`ExpertPlacement.route`).
 * **Gradients**: the layer computes a replica slot like any local expert, on parameters that are
   aliases of the replica's weights (`deepspeed_moe.ExpertGradOrder`). Its backward hands the
   replicas' gradients to `ReplicaSlots.backward`, which sums them over the step's micro-batches
@@ -114,6 +116,7 @@ class ReplicaSlots:
         self.stale = True  # the weights may differ from their experts' (set by the placement, cleared by refresh)
         self.check_due = True  # the next forward begins an accumulation cycle: compare contents (`keep_current`)
         self._marks: Optional[tuple] = None  # `write_marks` of the homes' weights when last found current
+        self._watched: list[torch.Tensor] = []  # this rank's expert parameters (`keep_current`)
         self.refreshes = 0  # times the weights were sent
         self.grad_sends = 0  # replica gradients sent home
 
@@ -171,24 +174,25 @@ class ReplicaSlots:
                      watched: list[torch.Tensor]) -> None:
         """At a forward (collective over the EP group, not in a recomputed one, where the original
         forward's weights hold): make every held replica's weights its home's, as they are now.
-        `refresh` where they may be stale; at the first forward of an accumulation cycle, compare
-        contents first (`changed`). ``expert_params``: called for `refresh`'s argument; ``step_ends``:
-        this forward is its cycle's last (so the next begins one); ``watched``: this rank's
-        expert parameters (or their stacked tensors), whose `write_marks` show an in-place write
-        between the micro-batches of a cycle: nothing the other ranks know of, so it is said (the
-        fix: `weight_watch.weights_changed` on every rank)."""
+        `refresh` where they may be stale (the optimizer step, a decision, a load, a declared
+        change, or an in-place write `ExpertPlacement.route` learnt of); at the first forward of an
+        accumulation cycle, compare contents first (`changed`). ``expert_params``: called for
+        `refresh`'s argument; ``step_ends``: this forward is its cycle's last (so the next begins
+        one); ``watched``: this rank's expert parameters (or their stacked tensors), whose
+        `write_marks` show an in-place write (`wrote_in_place`)."""
+        self._watched = watched
         if recomputing() or not self.placement.holds_replicas:
             return
         if self.stale or (self.check_due and self.changed(expert_params())):
             self.refresh(expert_params())
-        elif self._marks is not None and write_marks(watched) != self._marks:
-            warnings.warn("FEPLB: expert weights were written in place between two micro-batches of one "
-                          "accumulation cycle while replica slots hold copies of them; the replicas keep computing "
-                          "with the earlier weights until the optimizer step. Call "
-                          "deepspeed_feplb.weights_changed(model) on every rank after such a write",
-                          RuntimeWarning, stacklevel=3)
         self._marks = write_marks(watched)
         self.check_due = step_ends or not torch.is_grad_enabled()
+
+    def wrote_in_place(self) -> bool:
+        """Whether this rank's expert parameters were written in place (under ``no_grad``, by a
+        load, or their ``p.data`` replaced) since the last forward: host only. Only this rank
+        knows; `ExpertPlacement.route` tells the EP group with the counts it gathers anyway."""
+        return self._marks is not None and write_marks(self._watched) != self._marks
 
     def changed(self, expert_params: list[list[torch.Tensor]]) -> bool:
         """Collective over the EP group: whether any held replica's weights differ from its home's
