@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     import torch
     from torch.func import functional_call
 
-    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+    from deepspeed_feplb.experts import ExpertSpec
 
     torch.manual_seed(0)
     expert = torch.nn.Sequential(torch.nn.Linear(args.hidden, 2 * args.hidden), torch.nn.ReLU(),

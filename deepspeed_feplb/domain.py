@@ -28,7 +28,7 @@ from deepspeed_feplb.migrate import Transport
 from deepspeed_feplb.migrate.latency import measure_message_us
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
-from deepspeed_feplb.plan.residency import KeptBytes
+from deepspeed_feplb.plan.residency import KeptBytes, resident_budget_bytes
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
 from deepspeed_feplb.segments import (
     PeerWatch,
@@ -108,15 +108,6 @@ def device_memory(device) -> int | None:
     return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
-def resident_budget(config: FEPLBConfig, device_bytes: list) -> float:
-    """Bytes of kept copies each rank of a domain may hold over its layers (``feplb.resident_budget_mb``;
-    "auto": 10% of the smallest of the domain's ``device_bytes``, none on the host), alike on every rank."""
-    if config.resident_budget_mb != "auto":
-        return config.resident_budget_mb * 2**20
-    known = [b for b in device_bytes if b is not None]
-    return 0.1 * min(known) if known else float("inf")
-
-
 class DomainRuntime:
     """This rank's view of its domain: ``local_rank`` in ``[0, size)``, ``ranks`` (global ranks),
     ``transport`` (a `migrate.Transport`), ``scheduler`` (a `scheduler.Scheduler`), ``watch``,
@@ -151,7 +142,8 @@ class DomainRuntime:
             raise FEPLBConfigError(f"FEPLB cannot open the phase-2 transport ({transport_cls.__name__}) of its "
                                    "domains: " + "; ".join(problems))
         self.name = f"feplb-{info[first][0]}"
-        self.kept_bytes = KeptBytes(self.size, resident_budget(config, [info[first + i][4] for i in range(self.size)]))
+        self.kept_bytes = KeptBytes(self.size, resident_budget_bytes(config.resident_budget_mb,
+                                                                      [info[first + i][4] for i in range(self.size)]))
         if self.local_rank == 0 and not planner_cached():
             print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the scheduler "
                   "process (15-40 s on a slow 2-core machine; training goes on unbalanced meanwhile); later runs load "

@@ -7,14 +7,13 @@ Between phase 1's dispatch and combine, `ExpertStage.run` computes a micro-batch
    rows and its announced costs); the domain runtime opens at the first micro-batch that any
    domain of the group balances, so a run that never gains never pays for it; a forward that
    activation checkpointing recomputes takes its original forward's decision.
-2. Balanced: `run_experts` publishes the counts to the domain's scheduler, computes the static
-   experts (all but this rank's D hottest) meanwhile, then runs the dynamic experts through
-   `migrate.phase2` (rows and weights to helpers of the domain, results and gradients home).
+2. Balanced: `balanced.BalancedMicroBatch`, the paper's stages (publish the counts and the
+   dynamic experts, static experts, the plan, dynamic experts through `migrate.phase2`, finish).
    Not balanced: `run_local`, every expert here, each call timed for the cost fit.
 3. `ComputeTimes` (`expert_costs`) and `StageTimes` record what it cost; ``stats`` what it did.
 
 A layer kind adapts only its gate and dispatch (or AutoEP's seam) and says how to compute its
-experts (`LocalExperts`).
+experts (`experts.LocalExperts`).
 """
 from __future__ import annotations
 
@@ -22,96 +21,28 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from contextlib import nullcontext
 from datetime import timedelta
-from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.balanced import BalancedMicroBatch
 from deepspeed_feplb.collectives import gather_counts, gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.dispatch import GroupFacts
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
 from deepspeed_feplb.expert_costs import ComputeTimes
+from deepspeed_feplb.experts import ExpertCall, LocalExperts, StaticFn, timed_pieces
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.arena import slot_bytes
-from deepspeed_feplb.migrate.phase2 import (
-    DynamicExperts,
-    ExpertSpec,
-    Phase2Anchor,
-    Phase2MicroBatch,
-    bound,
-    grad_experts,
-    tensor_slots,
-)
 from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
-from deepspeed_feplb.plan.policy import PlanConstraints, balancing_may_pay, dynamic_candidates, rows_bound
-from deepspeed_feplb.stats import (
-    MicroBatchStats,
-    StageTimes,
-    layer_stats,
-    recomputing,
-    residency_stats,
-    unbalanced_stats,
-)
-
-# static_fn(rows, blocks, static) -> outputs of the experts in ``static`` (local ids, ascending),
-# concatenated in expert order; ``rows`` ``[N, H]`` the micro-batch's rows grouped by expert,
-# ``blocks[e]`` ``[n_e, H]`` expert e's (one split of ``rows``: its backward is one concatenation,
-# where a slice per expert would zero-fill a full-size gradient each). A layer kind's
-# `LocalExperts.static_fn` takes this forward's parameters first (`LocalExperts.static`).
-StaticFn = Callable[[torch.Tensor, list, list], torch.Tensor]
-ExpertCall = Callable[[int, torch.Tensor], torch.Tensor]
+from deepspeed_feplb.plan.policy import balancing_may_pay, rows_bound
+from deepspeed_feplb.stats import MicroBatchStats, StageTimes, recomputing, unbalanced_stats
 
 _DECISIONS_KEPT = 256  # forwards whose recompute may still come (pipeline schedules keep several in flight)
-
-
-@dataclass
-class LocalExperts:
-    """How a layer kind computes its ``E_local`` experts.
-
-    modules: one module per local expert, run functionally as a template (`ExpertSpec.call`);
-    params: per local expert, its parameters in ``spec.param_names`` order (they may be aliases
-        that route gradients, `deepspeed_moe.ExpertGradOrder`);
-    direct: ``call(e, x)`` as the model itself runs expert e (``modules[e]``, each its own), for
-        experts computed at home: with `calls`, on ``params`` bound as the modules' parameters
-        (None: functionally);
-    static_fn: ``static_fn(params, rows, blocks, static)`` computes a set of experts at once on
-        ``params`` (AutoEP's grouped GEMM, a known MLP's `grouped_mlp.StackedMLP`), or None.
-    """
-    modules: Sequence[torch.nn.Module]
-    params: Callable[[], list[list[torch.Tensor]]]
-    spec: ExpertSpec
-    direct: Optional[ExpertCall] = None
-    static_fn: Optional[Callable[..., torch.Tensor]] = None
-
-    def __post_init__(self):
-        if self.direct is not None and len({id(m) for m in self.modules}) != len(self.modules):
-            raise ValueError("direct calls need one module per local expert; shared templates run functionally")
-
-    def static(self, params: Optional[list[list[torch.Tensor]]]) -> Optional[StaticFn]:
-        """`static_fn` on ``params`` (None: the modules' own parameters, for direct calls)."""
-        if self.static_fn is None:
-            return None
-        if params is None:
-            params = [list(m.parameters()) for m in self.modules]
-        return partial(self.static_fn, params)
-
-    @contextmanager
-    def calls(self, params: list[list[torch.Tensor]]):
-        """``call(e, x)``: expert e on rows x ``[n, H]`` with ``params[e]``. With `direct`, the modules
-        themselves, ``params`` bound as their parameters until the block ends (`phase2.bound`: once
-        per forward for all experts, where functional calls bind around each); else functionally."""
-        if self.direct is None:
-            yield functional_calls(self.modules, params, self.spec)
-            return
-        # where each module keeps its parameters, looked up now: a submodule replaced since is bound too
-        with bound([tensor_slots(m) for m in self.modules], params):
-            yield self.direct
 
 
 def check_group_agrees(config: FEPLBConfig, ep_group, layer_facts: dict) -> None:
@@ -277,12 +208,8 @@ class ExpertStage:
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
             record["forward_share"] = self.compute_times.forward_share(balanced)
         if balanced:
-            params = experts.params()
-            with experts.calls(params) as call:
-                out, stats = run_experts(rows, counts, experts.modules, params, experts.spec, self.domain, config,
-                                         self.expert_bytes, self.compute_times, self.stage_times,
-                                         experts.static(params),
-                                         self.residency, step_ends, self._mean_rows(facts), record, call)
+            micro_batch = BalancedMicroBatch(self, rows, counts, experts, step_ends, self._mean_rows(facts), record)
+            out, stats = micro_batch.run()
             if stats is not None:
                 self.stats = stats
             return self._measure(record, rows, out, start, cpu_start)
@@ -326,21 +253,7 @@ class ExpertStage:
         calls = self.compute_times.calls  # (0, 0) on CUDA: only host-timed calls are counted (`finish`)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
         phase2_forward_waits_s = phase2.wait_s if phase2 is not None else 0.0  # its backward adds its own
-        last = None
-        if self.records:
-            first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
-            moves = record.get("moves", np.zeros((0, 4), np.int64))
-            fresh = record.get("fresh", np.ones(len(moves), np.bool_))
-            last = self.last = {
-                "moves": np.column_stack([moves[:, 0] + first, moves[:, 1], moves[:, 2] + first, moves[:, 3],
-                                          fresh]).astype(np.int64).reshape(-1, 5),
-                "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
-                "fit_us": record["fit_us"] or (float("nan"), float("nan")),
-                "forward_share": record["forward_share"],
-                "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan"),
-                "message_us": self.domain.transport.message_us if self.domain is not None else float("nan")}
-            if events is not None:
-                last["events"] = events
+        last = self.last = self._last(record, start, forward_s) if self.records else None
         if not (out.requires_grad and rows.requires_grad) or (last is None and not calls[0]):
             return out
         begun, times = [], self.compute_times
@@ -367,6 +280,22 @@ class ExpertStage:
         out.register_hook(backward_begins)
         rows.register_hook(backward_ends)
         return out
+
+    def _last(self, record: dict, start: float, forward_s: float) -> dict:
+        """`last` of a micro-batch whose forward began at ``start`` and took ``forward_s`` (`_measure`)."""
+        first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size if self.ep_group else 0
+        moves = record.get("moves", np.zeros((0, 4), np.int64))
+        fresh = record.get("fresh", np.ones(len(moves), np.bool_))
+        last = {"moves": np.column_stack([moves[:, 0] + first, moves[:, 1], moves[:, 2] + first, moves[:, 3],
+                                          fresh]).astype(np.int64).reshape(-1, 5),
+                "plan_us": (record["plan_in_hand"] - start) * 1e6 if "plan_in_hand" in record else float("nan"),
+                "fit_us": record["fit_us"] or (float("nan"), float("nan")),
+                "forward_share": record["forward_share"],
+                "forward_us": forward_s * 1e6, "backward_us": float("nan"), "cpu_us": float("nan"),
+                "message_us": self.domain.transport.message_us if self.domain is not None else float("nan")}
+        if record.get("events") is not None:
+            last["events"] = record["events"]
+        return last
 
     def recorded(self) -> Optional[dict]:
         """`last` for a trace recorder: on CUDA its forward and backward times on the device's clock
@@ -424,53 +353,6 @@ def _typical(fits: np.ndarray) -> tuple[float, float]:
     return float(piece_us), float(row_us)
 
 
-def functional_calls(modules: Sequence[torch.nn.Module], params: list[list[torch.Tensor]],
-                     spec: ExpertSpec) -> ExpertCall:
-    """``call(e, x)``: local expert e on rows x, run functionally with ``params[e]`` and its own buffers."""
-    return lambda e, x: spec.call(modules[e], params[e], spec.buffers(modules[e]), x)
-
-
-def timed_pieces(rows: torch.Tensor, blocks: list, experts: Sequence[int], mark: Callable[[], object],
-                 call: ExpertCall, static_fn: Optional[StaticFn] = None, pieces: Optional[list] = None,
-                 between: Optional[Callable[[], Optional[Callable[[], None]]]] = None) -> list[torch.Tensor]:
-    """Outputs of ``experts`` (local ids, ascending) on their rows (``blocks[e]`` ``[n_e, H]``, a
-    split of ``rows``): ``call(e, x)`` each, or ``static_fn`` for all at once. Appends samples
-    (k pieces with rows, n rows, start mark, end mark) of the calls to ``pieces``: one for them all
-    (the fit ``t = k * piece + n * row`` holds for a sum of calls as for one, and one pair of marks
-    per stage, CUDA events on a GPU, costs the host less than a pair per expert), split where
-    ``between()``, asked after each call (after the grouped one), returns work to do there (phase
-    2's sends, once the plan is in hand): that work is not expert compute."""
-    sizes = [len(blocks[e]) for e in experts]
-    timed = pieces is not None and sum(sizes) > 0
-    k = n = 0
-    start = mark() if timed else None
-
-    def called(pieces_with_rows: int, rows_: int) -> None:
-        nonlocal k, n, start
-        k, n = k + pieces_with_rows, n + rows_
-        work = between() if between is not None else None
-        if work is None:
-            return
-        if timed and n:
-            pieces.append((k, n, start, mark()))
-        work()
-        k = n = 0
-        if timed:
-            start = mark()
-
-    if static_fn is not None:
-        outs = list(static_fn(rows, blocks, list(experts)).split(sizes))
-        called(sum(size > 0 for size in sizes), sum(sizes))
-    else:
-        outs = []
-        for e, size in zip(experts, sizes):
-            outs.append(call(e, blocks[e]))
-            called(int(size > 0), size)
-    if timed and n:
-        pieces.append((k, n, start, mark()))
-    return outs
-
-
 def run_local(rows: torch.Tensor, counts: np.ndarray, call: ExpertCall, times: Optional[ComputeTimes],
               stage_times: StageTimes, probe: bool = False, static_fn: Optional[StaticFn] = None) -> torch.Tensor:
     """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``, every
@@ -488,105 +370,3 @@ def run_local(rows: torch.Tensor, counts: np.ndarray, call: ExpertCall, times: O
         end = mark()
         times.finish(begin, end, end, int(counts.sum()), pieces)
     return torch.cat(outs) if outs else rows
-
-
-def run_experts(rows: torch.Tensor, counts: np.ndarray, modules: Sequence[torch.nn.Module],
-                params: list[list[torch.Tensor]], spec: ExpertSpec, domain: DomainRuntime, config: FEPLBConfig,
-                expert_bytes: int, times: ComputeTimes, stage_times: Optional[StageTimes] = None,
-                static_fn: Optional[StaticFn] = None, residency: Optional[LayerResidency] = None,
-                step_ends: bool = True, mean_rows: float = 0.0, record: Optional[dict] = None,
-                call: Optional[ExpertCall] = None) -> tuple[torch.Tensor, Optional[MicroBatchStats]]:
-    """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> (outputs ``[N, H]``,
-    stats or None when ``config.stats`` is off), balanced over ``domain``.
-
-    modules[e] runs expert e functionally with ``params[e]`` (named ``spec.param_names``) and its
-    own buffers; ``call(e, x)``, if given, computes the static experts (`LocalExperts.calls`);
-    ``times`` holds the previous micro-batch's compute times and is updated; ``stage_times``
-    receives the host time of each stage (forward now, phase 2's backward later); ``residency`` is
-    the layer's weight residency (None: none) and ``step_ends`` says whether this micro-batch is
-    the last of its optimizer step (`migrate.resident`); ``mean_rows``: rows per rank over the
-    whole EP group, for ``config.max_rows_over_mean`` (0: the domain's mean); ``record``: a dict
-    that receives the plan's ``moves``, their ``fresh`` flags, the micro-batch's `Phase2MicroBatch`
-    (``phase2``), how long the plan was waited for (``plan_wait_s``) and when it was in hand
-    (``plan_in_hand``, host seconds), for `ExpertStage._measure`. A forward that activation
-    checkpointing recomputes in backward leaves residency alone and returns no stats.
-    """
-    stage_times = stage_times if stage_times is not None else StageTimes()
-    recompute = recomputing()
-    if recompute:  # activation checkpointing re-runs this forward in backward: not a new micro-batch
-        residency, step_ends = None, True
-    mark = times.clock(rows.device)
-    call = call or functional_calls(modules, params, spec)
-    if config.fixed_costs == "measured":
-        times.probe(rows, counts, call, mark)
-    begin = mark()
-    blocks = list(rows.split(counts.tolist()))
-    seq = domain.next_seq()
-    row_bytes = rows.shape[1] * rows.element_size()
-    # a grouped static call on the CPU leaves no point to send from before it ends (`timed_pieces`)
-    model = times.model(config, expert_bytes, row_bytes, domain.transport.message_us,
-                        sends_after_static=static_fn is not None and rows.device.type != "cuda")
-    constraints = replace(PlanConstraints.from_config(config, expert_bytes, model), mean_rows=float(mean_rows))
-    if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
-        constraints = replace(constraints, dynamic_experts=0)  # nothing timed yet: no move is known to pay
-    resident_row = residency.table.resident[domain.local_rank] if residency is not None else None
-    domain.scheduler.publish(seq, counts, constraints, resident_row)
-
-    dynamic = [int(e) for e in dynamic_candidates(counts[None], config.dynamic_experts_per_rank)[0]]
-    static = [e for e in range(len(modules)) if e not in dynamic]
-    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params[0]))
-    # phase 2's inputs are taken before the static experts start: its waiting half of backward
-    # (`Phase2Anchor`) then runs after their backward was queued, and its copies of the rows wait for
-    # phase 1 only (`Transport.mark`), not for the static experts queued after it
-    dyn_x = torch.cat([blocks[e] for e in dynamic]) if dynamic else rows[:0]
-    with_grads = grad_experts(residency, domain.local_rank, dynamic, step_ends, needs_grad)
-    dyn_params = [p for e in with_grads for p in params[e]]
-    box: dict = {}
-    if needs_grad:
-        dyn_x, *dyn_params = Phase2Anchor.apply(box, len(spec.param_names), dyn_x, *dyn_params)
-    ready = domain.transport.mark()
-    row_counts = [int(counts[e]) for e in dynamic]
-    got: dict = {}  # the plan once in hand: "planned", "phase2", "at" (host seconds)
-
-    def take(planned) -> None:
-        """Phase 2 of this plan, its chunks sent now (static experts may still be computing)."""
-        got["at"] = time.perf_counter()
-        phase2 = Phase2MicroBatch(domain.transport, seq, domain.local_rank, planned.plan.moves, dynamic, row_counts,
-                                  list(modules), spec, needs_grad, with_grads, stage_times, residency, step_ends,
-                                  ready, mark)
-        phase2.send_forward(dyn_x.detach(), [[p.detach() for p in params[e]] for e in dynamic])
-        got.update(planned=planned, phase2=phase2)
-
-    def poll():  # between static experts: send as soon as the plan is there, as the time model has it
-        if got or not domain.scheduler.plan_ready(seq):
-            return None
-        return lambda: take(domain.scheduler.plan(seq))
-
-    outs: list = [None] * len(modules)
-    pieces: list = []
-    with stage_times.measure("static experts"):
-        for e, y in zip(static, timed_pieces(rows, blocks, static, mark, call, static_fn, pieces, between=poll)):
-            outs[e] = y
-    static_done = mark()
-
-    waited = time.perf_counter()
-    if not got:
-        with stage_times.measure("plan wait"):
-            take(domain.scheduler.plan(seq))
-    plan_wait_s = max(0.0, got["at"] - waited)
-    planned, phase2 = got["planned"], got["phase2"]
-    box["step"] = phase2
-    if record is not None:
-        record.update(moves=planned.plan.moves, fresh=phase2.fresh, phase2=phase2, plan_wait_s=plan_wait_s,
-                      plan_in_hand=got["at"])
-    dyn_y = DynamicExperts.apply(phase2, len(spec.param_names), dyn_x, *dyn_params)
-    for e, y in zip(dynamic, dyn_y.split(row_counts)):
-        outs[e] = y
-    stats = None
-    if config.stats.enabled and not recompute:
-        stats = layer_stats(planned.counts, planned.plan.moves, planned.seconds, planned.fallback, domain.ranks,
-                            residency_stats(phase2.fresh, phase2.copy_kept, len(phase2.flush_entries),
-                                            expert_bytes, phase2.resent), seq)
-    if not recompute:
-        times.finish(begin, static_done, mark(), int(counts.sum()), pieces + phase2.timed)
-    return torch.cat(outs), stats

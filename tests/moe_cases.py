@@ -1027,6 +1027,7 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
         if skew <= 0:
             override_routing(layer, _round_robin if skew == 0 else _first_rank_heavy)
     steps = []
+    before = _feplb_segments()
     for mb in range(micro_batches):
         x, w = rank_inputs(mb)
         ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
@@ -1048,7 +1049,12 @@ def fixed_costs_case(piece_s: float, row_s: float, skew: float, micro_batches: i
                       "rows_after": stats.get("tokens_after"),
                       "error": max(errors), "fit": ours.deepspeed_moe.stage.compute_times.fitted_us()})
     deepspeed_feplb.shutdown()
-    return {"steps": steps, "segments": [n for n in os.listdir("/dev/shm") if n.startswith("feplb-")]}
+    return {"steps": steps, "segments": sorted(_feplb_segments() - before)}
+
+
+def _feplb_segments() -> set:
+    """FEPLB's shared-memory segments on this machine now (another job's too: compare two listings)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("feplb-")}
 
 
 def replicas_case(steps: int = 5) -> dict:

@@ -20,7 +20,7 @@ def _slice_backwards_per_layer_backward(ep_size: int) -> dict:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     import deepspeed_feplb
-    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+    from deepspeed_feplb.experts import ExpertSpec
 
     functional = [0]
     call = ExpertSpec.call
@@ -72,8 +72,7 @@ def test_with_migration_too():
 def test_bound_parameters_are_the_modules_own_inside_and_come_back_however_the_block_ends():
     import pytest
 
-    from deepspeed_feplb.expert_stage import LocalExperts
-    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+    from deepspeed_feplb.experts import ExpertSpec, LocalExperts
 
     def tied():
         module = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN))
@@ -103,7 +102,7 @@ def test_bound_parameters_are_the_modules_own_inside_and_come_back_however_the_b
 def test_a_pieces_call_with_given_weights_and_buffers_equals_functional_call():
     from torch.func import functional_call
 
-    from deepspeed_feplb.migrate.phase2 import ExpertSpec
+    from deepspeed_feplb.experts import ExpertSpec
 
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -39,7 +39,7 @@ def test_the_static_sample_leaves_out_what_runs_between_the_calls():
     static experts' timing sample instead of counting as expert compute."""
     import torch
 
-    from deepspeed_feplb.expert_stage import timed_pieces
+    from deepspeed_feplb.experts import timed_pieces
 
     clock, ran = iter(range(100)), []
     rows = torch.zeros(5, 2)

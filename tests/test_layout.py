@@ -165,3 +165,18 @@ def test_the_checker_sees_edges():
     assert private_deepspeed_names("from deepspeed.utils import groups\ngroups._get_data_parallel_group()")
     assert private_deepspeed_names("from deepspeed.moe.sharded_moe import _capacity")
     assert not private_deepspeed_names("import torch\ntorch._C._get_tracing_state()")
+
+
+# The code every balanced micro-batch runs: short functions, each one step of the path.
+HOT_PATH = [f"{PACKAGE}.expert_stage", f"{PACKAGE}.balanced", f"{PACKAGE}.experts", f"{PACKAGE}.migrate.phase2",
+            *sorted(m for m in MODULES if m.startswith(f"{PACKAGE}.dispatch."))]
+LONGEST_HOT_FUNCTION = 60  # lines, docstring included
+
+
+@pytest.mark.parametrize("module", HOT_PATH)
+def test_the_hot_path_is_made_of_short_functions(module):
+    tree = ast.parse(MODULES[module].read_text())
+    long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST_HOT_FUNCTION]
+    assert not long, f"{module}: {long}"

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deepspeed_feplb.plan.hottest import NONE
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
 from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.scheduler.mailbox import RING, Mailbox
@@ -28,6 +29,12 @@ def counts_for(rank: int, seq: int) -> np.ndarray:
     return np.arange(EXPERTS, dtype=np.int64) * 100 + rank * 10 + seq % 10 + seq * 1000
 
 
+def dynamic_for(rank: int, seq: int) -> np.ndarray:
+    """The dynamic experts a rank chose: not its hottest (the mailbox carries a choice, it makes
+    none), and fewer than D on every third step."""
+    return np.array([(rank + seq) % EXPERTS, (rank + seq + 2) % EXPERTS][:1 + bool(seq % 3)], np.int64)
+
+
 def masks_for(rank: int, seq: int) -> np.ndarray:
     """A rank's row of the residency masks, int64 [EXPERTS, 1] (helpers of each of its experts)."""
     return ((np.arange(EXPERTS, dtype=np.int64) + rank + seq) % (1 << RANKS)).reshape(EXPERTS, 1)
@@ -44,18 +51,19 @@ def test_counts_are_complete_and_of_the_asked_step_or_absent(mailbox, operations
         if published[rank] + 1 - min(published) < RING - 1:
             published[rank] += 1
             mailbox.publish(rank, published[rank], counts_for(rank, published[rank]), CONSTRAINTS,
-                            masks_for(rank, published[rank]))
+                            masks_for(rank, published[rank]), dynamic_for(rank, published[rank]))
         got = mailbox.read_counts(wanted)
         every_rank_has_it = all(p >= wanted for p in published)
         not_overwritten = all(p - wanted < RING for p in published)
         if got is None:
             assert not (every_rank_has_it and not_overwritten)
             continue
-        counts, constraints, resident = got
         assert every_rank_has_it and not_overwritten
-        assert np.array_equal(counts, np.stack([counts_for(r, wanted) for r in range(RANKS)]))
-        assert np.array_equal(resident, np.stack([masks_for(r, wanted) for r in range(RANKS)]))
-        assert constraints == CONSTRAINTS  # the time model, the residency flag and the row bound cross too
+        assert np.array_equal(got.counts, np.stack([counts_for(r, wanted) for r in range(RANKS)]))
+        assert np.array_equal(got.resident, np.stack([masks_for(r, wanted) for r in range(RANKS)]))
+        chosen = [list(dynamic_for(r, wanted)) + [NONE] * (2 - len(dynamic_for(r, wanted))) for r in range(RANKS)]
+        assert got.dynamic.tolist() == chosen
+        assert got.constraints == CONSTRAINTS  # the time model, the residency flag and the row bound cross too
         assert set(mailbox.missing_ranks(wanted)) == set()
 
 

@@ -72,7 +72,8 @@ def _mixed_message_case() -> dict:
     import torch.distributed as dist
 
     from deepspeed_feplb.config import FEPLBConfig
-    from deepspeed_feplb.migrate.phase2 import ExpertSpec, Phase2MicroBatch
+    from deepspeed_feplb.experts import ExpertSpec
+    from deepspeed_feplb.migrate.phase2 import Phase2MicroBatch
     from deepspeed_feplb.migrate.resident import LayerResidency
 
     rank = dist.get_rank()
@@ -120,7 +121,8 @@ def _landing_case() -> dict:
     import numpy as np
     import torch.distributed as dist
 
-    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FWD_RESULTS, ExpertSpec, Phase2MicroBatch
+    from deepspeed_feplb.experts import ExpertSpec
+    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FWD_RESULTS, Phase2MicroBatch
 
     rank = dist.get_rank()
     transport = _shm_pair("landing")

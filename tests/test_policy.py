@@ -191,19 +191,32 @@ def test_alignment_costs_less_than_one_chunk(inst):
         assert plan.rank_rows.max() <= lower_bound(counts, cons.dynamic_experts) + cons.chunk_align - 1
 
 
-def test_dynamic_candidates_is_the_compiled_passes_rule():
-    """The ranks pick their static experts with numpy, the planning pass its candidates with the
-    compiled `hottest`: both must choose the same experts, ties included."""
-    from deepspeed_feplb.plan.hottest import hottest
+def test_the_planner_moves_only_the_experts_each_rank_published():
+    """The ranks choose their dynamic experts (`dynamic_candidates`) and publish them; the planner
+    takes the published sets, never re-derives them: a set that is not the D hottest is what moves,
+    a rank that published none moves nothing, and without a set the rule applies."""
     rng = np.random.default_rng(0)
     for _ in range(200):
-        G, E = rng.integers(1, 9), rng.integers(1, 17)
-        counts = rng.integers(0, 5, size=(G, E)).astype(np.int64)  # small values: many ties
-        D = int(rng.integers(0, E + 1))
-        top_e, top_n = np.zeros((G, D), np.int64), np.zeros((G, D), np.int64)
-        for r in range(G if D else 0):
-            hottest(counts, r, top_e, top_n)
-        assert dynamic_candidates(counts, D).tolist() == top_e.tolist()
+        G, E = int(rng.integers(2, 9)), int(rng.integers(2, 17))
+        counts = rng.integers(0, 50, size=(G, E)).astype(np.int64)
+        counts[0] *= 4  # a hot rank
+        D = int(rng.integers(1, E + 1))
+        chosen = np.full((G, D), -1, np.int64)
+        for r in range(G):
+            k = int(rng.integers(0, D + 1))
+            chosen[r, :k] = rng.permutation(E)[:k]  # any experts, in any order
+        cons = PlanConstraints(dynamic_experts=D, max_helpers=2)
+        plan = plan_domain(counts, cons, dynamic=chosen)
+        for home, expert, _, _ in plan.moves:
+            assert expert in chosen[home], (chosen, plan.moves)
+        assert plan.rank_rows.sum() == counts.sum()
+        assert plan_domain(counts, cons, dynamic=dynamic_candidates(counts, D)).moves.tolist() == \
+            plan_domain(counts, cons).moves.tolist()
+    hot = np.array([[90, 80, 10], [5, 5, 5]])
+    assert plan_domain(hot, PlanConstraints(1, 2), dynamic=np.array([[-1], [-1]])).moves.shape == (0, 4)
+    assert set(plan_domain(hot, PlanConstraints(1, 2), dynamic=np.array([[1], [-1]])).moves[:, 1]) == {1}
+    with pytest.raises(ValueError, match="dynamic experts local ids below 3"):
+        plan_domain(hot, PlanConstraints(1, 2), dynamic=np.array([[3], [-1]]))
 
 
 def test_dynamic_candidates_ties_and_shapes():

@@ -181,6 +181,54 @@ def test_simulator_reports_time_and_residency_cuts_weight_bytes():
     assert per_mb["feplb-paper"] == step["feplb-paper"]  # the peers do not depend on our residency
 
 
+def test_the_simulator_keeps_copies_within_the_byte_budget_as_the_runtime_does():
+    """``resident_budget_mb`` binds in the simulator as at runtime: a node's layers share one
+    budget (weights and an fp32 gradient per copy), never exceeded; a tighter budget keeps fewer
+    copies, so more weights are copied; "auto" takes the profile's device memory as the runtime
+    takes its GPU's."""
+    from deepspeed_feplb.plan.residency import AUTO_BUDGET_SHARE
+    from deepspeed_feplb.sim.policies import make_policy
+    from deepspeed_feplb.trace.format import fold_sources
+    trace = small_trace(4096)
+    base = SimSetup(ranks_per_node=8, nodes=1, experts=64, dynamic_experts=4, chunk_align=8, micro_batches_per_step=8)
+    copy = base.shape.weight_bytes + base.shape.grad_bytes
+    src = fold_sources(trace.counts, base.ranks)
+    copied, most_held = {}, {}
+    for copies in (0, 1, 2, None):
+        budget_mb = "auto" if copies is None else copies * copy / 2**20
+        setup = replace(base, resident_budget_mb=budget_mb)
+        policy = make_policy("feplb", setup, src.shape[1])
+        held = 0
+        for step in range(src.shape[0]):
+            for layer in range(src.shape[1]):
+                policy.step(step, layer, src[step, layer])
+                held = max(held, int(policy.kept_bytes[0].held.max()))
+        most_held[copies] = held
+        copied[copies] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]["weight_bytes_per_step"]
+    assert most_held[0] == 0 and most_held[1] == copy and most_held[2] == 2 * copy
+    assert copied[0] > copied[1] > copied[2] > copied[None]
+    assert base.profile.memory_bytes * AUTO_BUDGET_SHARE > most_held[None] > 2 * copy  # "auto" binds less
+
+
+def test_simulate_takes_the_byte_budget_and_refuses_one_that_cannot_be(tmp_path):
+    import json
+
+    from deepspeed_feplb.__main__ import main
+    from deepspeed_feplb.trace.format import save_trace
+    save_trace(tmp_path / "t.npz", small_trace(2048))
+    copied = {}
+    for budget in ("0", "auto"):
+        out = tmp_path / f"{budget}.json"
+        assert main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "8",
+                     "--micro-batches-per-step", "8", "--policies", "feplb", "--resident-budget-mb", budget,
+                     "--json", str(out), "--no-progress"]) == 0
+        copied[budget] = json.loads(out.read_text())["policies"]["feplb"]["weight_bytes_per_step"]
+    assert copied["0"] > copied["auto"]
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            main(["simulate", "--trace", str(tmp_path / "t.npz"), "--resident-budget-mb", bad])
+
+
 def test_simulator_steps_and_residency_are_checked():
     with pytest.raises(ValueError, match="micro-batches per step"):
         SimSetup(ranks_per_node=2, nodes=1, experts=4, micro_batches_per_step=0).check()

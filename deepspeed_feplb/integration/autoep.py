@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
 from deepspeed_feplb.domain import domain_size, validate_domain_size
-from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
+from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
+from deepspeed_feplb.experts import ExpertSpec, LocalExperts
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
 from deepspeed_feplb.integration.placement import (
@@ -45,7 +46,6 @@ from deepspeed_feplb.integration.placement import (
     record_expert_order,
 )
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
-from deepspeed_feplb.migrate.phase2 import ExpertSpec
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
 

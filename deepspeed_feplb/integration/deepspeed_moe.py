@@ -24,7 +24,8 @@ from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 from deepspeed_feplb.config import FEPLBConfig, FEPLBModelError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import domain_size, install_exit_handlers
-from deepspeed_feplb.expert_stage import ExpertStage, LocalExperts, check_group_agrees
+from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
+from deepspeed_feplb.experts import ExpertSpec, LocalExperts, run_expert
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.gate.top1 import DroplessTop1Gate
 from deepspeed_feplb.grouped_mlp import StackedMLP, empty_groups_zeroed
@@ -39,7 +40,6 @@ from deepspeed_feplb.integration.placement import (
     record_expert_order,
 )
 from deepspeed_feplb.integration.replicas import with_sum
-from deepspeed_feplb.migrate.phase2 import ExpertSpec, run_expert
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder

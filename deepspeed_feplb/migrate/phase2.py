@@ -26,13 +26,13 @@ so the exchange is deadlock-free (sends are asynchronous, receives follow a fixe
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from deepspeed_feplb.experts import ExpertSpec
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
 from deepspeed_feplb.stats import StageTimes
@@ -42,78 +42,6 @@ FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
 
 def tag(seq: int, phase: int) -> int:
     return (seq << 4) | phase
-
-
-# grouped(weights, x, sizes) -> y: k experts at once, ``weights[j]`` the k experts' parameter j stacked
-# ``[k, *shape_j]``, ``x`` ``[N, H]`` their rows in order (``sizes[i]`` rows of expert i) -> ``[N, H_out]``
-GroupedCall = Callable[[list, torch.Tensor, list], torch.Tensor]
-
-
-def tensor_slots(module: torch.nn.Module, buffers: bool = False) -> list[tuple[dict, str, int]]:
-    """Where ``module`` keeps its parameters (and, with ``buffers``, then its buffers): per tensor
-    under each of its names, (owning submodule's ``_parameters`` or ``_buffers``, name there, index
-    in ``named_parameters()`` order, buffers numbered on after the parameters)."""
-    subs, slots, index = list(module.modules()), [], {}
-    for kind in ("_parameters", "_buffers") if buffers else ("_parameters", ):
-        seen: dict = {}
-        for sub in subs:
-            table = getattr(sub, kind)
-            for key, t in table.items():
-                if t is not None:
-                    slots.append((table, key, len(index) + seen.setdefault(id(t), len(seen))))
-        index.update(seen)
-    return slots
-
-
-@contextmanager
-def bound(slots: list[list[tuple[dict, str, int]]], tensors: list[list[torch.Tensor]]):
-    """Module i holds ``tensors[i]`` as its parameters (and buffers) inside the block (``slots[i]``:
-    its `tensor_slots`), as `torch.func.functional_call` binds them around one call: calling the
-    module computes on them, with the same graph. Its own come back when the block ends, however
-    it ends."""
-    saved = []
-    try:
-        for module_slots, values in zip(slots, tensors):
-            for table, key, i in module_slots:
-                saved.append((table, key, table[key]))
-                table[key] = values[i]
-        yield
-    finally:
-        for table, key, tensor in reversed(saved):
-            table[key] = tensor
-
-
-@dataclass
-class ExpertSpec:
-    """How to run any local expert functionally: its module and parameter/buffer names; ``grouped``:
-    how to run several at once (a grouped GEMM, for experts without buffers), or None: one call each."""
-    param_names: list[str]
-    buffer_names: list[str]
-    grouped: Optional[GroupedCall] = None
-
-    @classmethod
-    def of(cls, expert: torch.nn.Module, grouped: Optional[GroupedCall] = None) -> "ExpertSpec":
-        buffer_names = [n for n, _ in expert.named_buffers()]
-        if grouped is not None and buffer_names:
-            raise ValueError(f"a grouped expert call takes stacked parameters only; this expert has buffers "
-                             f"{buffer_names}")
-        return cls([n for n, _ in expert.named_parameters()], buffer_names, grouped)
-
-    @staticmethod
-    def buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-        return [b for _, b in module.named_buffers()]
-
-    def call(self, module, params, buffers, x):
-        """``module`` on rows x ``[n, H]`` with ``params`` (``param_names`` order) and ``buffers``
-        bound as its own (`bound`: `functional_call`'s binding without its cost per call)."""
-        with bound([tensor_slots(module, buffers=bool(self.buffer_names))], [[*params, *buffers]]):
-            return run_expert(module, x)
-
-
-def run_expert(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``expert`` on rows x ``[n, H]``: its output, the first element where it returns a tuple."""
-    out = expert(x)
-    return out[0] if isinstance(out, tuple) else out
 
 
 @dataclass
@@ -262,7 +190,7 @@ class Phase2MicroBatch:
     def send_forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> None:
         """Send the moved chunks (rows, and weights unless the helper keeps a copy) to their helpers,
         once: as soon as the plan is in hand, while the caller still computes its static experts
-        (`expert_stage.run_experts` polls for the plan between them); `forward` sends them if
+        (`balanced.BalancedMicroBatch` looks for the plan between them); `forward` sends them if
         nobody did. dyn_x ``[N_dyn, H]``, params: per dynamic expert (no gradient is taken here)."""
         if self._forward_sends is not None:
             return
@@ -281,6 +209,7 @@ class Phase2MicroBatch:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
         start = time.perf_counter()
         outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
+        self.row_width = dyn_x.shape[1]  # the input-gradient's, also where no dynamic expert is here
         self.send_forward(dyn_x, params)
         sends = self._forward_sends
 
@@ -458,8 +387,7 @@ class Phase2MicroBatch:
             payload = messages.output_grads_to_helper(len(chunks)).pack(grads)
             self._sends.append(self.transport.send(helper, tag(self.seq, BWD_GRADS), payload))
 
-        width = self.home_pieces[0].x.shape[1] if self.home_pieces else 0
-        grad_x = torch.zeros((int(starts[-1]), width), dtype=grad_y.dtype, device=grad_y.device)
+        grad_x = torch.zeros((int(starts[-1]), self.row_width), dtype=grad_y.dtype, device=grad_y.device)
         grad_params = []
         home_grads = self._vjp(self.home_pieces, [grad_y[starts[i]:starts[i] + home_rows[i]]
                                                   for i in range(len(self.home_pieces))])

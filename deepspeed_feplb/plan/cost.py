@@ -28,6 +28,7 @@ Profiles:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -41,7 +42,9 @@ class GemmProfile:
     expert piece; ce_gbps: Copy-Engine bandwidth one way per GPU (GB/s); net_gbps: cross-node
     bandwidth per GPU (GB/s); message_us: fixed latency of one phase-2 message (0: an ideal
     transport; `cuda_ce` measured about 230 µs one way on an H200 machine, docs/GPU.md); floor_us:
-    the least one expert piece's forward costs, whatever its rows (module docstring)."""
+    the least one expert piece's forward costs, whatever its rows (module docstring); memory_bytes:
+    one device's memory (inf: host memory), from which ``feplb.resident_budget_mb: "auto"``
+    derives the kept copies' budget as the runtime does (`residency.resident_budget_bytes`)."""
 
     name: str
     tflops: float
@@ -51,11 +54,13 @@ class GemmProfile:
     net_gbps: float
     message_us: float = 0.0
     floor_us: float = 0.0
+    memory_bytes: float = math.inf
 
 
 PROFILES = {
-    "h100": GemmProfile("h100", 453.0, 128, 2.0, 370.0, 50.0),
-    "h200": GemmProfile("h200", 480.0, 128, 2.0, 370.0, 50.0),
+    # memory: the nominal capacities, 80 GB and 141 GB of HBM
+    "h100": GemmProfile("h100", 453.0, 128, 2.0, 370.0, 50.0, memory_bytes=80e9),
+    "h200": GemmProfile("h200", 480.0, 128, 2.0, 370.0, 50.0, memory_bytes=141e9),
 }
 
 

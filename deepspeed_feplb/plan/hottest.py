@@ -1,19 +1,21 @@
-"""The one rule for a rank's dynamic experts, compiled: its D hottest local experts, ties to the
-lower id. `policy.dynamic_candidates` (every rank, every micro-batch) and the planning pass
-(`passes`) both call it. Its own module so that a rank that never plans loads only this."""
+"""The one rule for a rank's dynamic experts: its D hottest local experts, ties to the lower id.
+
+A rank applies it to its own counts each balanced micro-batch and publishes the result with them;
+the planner moves rows of the published experts only (it never applies the rule itself), and the
+simulator applies it for every rank of a replayed trace (`policy.plan_domain` without a set).
+numpy only: a rank whose plans come from elsewhere never loads numba."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-__all__ = ["hottest"]
+__all__ = ["dynamic_candidates", "NONE"]
+
+NONE = -1  # pads a rank's row of dynamic experts where it has fewer than the others
 
 
-@njit("void(int64[:, ::1], int64, int64[:, ::1], int64[:, ::1])", cache=True)
-def hottest(counts, r, top_e, top_n):
-    """The one rule for a rank's dynamic experts: fill row ``r`` of top_e / top_n int64 [G, D]
-    with rank r's D hottest experts and their tokens, hottest first, ties to the lower id."""
-    order = np.argsort(-counts[r], kind="mergesort")
-    for i in range(top_e.shape[1]):
-        top_e[r, i] = order[i]
-        top_n[r, i] = counts[r, order[i]]
+def dynamic_candidates(counts: np.ndarray, D: int) -> np.ndarray:
+    """counts int64 [G, E_local] -> int64 [G, min(D, E_local)]: each rank's D hottest local
+    experts, hottest first, ties to the lower expert id."""
+    counts = np.asarray(counts, dtype=np.int64)
+    d = max(0, min(int(D), counts.shape[1]))
+    return np.ascontiguousarray(np.argsort(-counts, axis=1, kind="stable")[:, :d], dtype=np.int64)

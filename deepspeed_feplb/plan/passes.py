@@ -10,11 +10,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from deepspeed_feplb.plan.hottest import hottest
-
-# Per-rank state of one water-filling pass, rows of an int64 [6, G] array (numba compiles no
+# Per-rank state of one water-filling pass, rows of an int64 [5, G] array (numba compiles no
 # closures, so the pass's functions share their state through it).
-_FINAL, _ROOM, _RECV, _SEND, _GAVE, _TOPPED = range(6)
+_FINAL, _ROOM, _RECV, _SEND, _GAVE = range(5)
 # Scalar state, an int64 [2] array: receivers with room left, moves written so far.
 _OPEN, _MOVES = range(2)
 # What _push returns while its loop is not finished: the rows it needs a receiver to make room for.
@@ -66,13 +64,27 @@ def _chunk(amt, left, c, gap, align, final_chunk):
     return down
 
 
-@njit("void(int64[:, ::1], int64, int64[:, ::1], int64[:, ::1], int64[:, ::1])", cache=True)
-def _ensure_top(counts, r, top_e, top_n, s):
-    """`hottest` for rank r, once per rank and plan."""
-    if s[_TOPPED, r]:
-        return
-    hottest(counts, r, top_e, top_n)
-    s[_TOPPED, r] = 1
+@njit("UniTuple(int64[:, ::1], 2)(int64[:, ::1], int64[:, ::1])", cache=True)
+def _candidates(counts, dynamic):
+    """The ranks' published dynamic experts as the passes walk them: (top_e, top_n) int64 [G, D],
+    each rank's experts hottest first (ties to the lower id) and their rows; a rank that published
+    fewer than D (-1 in ``dynamic``) has rows 0 there, where every pass stops."""
+    G, D = dynamic.shape
+    top_e = np.full((G, D), -1, np.int64)
+    top_n = np.zeros((G, D), np.int64)
+    for r in range(G):
+        k = 0
+        for i in range(D):
+            e = dynamic[r, i]
+            if e < 0:
+                continue
+            j = k  # insertion: more rows first, then the lower id
+            while j > 0 and (top_n[r, j - 1] < counts[r, e] or top_n[r, j - 1] == counts[r, e] and top_e[r, j - 1] > e):
+                top_e[r, j], top_n[r, j] = top_e[r, j - 1], top_n[r, j - 1]
+                j -= 1
+            top_e[r, j], top_n[r, j] = e, counts[r, e]
+            k += 1
+    return top_e, top_n
 
 
 @njit("UniTuple(int64, 2)(int64, int64, boolean[::1], int64, int64, int64[:, ::1], int64[:, ::1], "
@@ -208,7 +220,6 @@ def _make_room(want, banned, cap, max_helpers, align, counts, top_e, top_n, s, s
         c = room[j]
         if c == 0 or banned[j] or gave[j] or send[j] <= 0:
             continue
-        _ensure_top(counts, j, top_e, top_n, s)
         free = c + top_n[j].sum()
         if best < 0 or free > bfree or (free == bfree and c < bc):  # ties: less room, lower rank
             best, bfree, bc = j, free, c
@@ -248,8 +259,8 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copi
     chain of two moves beats a helper or copy limit); with chaining, a chunk that no receiver
     can take at all goes through a rank above the level (:func:`_relay`).
 
-    loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (filled lazily, see
-    :func:`_ensure_top`); s int64 [6, G]: the state rows (only _TOPPED is kept between passes);
+    loads int64 [G]; counts int64 [G, E]; top_e / top_n int64 [G, D] (`_candidates`); s int64
+    [5, G]: the state rows;
     copies: weight copies one rank may send, and one may receive (a chunk to a helper that holds
     the weights, per ``resident`` (see :func:`_push`), needs none).
     Returns (moves int64 [M, 4] in the order the rows are taken, final int64 [G])."""
@@ -274,7 +285,6 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copi
         if loads[r] <= cap:
             break
         s[_GAVE, r] = 1
-        _ensure_top(counts, r, top_e, top_n, s)
         for i in range(D):
             left = top_n[r, i]
             need = final[r] - level
@@ -298,9 +308,10 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copi
     return out[:sc[_MOVES]], final.copy()
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], boolean, int64)", cache=True)
-def plan_pass(counts, D, max_helpers, align, copies, resident, chain, floor):
-    """The token-balancing plan. counts int64 [G, E] (C order); D <= E; copies: weight copies per
+@njit("int64[::1](int64[:, ::1], int64[:, ::1], int64, int64, int64, int64[:, :, ::1], boolean, int64)", cache=True)
+def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floor):
+    """The token-balancing plan. counts int64 [G, E] (C order); dynamic int64 [G, D]: the experts
+    each rank published as dynamic, the only ones whose rows move (-1: none); copies: weight copies per
     rank (an int; the caller maps "unlimited" to G * D * max_helpers); resident int64 [G, E, W]: bit masks of
     the helpers that hold each expert's weights (`holds`); chain: when the limits bind, bisect
     over chaining passes (False: the one water-filling pass, a cheaper, coarser plan); floor: the
@@ -308,14 +319,18 @@ def plan_pass(counts, D, max_helpers, align, copies, resident, chain, floor):
     0: down to the lower bound).
     Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
     local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
-    negative counts (the caller raises)."""
+    negative counts or a dynamic expert out of range (the caller raises)."""
     G, E = counts.shape
+    D = dynamic.shape[1]
     loads = np.zeros(G, np.int64)
     for r in range(G):
         for e in range(E):
             if counts[r, e] < 0:
                 return np.zeros(0, np.int64)
             loads[r] += counts[r, e]
+        for i in range(D):
+            if dynamic[r, i] < -1 or dynamic[r, i] >= E:
+                return np.zeros(0, np.int64)
     if G <= 1 or D <= 0 or max_helpers <= 0 or copies <= 0 and not resident.any():
         return loads
     top_load = loads.max()
@@ -323,13 +338,10 @@ def plan_pass(counts, D, max_helpers, align, copies, resident, chain, floor):
     slack = align - 1
     if top_load <= level + slack:  # also all-zero counts
         return loads
-    top_e = np.zeros((G, D), np.int64)
-    top_n = np.zeros((G, D), np.int64)
-    s = np.zeros((6, G), np.int64)
+    top_e, top_n = _candidates(counts, dynamic)
+    s = np.zeros((5, G), np.int64)
     for r in range(G):
-        if loads[r] > level:
-            _ensure_top(counts, r, top_e, top_n, s)
-            level = max(level, loads[r] - top_n[r].sum())
+        level = max(level, loads[r] - top_n[r].sum())
     if top_load <= level + slack:
         return loads
 
@@ -364,18 +376,16 @@ def plan_pass(counts, D, max_helpers, align, copies, resident, chain, floor):
     return out
 
 
-@njit("boolean[:, ::1](int64[:, ::1], int64)", cache=True)
-def dynamic_mask(counts, D):
-    """bool [G, E]: each rank's D hottest experts (`hottest`), the ones it computes after the plan."""
+@njit("boolean[:, ::1](int64[:, ::1], int64[:, ::1])", cache=True)
+def dynamic_mask(counts, dynamic):
+    """bool [G, E]: each rank's dynamic experts (``dynamic`` int64 [G, D], -1: none), the ones it
+    computes after the plan."""
     G, E = counts.shape
-    d = max(0, min(D, E))
-    top_e = np.zeros((G, d), np.int64)
-    top_n = np.zeros((G, d), np.int64)
     mask = np.zeros((G, E), np.bool_)
     for r in range(G):
-        hottest(counts, r, top_e, top_n)
-        for i in range(d):
-            mask[r, top_e[r, i]] = True
+        for i in range(dynamic.shape[1]):
+            if dynamic[r, i] >= 0:
+                mask[r, dynamic[r, i]] = True
     return mask
 
 
@@ -542,9 +552,9 @@ def _most_copies(counts, flat, resident):
     return max(sent.max(), got.max())
 
 
-@njit("int64[::1](int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], float64[::1], boolean, int64)",
-      cache=True)
-def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row_cap):
+@njit("int64[::1](int64[:, ::1], int64[:, ::1], int64, int64, int64, int64[:, :, ::1], float64[::1], boolean, "
+      "int64)", cache=True)
+def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, keep, row_cap):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
@@ -560,31 +570,31 @@ def plan_timed(counts, D, max_helpers, align, copies, resident, model, keep, row
     far as the limits allow. Returns `plan_pass`'s layout."""
     G = counts.shape[0]
     if model.shape[0] == 0 and row_cap > 0:  # tokens only: balance down to the cap where that gets there
-        capped = plan_pass(counts, D, max_helpers, align, copies, resident, True, row_cap)
+        capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] < G or capped[:G].max() <= row_cap + align - 1:
             return capped
-    best = plan_pass(counts, D, max_helpers, align, copies, resident, True, 0)
+    best = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, 0)
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
     none = np.zeros((0, 4), np.int64)
-    dynamic = dynamic_mask(counts, D)
+    after_plan = dynamic_mask(counts, dynamic)
     no_moves = makespan(finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_),
-                                  np.zeros((0, 2), np.int64), model, dynamic))
-    best_t = _makespan(counts, best, resident, keep, model, dynamic)
+                                  np.zeros((0, 2), np.int64), model, after_plan))
+    best_t = _makespan(counts, best, resident, keep, model, after_plan)
     if row_cap > 0:
-        capped = plan_pass(counts, D, max_helpers, align, copies, resident, True, row_cap)
+        capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] > G and capped[:G].max() <= limit:
-            t = _makespan(counts, capped, resident, keep, model, dynamic)
+            t = _makespan(counts, capped, resident, keep, model, after_plan)
             if t <= best_t:
                 best, best_t = capped, t
     k = _most_copies(counts, best, resident)
     while k > 1 or k == 1 and resident.any():  # with k = 0 only helpers that hold weights take rows
         k //= 2
-        cand = plan_pass(counts, D, max_helpers, align, k, resident, False, 0)
+        cand = plan_pass(counts, dynamic, max_helpers, align, k, resident, False, 0)
         if cand[:G].max() > limit:
             continue
-        t = _makespan(counts, cand, resident, keep, model, dynamic)
+        t = _makespan(counts, cand, resident, keep, model, after_plan)
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
         best, best_t = cand, min(t, best_t)

@@ -30,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
 from deepspeed_feplb.plan.timeline import TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
@@ -117,16 +118,6 @@ def empty_plan(counts: np.ndarray) -> Plan:
     return Plan(np.zeros((0, 4), dtype=np.int64), counts.sum(axis=1) if counts.ndim == 2 else np.zeros(0, np.int64))
 
 
-def dynamic_candidates(counts: np.ndarray, D: int) -> np.ndarray:
-    """counts int64 [G, E_local] -> int64 [G, min(D, E_local)]: each rank's D hottest local
-    experts, hottest first, ties to the lower expert id. The compiled planning pass applies the
-    same rule (`hottest.hottest`; a test keeps the two equal); this one is numpy, so that a rank
-    whose plans come from elsewhere never loads numba."""
-    counts = np.asarray(counts, dtype=np.int64)
-    d = max(0, min(int(D), counts.shape[1]))
-    return np.ascontiguousarray(np.argsort(-counts, axis=1, kind="stable")[:, :d], dtype=np.int64)
-
-
 def lower_bound(counts: np.ndarray, D: int) -> int:
     """counts int64 [G, E_local] -> lower bound on the largest per-rank load of any
     plan that offloads at most D experts per rank: max(ceil(mean), max_r static_r)."""
@@ -181,17 +172,21 @@ def no_residents(G: int, E: int) -> np.ndarray:
     return np.zeros((G, E, (G + 63) // 64), np.int64)
 
 
-def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Optional[np.ndarray] = None) -> Plan:
+def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Optional[np.ndarray] = None,
+                dynamic: Optional[np.ndarray] = None) -> Plan:
     """Plan one NVLink domain.
 
     counts:       int64 [G, E_local]: tokens (token-expert pairs) that each of the domain's G ranks
                   received for each of its local experts; negative counts raise ValueError.
     constraints:  :class:`PlanConstraints`.
+    dynamic:      int64 [G, D']: the dynamic experts each rank chose and published (`hottest.NONE`
+                  pads a shorter row), the only experts whose rows move; None: each rank's
+                  ``dynamic_candidates(counts, D)`` (the simulator, which has no ranks).
     resident:     int64 [G, E_local, ceil(G / 64)] bit masks, or None (no weights held anywhere):
                   bit ``j % 64`` of word ``j // 64`` of ``resident[r, e]`` says helper j holds a copy
                   of rank r's expert e (kept from an earlier micro-batch of this step,
                   `residency.ResidencyTable`); chunks go to such helpers first and cost no copy.
-    Returns a :class:`Plan`; moves touch only ``dynamic_candidates(counts, D)[home]``, never move
+    Returns a :class:`Plan`; moves touch only ``dynamic[home]``, never move
     more than an expert has, respect ``max_helpers``, ``chunk_align`` and the Copy-Engine cap,
     and are deterministic. Degenerate inputs (G <= 1, D == 0, all-zero counts) give no moves, and
     so does a domain whose largest load is within ``chunk_align - 1`` of the mean.
@@ -202,7 +197,7 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     moves at all, are judged by their makespan (`timeline`), and the fastest is returned; with
     ``constraints.max_rows_over_mean`` only those that keep within its row cap are candidates.
 
-    Cost: one compiled call: the row sums, the D hottest experts of each rank above the mean, one
+    Cost: one compiled call: the row sums, the published dynamic experts ordered by rows, one
     water-filling pass, and a bisection over chaining passes only when the helper or Copy-Engine
     limits bind; with a time model, an evaluation per pass and further passes only while the
     copies cost more than they save. The first call in a process loads the compiled code from
@@ -215,19 +210,25 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     G, E = counts.shape
     D = min(int(constraints.dynamic_experts), E)
     max_helpers = int(constraints.max_helpers)
-    copies = constraints.copies_per_rank()
-    copies = G * max(D, 0) * max(max_helpers, 0) if copies == math.inf else int(copies)
     if G <= 1 or D <= 0 or max_helpers <= 0:
         if (counts < 0).any():
             raise ValueError("counts must be non-negative")
         return empty_plan(counts)  # without loading the compiled planner
+    if dynamic is None:
+        dynamic = dynamic_candidates(counts, D)
+    dynamic = np.ascontiguousarray(dynamic, dtype=np.int64)
+    if dynamic.ndim != 2 or dynamic.shape[0] != G:
+        raise ValueError(f"dynamic must be [G={G}, D], got shape {dynamic.shape}")
+    copies = constraints.copies_per_rank()
+    copies = G * dynamic.shape[1] * max_helpers if copies == math.inf else int(copies)
     resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
     model = constraints.model.as_array() if constraints.model is not None else _NO_MODEL
     from deepspeed_feplb.plan.passes import plan_timed
-    out = plan_timed(counts, D, max_helpers, max(1, int(constraints.chunk_align)), copies, resident, model,
+    out = plan_timed(counts, dynamic, max_helpers, max(1, int(constraints.chunk_align)), copies, resident, model,
                      bool(constraints.keep_copies), constraints.row_cap(counts))
     if out.shape[0] < G:
-        raise ValueError("counts must be non-negative")
+        raise ValueError(f"counts must be non-negative and dynamic experts local ids below {E} (or {NONE}); got "
+                         f"counts {counts.tolist()}, dynamic {dynamic.tolist()}")
     return Plan(out[G:].reshape(-1, 4), out[:G])
 
 

@@ -17,7 +17,20 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KeptBytes", "ResidencyTable"]
+__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "AUTO_BUDGET_SHARE"]
+
+AUTO_BUDGET_SHARE = 0.1  # ``resident_budget_mb: "auto"``: this share of the smallest device's memory
+
+
+def resident_budget_bytes(resident_budget_mb, device_bytes: list) -> float:
+    """Bytes of kept copies each rank of a domain may hold over its layers: ``resident_budget_mb``
+    (``feplb.resident_budget_mb``) MiB, or for "auto" `AUTO_BUDGET_SHARE` of the smallest of the
+    domain's devices' memory (``device_bytes``; None or inf: host memory, no budget). The runtime
+    (`domain.DomainRuntime`) and the simulator (`sim.policies`, from its profile) use this one rule."""
+    if resident_budget_mb != "auto":
+        return float(resident_budget_mb) * 2**20
+    known = [b for b in device_bytes if b is not None and np.isfinite(b)]
+    return AUTO_BUDGET_SHARE * min(known) if known else float("inf")
 
 
 class KeptBytes:

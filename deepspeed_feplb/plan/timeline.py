@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepspeed_feplb.plan.hottest import dynamic_candidates
+
 __all__ = ["TimeModel", "makespan_us", "rank_finish_us"]
 
 # fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
@@ -151,7 +153,8 @@ def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fres
     flush = (np.zeros((0, 2), np.int64) if flush is None
              else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2)))
     from deepspeed_feplb.plan.passes import dynamic_mask, finish_us
-    return finish_us(counts, moves, fresh, grads_back, flush, model.as_array(), dynamic_mask(counts, dynamic_experts))
+    return finish_us(counts, moves, fresh, grads_back, flush, model.as_array(),
+                     dynamic_mask(counts, dynamic_candidates(counts, dynamic_experts)))
 
 
 def makespan_us(finish: np.ndarray) -> float:

@@ -25,7 +25,7 @@ import numpy as np
 
 from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints, empty_plan, plan_domain
-from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, Mailbox
+from deepspeed_feplb.scheduler.mailbox import PID, SERVED, STARTING, DomainCounts, Mailbox
 from deepspeed_feplb.segments import PeerTimeoutError, PeerWatch, Word, process_alive, wait_until
 
 _PASSES = "deepspeed_feplb.plan.passes"  # the compiled planning pass, once this process has loaded it
@@ -62,28 +62,27 @@ class InlineScheduler:
         self.mailbox = Mailbox(name, ranks, create=create)
 
     def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
-                resident: np.ndarray | None = None) -> None:
-        """This rank's counts ``int64 [E_local]`` for step ``seq``, the constraints of its plan and
-        its row of the layer's residency masks (int64 [E_local, W], `plan.residency`; None: none)."""
-        self.mailbox.publish(self.local_rank, seq, counts, constraints, resident)
+                resident: np.ndarray | None = None, dynamic: np.ndarray | None = None) -> None:
+        """This rank's counts ``int64 [E_local]`` for micro-batch ``seq``, the constraints of its
+        plan, its row of the layer's residency masks (int64 [E_local, W], `plan.residency`; None:
+        none) and the dynamic experts it chose (int64 [<= D]; None: `plan.hottest`'s rule)."""
+        self.mailbox.publish(self.local_rank, seq, counts, constraints, resident, dynamic)
 
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for step ``seq`` (waits for every rank's counts)."""
-        counts, constraints, resident = self._wait_counts(seq)
-        return self._plan_here(counts, constraints, resident, fallback=False)
+        return self._plan_here(self._wait_counts(seq), fallback=False)
 
     def plan_ready(self, seq: int) -> bool:
         """Every rank's counts for ``seq`` are in: `plan` plans at once."""
         return self.mailbox.has_counts(seq)
 
     @staticmethod
-    def _plan_here(counts: np.ndarray, constraints: PlanConstraints, resident: np.ndarray,
-                   fallback: bool) -> DomainPlan:
+    def _plan_here(published: DomainCounts, fallback: bool) -> DomainPlan:
         start = time.perf_counter()
-        plan = plan_domain(counts, constraints, resident)
-        return DomainPlan(plan, counts, time.perf_counter() - start, fallback)
+        plan = plan_domain(published.counts, published.constraints, published.resident, published.dynamic)
+        return DomainPlan(plan, published.counts, time.perf_counter() - start, fallback)
 
-    def _wait_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints, np.ndarray]:
+    def _wait_counts(self, seq: int) -> DomainCounts:
         try:
             return _wait_for(lambda: self.mailbox.read_counts(seq), self.mailbox.counts_bell, self.peer_timeout_s,
                              "counts", self.watch.check if self.watch else None)
@@ -159,29 +158,28 @@ class ProcessScheduler(InlineScheduler):
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the process's, or, before it first came up or when it is
         late, this rank's own (``fallback``: the latter, after a process had served the domain)."""
-        counts, constraints, resident = self._wait_counts(seq)
+        published = self._wait_counts(seq)
         got = self._scheduler_plan(seq)
         if got is not None:
             self.late_in_a_row = 0
             if got[0] is None:  # too large for the mailbox: the same plan, computed here
-                return self._plan_here(counts, constraints, resident, fallback=False)
-            return DomainPlan(got[0], counts, got[1] * 1e-9, False)
+                return self._plan_here(published, fallback=False)
+            return DomainPlan(got[0], published.counts, got[1] * 1e-9, False)
         if self.process is None and self.mailbox.owner and seq + 1 >= self.start_after_steps:
             self._start_process()  # this job runs long enough to be worth a process
         elif not self.mailbox.header[STARTING] or (self.process is not None and self.process.poll() is not None):
             self._on_late_scheduler()  # late, or (seen by its owner) dead before it came up
         if self.mailbox.header[STARTING] and not self.mailbox.header[SERVED]:
-            return self._leader_plan(seq, counts, constraints, resident)
+            return self._leader_plan(seq, published)
         # a fallback once a process has served this domain (also while a restarted one comes up);
         # every rank reads the same word, so they agree
-        return self._plan_here(counts, constraints, resident, fallback=bool(self.mailbox.header[SERVED]))
+        return self._plan_here(published, fallback=bool(self.mailbox.header[SERVED]))
 
     def plan_ready(self, seq: int) -> bool:
         """The process's (or the domain's first rank's) plan for ``seq`` is published."""
         return self.mailbox.has_plan(seq)
 
-    def _leader_plan(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
-                     resident: np.ndarray) -> DomainPlan:
+    def _leader_plan(self, seq: int, published: DomainCounts) -> DomainPlan:
         """Before a scheduler process first came up, the domain's first rank (the mailbox owner)
         plans for all and writes the plan where the process would; the others wait for it like for
         a peer's counts (``peer_timeout_s``, failing fast if it died). So in a short run only one
@@ -190,24 +188,24 @@ class ProcessScheduler(InlineScheduler):
             if not self._plans_itself():
                 # the scheduler process compiles or loads the planner: no moves this micro-batch,
                 # rather than a step that waits for numba
-                planned = DomainPlan(empty_plan(counts), counts, 0.0, False)
+                planned = DomainPlan(empty_plan(published.counts), published.counts, 0.0, False)
             else:
-                planned = self._plan_here(counts, constraints, resident, fallback=False)
+                planned = self._plan_here(published, fallback=False)
             # the process may have come up and answered this step meanwhile: the other ranks may
             # have read its plan already, so it is the step's plan (the process, in turn, never
             # plans a step that has one). Checked and written apart, not atomically: a narrow window
             # remains in which both publish.
-            published = self.mailbox.read_plan(seq)
-            if published is None:
+            written = self.mailbox.read_plan(seq)
+            if written is None:
                 self.mailbox.write_plan(seq, planned.plan, int(planned.seconds * 1e9))
                 return planned
         else:
-            published = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,
-                                  "the plan of the domain's first rank", self.watch.check if self.watch else None)
-        plan, plan_ns = published
+            written = _wait_for(lambda: self.mailbox.read_plan(seq), self.mailbox.plan_bell, self.peer_timeout_s,
+                                "the plan of the domain's first rank", self.watch.check if self.watch else None)
+        plan, plan_ns = written
         if plan is None:  # too large for the mailbox: the same plan, computed here
-            return self._plan_here(counts, constraints, resident, fallback=False)
-        return DomainPlan(plan, counts, plan_ns * 1e-9, False)
+            return self._plan_here(published, fallback=False)
+        return DomainPlan(plan, published.counts, plan_ns * 1e-9, False)
 
     def _plans_itself(self) -> bool:
         """Whether the domain's first rank plans itself before the process serves: with the planner

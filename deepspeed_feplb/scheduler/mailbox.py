@@ -1,7 +1,7 @@
 """The domain's mailbox: the shared memory through which ranks and the scheduler process talk.
 
-Every rank of an NVLink domain publishes its per-local-expert token counts for micro-batch step
-``seq`` (and the plan's constraints) into its own slot; whoever plans (the `feplb-sched`
+Every rank of an NVLink domain publishes its per-local-expert row counts for micro-batch
+``seq``, the dynamic experts it chose and the plan's constraints into its own slot; whoever plans (the `feplb-sched`
 process, or each rank itself when that process is late) reads all slots of ``seq`` and the
 scheduler writes the `Plan` into the plan ring, from which every rank reads it back.
 
@@ -19,8 +19,12 @@ counts_bell, plan_bell, served (1 once a scheduler process was ever up), spare]`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 
+from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
 from deepspeed_feplb.plan.timeline import WORDS, TimeModel
 from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
@@ -42,10 +46,26 @@ CONSTRAINTS_DTYPE = np.dtype([
 
 def slot_dtype(ranks: int) -> np.dtype:
     """One rank's slot of one ring entry, in a domain of ``ranks``: seqlock words, constraints,
-    counts ``[E_MAX]`` (the first ``experts`` used) and the rank's row of the residency masks
-    ``[E_MAX, W]``, W = ceil(ranks / 64)."""
+    counts ``[E_MAX]`` (the first ``experts`` used), the dynamic experts the rank chose
+    ``[E_MAX]`` (the first ``dynamic_experts`` used, `hottest.NONE` after its own) and its row
+    of the residency masks ``[E_MAX, W]``, W = ceil(ranks / 64)."""
     return np.dtype([("begin", np.int64), ("end", np.int64), ("constraints", CONSTRAINTS_DTYPE),
-                     ("counts", np.int64, (E_MAX, )), ("resident", np.int64, (E_MAX, (ranks + 63) // 64))])
+                     ("counts", np.int64, (E_MAX, )), ("dynamic", np.int64, (E_MAX, )),
+                     ("resident", np.int64, (E_MAX, (ranks + 63) // 64))])
+
+
+@dataclass(frozen=True)
+class DomainCounts:
+    """What every rank of a domain published for one micro-batch: what the planner plans from.
+
+    counts:       int64 [G, E_local] rows per rank and local expert;
+    dynamic:      int64 [G, D] the dynamic experts each rank chose (`hottest.NONE` pads);
+    constraints:  the domain's first rank's `PlanConstraints`;
+    resident:     int64 [G, E_local, W] the residency masks (`plan.residency`)."""
+    counts: np.ndarray
+    dynamic: np.ndarray
+    constraints: PlanConstraints
+    resident: np.ndarray
 
 
 def plan_dtype(ranks: int) -> np.dtype:
@@ -91,9 +111,10 @@ class Mailbox:
 
     # ---------------------------------------------------------------- counts
     def publish(self, rank: int, seq: int, counts: np.ndarray, constraints: PlanConstraints,
-                resident: np.ndarray | None = None) -> None:
+                resident: np.ndarray | None = None, dynamic: Optional[np.ndarray] = None) -> None:
         """Rank ``rank`` publishes its counts ``int64 [E_local]`` for micro-batch ``seq``, the
-        constraints of its plan and its row of the residency masks (int64 [E_local, W]; None: none)."""
+        constraints of its plan, its row of the residency masks (int64 [E_local, W]; None: none)
+        and the dynamic experts it chose (int64 [<= D]; None: ``dynamic_candidates`` of its counts)."""
         E = counts.shape[0]
         if E > E_MAX:
             raise ValueError(f"FEPLB supports at most {E_MAX} local experts per rank, got {E}")
@@ -105,21 +126,26 @@ class Mailbox:
             constraints.ce_budget_bytes, int(constraints.keep_copies), int(model is not None),
             model.as_array() if model is not None else _NO_MODEL, constraints.max_rows_over_mean, constraints.mean_rows)
         slot["counts"][rank, i, :E] = counts
+        if dynamic is None:
+            dynamic = dynamic_candidates(counts[None], constraints.dynamic_experts)[0]
+        chosen = slot["dynamic"][rank, i]
+        chosen[:len(dynamic)] = dynamic
+        chosen[len(dynamic):constraints.dynamic_experts] = NONE
         slot["resident"][rank, i, :E] = 0 if resident is None else np.asarray(resident, np.int64).reshape(E, -1)
         slot["end"][rank, i] = seq
         slot["begin"][rank, i] = seq
         self.header[COUNTS_BELL] = seq * self.ranks + rank  # a new value per publish: no lost wake-up
         self.counts_bell.notify()
 
-    def read_counts(self, seq: int) -> tuple[np.ndarray, PlanConstraints, np.ndarray] | None:
-        """All ranks' counts ``int64 [G, E_local]`` for ``seq``, rank 0's constraints and the
-        domain's residency masks ``int64 [G, E_local, W]``, or None if incomplete."""
+    def read_counts(self, seq: int) -> DomainCounts | None:
+        """What every rank published for ``seq``, or None if incomplete."""
         slot, i = self._slot, seq % RING
         if not self._complete(seq):
             return None
         meta = slot["constraints"][0, i].copy()
-        E = int(meta["experts"])
+        E, D = int(meta["experts"]), int(meta["dynamic_experts"])
         counts = slot["counts"][:, i, :E].copy()
+        dynamic = slot["dynamic"][:, i, :min(D, E)].copy()
         resident = slot["resident"][:, i, :E].copy()
         if not self._complete(seq):
             return None  # overwritten while we copied
@@ -133,7 +159,7 @@ class Mailbox:
                 float(meta["ce_budget_bytes"]), int(meta["expert_bytes"]), model, bool(meta["keep_copies"]),
                 float(meta["max_rows_over_mean"]), float(meta["mean_rows"]))
             self._meta = key
-        return counts, self._constraints, resident
+        return DomainCounts(counts, dynamic, self._constraints, resident)
 
     def _complete(self, seq: int) -> bool:
         i = seq % RING

@@ -44,9 +44,8 @@ def serve(mailbox: Mailbox, parent_pid: int) -> None:
             seq += 1  # the domain's first rank answered it before we were up: its plan stands
             continue
         if ready is not None:
-            counts, constraints, resident = ready
             start = time.perf_counter_ns()
-            plan = plan_domain(counts, constraints, resident)
+            plan = plan_domain(ready.counts, ready.constraints, ready.resident, ready.dynamic)
             mailbox.write_plan(seq, plan, time.perf_counter_ns() - start)
             seq += 1
             continue

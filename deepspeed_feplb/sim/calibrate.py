@@ -3,6 +3,7 @@ real torch GEMMs (the only part of the time model that needs torch)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -121,7 +122,7 @@ def calibrate(shape: ExpertShape = _CPU_SHAPE, device: str = "cpu", rows=None,
 
     CPU: fp32, tiles {1, ..., 32}; the "copy engine" rate is a large tensor copy's bandwidth.
     CUDA (profile ``gpu``): bf16, tiles {1, ..., 256}; one GPU has no peer link to measure, so the
-    copy rates are the ``h200`` profile's (NVLink Copy Engine, cross-node NIC)."""
+    copy rates are the ``h200`` profile's (NVLink Copy Engine, cross-node NIC); its memory is the device's."""
     import torch
     if device == "cpu":
         rows = rows or _CPU_ROWS
@@ -135,4 +136,5 @@ def calibrate(shape: ExpertShape = _CPU_SHAPE, device: str = "cpu", rows=None,
     rows = rows or _GPU_ROWS
     times = expert_times_us(shape, device, rows, repeat)
     link = PROFILES["h200"]
-    return fit_profile("gpu", shape, rows, times, (1, 2, 4, 8, 16, 32, 64, 128, 256), link.ce_gbps, link.net_gbps)
+    profile = fit_profile("gpu", shape, rows, times, (1, 2, 4, 8, 16, 32, 64, 128, 256), link.ce_gbps, link.net_gbps)
+    return replace(profile, memory_bytes=float(torch.cuda.get_device_properties(torch.device(device)).total_memory))

@@ -56,6 +56,19 @@ def _budget(text: str):
     return "inf" if math.isinf(value) else value
 
 
+def _mib(text: str):
+    """argparse type of --resident-budget-mb: "auto" or a finite number of MiB >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a number of MiB") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of MiB >= 0")
+    return value
+
+
 def _ratio(text: str) -> float:
     """argparse type of --max-rows-over-mean: a finite number >= 1."""
     try:
@@ -128,6 +141,10 @@ def add_parser(subparsers) -> None:
                         "micro-batch (default: %(default)s)")
     p.add_argument("--max-resident", type=whole_number(0), default=8, metavar="COPIES",
                    help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
+    p.add_argument("--resident-budget-mb", type=_mib, default="auto", metavar="MIB",
+                   help="feplb.resident_budget_mb: MiB of weight copies (weights and an fp32 gradient each) a "
+                        "rank keeps over all layers with --residency step; auto: 10%% of the profile's device "
+                        "memory, as the runtime takes of its GPU's, none for the cpu profile (default: %(default)s)")
     p.add_argument("--max-rows-over-mean", type=_ratio, default=None, metavar="RATIO",
                    help="feplb's bound on rows before time (feplb.max_rows_over_mean): no rank computes more than "
                         "RATIO x the mean rows per rank of all G x N ranks where the dynamic experts can reach "
@@ -304,7 +321,8 @@ def _setup(args, trace, D):
                     placement=args.placement, placement_interval=args.placement_interval,
                     placement_horizon=args.placement_horizon, placement_warmup=args.placement_warmup,
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
-                    max_resident=args.max_resident, max_rows_over_mean=args.max_rows_over_mean,
+                    max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
+                    max_rows_over_mean=args.max_rows_over_mean,
                     redundant_per_rank=args.redundant_per_rank)
 
 

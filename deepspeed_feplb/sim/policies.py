@@ -33,7 +33,7 @@ from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_u
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.replicas import exchange_us, route
-from deepspeed_feplb.plan.residency import ResidencyTable
+from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable, resident_budget_bytes
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
 __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy", "pieces_us"]
@@ -48,7 +48,11 @@ class SimSetup:
     placement: cross-node layer for ``feplb``: "auto" (on when nodes > 1), "on", "off".
     micro_batches_per_step: M: consecutive micro-batches of the trace form one optimizer step.
     residency: ``feplb``'s weight residency, "step" or "micro_batch" (``feplb.weight_residency``);
-               max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``).
+               max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``);
+               resident_budget_mb: the bytes of copies a rank keeps over all layers
+               (``feplb.resident_budget_mb``; "auto": from ``profile.memory_bytes``, as the
+               runtime derives it from its device's, `plan.residency.resident_budget_bytes`), each
+               copy counting its weights and an fp32 weight-gradient, as a helper holds them.
     max_rows_over_mean: ``feplb``'s bound on rows before time (``feplb.max_rows_over_mean``; None:
                time alone), relative to the mean over all G x N ranks.
     redundant_per_rank: replica slots per rank of ``feplb``'s cross-node layer
@@ -96,6 +100,7 @@ class SimSetup:
     micro_batches_per_step: int = 1
     residency: str = "step"
     max_resident: int = 8
+    resident_budget_mb: str | float = "auto"
     max_rows_over_mean: Optional[float] = None
     redundant_per_rank: int = 0
 
@@ -110,7 +115,7 @@ class SimSetup:
         return FEPLBConfig(dynamic_experts_per_rank=self.dynamic_experts, max_helpers_per_expert=self.max_helpers,
                            chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps,
                            weight_residency=self.residency, max_resident_experts=self.max_resident,
-                           max_rows_over_mean=self.max_rows_over_mean)
+                           resident_budget_mb=self.resident_budget_mb, max_rows_over_mean=self.max_rows_over_mean)
 
     @cached_property
     def time_model(self) -> TimeModel:
@@ -389,7 +394,12 @@ class _NodePolicy:
         self.replica_exchange_us = 0.0
         keep = setup.max_resident if setup.residency == "step" and self.uses_residency else 0
         G, E = setup.ranks_per_node, setup.experts_per_rank + (setup.redundant_per_rank if self.placers else 0)
-        self.residency = [[ResidencyTable(G, E, keep) for _ in range(setup.nodes)] for _ in range(layers)]
+        # a node's kept copies share one byte budget over its layers, as a domain's do at runtime
+        budget = resident_budget_bytes(setup.resident_budget_mb, [setup.profile.memory_bytes])
+        self.kept_bytes = [KeptBytes(G, budget) for _ in range(setup.nodes)]
+        copy_bytes = setup.shape.weight_bytes + setup.shape.grad_bytes
+        self.residency = [[ResidencyTable(G, E, keep, self.kept_bytes[n], copy_bytes) for n in range(setup.nodes)]
+                          for _ in range(layers)]
 
     uses_placement = False
     uses_residency = False
