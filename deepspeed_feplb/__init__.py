@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"MoE": "deepspeed_feplb.integration.deepspeed_moe", "convert": "deepspeed_feplb.integration.engine",
          "initialize": "deepspeed_feplb.integration.engine", "init_distributed": "deepspeed_feplb.integration.engine",
-         "shutdown": "deepspeed_feplb.domain", "canonical_experts": "deepspeed_feplb.integration.placement",
+         "shutdown": "deepspeed_feplb.domain", "canonical_experts": "deepspeed_feplb.integration.placement_engine",
          "weights_changed": "deepspeed_feplb.weight_watch"}
 
 

@@ -660,7 +660,8 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     DeepSpeed's placement and under FEPLB's final one, and the placement counters."""
     import deepspeed
 
-    from deepspeed_feplb.integration.placement import ModuleExperts, placed_layers
+    from deepspeed_feplb.integration.expert_state import ModuleExperts
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     world = dist.get_world_size()
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
@@ -737,7 +738,8 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     replicas' refresh and gradient-send counts."""
     import deepspeed
 
-    from deepspeed_feplb.integration.placement import ModuleExperts, placed_layers
+    from deepspeed_feplb.integration.expert_state import ModuleExperts
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "copy_engine_gbps": 1e6,
@@ -781,7 +783,7 @@ def replica_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 7, save_
     same losses (the replicas are in no checkpoint; a loaded job makes them again)."""
     import deepspeed
 
-    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6,
@@ -833,7 +835,7 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
         settings = config if placement else {**config, "feplb": {**feplb, "placement": {"enabled": False}}}
         return init(model=model, model_parameters=param_groups(model), config=settings)[0]
 
-    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     first = engine("feplb")
     losses = _train({"first": first}, range(save_at))
     placement = placed_layers(first.module)[0].placement
@@ -926,7 +928,7 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     received per local expert before balancing (this rank's domain: ``ranks``, ``tokens_before``),
     and after each optimizer step the placement (expert -> rank) and the replica table, the bytes
     per expert move and per replica the policy priced."""
-    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     from deepspeed_feplb.testing import TraceRouting, override_routing
 
     world = dist.get_world_size()
@@ -1189,7 +1191,7 @@ def sync_audit_case(placed: bool, redundant: int = 1) -> dict:
     feplb.placement and ``redundant`` replica slots per rank, audited once a replica exists (the
     router sends most rows to expert 0); else 2 ranks, one domain. Returns ``{"forward": [...], "backward":
     [...], "migrated": rows, "replicas": whether any replica is held}`` for the audited micro-batches."""
-    from deepspeed_feplb.integration.placement import placed_layers
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     from deepspeed_feplb.testing.sync_audit import audit_syncs
     world, gas = dist.get_world_size(), 2
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
@@ -1249,7 +1251,8 @@ def replica_weight_writes_case(zero_stage: int, swaps: bool = True) -> dict:
     evaluation), the parameter errors and the replicas' refreshes."""
     import deepspeed
 
-    from deepspeed_feplb.integration.placement import ModuleExperts, placed_layers
+    from deepspeed_feplb.integration.expert_state import ModuleExperts
+    from deepspeed_feplb.integration.placement_engine import placed_layers
     world = dist.get_world_size()
     gas = 2
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",

@@ -47,7 +47,7 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
 
     import deepspeed_feplb
     from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts, autoep_layers
-    from deepspeed_feplb.integration.placement import canonical_experts, canonical_grad_norms
+    from deepspeed_feplb.integration.placement_engine import canonical_experts, canonical_grad_norms
 
     ep = dist.get_world_size()  # the EP group is every rank, nodes of 2
     model = tiny_model("mixtral", favoured=1, top_k=1) if redundant else tiny_model("mixtral")
@@ -252,7 +252,7 @@ def moved_state_case(zero: int, bf16: bool) -> dict:
     import deepspeed_feplb
     from deepspeed_feplb.integration import seams
     from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
-    from deepspeed_feplb.integration.placement import canonical_experts
+    from deepspeed_feplb.integration.placement_engine import canonical_experts
 
     model = tiny_model("mixtral")
     config = {**_config(True, zero, 1), "bf16": {"enabled": bf16}}
@@ -312,7 +312,7 @@ def weight_writes_case(zero: int) -> dict:
 
     import deepspeed_feplb
     from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
-    from deepspeed_feplb.integration.placement import canonical_experts
+    from deepspeed_feplb.integration.placement_engine import canonical_experts
 
     import moe_cases
 

@@ -16,6 +16,7 @@ import torch
 from deepspeed.moe.sharded_moe import TopKGate
 
 from deepspeed_feplb.gate.top1 import DroplessTop1Gate, dropless_top1
+from deepspeed_feplb.integration import seams
 
 HIDDEN, EXPERTS, TOKENS = 16, 8, 64
 
@@ -111,9 +112,9 @@ def test_too_few_tokens_for_min_capacity_is_refused_as_deepspeed_does():
 def test_the_gate_class_is_made_only_from_a_dropless_top1_gate_and_keeps_deepspeeds_other_calls():
     for gate in (TopKGate(HIDDEN, EXPERTS, k=2, drop_tokens=False), TopKGate(HIDDEN, EXPERTS, k=1)):
         with pytest.raises(ValueError, match="dropless top-1 TopKGate"):
-            DroplessTop1Gate.of(gate)
+            seams.make_dropless_top1(gate)
     gate = _gate(None, False, True)
-    ours = DroplessTop1Gate.of(_gate(None, False, True))
+    ours = seams.make_dropless_top1(_gate(None, False, True))
     x = torch.randn(TOKENS, HIDDEN)
     dense_theirs, dense_ours = gate(x), ours(x)  # the dense routes DeepSpeed's own MOELayer takes
     assert all(torch.equal(a, b) for a, b in zip(dense_theirs, dense_ours))
@@ -133,7 +134,7 @@ def _top1_with_an_ep_group() -> dict:
     skew = 3 * rank * gate.wg.weight[0].detach()  # rank 1's tokens favour expert 0: the ranks' counts differ
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank)) + skew
     theirs = int(gate(x, None, True)[1])
-    ours = int(DroplessTop1Gate.of(gate)(x, None, True)[1])
+    ours = int(seams.make_dropless_top1(gate)(x, None, True)[1])
     expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 32), torch.nn.ReLU(), torch.nn.Linear(32, HIDDEN))
     layer = deepspeed_feplb.MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=2, k=1, min_capacity=0, drop_tokens=False,
                                 use_rts=False, feplb_config={"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1,

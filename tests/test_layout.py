@@ -155,6 +155,39 @@ def test_private_deepspeed_names_only_in_seams(module):
         f"{module} reaches DeepSpeed internals outside integration/seams.py"
 
 
+# private names a probe may touch outside seams.py: torch's (on ``torch...``, or a module's own
+# tables) and our own marks (``_feplb...``)
+TORCH_MODULE_TABLES = {"_parameters", "_buffers", "_modules"}
+
+
+def private_probes(source: str) -> list[str]:
+    """``hasattr`` / ``getattr`` / ``setattr`` / ``delattr`` of a literal private name that is
+    neither ours nor torch's: a reach into another library's internals (``hasattr(p, "_hp_mapping")``)
+    that an import check cannot see."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2
+                and node.func.id in ("hasattr", "getattr", "setattr", "delattr")):
+            continue
+        name, target = node.args[1], node.args[0]
+        if not (isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value)):
+            continue
+        root = target
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if name.value.startswith("_feplb") or name.value in TORCH_MODULE_TABLES or (
+                isinstance(root, ast.Name) and root.id == "torch"):
+            continue
+        found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != SEAMS))
+def test_no_probe_of_another_librarys_private_attributes_outside_seams(module):
+    probes = private_probes(MODULES[module].read_text())
+    assert not probes, f"{module} probes private attributes outside integration/seams.py: {probes}"
+
+
 def test_the_checker_sees_edges():
     """The rules above are only worth something if the graph and the name check are real."""
     assert f"{PACKAGE}.scheduler.mailbox" in GRAPH[f"{PACKAGE}.scheduler.process"]
@@ -165,6 +198,8 @@ def test_the_checker_sees_edges():
     assert private_deepspeed_names("from deepspeed.utils import groups\ngroups._get_data_parallel_group()")
     assert private_deepspeed_names("from deepspeed.moe.sharded_moe import _capacity")
     assert not private_deepspeed_names("import torch\ntorch._C._get_tracing_state()")
+    assert private_probes("if hasattr(p, '_hp_mapping'): pass")
+    assert not private_probes("hasattr(torch, '_grouped_mm') and getattr(m, '_feplb_ready', 0) and hasattr(p, 'grad')")
 
 
 # The code every balanced micro-batch runs: short functions, each one step of the path.

@@ -144,7 +144,7 @@ def test_placement_refuses_what_it_cannot_move(ds_config, problem):
     from deepspeed.runtime.pipe.module import PipelineModule
 
     from deepspeed_feplb.config import FEPLBConfigError
-    from deepspeed_feplb.integration.placement import check_config
+    from deepspeed_feplb.integration.placement_engine import check_config
     model = torch.nn.Linear(2, 2)
     if problem == "pipeline parallelism":
         model = PipelineModule.__new__(PipelineModule)  # only its type matters here
@@ -188,7 +188,7 @@ def test_a_placement_order_is_adopted_only_when_the_layers_weights_loaded():
     import torch
 
     import deepspeed_feplb
-    from deepspeed_feplb.integration.placement import ORDER_KEY, _rename
+    from deepspeed_feplb.integration.expert_order import ORDER_KEY, _rename
 
     def layer():
         torch.manual_seed(0)

@@ -122,7 +122,7 @@ COSTLY_COPIES = TimeModel(tile_rows=128, row_us=0.5, piece_us=6.0, weight_copy_u
 @given(instances(), st.sampled_from([1.0, 1.03, 1.2]), st.sampled_from([0.0, 0.8, 1.0, 1.3]), st.booleans())
 def test_a_row_bound_holds_wherever_the_token_plan_reaches_it(inst, ratio, group_vs_domain, keep):
     """With ``max_rows_over_mean``, whatever the time model prefers, no rank ends above the row cap
-    (plus the alignment slack) unless the token plan (no time model) cannot get there either; the
+    (plus the alignment slack) unless the row plan (no time model) cannot get there either; the
     plan still obeys every limit. ``group_vs_domain``: the EP group's mean rows relative to the
     domain's (0: not given, the domain's own)."""
     counts, cons = inst

@@ -205,7 +205,7 @@ def test_simulator_reproduces_vanilla_and_balances():
 def test_a_row_bound_trades_expert_time_for_row_balance(tmp_path):
     """At 2k rows per rank a GLM-5-sized weight copy costs more than most of the rows it would move
     save, so time alone leaves rows unbalanced; ``max_rows_over_mean`` 1.0 balances them (every
-    rank within the bound wherever the token plan reaches it) and pays for it in expert time."""
+    rank within the bound wherever the row plan reaches it) and pays for it in expert time."""
     from deepspeed_feplb.__main__ import main
 
     trace = no_aux_trace(16, 1, ranks=8, experts=64, tokens_per_rank=256, seed=4)
@@ -410,4 +410,4 @@ def test_copies_wait_for_the_plan_and_on_cpu_ranks_for_the_homes_other_experts()
     assert rank_finish_us(counts, np.zeros((0, 4), np.int64), replace(model, plan_us=25.0)).tolist() == \
         [pytest.approx([40.0, 25.0]), pytest.approx([80.0, 20.0])]
     late_model = replace(model, plan_us=25.0, sends_after_static=True, piece_floor_us=7.0, forward_share=0.4)
-    assert TimeModel.from_array(late_model.as_array()) == late_model  # as the mailbox carries it
+    assert TimeModel.from_record(late_model.record) == late_model  # as the mailbox carries it

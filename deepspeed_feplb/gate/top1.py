@@ -47,12 +47,7 @@ def dropless_top1(gate: sharded_moe.TopKGate, x: torch.Tensor, used_token: Optio
     exp_counts = torch.sum(mask, dim=0).detach()
     l_aux = torch.sum(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts
     if gate.use_rts:  # DeepSpeed's token-selection draw: nothing is selected away, the random state moves on
-        uniform = sharded_moe.exp_selection_uniform_map.get(logits.device)
-        if uniform is None:
-            uniform = torch.distributions.uniform.Uniform(low=torch.tensor(0.0, device=logits.device),
-                                                          high=torch.tensor(1.0, device=logits.device)).rsample
-            sharded_moe.exp_selection_uniform_map[logits.device] = uniform
-        uniform(mask.shape)
+        _selection_draw(logits.device)(mask.shape)
     if logits.shape[0] < gate.min_capacity:
         raise ValueError(f"the MoE gate has {logits.shape[0]} tokens, fewer than its min_capacity={gate.min_capacity} "
                          "(DeepSpeed refuses this too); set min_capacity to 0 or use larger micro-batches")
@@ -66,19 +61,31 @@ def dropless_top1(gate: sharded_moe.TopKGate, x: torch.Tensor, used_token: Optio
             locations.to(torch.int32).unsqueeze(0), gate_values.unsqueeze(0), exp_counts)
 
 
+_DRAWS: dict = {}  # device -> the token-selection sampler (DeepSpeed caches its own alike)
+
+
+def _selection_draw(device: torch.device):
+    """DeepSpeed's token-selection sampler on ``device``: uniform on [0, 1), its draws consuming
+    the random state as DeepSpeed's cached one does (DeepSpeed's cache is read, never written)."""
+    draw = sharded_moe.exp_selection_uniform_map.get(device) or _DRAWS.get(device)
+    if draw is None:
+        draw = _DRAWS[device] = torch.distributions.uniform.Uniform(low=torch.tensor(0.0, device=device),
+                                                                    high=torch.tensor(1.0, device=device)).rsample
+    return draw
+
+
 class DroplessTop1Gate(sharded_moe.TopKGate):
     """DeepSpeed's top-1 `TopKGate`, dropless, whose sparse routes are `dropless_top1`'s when it
     runs without an EP group (as a FEPLB layer runs its gate: FEPLB never reads the capacity). A
-    FEPLB layer's top-1 gate becomes one when the layer attaches (`of`): the same module, so its
-    parameters, state dict keys and hooks stay. Every other call is DeepSpeed's, among them a
-    DeepSpeed `MOELayer`'s, whose dense dispatch needs the capacity agreed over its EP group."""
+    FEPLB layer's top-1 gate becomes one when the layer attaches (`accepts`, then
+    `integration.seams.make_dropless_top1`): the same module, so its parameters, state dict keys and
+    hooks stay. Every other call is DeepSpeed's, among them a DeepSpeed `MOELayer`'s, whose dense
+    dispatch needs the capacity agreed over its EP group."""
 
-    @classmethod
-    def of(cls, gate: sharded_moe.TopKGate) -> "DroplessTop1Gate":
-        if type(gate) is not sharded_moe.TopKGate or gate.k != 1 or gate.drop_tokens:
-            raise ValueError(f"a DroplessTop1Gate is made from a dropless top-1 TopKGate, not {gate!r}")
-        gate.__class__ = cls
-        return gate
+    @staticmethod
+    def accepts(gate) -> bool:
+        """Whether ``gate`` can become one: DeepSpeed's own dropless top-1 `TopKGate`."""
+        return type(gate) is sharded_moe.TopKGate and gate.k == 1 and not gate.drop_tokens
 
     def forward(self, input: torch.Tensor, used_token: Optional[torch.Tensor] = None, sparse_routes: bool = False,
                 use_tutel: bool = False):

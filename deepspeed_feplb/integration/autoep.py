@@ -31,20 +31,14 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import domain_size, validate_domain_size
+from deepspeed_feplb.domain import validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
 from deepspeed_feplb.experts import ExpertSpec, LocalExperts
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
-from deepspeed_feplb.integration.placement import (
-    ExpertPlacement,
-    StackedExperts,
-    adopt_expert_order,
-    adopt_loaded_order,
-    check_expert_order,
-    copies_stale,
-    record_expert_order,
-)
+from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
+from deepspeed_feplb.integration.expert_state import StackedExperts
+from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, replica_slots_per_rank
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
@@ -84,7 +78,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
     """AutoEP's ``GroupedExperts`` with FEPLB's expert stage (module docstring); set up by `install`."""
 
     # under a cross-node placement, a state dict taken outside `canonical_experts` names the stacked
-    # weights so (`integration.placement.record_expert_order`)
+    # weights so (`integration.expert_order.record_expert_order`)
     feplb_expert_keys = (("w1", "feplb_placed_w1"), ("w2", "feplb_placed_w2"), ("w3", "feplb_placed_w3"))
 
     def expert_states(self, optimizer) -> StackedExperts:
@@ -101,11 +95,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         self.placement: Optional[ExpertPlacement] = getattr(self, "placement", None)
         # a placement-order state dict's, loaded before it: kept by a second install
         self.loaded_expert_order: Optional[list[int]] = getattr(self, "loaded_expert_order", None)
-        if not getattr(self, "_feplb_state_hooks", False):  # install may run twice on one model
-            self._feplb_state_hooks = True
-            self.register_state_dict_post_hook(record_expert_order)
-            self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
-            self.register_load_state_dict_post_hook(adopt_expert_order)
+        keep_expert_order(self)  # install may run twice on one model
         self.feplb_ep_group = ep_group
         self.feplb_ep_size = ep_size
         self._layer_facts = layer_facts
@@ -312,14 +302,12 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
 
 def _place(name: str, layer, experts: FEPLBGroupedExperts, config: FEPLBConfig) -> None:
     """Cross-node placement for one AutoEP layer (``feplb.placement``): an `ExpertPlacement` on its
-    experts (which `integration.placement.install` drives at every optimizer step, moving rows of
+    experts (which `integration.placement_engine.install` drives at every optimizer step, moving rows of
     the stacked weights with their optimizer state) and its router's routes sent to the experts'
     slots (`PlacedRouter`)."""
     if experts.placement is not None:  # installed before: it may have moved experts already
         return
-    placement = config.placement
-    # replica slots only where the EP group spans nodes (inside one, phase 2 does their work)
-    redundant = placement.redundant_experts_per_rank if layer.ep_size > domain_size(config, layer.ep_size) else 0
+    redundant = replica_slots_per_rank(config, layer.ep_size)
     if redundant and getattr(layer, "comm_backend", None) == DEEPEP_BACKEND:
         raise FEPLBConfigError(f"feplb.placement.redundant_experts_per_rank: {redundant} replica slots per rank need "
                                f"AutoEP's all-to-all dispatch, and layer {name} dispatches with DeepEP "
@@ -356,15 +344,9 @@ class PlacedLayer(AutoEPMoELayer if AutoEPMoELayer is not None else torch.nn.Mod
 
     def forward(self, hidden_states: torch.Tensor):
         placement = self.experts.placement
-        logical = self.num_experts, self.num_local_experts, self.tokens_per_expert
-        slots = placement.ep_size * placement.local_slots
-        self.num_experts, self.num_local_experts = slots, placement.local_slots
-        self.tokens_per_expert = torch.zeros(slots, dtype=logical[2].dtype, device=logical[2].device)
-        try:
+        with seams.counting_slots(self, placement.ep_size * placement.local_slots, placement.local_slots):
             out = super().forward(hidden_states)
             slot_counts = self.tokens_per_expert
-        finally:
-            self.num_experts, self.num_local_experts, self.tokens_per_expert = logical
         with torch.no_grad():
             if placement.holds_replicas:  # routing went through the host already: its slot table
                 holds = torch.from_numpy(placement.slot_experts()).to(slot_counts.device)

@@ -30,15 +30,9 @@ from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.gate.top1 import DroplessTop1Gate
 from deepspeed_feplb.grouped_mlp import StackedMLP, empty_groups_zeroed
 from deepspeed_feplb.integration import seams
-from deepspeed_feplb.integration.placement import (
-    ExpertPlacement,
-    ModuleExperts,
-    adopt_expert_order,
-    adopt_loaded_order,
-    check_expert_order,
-    copies_stale,
-    record_expert_order,
-)
+from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
+from deepspeed_feplb.integration.expert_state import ModuleExperts
+from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, replica_slots_per_rank
 from deepspeed_feplb.integration.replicas import with_sum
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing
@@ -65,11 +59,7 @@ class FEPLBMOELayer(MOELayer):
         # a placement-order state dict's, loaded before attach: kept by a second setup (`convert` in
         # `deepspeed_feplb.initialize` of a model built with `deepspeed_feplb.MoE` and loaded before it)
         self.loaded_expert_order: Optional[list[int]] = getattr(self, "loaded_expert_order", None)
-        if not getattr(self, "_feplb_state_hooks", False):  # feplb_setup may run twice (MoE, then convert)
-            self._feplb_state_hooks = True
-            self.register_state_dict_post_hook(record_expert_order)
-            self._register_load_state_dict_pre_hook(check_expert_order, with_module=True)
-            self.register_load_state_dict_post_hook(adopt_expert_order)
+        keep_expert_order(self)  # feplb_setup may run twice (MoE, then convert)
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
 
@@ -98,9 +88,7 @@ class FEPLBMOELayer(MOELayer):
             adopt_loaded_order(self)  # refuses a state dict in placement order
             return
         placed = config.placement.enabled and self.ep_size > 1
-        # replica slots only where the EP group spans nodes (inside one, phase 2 does their work)
-        redundant = config.placement.redundant_experts_per_rank if placed and self.ep_size > domain_size(
-            config, self.ep_size) else 0
+        redundant = replica_slots_per_rank(config, self.ep_size)
         local_slots = self.num_local_experts + redundant  # the primary slots, then the replica slots
         self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size, local_slots,
                                  expert_params, hidden)
@@ -117,8 +105,8 @@ class FEPLBMOELayer(MOELayer):
         self.gate.drop_tokens = False  # FEPLB is dropless
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating, seams.data_parallel_group())
-        if type(self.gate) is TopKGate and self.gate.k == 1:
-            DroplessTop1Gate.of(self.gate)  # DeepSpeed's routes without its host sync
+        if DroplessTop1Gate.accepts(self.gate):
+            seams.make_dropless_top1(self.gate)  # DeepSpeed's routes without its host sync
         if placed:
             self.placement = _make_placement(self, config, expert_params, redundant)
             self.stage.times_every_call = True
@@ -191,11 +179,8 @@ class FEPLBMOELayer(MOELayer):
         gate = self.gate
         if type(gate) not in (TopKGate, DroplessTop1Gate):
             return gate(x, used_token, True, False)
-        group, gate.ep_group = gate.ep_group, None
-        try:
+        with seams.gate_without_ep_group(gate):
             return gate(x, used_token, True, False)
-        finally:
-            gate.ep_group = group
 
     def _static(self, params: list[list[torch.Tensor]], rows: torch.Tensor, blocks: list,
                 static: list) -> torch.Tensor:
@@ -390,7 +375,7 @@ class MoE(ds_layer.MoE):
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
         if engine is not None and self.deepspeed_moe.feplb_config.enabled and \
                 self.deepspeed_moe.feplb_config.placement.enabled:
-            from deepspeed_feplb.integration.placement import install as install_placement
+            from deepspeed_feplb.integration.placement_engine import install as install_placement
             install_placement(engine)
 
     @classmethod

@@ -86,7 +86,7 @@ def initialize(*args, **kwargs):
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from deepspeed.runtime.pipe.module import PipelineModule
     if config.enabled and config.placement.enabled:
-        from deepspeed_feplb.integration.placement import check_config as check_placement
+        from deepspeed_feplb.integration.placement_engine import check_config as check_placement
         check_placement(model, _as_dict(ds_config))
     if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
         from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
@@ -98,7 +98,7 @@ def initialize(*args, **kwargs):
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
     if config.enabled and config.placement.enabled:
-        from deepspeed_feplb.integration.placement import install as install_placement
+        from deepspeed_feplb.integration.placement_engine import install as install_placement
         install_placement(result[0])
     from deepspeed_feplb.integration.autoep import install as install_autoep
     install_autoep(result[0].module, config, result[0])  # Hugging Face MoE layers sharded by DeepSpeed AutoEP

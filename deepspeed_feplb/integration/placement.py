@@ -27,19 +27,12 @@ decided by the same policy the simulator replays (`plan.placement.CrossNodePlace
   around ``save_checkpoint`` and returns afterwards; after ``load_checkpoint`` the slots hold a
   canonical checkpoint, so the table becomes the identity.
 
-On an engine, `install(engine)` (called by `deepspeed_feplb.initialize`, and by a `deepspeed_feplb.MoE` that a plain
-``deepspeed.initialize`` configures) makes ``engine.step()`` end with each placed layer's
-`ExpertPlacement.end_step` (agree on the step's loads, re-place every ``interval_steps`` steps), and
-keeps checkpoints in DeepSpeed's layout: ``save_checkpoint`` runs with every expert back in its
-original slot (`canonical_experts`), and after ``load_checkpoint`` the table is the identity.
-Idempotent per engine. A layer's state dict records the order its slots hold the experts in
-(`record_expert_order`; taken while experts are re-placed outside `canonical_experts`, it warns),
-and loading one in another order than the slots' now fails (`check_expert_order`).
+What moves with an expert: `expert_state`. The engine's side (step hooks, checkpoints, gradient
+norms in DeepSpeed's layout): `placement_engine`. State dicts in placement order: `expert_order`.
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Optional
 
 import numpy as np
@@ -49,173 +42,11 @@ import torch.distributed as dist
 from deepspeed_feplb.config import FEPLBConfigError
 from deepspeed_feplb.domain import domain_size
 from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.expert_state import state_bytes_per_expert
 from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.plan import replicas
 from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads
-
-
-def hp_state_keys(optimizer) -> list[str]:
-    """Optimizer-state keys kept in DeepSpeed's flat fp32 partitions (e.g. exp_avg, exp_avg_sq), with
-    every parameter's fragments of them linked (`seams.relink_optimizer_fragments`). Once per move:
-    relinking walks every parameter group."""
-    seams.relink_optimizer_fragments(optimizer)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in inner.state.values():
-        return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
-    return []
-
-
-def _torch_state(optimizer, param: torch.Tensor) -> dict:
-    """A torch optimizer's state of ``param``: empty for an optimizer that keeps none for any parameter
-    (SGD without momentum: an expert then moves with its values alone)."""
-    states = getattr(optimizer, "state", None)
-    state = None if states is None else states.get(param)
-    if state is not None:
-        return state
-    if states is not None and not any(states.values()):
-        return {}
-    raise RuntimeError(f"FEPLB placement: optimizer {type(optimizer).__name__} keeps state for some parameters but "
-                       "none for an expert parameter, so experts cannot move with their optimizer state; placement "
-                       "supports ZeRO stage 0 in fp32 and ZeRO stages 1-2 in fp32, bf16 or fp16")
-
-
-def expert_state(params: list[torch.Tensor], optimizer, keys: list[str]) -> list[torch.Tensor]:
-    """Everything that moves with one expert, in a fixed order: for each parameter its value, then
-    (ZeRO 1/2, bf16 optimizer) its fp32 master and optimizer states ``keys`` (`hp_state_keys`), or
-    (ZeRO 0) its torch optimizer state entries in key order. Collective over the
-    expert-data-parallel group under ZeRO 1/2 (DeepSpeed assembles partitioned fragments with an
-    all-reduce)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    out = []
-    for p in params:
-        out.append(p.detach().clone())
-        if hasattr(p, "_hp_mapping"):
-            out.append(safe_get_full_fp32_param(p))
-            out.extend(safe_get_full_optimizer_state(p, key) for key in keys)
-        elif optimizer is not None:
-            state = _torch_state(optimizer, p)
-            out.extend(state[k].detach().clone() if torch.is_tensor(state[k]) else torch.tensor(state[k])
-                       for k in sorted(state))
-    return out
-
-
-def load_expert_state(params: list[torch.Tensor], optimizer, keys: list[str], tensors: list[torch.Tensor]) -> None:
-    """Write what `expert_state` read (of another expert) into ``params`` and their optimizer state."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    values = iter(tensors)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(next(values))
-            if hasattr(p, "_hp_mapping"):
-                safe_set_full_fp32_param(p, next(values))
-                for key in keys:
-                    safe_set_full_optimizer_state(p, next(values), key)
-            elif optimizer is not None:
-                state = _torch_state(optimizer, p)
-                for k in sorted(state):
-                    value = next(values)
-                    if torch.is_tensor(state[k]):
-                        state[k].copy_(value)
-                    else:
-                        state[k] = type(state[k])(value.item())
-
-
-def state_bytes_per_expert(params: list[torch.Tensor], optimizer_states: int = 2) -> int:
-    """Bytes one expert's move carries: its parameters, an fp32 master copy when they are not fp32,
-    and ``optimizer_states`` fp32 tensors of their size (Adam's two moments)."""
-    numel = sum(p.numel() for p in params)
-    own = sum(p.numel() * p.element_size() for p in params)
-    master = 0 if all(p.dtype == torch.float32 for p in params) else 4 * numel
-    return own + master + 4 * numel * optimizer_states
-
-
-class ModuleExperts:
-    """A layer's local experts as DeepSpeed MoE holds them, each with its own parameters
-    (``params`` ``[E_local][n]``): what `ExpertPlacement` moves and whose gradient norms it
-    reorders. One part (`parts`): the experts' whole state, read and written per expert."""
-
-    def __init__(self, params: list[list[torch.Tensor]], optimizer):
-        self.params, self.optimizer = params, optimizer
-
-    def parts(self):
-        keys = hp_state_keys(self.optimizer)
-        yield (lambda j: expert_state(self.params[j], self.optimizer, keys),
-               lambda i, tensors: load_expert_state(self.params[i], self.optimizer, keys, tensors))
-
-    def norm_table(self, norms: dict) -> torch.Tensor:
-        """float32 [E_local, n]: each local expert's parameters' gradient norms (``norms``: param ->
-        0-dim norm, where it has one)."""
-        return torch.stack([torch.stack([norms[p] if p in norms else p.new_zeros((), dtype=torch.float32)
-                                         for p in expert]) for expert in self.params])
-
-    def set_norms(self, table: torch.Tensor, norms: dict) -> None:
-        """Write per-expert norms ``table`` [E_local, n] back into ``norms`` (param -> norm)."""
-        for i, expert in enumerate(self.params):
-            for j, p in enumerate(expert):
-                if p in norms:
-                    norms[p] = table[i, j]
-
-
-class StackedExperts:
-    """A layer's local experts stacked in parameters ``[E_local, ...]`` (AutoEP's ``w1, w2, w3``):
-    expert ``i`` is row ``i`` of each. One part per parameter (`parts`), so that a move holds one
-    parameter's full state at a time: its value, and its fp32 master and optimizer states (ZeRO 1/2
-    and the bf16 optimizer through DeepSpeed's ``safe_get/set_full_*``; ZeRO 0 the torch
-    optimizer's per-parameter state, whose entries shaped like the parameter move by row; scalar
-    ones such as Adam's step count are the parameter's, shared by its rows, and stay)."""
-
-    def __init__(self, stacked: list[torch.Tensor], optimizer):
-        self.stacked, self.optimizer = stacked, optimizer
-
-    def parts(self):
-        from deepspeed.utils import (
-            safe_get_full_fp32_param,
-            safe_get_full_optimizer_state,
-            safe_set_full_fp32_param,
-            safe_set_full_optimizer_state,
-        )
-        keys = hp_state_keys(self.optimizer)
-        for p in self.stacked:
-            if hasattr(p, "_hp_mapping"):
-                full = [p.detach().clone(), safe_get_full_fp32_param(p),
-                        *(safe_get_full_optimizer_state(p, key) for key in keys)]
-            else:
-                state = _torch_state(self.optimizer, p) if self.optimizer is not None else {}
-                odd = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape != p.shape]
-                if odd:
-                    raise FEPLBConfigError(
-                        f"feplb.placement: optimizer {type(self.optimizer).__name__} keeps state {odd} of a stacked "
-                        f"expert parameter {tuple(p.shape)} in another shape, which cannot move with its experts' "
-                        "rows; use Adam(W) or SGD, or set feplb.placement.enabled to false")
-                full = [p.data, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]) and state[k].dim())]
-
-            def read(j, full=full):
-                return [t[j].detach().clone() for t in full]
-
-            def write(i, tensors, full=full):
-                with torch.no_grad():
-                    for t, value in zip(full, tensors):
-                        t[i].copy_(value)
-
-            yield read, write
-            if hasattr(p, "_hp_mapping"):
-                with torch.no_grad():
-                    p.copy_(full[0])
-                safe_set_full_fp32_param(p, full[1])
-                for key, value in zip(keys, full[2:]):
-                    safe_set_full_optimizer_state(p, value, key)
-
-    def norm_table(self, norms: dict) -> torch.Tensor:
-        """float32 [E_local, n]: each row's gradient norm of each stacked parameter."""
-        return torch.stack([p.grad.detach().float().flatten(1).norm(2, dim=1) if p in norms
-                            else p.new_zeros(p.shape[0], dtype=torch.float32) for p in self.stacked], dim=1)
-
-    def set_norms(self, table: torch.Tensor, norms: dict) -> None:
-        """Each stacked parameter's norm from its rows' ``table`` [E_local, n]."""
-        for j, p in enumerate(self.stacked):
-            if p in norms:
-                norms[p] = table[:, j].pow(2).sum().sqrt()
 
 
 class ExpertPlacement:
@@ -633,136 +464,12 @@ class ExpertPlacement:
         return moved, sent_bytes
 
 
-def placed_layers(module):
-    """The FEPLB MoE layers under ``module`` that have a placement (a DeepSpeed MoE layer's is
-    attached at its first forward, an AutoEP layer's experts' when FEPLB is installed): each has
-    ``placement``, ``stage`` and ``expert_states(optimizer)`` (`ModuleExperts` or
-    `StackedExperts`)."""
-    return [m for m in module.modules() if isinstance(getattr(m, "placement", None), ExpertPlacement)]
-
-
-def check_config(model, ds_config: dict) -> None:
-    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under: ZeRO stage 3
-    (experts partitioned across ranks), pipelines (whose engine steps internally), and fp16 or bf16
-    at ZeRO stage 0 (DeepSpeed's fp16 optimizer wrapper keeps the fp32 master weights in groups of
-    its own, apart from the parameters)."""
-    from deepspeed.runtime.pipe.module import PipelineModule
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage > 2:
-        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with ZeRO stage {stage}; use stage 0, 1 or 2, "
-                               "or set feplb.placement.enabled to false")
-    if isinstance(model, PipelineModule):
-        raise FEPLBConfigError("feplb.placement.enabled: not supported with pipeline parallelism yet; set "
-                               "feplb.placement.enabled to false")
-    half = [key for key in ("bf16", "bfloat16", "fp16") if (ds_config.get(key) or {}).get("enabled") is True]
-    if half and stage == 0:
-        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with {half[0]} at ZeRO stage 0 (DeepSpeed's "
-                               "fp16/bf16 optimizer wrapper keeps the fp32 master weights apart from the parameters, "
-                               "and a moved expert could not take them along); use zero_optimization.stage 1 or 2, "
-                               "or set feplb.placement.enabled to false")
-
-
-def install(engine) -> None:
-    """Move experts at ``engine``'s optimizer steps (`check_config` first: raises for what cannot)."""
-    if getattr(engine, "_feplb_placement_installed", False):
-        return
-    check_config(getattr(engine, "module", None), engine.config)
-    engine._feplb_placement_installed = True
-
-    def after_step(boundary: bool) -> None:
-        if not boundary:
-            return
-        for layer in placed_layers(engine.module):
-            times = layer.stage.compute_times if layer.stage is not None else None
-            us_per_token = 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0  # fwd + bwd
-            layer.placement.end_step(layer.expert_states(engine.optimizer), us_per_token)
-
-    @contextlib.contextmanager
-    def loading():
-        with contextlib.ExitStack() as stack:
-            layers = placed_layers(engine.module)
-            for layer in layers:
-                stack.enter_context(layer.placement.expecting_canonical())
-            yield
-        for layer in layers:  # the checkpoint put every expert and its optimizer state in its own slot
-            layer.placement.reset()
-
-    seams.after_step(engine, after_step)
-    seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
-    seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
-
-
-def canonical_grad_norms(module, params: list) -> list:
-    """The gradient norm (0-dim float32) of each of ``params`` as DeepSpeed's layout would give it on
-    this rank: a re-placed layer's expert parameter in local slot ``i`` counts with the norm of the
-    same parameter of the expert that slot ``i`` of this rank holds in DeepSpeed's layout, wherever
-    that expert lives now (per-parameter norms all-gathered over the EP group).
-
-    DeepSpeed's ZeRO 0 clipping averages per-rank norms over the data-parallel group, so a rank's
-    norm must not depend on which experts placement put there: with each rank's own experts the
-    clip coefficient (and every parameter's update) would differ from DeepSpeed's after the first
-    re-placement. Collective over the EP groups of re-placed layers."""
-    import torch
-    import torch.distributed as dist
-    norms = {p: p.grad.data.detach().float().norm(2) for p in params}
-    for layer in placed_layers(module):
-        placement = layer.placement
-        if placement.identity:  # the same on every rank of the EP group: all skip the gather alike
-            continue
-        experts = layer.expert_states(None)
-        local = experts.norm_table(norms)  # [E_local, n]
-        gathered = [torch.empty_like(local) for _ in range(placement.ep_size)]
-        dist.all_gather(gathered, local, group=placement.ep_group)
-        by_slot = torch.cat(gathered)  # [E, n]
-        me = dist.get_rank(placement.ep_group)
-        mine = me * placement.per_rank + torch.arange(placement.per_rank, device=placement.slot_of.device)
-        experts.set_norms(by_slot[placement.slot_of[mine].to(by_slot.device)], norms)
-    return [norms[p] for p in params]
-
-
-@contextlib.contextmanager
-def canonical_experts(engine):
-    """Within the block every re-placed expert of ``engine``'s model (a DeepSpeed engine) sits in
-    its original slot, with its optimizer state: ``engine.module.state_dict()`` taken there is in
-    DeepSpeed MoE's layout, which plain DeepSpeed and FEPLB under any placement load, and a state
-    dict in that layout loads there (leaving the block moves the loaded experts, with their
-    optimizer state, back to their placed slots). Collective over the expert-parallel groups (every
-    rank enters it); ``save_checkpoint`` uses it itself."""
-    with contextlib.ExitStack() as stack:
-        for layer in placed_layers(engine.module):
-            stack.enter_context(layer.placement.canonical(layer.expert_states(engine.optimizer)))
-        yield
-
-
-ORDER_KEY = "feplb_expert_order"  # in a layer's state-dict metadata: slot -> logical expert
-_EXPERTS, _PLACED_EXPERTS = "experts.deepspeed_experts.", "experts.feplb_placed_experts."
-
-
-# a layer's expert keys (below its prefix) and what they become in placement order: a DeepSpeed MoE
-# layer's experts, or (``feplb_expert_keys`` of its experts module) AutoEP's stacked weights
-EXPERT_KEYS = ((_EXPERTS, _PLACED_EXPERTS),)
-
-
-def _expert_keys(layer) -> tuple:
-    return getattr(layer, "feplb_expert_keys", EXPERT_KEYS)
-
-
-def _holds(key: str, stem: str) -> bool:
-    """Whether ``key`` is ``stem`` or below it (a stem ending in "." is a module's)."""
-    return key.startswith(stem) if stem.endswith(".") else key == stem
-
-
-def _rename(state_dict, prefix: str, pairs: tuple, to_placed: bool) -> bool:
-    """Rename the expert keys ``prefix + canonical + rest`` to ``prefix + placed + rest``
-    (``to_placed``) or back, for each (canonical, placed) of ``pairs``, in place; whether any was."""
-    renamed = False
-    for canonical, placed in pairs:
-        old, new = (canonical, placed) if to_placed else (placed, canonical)
-        keys = [k for k in state_dict if _holds(k, prefix + old)]
-        for k in keys:
-            state_dict[prefix + new + k[len(prefix + old):]] = state_dict.pop(k)
-        renamed |= bool(keys)
-    return renamed
+def replica_slots_per_rank(config, ep_size: int) -> int:
+    """Replica slots per rank of a layer over ``ep_size`` ranks: ``feplb.placement.
+    redundant_experts_per_rank`` where placement is on and the EP group spans domains (inside one
+    domain, phase 2 does their work), else 0."""
+    placement = config.placement
+    return placement.redundant_experts_per_rank if placement.enabled and ep_size > domain_size(config, ep_size) else 0
 
 
 def copies_stale(stage, placement: Optional["ExpertPlacement"]) -> None:
@@ -773,104 +480,6 @@ def copies_stale(stage, placement: Optional["ExpertPlacement"]) -> None:
         stage.residency.declared += 1
     if placement is not None:
         placement._replicas_stale()
-
-
-def record_expert_order(layer, state_dict, prefix, local_metadata) -> None:
-    """State-dict post-hook of a FEPLB MoE layer: record which logical expert each slot holds in the
-    layer's metadata (kept by ``torch.save``). In another order than DeepSpeed's, warn, and name the
-    experts ``...experts.feplb_placed_experts.<slot>...``: a loader that does not know the order
-    (plain DeepSpeed, another framework) then fails on the keys instead of loading every re-placed
-    expert into another's slot; FEPLB loads them (`check_expert_order`)."""
-    placement = getattr(layer, "placement", None)
-    if placement is None:
-        return
-    order = placement.slot_order()
-    local_metadata[ORDER_KEY] = order
-    if order != sorted(order):
-        pairs = _expert_keys(layer)
-        _rename(state_dict, prefix, pairs, to_placed=True)
-        placed = ", ".join(prefix + p + ("*" if p.endswith(".") else "") for _, p in pairs)
-        warnings.warn(f"FEPLB: the experts of MoE layer {prefix.rstrip('.') or 'moe'} are re-placed across ranks "
-                      "(feplb.placement), so this state dict holds them in placement order, under the keys "
-                      f"{placed}, which only FEPLB loads; for plain DeepSpeed save with "
-                      "engine.save_checkpoint, or take the state dict inside "
-                      "`with deepspeed_feplb.canonical_experts(engine):` (collective)", stacklevel=3)
-
-
-def check_expert_order(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                       error_msgs) -> None:
-    """Load-state-dict pre-hook of a FEPLB MoE layer: a state dict that holds this layer's experts
-    in placement order (`record_expert_order`) loads into the slots they were saved from.
-
-    * With a placement that has moved experts, the slots must hold the experts in that order now;
-      loading them in another would give every re-placed expert another's weights.
-    * One that has not (a fresh job) adopts the order; without a placement yet (a DeepSpeed MoE
-      layer before its first forward) the layer keeps it, and its placement starts from it at the
-      first forward, or that forward refuses when ``feplb.placement`` is off (`adopt_loaded_order`).
-      Either happens only once the layer's weights loaded (`adopt_expert_order`, the post-hook): a
-      load that fails on them leaves the table as it was, not permuted over weights that are not.
-    """
-    pairs = _expert_keys(layer)
-    renamed = _rename(state_dict, prefix, pairs, to_placed=False)
-    if not any(_holds(k, prefix + canonical) for k in state_dict for canonical, _ in pairs):
-        return
-    name = prefix.rstrip('.') or 'moe'
-    if renamed and ORDER_KEY not in local_metadata:
-        raise RuntimeError(f"FEPLB: the state dict holds the experts of MoE layer {name} in placement order "
-                           f"({', '.join(prefix + p for _, p in pairs)}) but not that order (its metadata was lost), "
-                           "so no expert can be matched to its weights; save with engine.save_checkpoint instead")
-    recorded = [int(e) for e in local_metadata.get(ORDER_KEY, [])]
-    placed = recorded if recorded != sorted(recorded) else None
-    placement = getattr(layer, "placement", None)
-    # adopted by `adopt_expert_order` once this layer's weights loaded: (order, where load errors
-    # collect, how many there were, the layer's prefix)
-    pending = (placed, error_msgs, len(error_msgs), prefix)
-    if placement is None:
-        layer._feplb_loaded_order = pending
-        return
-    if placed and placement.steps == 0 and placement.identity:
-        layer._feplb_loaded_order = pending  # nothing moved yet: the slots take the saved order
-    elif (recorded or list(range(placement.num_experts))) != placement.slot_order():
-        raise RuntimeError(
-            f"FEPLB: the state dict holds the experts of MoE layer {name} in "
-            f"{'placement' if recorded != sorted(recorded) else 'DeepSpeed'}'s order, but this job has re-placed them "
-            "since (feplb.placement); load a checkpoint with engine.load_checkpoint, or load the state dict inside "
-            "`with deepspeed_feplb.canonical_experts(engine):` (collective) when it was taken in DeepSpeed's order")
-    placement._replicas_stale()  # the experts' weights change: their replicas' come again at the next forward
-
-
-def adopt_expert_order(layer, incompatible_keys) -> None:
-    """Load-state-dict post-hook of a FEPLB MoE layer: the order `check_expert_order` found becomes
-    the layer's (its placement's table, or ``layer.loaded_expert_order`` for its first forward) once
-    the layer's weights loaded: no load error since, and none of its keys missing."""
-    pending = layer.__dict__.pop("_feplb_loaded_order", None)
-    if pending is None:
-        return
-    order, error_msgs, errors_before, prefix = pending
-    if len(error_msgs) > errors_before or any(k.startswith(prefix) for k in incompatible_keys.missing_keys):
-        return
-    placement = getattr(layer, "placement", None)
-    if placement is None:
-        layer.loaded_expert_order = order
-    elif order is not None:
-        placement.adopt(order)
-
-
-def adopt_loaded_order(layer) -> None:
-    """At the layer's first forward: a state dict loaded before it that held the experts in placement
-    order (``layer.loaded_expert_order``) becomes the placement's table, or, without a placement
-    (``feplb.placement.enabled`` false, or one EP rank), the forward refuses."""
-    order = getattr(layer, "loaded_expert_order", None)
-    if order is None:
-        return
-    if layer.placement is None:
-        raise FEPLBConfigError(
-            f"feplb.placement.enabled: a state dict loaded into this MoE layer holds its experts in placement order "
-            f"(slot -> expert {order}), which only a job with feplb.placement.enabled and the saved job's "
-            "expert-parallel size can use; enable placement, or save a state dict in DeepSpeed's order "
-            "(engine.save_checkpoint, or `with deepspeed_feplb.canonical_experts(engine):`)")
-    layer.placement.adopt(order)
-    layer.loaded_expert_order = None
 
 
 def _route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

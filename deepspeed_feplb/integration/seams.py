@@ -10,7 +10,11 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `step_ends`: whether the engine's current micro-batch ends the optimizer step (weight
   residency returns gradients then; DeepSpeed tells modules nothing about accumulation).
 * `become`: turn an existing module into a FEPLB subclass in place (DeepSpeed builds its MoE and
-  AutoEP modules itself; replacing them would lose parameter identity, names and ZeRO hooks).
+  AutoEP modules itself; replacing them would lose parameter identity, names and ZeRO hooks);
+  `make_dropless_top1` does it to a top-1 `TopKGate`.
+* `gate_without_ep_group`, `counting_slots`: for the length of one call, DeepSpeed's gate without
+  its EP group (no all-reduce of a capacity FEPLB never reads) and AutoEP's layer counting
+  placement slots instead of experts (both read these attributes at call time, with no argument).
 * `pipeline_engine_class`: make ``deepspeed.initialize`` build our `PipelineEngine` subclass
   (it looks the class up as ``deepspeed.PipelineEngine`` at call time and takes no argument).
 * `pipeline_instructions`, `deepspeed_instruction`: DeepSpeed's pipeline instruction map
@@ -21,8 +25,9 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `clip_fp32_gradients_with`: ZeRO 0 (fp32) clips by DeepSpeed's formula with per-parameter norms
   given by the caller (cross-node placement gives each rank the norms of the experts it holds in
   DeepSpeed's layout).
-* `relink_optimizer_fragments`: make DeepSpeed's per-parameter views of the optimizer state
-  current (cross-node placement reads and writes one expert's state through them).
+* `has_fp32_fragments`, `relink_optimizer_fragments`: whether DeepSpeed's optimizer keeps a
+  parameter's fp32 master and state in its partitions, and make its per-parameter views of
+  them current (cross-node placement reads and writes one expert's state through them).
 * `around_checkpoints`: run code around ``engine.save_checkpoint`` and
   ``engine.load_checkpoint`` (cross-node placement keeps checkpoints in DeepSpeed's layout).
 * `data_parallel_group`, `expert_data_parallel_group`, `expert_parallel_group_names`,
@@ -119,6 +124,43 @@ def _track_forward(engine) -> None:
     engine._feplb_forward_tracked = True
 
 
+def make_dropless_top1(gate):
+    """DeepSpeed's dropless top-1 `TopKGate` becomes a `gate.top1.DroplessTop1Gate` in place
+    (`become`); ValueError for any other gate."""
+    from deepspeed_feplb.gate.top1 import DroplessTop1Gate
+    if not DroplessTop1Gate.accepts(gate):
+        raise ValueError(f"a DroplessTop1Gate is made from a dropless top-1 TopKGate, not {gate!r}")
+    return become(gate, DroplessTop1Gate)
+
+
+@contextlib.contextmanager
+def gate_without_ep_group(gate):
+    """Within the block DeepSpeed's ``TopKGate`` has no EP group: its dropless forward then skips
+    the all-reduce of the largest expert count that sizes DeepSpeed's own dense dispatch (the
+    gate reads ``ep_group`` at call time and takes no argument for it)."""
+    group, gate.ep_group = gate.ep_group, None
+    try:
+        yield gate
+    finally:
+        gate.ep_group = group
+
+
+@contextlib.contextmanager
+def counting_slots(layer, num_experts: int, num_local_experts: int):
+    """Within the block DeepSpeed's ``AutoEPMoELayer`` counts ``num_experts`` experts,
+    ``num_local_experts`` per rank, into a fresh ``tokens_per_expert`` (its forward sizes its
+    router, dispatch and counts from these attributes; it takes no argument for them); the
+    layer's own attributes come back however the block ends."""
+    import torch
+    logical = layer.num_experts, layer.num_local_experts, layer.tokens_per_expert
+    layer.num_experts, layer.num_local_experts = num_experts, num_local_experts
+    layer.tokens_per_expert = torch.zeros(num_experts, dtype=logical[2].dtype, device=logical[2].device)
+    try:
+        yield
+    finally:
+        layer.num_experts, layer.num_local_experts, layer.tokens_per_expert = logical
+
+
 def become(module, cls: type):
     """Make ``module`` an instance of ``cls`` (a subclass of its class that adds no ``__init__``
     state; the caller sets that up) without touching its parameters, buffers or hooks."""
@@ -209,6 +251,14 @@ def clip_fp32_gradients_with(engine, norms: Callable[[list], list]) -> None:
             p.grad.data.mul_(coefficient)
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def has_fp32_fragments(param) -> bool:
+    """Whether DeepSpeed's ZeRO 1/2 or bf16 optimizer keeps ``param``'s fp32 master and optimizer
+    state in its flat partitions (its ``safe_get/set_full_*`` API then reads and writes them;
+    else the torch optimizer's per-parameter state holds them). Relies on the private
+    ``_hp_mapping`` those optimizers attach to each parameter."""
+    return hasattr(param, "_hp_mapping")
 
 
 def relink_optimizer_fragments(optimizer) -> None:

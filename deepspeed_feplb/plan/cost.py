@@ -41,7 +41,7 @@ class GemmProfile:
     """name; tflops: sustained expert-GEMM rate; tile_m: row tile; overhead_us: fixed cost per
     expert piece; ce_gbps: Copy-Engine bandwidth one way per GPU (GB/s); net_gbps: cross-node
     bandwidth per GPU (GB/s); message_us: fixed latency of one phase-2 message (0: an ideal
-    transport; `cuda_ce` measured about 230 µs one way on an H200 machine, docs/GPU.md); floor_us:
+    transport; `cuda_ce` measured 190-285 µs one way for a small message on an H200, docs/GPU.md); floor_us:
     the least one expert piece's forward costs, whatever its rows (module docstring); memory_bytes:
     one device's memory (inf: host memory), from which ``feplb.resident_budget_mb: "auto"``
     derives the kept copies' budget as the runtime does (`residency.resident_budget_bytes`)."""

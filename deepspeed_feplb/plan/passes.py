@@ -8,7 +8,15 @@ process never loads it (the process loads it before it says it is up).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import from_dtype, njit
+from numba import types as nt
+
+from deepspeed_feplb.plan.time_model import MODEL_DTYPE
+
+# The time model as the passes take it: `timeline.TimeModel.record`, read by field name (length
+# 0: no model, rows only). Its fields are part of the compiled signatures, so numba's cache never
+# serves code compiled for another layout.
+MODEL = nt.Array(from_dtype(MODEL_DTYPE), 1, "C")
 
 # Per-rank state of one water-filling pass, rows of an int64 [5, G] array (numba compiles no
 # closures, so the pass's functions share their state through it).
@@ -129,7 +137,7 @@ def _push(r, e, ps, used, forced, chain, stop, cap, max_helpers, align, counts, 
     Each chunk goes to the receiver that holds the weights and has the most room, else to the
     receiver with the least room that takes it whole (ties: lower rank), else the roomiest one
     (ties: higher rank); when chaining and no receiver can take any, through a rank above the
-    level (:func:`_relay`). Writes (r, e, helper, tokens) rows to ``out``.
+    level (:func:`_relay`). Writes (r, e, helper, rows) rows to ``out``.
     Returns _DONE, or (per ``chain``) the rows of a chunk that no receiver takes whole: the
     caller lets a receiver make room and resumes with it ``forced``."""
     G = s.shape[1]
@@ -252,7 +260,7 @@ def _make_room(want, banned, cap, max_helpers, align, counts, top_e, top_n, s, s
 def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
-    first, to ranks at or below it ("receivers"), which may end at most ``slack`` tokens above
+    first, to ranks at or below it ("receivers"), which may end at most ``slack`` rows above
     ``level``; a donor stops once it is within ``slack`` of ``level``. ``chain`` (_NO_CHAIN,
     _CHAIN_LAST, _CHAIN_ANY): when an expert's last allowed chunk (or any chunk) fits no receiver
     whole, one receiver first makes room by pushing its own dynamic experts to the others (a
@@ -310,7 +318,7 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copi
 
 @njit("int64[::1](int64[:, ::1], int64[:, ::1], int64, int64, int64, int64[:, :, ::1], boolean, int64)", cache=True)
 def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floor):
-    """The token-balancing plan. counts int64 [G, E] (C order); dynamic int64 [G, D]: the experts
+    """The row-balancing plan. counts int64 [G, E] (C order); dynamic int64 [G, D]: the experts
     each rank published as dynamic, the only ones whose rows move (-1: none); copies: weight copies per
     rank (an int; the caller maps "unlimited" to G * D * max_helpers); resident int64 [G, E, W]: bit masks of
     the helpers that hold each expert's weights (`holds`); chain: when the limits bind, bisect
@@ -389,16 +397,17 @@ def dynamic_mask(counts, dynamic):
     return mask
 
 
-@njit("float64(int64, float64[::1])", cache=True)
+@njit(nt.float64(nt.int64, MODEL), cache=True)
 def _piece_us(n, model):
     if n <= 0:
         return 0.0
-    tile = max(1, int(model[0]))
-    return max(model[9], model[2] + ((n + tile - 1) // tile) * tile * model[1])
+    m = model[0]
+    tile = max(1, int(m.tile_rows))
+    return max(m.piece_floor_us, m.piece_us + ((n + tile - 1) // tile) * tile * m.row_us)
 
 
-@njit("Tuple((int64[:, ::1], float64[:, ::1]))(int64[:, ::1], boolean[::1], boolean[::1], int64, float64[::1])",
-      cache=True)
+@njit(nt.Tuple((nt.int64[:, ::1], nt.float64[:, ::1]))(nt.int64[:, ::1], nt.boolean[::1], nt.boolean[::1], nt.int64,
+                                                        MODEL), cache=True)
 def _messages(moves, fresh, grads_back, G, model):
     """The plan's chunks as the runtime sends them: one message per (home, helper) pair, ordered by
     home, then helper (a home sends to its helpers in ascending order; a helper serves its homes
@@ -450,8 +459,8 @@ def _serve(pairs, arrive, t, cost):
     return done
 
 
-@njit("float64[:, ::1](int64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], int64[:, ::1], float64[::1], "
-      "boolean[:, ::1])", cache=True)
+@njit(nt.float64[:, ::1](nt.int64[:, ::1], nt.int64[:, ::1], nt.boolean[::1], nt.boolean[::1], nt.int64[:, ::1], MODEL,
+                        nt.boolean[:, ::1]), cache=True)
 def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     """Each rank's forward and backward finish time (µs) under the model.
 
@@ -459,35 +468,37 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
     weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
-    whose accumulated gradients go home at the end of this micro-batch; model float64 [11]
-    (`timeline.TimeModel.as_array`); dynamic bool [G, E]: each rank's dynamic experts, computed
+    whose accumulated gradients go home at the end of this micro-batch; model: `MODEL`
+    (`timeline.TimeModel.record`); dynamic bool [G, E]: each rank's dynamic experts, computed
     once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
     the forward stage's start, row 1 from the backward stage's start. The model is described in
     `timeline`."""
     G, E = counts.shape
     M = moves.shape[0]
-    wcopy, gcopy, rcopy, latency, plan_ready = model[3], model[4], model[5], model[6], model[7]
-    forward, backward = model[10], 1.0 - model[10]
-    kept = counts.copy()
+    tm = model[0]
+    wcopy, gcopy, rcopy = tm.weight_copy_us, tm.grad_copy_us, tm.row_copy_us
+    latency, plan_ready = tm.message_us, tm.plan_us
+    forward, backward = tm.forward_share, 1.0 - tm.forward_share
+    home_rows = counts.copy()
     after_plan = dynamic.copy()
     for m in range(M):
-        kept[moves[m, 0], moves[m, 1]] -= moves[m, 3]
+        home_rows[moves[m, 0], moves[m, 1]] -= moves[m, 3]
         after_plan[moves[m, 0], moves[m, 1]] = True
     static = np.zeros(G)  # the static experts first, then, once the plan is there, the dynamic ones
     later = np.zeros(G)
     for r in range(G):
         for e in range(E):
             if after_plan[r, e]:
-                later[r] += _piece_us(kept[r, e], model)
+                later[r] += _piece_us(home_rows[r, e], model)
             else:
-                static[r] += _piece_us(kept[r, e], model)
+                static[r] += _piece_us(home_rows[r, e], model)
     out = np.empty((2, G))
     pairs, sizes = _messages(moves, fresh, grads_back, G, model)
     rows, weights, grads, cost = sizes[:, 0], sizes[:, 1], sizes[:, 2], sizes[:, 3]
 
     # forward: the messages leave once the plan is there; a helper serves them after its own rows
     out_free = np.full(G, plan_ready)
-    if model[8] > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
+    if tm.sends_after_static > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
         out_free = np.maximum(out_free, forward * static)
     t = np.maximum(forward * static, plan_ready) + forward * later
     arrive = _copies(pairs, weights * wcopy + rows * rcopy, latency, out_free)
@@ -523,7 +534,8 @@ def makespan(finish):
     return finish[0].max() + finish[1].max()
 
 
-@njit("float64(int64[:, ::1], int64[::1], int64[:, :, ::1], boolean, float64[::1], boolean[:, ::1])", cache=True)
+@njit(nt.float64(nt.int64[:, ::1], nt.int64[::1], nt.int64[:, :, ::1], nt.boolean, MODEL, nt.boolean[:, ::1]),
+      cache=True)
 def _makespan(counts, flat, resident, keep, model, dynamic):
     """The makespan (µs, `makespan`: the slowest forward plus the slowest backward of `finish_us`)
     of a `plan_pass` result ``flat``."""
@@ -552,24 +564,24 @@ def _most_copies(counts, flat, resident):
     return max(sent.max(), got.max())
 
 
-@njit("int64[::1](int64[:, ::1], int64[:, ::1], int64, int64, int64, int64[:, :, ::1], float64[::1], boolean, "
-      "int64)", cache=True)
+@njit(nt.int64[::1](nt.int64[:, ::1], nt.int64[:, ::1], nt.int64, nt.int64, nt.int64, nt.int64[:, :, ::1], MODEL,
+                   nt.boolean, nt.int64), cache=True)
 def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, keep, row_cap):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
-    (``model`` float64 [11]; empty: tokens only, one pass); returns the one with the smallest
+    (``model``: `MODEL`; length 0: rows only, one pass); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
     slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch).
     ``row_cap`` > 0 bounds rows before time: a plan is a candidate only if its busiest rank stays
-    within the cap (up to ``align - 1`` rows over it, as the token plan's receivers may end), or
-    within what the first, token-balancing pass reached where the cap is out of reach; the pass
+    within the cap (up to ``align - 1`` rows over it, as the row plan's receivers may end), or
+    within what the first, row-balancing pass reached where the cap is out of reach; the pass
     that balances only down to the cap (its ``floor``: fewer rows move) is one more candidate.
     Without a time model the plan balances down to the cap where that pass gets within it, else as
     far as the limits allow. Returns `plan_pass`'s layout."""
     G = counts.shape[0]
-    if model.shape[0] == 0 and row_cap > 0:  # tokens only: balance down to the cap where that gets there
+    if model.shape[0] == 0 and row_cap > 0:  # rows only: balance down to the cap where that gets there
         capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] < G or capped[:G].max() <= row_cap + align - 1:
             return capped

@@ -1,4 +1,4 @@
-"""The FEPLB planner: one NVLink domain's per-expert token counts -> a plan of Copy-Engine moves.
+"""The FEPLB planner: one NVLink domain's per-expert row counts -> a plan of Copy-Engine moves.
 
 A pure, deterministic function (numpy, with the planning pass compiled by numba; no torch, no
 I/O). The runtime layer, the domain's scheduler process, the in-process fallback and the
@@ -6,11 +6,11 @@ simulator all call :func:`plan_domain`, so every rank of a domain that reads the
 the same plan.
 
 Problem (docs/ARCHITECTURE.md, "Metrics"). A domain (a "node" in the simulator) has ``G`` ranks;
-rank ``r`` received ``counts[r, e]`` token-expert
-pairs for its local expert ``e``. Each rank may offload up to ``D`` of its hottest local experts
-("dynamic candidates", :func:`dynamic_candidates`); the tokens of an offloaded expert may be
+rank ``r`` received ``counts[r, e]`` rows (token-expert
+pairs) for its local expert ``e``. Each rank may offload up to ``D`` of its hottest local experts
+("dynamic candidates", :func:`dynamic_candidates`); the rows of an offloaded expert may be
 split between its home and up to ``max_helpers`` helper ranks of the same domain, which receive
-one copy of the expert's weights each. Goal: minimise the largest per-rank token count. No plan
+one copy of the expert's weights each. Goal: minimise the largest per-rank row count. No plan
 can beat the lower bound ``max(ceil(domain mean), max_r(static_r))`` where ``static_r`` is what
 rank ``r`` holds outside its ``D`` hottest experts (:func:`lower_bound`).
 
@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
-from deepspeed_feplb.plan.timeline import TimeModel
+from deepspeed_feplb.plan.time_model import MODEL_DTYPE, TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
            "balancing_may_pay", "rows_bound"]
@@ -43,7 +43,7 @@ class PlanConstraints:
 
     dynamic_experts:  D: at most D experts per rank may be offloaded (its D hottest).
     max_helpers:      at most this many helper ranks per offloaded expert.
-    chunk_align:      every moved chunk is a multiple of this many tokens, except a chunk that
+    chunk_align:      every moved chunk is a multiple of this many rows, except a chunk that
                       ends the expert's rows (one that leaves the home with none of its rows).
     ce_budget_bytes:  hard cap on the weight bytes one rank may send, and one rank may receive,
                       per micro-batch (a chunk to a helper that already holds the expert's weights
@@ -51,7 +51,7 @@ class PlanConstraints:
     expert_bytes:     bytes of one expert's weights (each helper of an expert receives one copy);
                       0 means weights are free and only ``max_helpers`` limits the copies.
     model:            the `timeline.TimeModel` the planner minimises the makespan under (None:
-                      balance tokens only, as many copies as the cap allows).
+                      balance rows only, as many copies as the cap allows).
     keep_copies:      weight copies stay on their helpers until the optimizer step
                       (``feplb.weight_residency: "step"``), so a copy's gradients go home once
                       per step, not with this micro-batch.
@@ -59,7 +59,7 @@ class PlanConstraints:
                       plans balance rows down to ``row_cap`` (this ratio x ``mean_rows``), and
                       the time model picks the fastest plan only among those that keep every rank
                       within it (or, where the D dynamic experts cannot reach it, within what the
-                      token plan reached).
+                      row plan reached).
     mean_rows:        rows per rank averaged over the whole EP group (all its domains), for
                       ``row_cap``; 0: the domain's own mean.
     """
@@ -176,7 +176,7 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
                 dynamic: Optional[np.ndarray] = None) -> Plan:
     """Plan one NVLink domain.
 
-    counts:       int64 [G, E_local]: tokens (token-expert pairs) that each of the domain's G ranks
+    counts:       int64 [G, E_local]: rows (token-expert pairs) that each of the domain's G ranks
                   received for each of its local experts; negative counts raise ValueError.
     constraints:  :class:`PlanConstraints`.
     dynamic:      int64 [G, D']: the dynamic experts each rank chose and published (`hottest.NONE`
@@ -193,7 +193,7 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     Without a time model the largest per-rank load is the lower bound (or the row cap, where
     that is higher) plus at most
     ``chunk_align - 1`` whenever the helper and Copy-Engine limits allow it. With one
-    (``constraints.model``), the token plans for the cap and for fewer copies per rank, and no
+    (``constraints.model``), the row plans for the cap and for fewer copies per rank, and no
     moves at all, are judged by their makespan (`timeline`), and the fastest is returned; with
     ``constraints.max_rows_over_mean`` only those that keep within its row cap are candidates.
 
@@ -222,7 +222,7 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     copies = constraints.copies_per_rank()
     copies = G * dynamic.shape[1] * max_helpers if copies == math.inf else int(copies)
     resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
-    model = constraints.model.as_array() if constraints.model is not None else _NO_MODEL
+    model = constraints.model.record if constraints.model is not None else _NO_MODEL
     from deepspeed_feplb.plan.passes import plan_timed
     out = plan_timed(counts, dynamic, max_helpers, max(1, int(constraints.chunk_align)), copies, resident, model,
                      bool(constraints.keep_copies), constraints.row_cap(counts))
@@ -232,5 +232,5 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     return Plan(out[G:].reshape(-1, 4), out[:G])
 
 
-_NO_MODEL = np.zeros(0, np.float64)
+_NO_MODEL = np.zeros(0, MODEL_DTYPE)
 _NO_CAP = 1 << 60  # a row cap that no domain reaches (and that int64 arithmetic on it cannot overflow)

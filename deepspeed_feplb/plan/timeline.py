@@ -45,95 +45,17 @@ not occupy the link (the transport's figure, `Transport.message_us`, docs/GPU.md
 profiles).
 
 The makespan is what the planner minimises and what the simulator reports as ``expert_time_us``.
-`TimeModel` holds the constants; the evaluation is compiled with the planning pass
+`TimeModel` (`time_model`) holds the constants; the evaluation is compiled with the planning pass
 (`passes.finish_us`, loaded on first use); `rank_finish_us` calls it from Python.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from deepspeed_feplb.plan.hottest import dynamic_candidates
+from deepspeed_feplb.plan.time_model import FWD_BWD_GEMMS, MODEL_DTYPE, TimeModel
 
-__all__ = ["TimeModel", "makespan_us", "rank_finish_us"]
-
-# fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
-FWD_BWD_GEMMS = 3
-WORDS = 11  # `TimeModel.as_array`'s length
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    """Constants of the time model (µs); see the module docstring.
-
-    tile_rows:       rows of a GEMM tile: an expert piece's rows are padded to whole tiles;
-    row_us:          forward + backward GEMM time of one (padded) row;
-    piece_us:        fixed cost of one expert piece (forward + backward);
-    weight_copy_us:  one expert's weights over one copy-engine link;
-    grad_copy_us:    one expert's weight-gradients over one link;
-    row_copy_us:     one row's activations over one link;
-    message_us:      fixed latency of one message, on top of its copy;
-    plan_us:         when the plan is there, from the stage's start;
-    sends_after_static: a home sends its chunks once its static experts are computed (a grouped
-                     static call on CPU ranks), not as soon as the plan is there;
-    piece_floor_us:  the least one piece costs (forward + backward), whatever its rows (a measured
-                     profile's `cost.GemmProfile.floor_us`; 0: none);
-    forward_share:   the forward's share of a piece's cost (1 / `FWD_BWD_GEMMS` for GEMMs alone; the
-                     runtime's `expert_costs.StageFactor` measures its stage's).
-    """
-
-    tile_rows: int
-    row_us: float
-    piece_us: float
-    weight_copy_us: float
-    grad_copy_us: float
-    row_copy_us: float
-    message_us: float = 0.0
-    plan_us: float = 0.0
-    sends_after_static: bool = False
-    piece_floor_us: float = 0.0
-    forward_share: float = 1.0 / FWD_BWD_GEMMS
-
-    @classmethod
-    def of(cls, shape, profile) -> "TimeModel":
-        """From a simulator `cost.ExpertShape` and `cost.GemmProfile` (forward GEMM x 3)."""
-        bw = profile.ce_gbps * 1e3  # bytes per µs
-        return cls(int(profile.tile_m), FWD_BWD_GEMMS * shape.flops_per_row / (profile.tflops * 1e6),
-                   FWD_BWD_GEMMS * profile.overhead_us, shape.weight_bytes / bw, shape.weight_bytes / bw,
-                   shape.row_bytes / bw, profile.message_us, piece_floor_us=FWD_BWD_GEMMS * profile.floor_us)
-
-    @classmethod
-    def measured(cls, expert_seconds: float, rows: int, expert_bytes: int, row_bytes: int,
-                 gbps: float) -> "TimeModel | None":
-        """At runtime with ``feplb.fixed_costs: "ignore"``: from the previous micro-batch's forward
-        expert time for ``rows`` rows on this rank (x 3 for forward + backward) and the copy-engine
-        bandwidth ``gbps`` (1e9 bytes/s), no fixed costs; None before anything was timed."""
-        if expert_seconds <= 0 or rows <= 0:
-            return None
-        bw = gbps * 1e3
-        return cls(1, FWD_BWD_GEMMS * expert_seconds * 1e6 / rows, 0.0, expert_bytes / bw, expert_bytes / bw,
-                   row_bytes / bw)
-
-    def as_array(self) -> np.ndarray:
-        """float64 [`WORDS`], the order `passes.finish_us` takes."""
-        return np.array([self.tile_rows, self.row_us, self.piece_us, self.weight_copy_us, self.grad_copy_us,
-                         self.row_copy_us, self.message_us, self.plan_us, self.sends_after_static,
-                         self.piece_floor_us, self.forward_share], dtype=np.float64)
-
-    @classmethod
-    def from_array(cls, values) -> "TimeModel":
-        """The inverse of `as_array`."""
-        if len(values) != WORDS:
-            raise ValueError(f"a TimeModel array has {WORDS} words, got {len(values)}")
-        tile, *rest, after, floor, share = [float(v) for v in values]
-        return cls(int(tile), *rest, sends_after_static=bool(after), piece_floor_us=floor, forward_share=share)
-
-    @property
-    def finite(self) -> bool:
-        return all(math.isfinite(v) and v >= 0 for v in self.as_array())
-
+__all__ = ["FWD_BWD_GEMMS", "MODEL_DTYPE", "TimeModel", "makespan_us", "rank_finish_us"]
 
 def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fresh: np.ndarray | None = None,
                    grads_back: np.ndarray | None = None, flush: np.ndarray | None = None,
@@ -153,7 +75,7 @@ def rank_finish_us(counts: np.ndarray, moves: np.ndarray, model: TimeModel, fres
     flush = (np.zeros((0, 2), np.int64) if flush is None
              else np.ascontiguousarray(np.asarray(flush, np.int64).reshape(-1, 2)))
     from deepspeed_feplb.plan.passes import dynamic_mask, finish_us
-    return finish_us(counts, moves, fresh, grads_back, flush, model.as_array(),
+    return finish_us(counts, moves, fresh, grads_back, flush, model.record,
                      dynamic_mask(counts, dynamic_candidates(counts, dynamic_experts)))
 
 

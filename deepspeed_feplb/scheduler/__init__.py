@@ -27,9 +27,10 @@ class Scheduler(Protocol):
     """One rank's handle on its domain's planner."""
 
     def publish(self, seq: int, counts: np.ndarray, constraints: PlanConstraints,
-                resident: np.ndarray | None = None) -> None:
-        """This rank's counts ``int64 [E_local]`` for micro-batch step ``seq`` (steps count up from
-        0) and its row of the residency masks (int64 [E_local, W], `plan.residency`; None: none)."""
+                resident: np.ndarray | None = None, dynamic: np.ndarray | None = None) -> None:
+        """This rank's counts ``int64 [E_local]`` for micro-batch ``seq`` (balanced micro-batches
+        count up from 0), its row of the residency masks (int64 [E_local, W], `plan.residency`;
+        None: none) and the dynamic experts it chose (int64 [<= D]; None: `plan.hottest`'s rule)."""
 
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the same on every rank; never hangs past the configured timeouts."""

@@ -1,4 +1,4 @@
-"""The ranks' side of the scheduler: publish counts, get the domain's plan for the same step.
+"""The ranks' side of the scheduler: publish counts, get the domain's plan for the same micro-batch.
 
 Two implementations of `scheduler.Scheduler`:
 
@@ -35,7 +35,7 @@ log = logging.getLogger("deepspeed_feplb")  # without logging configured, warnin
 
 @dataclass(frozen=True)
 class DomainPlan:
-    """The plan of one micro-batch step, as a rank receives it.
+    """The plan of one micro-batch, as a rank receives it.
 
     plan:      the `Plan` (moves int64 [M, 4], rank_rows int64 [G]);
     counts:    int64 [G, E_local]: every domain rank's counts the plan was made from;
@@ -69,7 +69,7 @@ class InlineScheduler:
         self.mailbox.publish(self.local_rank, seq, counts, constraints, resident, dynamic)
 
     def plan(self, seq: int) -> DomainPlan:
-        """The domain's plan for step ``seq`` (waits for every rank's counts)."""
+        """The domain's plan for micro-batch ``seq`` (waits for every rank's counts)."""
         return self._plan_here(self._wait_counts(seq), fallback=False)
 
     def plan_ready(self, seq: int) -> bool:
@@ -91,7 +91,7 @@ class InlineScheduler:
             if self.watch is not None:
                 missing = [self.watch.ranks[r] for r in missing]
             raise type(error)(
-                f"FEPLB: rank(s) {missing} did not publish step {seq} within feplb.scheduler.peer_timeout_s="
+                f"FEPLB: rank(s) {missing} did not publish micro-batch {seq} within feplb.scheduler.peer_timeout_s="
                 f"{self.peer_timeout_s:g} s ({error})") from None
 
     def scheduler_pid(self) -> int:
@@ -191,9 +191,9 @@ class ProcessScheduler(InlineScheduler):
                 planned = DomainPlan(empty_plan(published.counts), published.counts, 0.0, False)
             else:
                 planned = self._plan_here(published, fallback=False)
-            # the process may have come up and answered this step meanwhile: the other ranks may
-            # have read its plan already, so it is the step's plan (the process, in turn, never
-            # plans a step that has one). Checked and written apart, not atomically: a narrow window
+            # the process may have come up and answered this micro-batch meanwhile: the other ranks
+            # may have read its plan already, so it is the micro-batch's plan (the process, in turn,
+            # never plans a micro-batch that has one). Checked and written apart, not atomically: a narrow window
             # remains in which both publish.
             written = self.mailbox.read_plan(seq)
             if written is None:
@@ -215,7 +215,7 @@ class ProcessScheduler(InlineScheduler):
     def _scheduler_plan(self, seq: int) -> tuple[Plan, int] | None:
         """The scheduler's plan for ``seq`` and its planning time (ns); None if none runs, or it is
         dead, or later than ``plan_timeout_s``. Whether it is alive (a /proc read: tens of µs on a
-        VM) is checked only once the plan is `LIVENESS_AFTER_S` late, not on every step."""
+        VM) is checked only once the plan is `LIVENESS_AFTER_S` late, not on every micro-batch."""
         if self.scheduler_pid() <= 0:
             return None  # starting, or restarting
         read = lambda: self.mailbox.read_plan(seq)  # noqa: E731
@@ -241,7 +241,7 @@ class ProcessScheduler(InlineScheduler):
         if self.process is None:
             return
         if self.process.poll() is None and self.restart and self.late_in_a_row >= self.STALLED_AFTER:
-            self.process.kill()  # stalled: a fresh one is cheaper than waiting on it every step
+            self.process.kill()  # stalled: a fresh one is cheaper than waiting on it every micro-batch
             self.process.wait()
             self._restart(f"missed {self.late_in_a_row} plans in a row (feplb.scheduler.plan_timeout_ms="
                           f"{self.plan_timeout_s * 1e3:g}) and was stopped")

@@ -26,10 +26,10 @@ import numpy as np
 
 from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
 from deepspeed_feplb.plan.policy import Plan, PlanConstraints
-from deepspeed_feplb.plan.timeline import WORDS, TimeModel
+from deepspeed_feplb.plan.time_model import MODEL_DTYPE, TimeModel
 from deepspeed_feplb.segments import Word, open_segment, unlink_quietly
 
-_NO_MODEL = np.zeros(WORDS, np.float64)
+_NO_MODEL = np.zeros((), MODEL_DTYPE)
 
 RING = 4
 E_MAX = 1024
@@ -40,7 +40,7 @@ SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  #
 CONSTRAINTS_DTYPE = np.dtype([
     ("experts", np.int64), ("dynamic_experts", np.int64), ("max_helpers", np.int64), ("chunk_align", np.int64),
     ("expert_bytes", np.int64), ("ce_budget_bytes", np.float64), ("keep_copies", np.int64), ("has_model", np.int64),
-    ("model", np.float64, (WORDS, )),  # `TimeModel.as_array`
+    ("model", MODEL_DTYPE),  # `TimeModel.record`
     ("max_rows_over_mean", np.float64), ("mean_rows", np.float64)])
 
 
@@ -124,7 +124,7 @@ class Mailbox:
         slot["constraints"][rank, i] = (
             E, constraints.dynamic_experts, constraints.max_helpers, constraints.chunk_align, constraints.expert_bytes,
             constraints.ce_budget_bytes, int(constraints.keep_copies), int(model is not None),
-            model.as_array() if model is not None else _NO_MODEL, constraints.max_rows_over_mean, constraints.mean_rows)
+            model.record[0] if model is not None else _NO_MODEL, constraints.max_rows_over_mean, constraints.mean_rows)
         slot["counts"][rank, i, :E] = counts
         if dynamic is None:
             dynamic = dynamic_candidates(counts[None], constraints.dynamic_experts)[0]
@@ -153,7 +153,7 @@ class Mailbox:
         if key != self._meta:  # the constraints change once per micro-batch at most: build them then
             model = None
             if meta["has_model"]:
-                model = TimeModel.from_array(meta["model"])
+                model = TimeModel.from_record(meta["model"])
             self._constraints = PlanConstraints(
                 int(meta["dynamic_experts"]), int(meta["max_helpers"]), int(meta["chunk_align"]),
                 float(meta["ce_budget_bytes"]), int(meta["expert_bytes"]), model, bool(meta["keep_copies"]),

@@ -1,8 +1,8 @@
-"""The `feplb-sched` process: one per NVLink domain, it plans every micro-batch step.
+"""The `feplb-sched` process: one per NVLink domain, it plans every balanced micro-batch.
 
 Started by the domain's rank 0 (`client.ProcessScheduler`) as ``python -m
 deepspeed_feplb.scheduler.process``; it imports numpy, numba's compiled planner and the mailbox,
-never torch, so it is up in a fraction of a second. It waits until every rank published step
+never torch, so it is up in a fraction of a second. It waits until every rank published micro-batch
 ``seq`` (sleeping on the mailbox's counts bell meanwhile), calls `plan_domain` and writes the
 `Plan` into the mailbox's plan ring; it exits on the mailbox's shutdown word, or removes the
 domain's segments and exits when its parent rank died.
@@ -30,11 +30,11 @@ IDLE_CHECK_S = 0.5
 
 
 def serve(mailbox: Mailbox, parent_pid: int) -> None:
-    """Plan every complete step until shutdown is requested or the parent process is gone.
+    """Plan every complete micro-batch until shutdown is requested or the parent process is gone.
 
-    Between steps the process sleeps on the mailbox's ``counts_bell`` (no CPU): each rank's
-    publish wakes it, and it plans once the step is complete. Every `IDLE_CHECK_S` without a
-    step it checks that its parent rank lives and updates its heartbeat."""
+    Between micro-batches the process sleeps on the mailbox's ``counts_bell`` (no CPU): each
+    rank's publish wakes it, and it plans once the micro-batch is complete. Every `IDLE_CHECK_S`
+    without one it checks that its parent rank lives and updates its heartbeat."""
     bell = mailbox.counts_bell
     seq = 0
     while mailbox.header[SHUTDOWN] == 0:
@@ -49,7 +49,7 @@ def serve(mailbox: Mailbox, parent_pid: int) -> None:
             mailbox.write_plan(seq, plan, time.perf_counter_ns() - start)
             seq += 1
             continue
-        # ranks may have skipped ahead (e.g. we were stopped); follow the newest complete step
+        # ranks may have skipped ahead (e.g. we were stopped); follow the newest complete micro-batch
         newest = mailbox.newest_complete()
         if newest > seq:
             seq = newest

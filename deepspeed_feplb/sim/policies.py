@@ -450,16 +450,16 @@ class _NodePolicy:
             fresh, node_finish, node_free = self._time(nc, moves, table, ends, timing)
             finish, free = np.maximum(finish, node_finish.max(axis=1)), np.maximum(free, node_free.max(axis=1))
             lb = max(lb, lower_bound(nc, cons.dynamic_experts))
-            kept = nc.copy()
+            home_rows = nc.copy()
             if len(moves):
-                np.subtract.at(kept, (moves[:, 0], moves[:, 1]), moves[:, 3])
+                np.subtract.at(home_rows, (moves[:, 0], moves[:, 1]), moves[:, 3])
                 ranks.append(n * G + moves[:, 2])
                 tokens.append(moves[:, 3])
                 gslots = slots[n * G:(n + 1) * G]
                 moves_out.append(np.stack([gslots[moves[:, 0], moves[:, 1]], n * G + moves[:, 0],
                                            n * G + moves[:, 2], moves[:, 3]], axis=1))
             ranks.append(np.repeat(np.arange(n * G, (n + 1) * G, dtype=np.int64), nc.shape[1]))
-            tokens.append(kept.reshape(-1))
+            tokens.append(home_rows.reshape(-1))
             f = _ce_figures(nc, moves, static_us, s, fresh)
             ce["ce_us"] = max(ce["ce_us"], f["ce_us"])
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])

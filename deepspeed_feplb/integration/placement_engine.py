@@ -1,0 +1,118 @@
+"""Cross-node placement on a DeepSpeed engine: moves at its optimizer steps, checkpoints and
+gradient norms in DeepSpeed's layout.
+
+`install(engine)` (called by `deepspeed_feplb.initialize`, and by a `deepspeed_feplb.MoE` that a
+plain ``deepspeed.initialize`` configures) makes ``engine.step()`` end with each placed layer's
+`ExpertPlacement.end_step` (agree on the step's loads, re-place every ``interval_steps`` steps),
+runs ``save_checkpoint`` with every expert back in its original slot (`canonical_experts`),
+makes the table the identity after ``load_checkpoint``, and clips gradients with each slot's
+norms in DeepSpeed's layout (`canonical_grad_norms`). Idempotent per engine.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from deepspeed_feplb.config import FEPLBConfigError
+from deepspeed_feplb.integration import seams
+from deepspeed_feplb.integration.placement import ExpertPlacement
+
+
+def placed_layers(module):
+    """The FEPLB MoE layers under ``module`` that have a placement (a DeepSpeed MoE layer's is
+    attached at its first forward, an AutoEP layer's experts' when FEPLB is installed): each has
+    ``placement``, ``stage`` and ``expert_states(optimizer)`` (`ModuleExperts` or
+    `StackedExperts`)."""
+    return [m for m in module.modules() if isinstance(getattr(m, "placement", None), ExpertPlacement)]
+
+
+def check_config(model, ds_config: dict) -> None:
+    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under: ZeRO stage 3
+    (experts partitioned across ranks), pipelines (whose engine steps internally), and fp16 or bf16
+    at ZeRO stage 0 (DeepSpeed's fp16 optimizer wrapper keeps the fp32 master weights in groups of
+    its own, apart from the parameters)."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage > 2:
+        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with ZeRO stage {stage}; use stage 0, 1 or 2, "
+                               "or set feplb.placement.enabled to false")
+    if isinstance(model, PipelineModule):
+        raise FEPLBConfigError("feplb.placement.enabled: not supported with pipeline parallelism yet; set "
+                               "feplb.placement.enabled to false")
+    half = [key for key in ("bf16", "bfloat16", "fp16") if (ds_config.get(key) or {}).get("enabled") is True]
+    if half and stage == 0:
+        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with {half[0]} at ZeRO stage 0 (DeepSpeed's "
+                               "fp16/bf16 optimizer wrapper keeps the fp32 master weights apart from the parameters, "
+                               "and a moved expert could not take them along); use zero_optimization.stage 1 or 2, "
+                               "or set feplb.placement.enabled to false")
+
+
+def install(engine) -> None:
+    """Move experts at ``engine``'s optimizer steps (`check_config` first: raises for what cannot)."""
+    if getattr(engine, "_feplb_placement_installed", False):
+        return
+    check_config(getattr(engine, "module", None), engine.config)
+    engine._feplb_placement_installed = True
+
+    def after_step(boundary: bool) -> None:
+        if not boundary:
+            return
+        for layer in placed_layers(engine.module):
+            times = layer.stage.compute_times if layer.stage is not None else None
+            us_per_token = 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0  # fwd + bwd
+            layer.placement.end_step(layer.expert_states(engine.optimizer), us_per_token)
+
+    @contextlib.contextmanager
+    def loading():
+        with contextlib.ExitStack() as stack:
+            layers = placed_layers(engine.module)
+            for layer in layers:
+                stack.enter_context(layer.placement.expecting_canonical())
+            yield
+        for layer in layers:  # the checkpoint put every expert and its optimizer state in its own slot
+            layer.placement.reset()
+
+    seams.after_step(engine, after_step)
+    seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
+    seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
+
+
+def canonical_grad_norms(module, params: list) -> list:
+    """The gradient norm (0-dim float32) of each of ``params`` as DeepSpeed's layout would give it on
+    this rank: a re-placed layer's expert parameter in local slot ``i`` counts with the norm of the
+    same parameter of the expert that slot ``i`` of this rank holds in DeepSpeed's layout, wherever
+    that expert lives now (per-parameter norms all-gathered over the EP group).
+
+    DeepSpeed's ZeRO 0 clipping averages per-rank norms over the data-parallel group, so a rank's
+    norm must not depend on which experts placement put there: with each rank's own experts the
+    clip coefficient (and every parameter's update) would differ from DeepSpeed's after the first
+    re-placement. Collective over the EP groups of re-placed layers."""
+    import torch
+    import torch.distributed as dist
+    norms = {p: p.grad.data.detach().float().norm(2) for p in params}
+    for layer in placed_layers(module):
+        placement = layer.placement
+        if placement.identity:  # the same on every rank of the EP group: all skip the gather alike
+            continue
+        experts = layer.expert_states(None)
+        local = experts.norm_table(norms)  # [E_local, n]
+        gathered = [torch.empty_like(local) for _ in range(placement.ep_size)]
+        dist.all_gather(gathered, local, group=placement.ep_group)
+        by_slot = torch.cat(gathered)  # [E, n]
+        me = dist.get_rank(placement.ep_group)
+        mine = me * placement.per_rank + torch.arange(placement.per_rank, device=placement.slot_of.device)
+        experts.set_norms(by_slot[placement.slot_of[mine].to(by_slot.device)], norms)
+    return [norms[p] for p in params]
+
+
+@contextlib.contextmanager
+def canonical_experts(engine):
+    """Within the block every re-placed expert of ``engine``'s model (a DeepSpeed engine) sits in
+    its original slot, with its optimizer state: ``engine.module.state_dict()`` taken there is in
+    DeepSpeed MoE's layout, which plain DeepSpeed and FEPLB under any placement load, and a state
+    dict in that layout loads there (leaving the block moves the loaded experts, with their
+    optimizer state, back to their placed slots). Collective over the expert-parallel groups (every
+    rank enters it); ``save_checkpoint`` uses it itself."""
+    with contextlib.ExitStack() as stack:
+        for layer in placed_layers(engine.module):
+            stack.enter_context(layer.placement.canonical(layer.expert_states(engine.optimizer)))
+        yield
