@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_planner.py --json bench_planner.json
 
 Sections (all on the calibrated no-aux-loss trace, GLM-5-like shapes, seeded):
-* latency  — plan_domain in-process, judged by the h100 time model as at runtime, for 128 experts
+* latency  — plan_domain in-process on the counts and the dynamic experts the ranks published (as
+             the scheduler process plans), judged by the h100 time model as at runtime, for 128 experts
              x 8 ranks (D=4) at 32,768 and at 4,096 rows per rank, each also with a binding
              budget of two weight copies per rank and with the residency masks of a step
              (8 micro-batches); and for 256 experts x 64 ranks (8 nodes of 8, D=4; per node and
@@ -36,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape
-from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain
+from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.sim.policies import SimSetup
@@ -100,19 +101,28 @@ def bench_latency(args):
     for scale, tokens in SCALES.items():
         t8 = no_aux_trace(args.steps, 4, ranks=8, experts=128, tokens_per_rank=tokens, seed=11)
         xs = list(node_counts(t8, 8, 8))
-        for x in xs[:50]:
-            plan_domain(x, cons)
-        out[f"128x8_{scale}"] = timed(lambda x: plan_domain(x, cons), xs, args.repeat)
-        out[f"128x8_{scale}_2_copies"] = timed(lambda x: plan_domain(x, tight), xs, args.repeat)
-        pairs = with_step_residency(xs, cons)
-        out[f"128x8_{scale}_resident"] = timed(lambda p: plan_domain(p[0], cons, p[1]), pairs, args.repeat)
-        out[f"128x8_{scale}_resident_2_copies"] = timed(lambda p: plan_domain(p[0], tight, p[1]), pairs, args.repeat)
+        # as the scheduler process plans: from the counts and the dynamic experts each rank published
+        xs = [(x, published(x, cons)) for x in xs]
+        for x, dyn in xs[:50]:
+            plan_domain(x, cons, None, dyn)
+        out[f"128x8_{scale}"] = timed(lambda p: plan_domain(p[0], cons, None, p[1]), xs, args.repeat)
+        out[f"128x8_{scale}_2_copies"] = timed(lambda p: plan_domain(p[0], tight, None, p[1]), xs, args.repeat)
+        triples = [(x, resident, dyn) for (x, resident), (_, dyn) in zip(with_step_residency([x for x, _ in xs], cons),
+                                                                          xs)]
+        out[f"128x8_{scale}_resident"] = timed(lambda p: plan_domain(p[0], cons, p[1], p[2]), triples, args.repeat)
+        out[f"128x8_{scale}_resident_2_copies"] = timed(lambda p: plan_domain(p[0], tight, p[1], p[2]), triples,
+                                                        args.repeat)
     t64 = no_aux_trace(max(10, args.steps // 8), 2, ranks=64, experts=256, tokens_per_rank=4096, seed=12)
-    nodes = node_counts(t64, 64, 8)  # [S*L*8, 8, 4]
-    out["256x64_per_node"] = timed(lambda x: plan_domain(x, cons), list(nodes), args.repeat)
-    groups = list(nodes.reshape(-1, 8, 8, 4))
-    out["256x64_all_nodes"] = timed(lambda g: [plan_domain(x, cons) for x in g], groups, args.repeat)
+    nodes = [(x, published(x, cons)) for x in node_counts(t64, 64, 8)]  # [S*L*8] of [8, 4]
+    out["256x64_per_node"] = timed(lambda p: plan_domain(p[0], cons, None, p[1]), nodes, args.repeat)
+    groups = [nodes[i:i + 8] for i in range(0, len(nodes), 8)]
+    out["256x64_all_nodes"] = timed(lambda g: [plan_domain(x, cons, None, dyn) for x, dyn in g], groups, args.repeat)
     return out
+
+
+def published(counts: np.ndarray, cons: PlanConstraints) -> np.ndarray:
+    """The dynamic experts every rank of a domain publishes with its counts (each its own row)."""
+    return dynamic_candidates(counts, cons.dynamic_experts)
 
 
 def bench_time(args):

@@ -125,6 +125,15 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     return out
 
 
+# Adam turns the last-bit differences of split GEMMs (one expert's rows computed in two calls, as
+# phase 2's helpers and the replica slots do) into up to 1e-4 in the attention's q and k, whose
+# gradient entries are near 1e-9 (`_config`): over 30 steps, and 1.15e-5 to 1.3e-5 after 5 or 6
+# steps with some GEMM kernels (another CPU model; `ATEN_CPU_CAPABILITY=default` here), which decide
+# the last bits. That bounds the parameters outside the MoE layers wherever rows are split; the
+# losses and the MoE parameters stay within 1e-5.
+SPLIT_GEMM_TOL = 2e-4
+
+
 def _check(results: list, moves: bool = True, tol: float = 1e-5, moe_tol: float = 1e-5, loss_tol: float = 1e-5) -> dict:
     """``moves``: the placement must have moved an expert (a replica instead may balance a case);
     ``tol``, ``moe_tol``, ``loss_tol``: the relative differences allowed in the parameters, the MoE
@@ -147,7 +156,9 @@ def _check(results: list, moves: bool = True, tol: float = 1e-5, moe_tol: float 
                          ids=["zero0", "zero2", "zero0-clipping", "zero1-placement-alone"])
 def test_autoep_placement_moves_experts_and_trains_exactly(zero, gas, clip, dynamic):
     """``dynamic`` 0: no phase 2, placement alone (the stage still times the experts for it)."""
-    r = _check(run_distributed(placement_case, 4, zero, 6, gas, clip, "", dynamic, timeout=900))
+    # phase 2 (``dynamic`` 1) splits rows: `SPLIT_GEMM_TOL` outside the MoE layers; placement alone computes alike
+    r = _check(run_distributed(placement_case, 4, zero, 6, gas, clip, "", dynamic, timeout=900),
+               tol=SPLIT_GEMM_TOL if dynamic else 1e-5)
     # the routers' favourites start on node 0; the placement spreads the last step's loads better
     for canonical, placed in r["node_rows"][-1]:
         ratio = [np.mean([max(rows) / np.mean(rows) for rows in loads]) for loads in (canonical, placed)]
@@ -158,7 +169,7 @@ def test_autoep_placement_moves_experts_and_trains_exactly(zero, gas, clip, dyna
 
 def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
     results = run_distributed(placement_case, 4, 2, 4, 2, 0.0, str(tmp_path), timeout=900)
-    r = _check(results)
+    r = _check(results, tol=SPLIT_GEMM_TOL)  # with phase 2
     for row in r["resumed"]:
         assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
 
@@ -181,11 +192,7 @@ def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps,
         # gradient that never reached its expert gives 0.41 and losses 2e-4 apart.
         r = _check(results, moves=False, tol=0.1, moe_tol=0.1, loss_tol=1e-4)
     else:
-        # Adam turns the last-bit differences of split GEMMs (rows of one expert computed in two
-        # calls) into up to 1e-4 in the attention's q and k, whose gradient entries are near 1e-9
-        # (`_config`): over 30 steps here, and already 1.15e-5 after 5 steps on some CPU models (the
-        # GEMM kernel decides the last bits); the losses and the MoE parameters stay within 1e-5
-        r = _check(results, moves=False, tol=2e-4)
+        r = _check(results, moves=False, tol=SPLIT_GEMM_TOL)
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
     assert all(any(q >= 0 for row in layer for q in row) for layer in r["replica_at"][0]), r["replica_at"]
     nodes = np.array(r["routed_node_rows"])  # [micro-batches, layers, nodes]
@@ -380,6 +387,6 @@ def test_autoep_replicas_follow_every_write_of_their_experts_weights():
     assert r["held"], "no replica: the test shows nothing"
     for row in r["evaluations"] + r["losses"]:
         assert abs(row["feplb"] - row["reference"]) <= 1e-5 * abs(row["reference"]), (r["evaluations"], r["losses"])
-    # Adam's last-bit sensitivity in the attention's q and k (see the replica test above): 2e-4 there
+    # Adam's last-bit sensitivity in the attention's q and k (`SPLIT_GEMM_TOL`): the MoE parameters alone
     worst, name = max((v, n) for x in results for n, v in x["param_errors"].items() if ".mlp." in n)
     assert worst < 1e-5, f"MoE parameters differ from plain AutoEP by {worst:.2e} ({name})"
