@@ -1,5 +1,6 @@
 """Small collectives the runtime shares: every rank's small Python object in one all-gather
-(`gather_small`); every rank's counts and announced values in one (`gather_counts`)."""
+(`gather_small`); every rank's counts and announced values in one (`gather_counts`), each rank's
+row a record (`counts_row`) whose fields are read by name."""
 from __future__ import annotations
 
 import pickle
@@ -43,14 +44,28 @@ def gather_small(obj, group=None, device=None) -> list:
     return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
 
-def gather_counts(counts: torch.Tensor, announce: Sequence[float], group,
-                  size: int) -> tuple[np.ndarray, np.ndarray, float]:
-    """Every rank of ``group`` (``size`` ranks) its ``counts`` (integer ``[n]``, on the group's
-    device: CUDA for NCCL) and ``announce`` values, in one all-gather and one copy to the host:
-    (int64 ``[size, n]``, float64 ``[size, len(announce)]``, seconds the exchange took)."""
-    values = np.asarray(announce, dtype=np.float64).view(np.int64)
-    mine = torch.cat([counts.reshape(-1).to(torch.int64),
-                      torch.from_numpy(values).to(counts.device, non_blocking=True)])
+def counts_row(counts: int, announced: int, head: Sequence[str] = (), tail: Sequence[str] = ()) -> np.dtype:
+    """One rank's row of a count exchange: int64 fields ``head``, ``counts`` int64 ``[counts]``,
+    int64 fields ``tail`` and ``announced`` float64 ``[announced]``. Every field is 8 bytes wide,
+    so a row travels as an int64 tensor: the device's part (``head`` and the counts, computed
+    there) and the host's (`host_fields`) concatenated; the gathered table is viewed as rows again."""
+    return np.dtype([*((name, np.int64) for name in head), ("counts", np.int64, (counts, )),
+                     *((name, np.int64) for name in tail), ("announced", np.float64, (announced, ))])
+
+
+def host_fields(row: np.dtype, **values) -> torch.Tensor:
+    """int64 ``[k]``: the fields of ``row`` after ``counts`` (``values`` by name), as one row carries
+    them, to follow the device's counts in the exchanged tensor."""
+    names = list(row.names)
+    part = np.zeros((), np.dtype([(name, row.fields[name][0]) for name in names[names.index("counts") + 1:]]))
+    for name, value in values.items():
+        part[name] = value
+    return torch.from_numpy(part.reshape(1).view(np.int64).copy())
+
+
+def gather_rows(mine: torch.Tensor, row: np.dtype, group, size: int) -> tuple[np.ndarray, float]:
+    """Every rank's ``mine`` (int64 ``[row.itemsize // 8]`` on the group's device) in one all-gather
+    and one copy to the host: (the rows, ``row`` ``[size]``; seconds the exchange took)."""
     start = time.perf_counter()
     if size > 1:
         gathered = [torch.empty_like(mine) for _ in range(size)]
@@ -58,6 +73,16 @@ def gather_counts(counts: torch.Tensor, announce: Sequence[float], group,
         table = torch.stack(gathered).cpu().numpy()
     else:
         table = mine[None].cpu().numpy()
-    n = counts.numel()
-    return (np.ascontiguousarray(table[:, :n]), np.ascontiguousarray(table[:, n:]).view(np.float64),
-            time.perf_counter() - start)
+    return np.ascontiguousarray(table).view(row)[:, 0], time.perf_counter() - start
+
+
+def gather_counts(counts: torch.Tensor, announce: Sequence[float], group,
+                  size: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Every rank of ``group`` (``size`` ranks) its ``counts`` (integer ``[n]``, on the group's
+    device: CUDA for NCCL) and ``announce`` values, in one all-gather and one copy to the host:
+    (int64 ``[size, n]``, float64 ``[size, len(announce)]``, seconds the exchange took)."""
+    row = counts_row(counts.numel(), len(announce))
+    mine = torch.cat([counts.reshape(-1).to(torch.int64),
+                      host_fields(row, announced=announce).to(counts.device, non_blocking=True)])
+    rows, seconds = gather_rows(mine, row, group, size)
+    return np.ascontiguousarray(rows["counts"]), np.ascontiguousarray(rows["announced"]), seconds

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.collectives import counts_row, gather_rows, host_fields
 from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
 
 
@@ -91,21 +92,14 @@ class TorchDispatcher:
         # block), plus: its bad routes and which forward it is in (its number, with or without
         # gradients), so that a misuse fails on all ranks together, naming itself, instead of
         # desynchronising the group's later collectives; and the caller's announced values
-        host = np.concatenate([[self.forwards, int(torch.is_grad_enabled())],
-                               np.asarray(announce, dtype=np.float64).view(np.int64)]).astype(np.int64)
+        row = counts_row(num_experts, len(announce), head=("bad", ), tail=("forward", "grad"))
+        host = host_fields(row, forward=self.forwards, grad=int(torch.is_grad_enabled()), announced=announce)
         self.forwards += 1
-        mine = torch.cat([send_counts.reshape(-1), out_of_range,
-                          torch.from_numpy(host).to(flat.device, non_blocking=True)])
-        exchange_seconds = float("nan")
-        if self.ep_size > 1:
-            gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
-            start = time.perf_counter()
-            _checked(self.on_error, dist.all_gather, gathered, mine, group=self.group)
-            table = torch.stack(gathered).cpu()
-            exchange_seconds = time.perf_counter() - start
-        else:
-            table = mine[None].cpu()
-        bad, forwards, grads = (table[:, num_experts + i].tolist() for i in range(3))
+        mine = torch.cat([out_of_range, send_counts.reshape(-1), host.to(flat.device, non_blocking=True)])
+        table, exchange_seconds = _checked(self.on_error, gather_rows, mine, row, self.group, self.ep_size)
+        if self.ep_size == 1:
+            exchange_seconds = float("nan")  # nothing was exchanged
+        bad, forwards, grads = table["bad"].tolist(), table["forward"].tolist(), table["grad"].tolist()
         if any(bad):
             ranks = {self._global_rank(i): n for i, n in enumerate(bad) if n}
             raise ValueError(f"FEPLB: routes to experts outside [-1, {num_experts - 1}] (rank: count {ranks}); "
@@ -116,12 +110,12 @@ class TorchDispatcher:
             raise RuntimeError(f"FEPLB: the ranks of this MoE layer's expert-parallel group are in different forwards "
                                f"({where}); every rank must run the same forwards of the layer, in the same grad mode "
                                "(an evaluation or an extra forward on some ranks only desynchronises the group)")
-        routes = table[:, :num_experts].numpy()
+        routes = np.ascontiguousarray(table["counts"])
         route_order = route_order[:int(routes[self._group_rank()].sum())]  # the valid routes
         send_rows = x.index_select(0, route_order % num_tokens)
         first = self._group_rank() * self.num_local_experts
         recv_np = np.ascontiguousarray(routes[:, first:first + self.num_local_experts])
-        announced = table[:, num_experts + 3:].contiguous().view(torch.float64).numpy()
+        announced = np.ascontiguousarray(table["announced"])
         received = routes.sum(axis=0).reshape(self.ep_size, self.num_local_experts)
         send_splits = routes[self._group_rank()].reshape(self.ep_size, -1).sum(1).tolist()  # host: no second copy
         recv_splits = recv_np.sum(1).tolist()
