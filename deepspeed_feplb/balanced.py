@@ -97,11 +97,11 @@ class BalancedMicroBatch:
         domain's scheduler (under a new ``seq``)."""
         self.seq = self.domain.next_seq()
         constraints = self._constraints()
-        self.dynamic = [int(e) for e in dynamic_candidates(self.counts[None], constraints.dynamic_experts)[0]]
+        chosen = dynamic_candidates(self.counts[None], constraints.dynamic_experts)[0]
+        self.dynamic = chosen.tolist()
         self.static = [e for e in range(len(self.counts)) if e not in self.dynamic]
         resident_row = self.residency.table.resident[self.domain.local_rank] if self.residency is not None else None
-        self.domain.scheduler.publish(self.seq, self.counts, constraints, resident_row,
-                                      np.array(self.dynamic, np.int64))
+        self.domain.scheduler.publish(self.seq, self.counts, constraints, resident_row, chosen)
 
     def _constraints(self) -> PlanConstraints:
         """This micro-batch's `PlanConstraints`: the config's, priced by the time model measured so

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -44,7 +45,8 @@ def gather_small(obj, group=None, device=None) -> list:
     return [pickle.loads(g[8:8 + n].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
 
-def counts_row(counts: int, announced: int, head: Sequence[str] = (), tail: Sequence[str] = ()) -> np.dtype:
+@lru_cache(maxsize=64)
+def counts_row(counts: int, announced: int, head: tuple[str, ...] = (), tail: tuple[str, ...] = ()) -> np.dtype:
     """One rank's row of a count exchange: int64 fields ``head``, ``counts`` int64 ``[counts]``,
     int64 fields ``tail`` and ``announced`` float64 ``[announced]``. Every field is 8 bytes wide,
     so a row travels as an int64 tensor: the device's part (``head`` and the counts, computed
@@ -56,11 +58,17 @@ def counts_row(counts: int, announced: int, head: Sequence[str] = (), tail: Sequ
 def host_fields(row: np.dtype, **values) -> torch.Tensor:
     """int64 ``[k]``: the fields of ``row`` after ``counts`` (``values`` by name), as one row carries
     them, to follow the device's counts in the exchanged tensor."""
-    names = list(row.names)
-    part = np.zeros((), np.dtype([(name, row.fields[name][0]) for name in names[names.index("counts") + 1:]]))
+    part = np.zeros((), _host_part(row))
     for name, value in values.items():
         part[name] = value
     return torch.from_numpy(part.reshape(1).view(np.int64).copy())
+
+
+@lru_cache(maxsize=64)
+def _host_part(row: np.dtype) -> np.dtype:
+    """The fields of ``row`` after ``counts``, packed (made once per row layout: forwards reuse it)."""
+    names = list(row.names)
+    return np.dtype([(name, row.fields[name][0]) for name in names[names.index("counts") + 1:]])
 
 
 def gather_rows(mine: torch.Tensor, row: np.dtype, group, size: int) -> tuple[np.ndarray, float]:

@@ -253,7 +253,9 @@ class ExpertStage:
         calls = self.compute_times.calls  # (0, 0) on CUDA: only host-timed calls are counted (`finish`)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
         phase2_forward_waits_s = phase2.wait_s if phase2 is not None else 0.0  # its backward adds its own
-        last = self.last = self._last(record, start, forward_s) if self.records else None
+        last = None
+        if self.records:
+            last = self.last = self._last(record, start, forward_s)
         if not (out.requires_grad and rows.requires_grad) or (last is None and not calls[0]):
             return out
         begun, times = [], self.compute_times
