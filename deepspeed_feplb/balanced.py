@@ -27,7 +27,7 @@ import torch
 from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.domain import DomainRuntime
 from deepspeed_feplb.expert_costs import ComputeTimes
-from deepspeed_feplb.experts import LocalExperts, timed_pieces
+from deepspeed_feplb.experts import LocalExperts, on_graph, timed_pieces
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, Phase2Anchor, Phase2MicroBatch, grad_experts
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.hottest import dynamic_candidates
@@ -137,10 +137,13 @@ class BalancedMicroBatch:
         params = self.params
         self.needs_grad = torch.is_grad_enabled() and (self.rows.requires_grad
                                                        or any(p.requires_grad for p in params[0]))
-        self.dyn_x = torch.cat([self.blocks[e] for e in self.dynamic]) if self.dynamic else self.rows[:0]
         self.with_grads = grad_experts(self.residency, self.domain.local_rank, self.dynamic, self.step_ends,
                                        self.needs_grad)
         self.dyn_params = [p for e in self.with_grads for p in params[e]]
+        self.dyn_x = torch.cat([self.blocks[e] for e in self.dynamic]) if self.dynamic else self.rows[:0]
+        if self.needs_grad and not any(p.requires_grad for p in self.dyn_params):
+            # the rank may serve others' dynamic experts: its backward must run even so (`on_graph`)
+            self.dyn_x = on_graph(self.dyn_x, params[0])
         self.box: dict = {}  # `Phase2Anchor`'s way to the `Phase2MicroBatch`, once there is one
         if self.needs_grad:
             self.dyn_x, *self.dyn_params = Phase2Anchor.apply(self.box, len(self.experts.spec.param_names),

@@ -184,7 +184,7 @@ class StatsConfig(FEPLBConfigModel):
     """Also write the stats to DeepSpeed's monitor (TensorBoard, W&B, CSV, ...) when one is configured."""
 
     record_trace: Optional[str] = None
-    """Path of an .npz routing trace to record (counts int64 [steps, layers, src_ranks, experts]), replayable by `python -m deepspeed_feplb simulate`; null: do not record."""
+    """Path of an .npz routing trace to record (counts int64 [micro_batches, layers, src_ranks, experts]), replayable by `python -m deepspeed_feplb simulate`; null: do not record."""
 
 
 class PlacementConfig(FEPLBConfigModel):

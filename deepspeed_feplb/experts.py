@@ -6,6 +6,7 @@
 * `LocalExperts`: how a layer kind computes its ``E_local`` experts at home: the modules
   themselves (`LocalExperts.calls`), functionally (`functional_calls`), or a set at once
   (``static_fn``: AutoEP's grouped GEMM, `grouped_mlp.StackedMLP`).
+* `on_graph`: outputs of experts without rows, kept on the backward's graph.
 * `timed_pieces`: a set of experts computed in order, timed for the cost fit, with a point
   between calls where other work (phase 2's sends) may run.
 """
@@ -88,6 +89,19 @@ def run_expert(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``expert`` on rows x ``[n, H]``: its output, the first element where it returns a tuple."""
     out = expert(x)
     return out[0] if isinstance(out, tuple) else out
+
+
+def on_graph(x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``x`` (e.g. ``[0, H]``, the outputs of experts given no rows) on the autograd graph of
+    ``params`` while gradients flow and ``x`` needs none. An all-to-all has a backward on a rank
+    only if its input needs a gradient; where the layer's input needs none (the layers before it
+    frozen), a rank whose experts got no rows would otherwise skip the backward all-to-all its peers
+    wait in (they hung). The link adds zero to ``x`` and to one parameter's gradient, as computing
+    the experts on no rows does."""
+    trained = [p for p in params if p.requires_grad]
+    if torch.is_grad_enabled() and not x.requires_grad and trained:
+        return x + trained[0].reshape(-1)[:0].sum()
+    return x
 
 
 # static_fn(rows, blocks, static) -> outputs of the experts in ``static`` (local ids, ascending),

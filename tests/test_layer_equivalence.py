@@ -94,3 +94,23 @@ def test_three_layers_at_ep_2_4_2_have_deepspeeds_gradients_at_every_step(three_
 def test_the_three_layer_comparison_sees_a_1e4_error_in_helper_gradients(three_layers):
     worst = max(e[part] for r in three_layers[1e-4] for e in r["errors"] for part in ("moes.0", "moes.1", "moes.2"))
     assert worst > 10 * THREE_LAYERS_TOLERANCE, worst
+
+
+FROZEN_INPUT_CASES = ((0, 1, True), (2, 0, True), (1, 1, False))  # (ZeRO stage, dynamic experts, known MLP)
+
+
+def frozen_input_cases():
+    return [moe_cases.frozen_input_case(*case) for case in FROZEN_INPUT_CASES]
+
+
+def test_a_rank_without_rows_trains_when_the_layer_input_is_frozen():
+    """Every row routed to the first rank's expert and the layers before the MoE frozen: a rank whose
+    experts got no rows used to skip the combine's backward all-to-all that its peer waited in (a
+    hang). Grouped, one call per expert and balanced: each trains as DeepSpeed's MoE does."""
+    for rank, results in enumerate(run_distributed(frozen_input_cases, 2, timeout=300)):
+        for case, result in zip(FROZEN_INPUT_CASES, results):
+            assert result["highest_expert_routed"] == 0, "rows reach other experts: the test shows nothing"
+            ref, ours = result["losses"]["reference"], result["losses"]["feplb"]
+            assert ours == pytest.approx(ref, rel=TOLERANCE), f"rank {rank}, {case}: losses {ours} vs {ref}"
+            worst = max(result["param_errors"].items(), key=lambda item: item[1])
+            assert worst[1] <= TOLERANCE, f"rank {rank}, {case}: parameter {worst[0]} differs by {worst[1]:.2e}"

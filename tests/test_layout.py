@@ -188,6 +188,20 @@ def test_no_probe_of_another_librarys_private_attributes_outside_seams(module):
     assert not probes, f"{module} probes private attributes outside integration/seams.py: {probes}"
 
 
+def class_swaps(source: str) -> list[str]:
+    """Assignments to an object's ``__class__``: a DeepSpeed object changed in place, which only
+    seams.py may do (`seams.become`, `seams.back_to`)."""
+    return [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+                                                   for t in node.targets)]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != SEAMS))
+def test_no_class_swap_outside_seams(module):
+    swaps = class_swaps(MODULES[module].read_text())
+    assert not swaps, f"{module} changes an object's class outside integration/seams.py: {swaps}"
+
+
 def test_the_checker_sees_edges():
     """The rules above are only worth something if the graph and the name check are real."""
     assert f"{PACKAGE}.scheduler.mailbox" in GRAPH[f"{PACKAGE}.scheduler.process"]
@@ -195,6 +209,7 @@ def test_the_checker_sees_edges():
     assert "torch" in closure(f"{PACKAGE}.integration.deepspeed_moe")
     assert f"{PACKAGE}.expert_stage" in CORE and f"{PACKAGE}.integration.autoep" not in CORE
     assert private_deepspeed_names(MODULES[SEAMS].read_text())  # seams does reach them
+    assert class_swaps(MODULES[SEAMS].read_text()) and class_swaps("gate.__class__ = TopKGate")
     assert private_deepspeed_names("from deepspeed.utils import groups\ngroups._get_data_parallel_group()")
     assert private_deepspeed_names("from deepspeed.moe.sharded_moe import _capacity")
     assert not private_deepspeed_names("import torch\ntorch._C._get_tracing_state()")

@@ -115,7 +115,7 @@ def test_runtime_placement_equals_the_simulators(tmp_path):
     receives the rows the simulator gives it."""
     from deepspeed_feplb.trace.format import save_trace
     from deepspeed_feplb.trace.generators import skewed_trace
-    trace = skewed_trace(steps=24, layers=1, ranks=4, experts=16, tokens_per_rank=48, top_k=2, skew=1.2,
+    trace = skewed_trace(micro_batches=24, layers=1, ranks=4, experts=16, tokens_per_rank=48, top_k=2, skew=1.2,
                          drift=0.4, memory=0.8, seed=4)
     path = tmp_path / "trace.npz"
     save_trace(path, trace)

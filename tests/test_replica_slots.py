@@ -87,7 +87,7 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound):
     from deepspeed_feplb.sim.policies import FEPLB, SimSetup
     from deepspeed_feplb.trace.format import fold_sources, save_trace
     from deepspeed_feplb.trace.generators import skewed_trace
-    trace = skewed_trace(steps=24, layers=1, ranks=4, experts=16, tokens_per_rank=48, top_k=2, skew=1.6,
+    trace = skewed_trace(micro_batches=24, layers=1, ranks=4, experts=16, tokens_per_rank=48, top_k=2, skew=1.6,
                          drift=0.3, memory=0.8, seed=4)
     path = tmp_path / "trace.npz"
     save_trace(path, trace)

@@ -55,7 +55,7 @@ def test_every_option_has_help_with_its_default():
         assert _help_problems(parser) == [], name
         assert "DESIGN" not in parser.format_help()
     trace_help = _subparser(sim_cli, "simulate")._option_string_actions["--trace"].help
-    assert "counts int64 [steps, layers, src_ranks, experts]" in trace_help and "top_k" in trace_help
+    assert "counts int64 [micro_batches, layers, src_ranks, experts]" in trace_help and "top_k" in trace_help
     assert set(trace_cli.KINDS) == set(GENERATORS)
 
 
@@ -130,7 +130,8 @@ def test_trace_fit_check_agrees_with_what_the_simulator_accepts(tmp_path):
                 except ValueError:
                     simulator_accepts = False
                 try:
-                    sim_cli._load_fitting_trace(Namespace(trace=str(path), steps=None, ranks_per_node=R, nodes=1))
+                    sim_cli._load_fitting_trace(Namespace(trace=str(path), micro_batches=None, ranks_per_node=R,
+                                                          nodes=1))
                     cli_accepts = True
                 except SystemExit:
                     cli_accepts = False
@@ -142,10 +143,10 @@ def test_trace_fit_check_agrees_with_what_the_simulator_accepts(tmp_path):
 def test_shipped_traces_fit_their_documented_ranks(capsys):
     for name, ranks in (("stdlib_moe_trace.npz", 2), ("stdlib_moe_ep8_4k.npz", 8), ("stdlib_moe_ep8_32k.npz", 8)):
         path = str(sim_cli.SHIPPED_TRACES / name)
-        trace = sim_cli._load_fitting_trace(Namespace(trace=path, steps=2, ranks_per_node=ranks, nodes=1))
+        trace = sim_cli._load_fitting_trace(Namespace(trace=path, micro_batches=2, ranks_per_node=ranks, nodes=1))
         assert trace.steps == 2
         with pytest.raises(SystemExit):
-            sim_cli._load_fitting_trace(Namespace(trace=path, steps=2, ranks_per_node=2 * ranks, nodes=1))
+            sim_cli._load_fitting_trace(Namespace(trace=path, micro_batches=2, ranks_per_node=2 * ranks, nodes=1))
         assert f"--ranks-per-node {ranks} " in _error_line(capsys)
 
 

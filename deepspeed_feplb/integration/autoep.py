@@ -33,7 +33,7 @@ import torch.distributed as dist
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
 from deepspeed_feplb.domain import validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
-from deepspeed_feplb.experts import ExpertSpec, LocalExperts
+from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
 from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
@@ -219,7 +219,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             if len(blocks[e]):
                 outs.append(self._grouped([w.unsqueeze(0) for w in replicas[e - self.num_experts]], blocks[e],
                                           [len(blocks[e])]))
-        return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else rows.new_zeros((0, rows.shape[1]))
+        return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else on_graph(rows[:0], stacked)
 
 
 class _StackedReplicaLink:

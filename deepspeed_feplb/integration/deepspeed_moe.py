@@ -25,7 +25,7 @@ from deepspeed_feplb.config import FEPLBConfig, FEPLBModelError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
 from deepspeed_feplb.domain import domain_size, install_exit_handlers
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
-from deepspeed_feplb.experts import ExpertSpec, LocalExperts, run_expert
+from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph, run_expert
 from deepspeed_feplb.gate import SigmoidTopKGate
 from deepspeed_feplb.gate.top1 import DroplessTop1Gate
 from deepspeed_feplb.grouped_mlp import StackedMLP, empty_groups_zeroed
@@ -102,7 +102,7 @@ class FEPLBMOELayer(MOELayer):
                 "parameters only; use experts without buffers, or set redundant_experts_per_rank to 0")
         if getattr(self.gate, "drop_tokens", False):
             _warn_dropless_once()
-        self.gate.drop_tokens = False  # FEPLB is dropless
+        seams.dropless(self.gate)
         if config.gating.score == "sigmoid" and not isinstance(self.gate, SigmoidTopKGate):
             self.gate = SigmoidTopKGate.from_topk_gate(self.gate, config.gating, seams.data_parallel_group())
         if DroplessTop1Gate.accepts(self.gate):
@@ -192,7 +192,7 @@ class FEPLBMOELayer(MOELayer):
         members = static if empty_groups_zeroed(rows.device) else [e for e in static if len(blocks[e])]
         sizes = [len(blocks[e]) for e in members]
         if not sum(sizes):
-            return rows[:0]
+            return on_graph(rows[:0], [p for e in static for p in params[e]])
         # all the rows: no copy; else one (whose backward hands each block a view, where a slice of
         # ``rows`` would zero-fill a full-size gradient)
         x = rows if sum(sizes) == len(rows) else torch.cat([blocks[e] for e in members])

@@ -11,7 +11,8 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
   residency returns gradients then; DeepSpeed tells modules nothing about accumulation).
 * `become`: turn an existing module into a FEPLB subclass in place (DeepSpeed builds its MoE and
   AutoEP modules itself; replacing them would lose parameter identity, names and ZeRO hooks);
-  `make_dropless_top1` does it to a top-1 `TopKGate`.
+  `make_dropless_top1` does it to a top-1 `TopKGate`; `back_to` undoes it (the test harness's
+  DeepSpeed reference copy); `dropless` sets a gate's token dropping off.
 * `gate_without_ep_group`, `counting_slots`: for the length of one call, DeepSpeed's gate without
   its EP group (no all-reduce of a capacity FEPLB never reads) and AutoEP's layer counting
   placement slots instead of experts (both read these attributes at call time, with no argument).
@@ -168,6 +169,21 @@ def become(module, cls: type):
         raise TypeError(f"{type(module).__name__} cannot become {cls.__name__}")
     module.__class__ = cls
     return module
+
+
+def back_to(module, cls: type):
+    """Undo `become`: ``module``, an instance of a subclass of ``cls``, is a ``cls`` again (the test
+    harness's DeepSpeed reference copy of a FEPLB model)."""
+    if not isinstance(module, cls):
+        raise TypeError(f"{type(module).__name__} is not a {cls.__name__}")
+    module.__class__ = cls
+    return module
+
+
+def dropless(gate) -> None:
+    """DeepSpeed's ``TopKGate`` computes every routed token (it reads ``drop_tokens`` at call time;
+    FEPLB is dropless, and DeepSpeed's dropless mode is the one FEPLB equals)."""
+    gate.drop_tokens = False
 
 
 @contextlib.contextmanager

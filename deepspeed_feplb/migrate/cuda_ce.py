@@ -104,7 +104,7 @@ POSTED, TAKEN, GEN, CAP, ENQUEUED, BELL = range(6)
 RING_H = 8
 SEQ_FLAG, ACK_FLAG = 16, 24
 ENTRIES = 32
-# an entry (a message's description): tag, tensor count, bytes, a spare word, then each tensor's `wire.description`
+# an entry: a message's description (`wire.message_words`)
 # the diagonal channel (r, r) carries rank r's state
 ALIVE, IMPORTS_CLOSED, HOST_FLAGS = 0, 1, 2
 RELEASE = 1 << 30  # a flag this far ahead meets every wait queued before it (cyclic comparison)
@@ -180,8 +180,8 @@ _SENT.set_result(None)
 
 
 def entry_words(max_tensors: int) -> int:
-    """Words of one message description: tag, count, bytes, a spare word, then each tensor's."""
-    return 4 + max_tensors * wire.FIELDS
+    """Words of one entry: the description of a message of up to ``max_tensors`` tensors."""
+    return wire.description_words(max_tensors)
 
 
 def channel_words(max_tensors: int) -> int:
@@ -543,9 +543,7 @@ class CudaCETransport:
             number = self._posted[dst] + 1
             if channel[TAKEN] < number - MESSAGES:
                 break
-            words = [message.tag, len(message.tensors), message.nbytes, 0]
-            for t, offset in zip(message.tensors, message.offsets):
-                words += wire.description(t, offset)
+            words = wire.message_words(message.tag, message.tensors, message.offsets, message.nbytes)
             at = ENTRIES + (number - 1) % MESSAGES * self._entry
             channel[at:at + len(words)] = words
             self._posted[dst] = message.described = number
@@ -586,10 +584,8 @@ class CudaCETransport:
         number = self._taken[src] + 1
         self._wait(lambda: channel[POSTED] >= number, src, (src, me, BELL), "(message tag {tag:#x})", tag=tag)
         at = ENTRIES + (number - 1) % MESSAGES * self._entry
-        sent_tag, count, nbytes, _ = channel[at:at + 4].tolist()
-        wire.check_tag(tag, sent_tag, src)
-        rows = channel[at + 4:at + 4 + count * wire.FIELDS].tolist()
-        found = [wire.read(rows[i:i + wire.FIELDS]) for i in range(0, len(rows), wire.FIELDS)]
+        nbytes = int(channel[at + wire.NBYTES])
+        found = wire.read_message(channel[at:at + self._entry], tag, src)
         backend = self.backend
         tensors = [backend.empty(shape, dtype) for dtype, _, shape in found] if into is None else \
             wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found], backend.device.type)

@@ -13,9 +13,9 @@ one message at a time: the producer waits until the consumer acknowledged the pr
 (``ack == seq``) before it writes the next, and only the copy thread ever waits for that. Waits
 sleep on the header word they wait for (`segments.Word`); its writer wakes them.
 
-A message is a list of tensors. Its payload starts with a small int64 header (tag, tensor
-count, then dtype code, element offset and shape of each tensor), so the receiver checks that it
-got the message it expects (the tag names micro-batch, layer and phase).
+A message is a list of tensors. Its payload starts with its description (`wire.message_words`:
+tag, tensor count, bytes, then each tensor's dtype code, byte offset and shape), so the receiver
+checks that it got the message it expects (the tag names micro-batch, layer and phase).
 """
 from __future__ import annotations
 
@@ -48,15 +48,12 @@ INLINE_BYTES = 1 << 20  # larger messages always go to the copy thread, which co
 
 
 def _pack_layout(tag: int, tensors: list[torch.Tensor]) -> tuple[np.ndarray, list[int], int]:
-    header = np.zeros(2 + len(tensors) * wire.FIELDS, dtype=np.int64)
-    header[0], header[1] = tag, len(tensors)
-    offset = _round_up(header.nbytes)
+    offset = _round_up(wire.description_words(len(tensors)) * 8)
     offsets = []
-    for i, t in enumerate(tensors):
-        wire.describe(header[2 + i * wire.FIELDS:2 + (i + 1) * wire.FIELDS], t, offset)
+    for t in tensors:
         offsets.append(offset)
         offset = _round_up(offset + t.numel() * t.element_size())
-    return header, offsets, offset
+    return np.array(wire.message_words(tag, tensors, offsets, offset), dtype=np.int64), offsets, offset
 
 
 def _round_up(n: int) -> int:
@@ -209,10 +206,9 @@ class ShmTransport:
             cached = self._incoming[src] = (generation,
                                             open_segment(f"{self.name}-{src}to{self.local_rank}-g{generation}"))
         buf = torch.frombuffer(cached[1].buf, dtype=torch.uint8, count=int(channel[_NBYTES]))
-        count = int(buf[8:16].view(torch.int64)[0])
-        header = buf[:_round_up((2 + count * wire.FIELDS) * 8)].view(torch.int64).numpy()
-        wire.check_tag(tag, header[0], src)
-        found = [wire.read(header[2 + i * wire.FIELDS:2 + (i + 1) * wire.FIELDS]) for i in range(count)]
+        count = int(buf[:wire.HEAD * 8].view(torch.int64)[wire.COUNT])
+        header = buf[:wire.description_words(count) * 8].view(torch.int64).numpy()
+        found = wire.read_message(header, tag, src)
         sources = [buf[offset:offset + arena.nbytes_of(dtype, shape)].view(dtype).view(shape)
                    for dtype, offset, shape in found]
         if into is None:

@@ -1,7 +1,9 @@
-"""How a transport message describes its tensors: one table for every transport.
+"""How a transport message describes itself: one layout for every transport.
 
-A message is a list of tensors; each is described by ``(dtype code, byte offset, ndim,
-shape[MAX_DIMS])`` (`FIELDS` int64 words), the dtype code being its index in `DTYPES`.
+A message is a list of tensors. Its description is int64 words: the head (`HEAD`: the message's
+tag, its tensor count, its bytes and a spare word, at indices `TAG`, `COUNT`, `NBYTES`), then per
+tensor ``(dtype code, byte offset, ndim, shape[MAX_DIMS])`` (`FIELDS` words), the dtype code being
+its index in `DTYPES`. `message_words` writes one, `read_message` reads it back.
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ MAX_DIMS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool)
 FIELDS = 3 + MAX_DIMS  # dtype code, offset, ndim, shape
+HEAD_NAMES = ("tag", "count", "nbytes", "spare")
+TAG, COUNT, NBYTES, _SPARE = range(len(HEAD_NAMES))
+HEAD = len(HEAD_NAMES)
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 _PAD = [(0, ) * (MAX_DIMS - n) for n in range(MAX_DIMS + 1)]  # the unused shape words of an n-dim tensor
 
@@ -30,16 +35,31 @@ def description(t: torch.Tensor, offset: int) -> list[int]:
     return [_CODES[t.dtype], offset, len(shape), *shape, *_PAD[len(shape)]]
 
 
-def describe(row, t: torch.Tensor, offset: int) -> None:
-    """Fill ``row`` (int64 [FIELDS]) with the `description` of ``t`` stored at byte ``offset``."""
-    row[:] = description(t, offset)
+def message_words(tag: int, tensors: list[torch.Tensor], offsets: list[int], nbytes: int) -> list[int]:
+    """The description of a message (module docstring): ``tensors`` stored at byte ``offsets`` of
+    its ``nbytes``, as `description_words(len(tensors))` ints."""
+    words = [tag, len(tensors), nbytes, 0]
+    for t, offset in zip(tensors, offsets):
+        words += description(t, offset)
+    return words
 
 
-def read(row) -> tuple[torch.dtype, int, list[int]]:
-    """(dtype, byte offset, shape) of a description written by `describe` (``row``: its `FIELDS`
-    words, a list of ints or an int64 array)."""
-    code, offset, ndim, *shape = row.tolist() if hasattr(row, "tolist") else row
-    return DTYPES[code], offset, shape[:ndim]
+def description_words(count: int) -> int:
+    """Words of the description of a message of ``count`` tensors."""
+    return HEAD + count * FIELDS
+
+
+def read_message(words, tag: int, src: int) -> list[tuple[torch.dtype, int, list[int]]]:
+    """(dtype, byte offset, shape) per tensor of the message described by ``words`` (a list of ints
+    or an int64 array holding at least its description), checked to be ``tag`` from local rank
+    ``src`` (`check_tag`)."""
+    words = words.tolist() if hasattr(words, "tolist") else words
+    check_tag(tag, words[TAG], src)
+    found = []
+    for at in range(HEAD, description_words(words[COUNT]), FIELDS):
+        code, offset, ndim, *shape = words[at:at + FIELDS]
+        found.append((DTYPES[code], offset, shape[:ndim]))
+    return found
 
 
 def check_tag(expected: int, got: int, src: int) -> None:

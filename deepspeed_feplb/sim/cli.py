@@ -10,8 +10,8 @@ package) ends in one line on stderr and exit status 2.
 
 OUT.json: ``{"policies": {name: {"token_straggler", "token_max_over_mean", "gemm_straggler_us",
 "reduction_vs_vanilla", ...}}, "setup": {...}, "trace": {...}, "d_sweep": {...}}``.
-PLANS.npz (feplb): ``moves`` int64 [M, 6] = (step, layer, expert, home_rank, helper_rank, tokens)
-and ``rank_tokens`` int64 [steps, layers, ranks].
+PLANS.npz (feplb): ``moves`` int64 [M, 6] = (micro_batch, layer, expert, home_rank, helper_rank, tokens)
+and ``rank_tokens`` int64 [micro_batches, layers, ranks].
 """
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def add_parser(subparsers) -> None:
                     "markdown table; --json, --markdown, --plot and --dump-plans also write files.",
         epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, metavar="T.npz",
-                   help="routing trace: an .npz with counts int64 [steps, layers, src_ranks, experts] (tokens that "
+                   help="routing trace: an .npz with counts int64 [micro_batches, layers, src_ranks, experts] (tokens "
+                        "that "
                         "each source rank's router sent to each expert, per micro-batch) and optional scalars "
                         "top_k, hidden, ffn_hidden; real traces ship in deepspeed_feplb/trace/data/ (give "
                         "a shipped one by its file name from any folder), "
@@ -124,8 +125,8 @@ def add_parser(subparsers) -> None:
                    help="write the figures here (needs matplotlib: pip install -e '.[plot]'); also runs the D "
                         "sweep of --sweep-d")
     p.add_argument("--dump-plans", metavar="PLANS.npz",
-                   help="write feplb's moves int64 [M, 6] = (step, layer, expert, home_rank, helper_rank, "
-                        "tokens) and rank_tokens int64 [steps, layers, ranks] here")
+                   help="write feplb's moves int64 [M, 6] = (micro_batch, layer, expert, home_rank, helper_rank, "
+                        "tokens) and rank_tokens int64 [micro_batches, layers, ranks] here")
     p.add_argument("--max-helpers", type=whole_number(1),
                    default=FEPLBConfig.model_fields["max_helpers_per_expert"].default, metavar="H",
                    help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
@@ -197,8 +198,8 @@ def add_parser(subparsers) -> None:
                    help="sum the trace's source ranks into one before replaying, so that it fits any number of "
                         "ranks that divides its experts (e.g. an 8-rank recording on 16 ranks: rows per rank halve); "
                         "drops which rank sent which row, which only fastermoe uses")
-    p.add_argument("--steps", type=whole_number(1), metavar="STEPS",
-                   help="replay only the first STEPS micro-batches of the trace (default: all)")
+    p.add_argument("--micro-batches", "--steps", type=whole_number(1), metavar="N", dest="micro_batches",
+                   help="replay only the first N micro-batches of the trace (default: all; --steps: its old name)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (there is none either when tqdm is not installed)")
     p.add_argument("--compare-measured", action="store_true",
@@ -224,7 +225,7 @@ def _shipped_traces() -> str:
 
 
 def _load_fitting_trace(args):
-    """The trace of ``--trace`` (cut to ``--steps``); fails in one line when it is missing,
+    """The trace of ``--trace`` (cut to ``--micro-batches``); fails in one line when it is missing,
     unreadable or malformed (`trace.format.load_trace` says what is wrong), or does not fit G x N
     ranks (what `trace.format.fold_sources` and contiguous placement accept: experts divisible by
     the ranks, source ranks equal to 1 or a multiple of them)."""
@@ -240,8 +241,8 @@ def _load_fitting_trace(args):
         trace = load_trace(path)
     except InputFileError as e:
         _fail(str(e))
-    if args.steps:
-        trace = trace.with_counts(trace.counts[: args.steps])
+    if args.micro_batches:
+        trace = trace.with_counts(trace.counts[: args.micro_batches])
     if getattr(args, "merge_sources", False):
         trace = trace.with_counts(trace.counts.sum(axis=2, keepdims=True))
     G, N = args.ranks_per_node, args.nodes
@@ -394,7 +395,7 @@ def run_simulate(args) -> int:
     out = {
         "policies": {p: metrics[p] for p in ["vanilla", *policies] if p in metrics},
         "setup": setup_json,
-        "trace": {"path": str(args.trace), "steps": trace.steps, "layers": trace.layers,
+        "trace": {"path": str(args.trace), "micro_batches": trace.micro_batches, "layers": trace.layers,
                   "src_ranks": trace.src_ranks, "experts": trace.experts, "top_k": trace.top_k,
                   "source": trace.source},
         "averaging": "means over all (micro-batch, layer) pairs; reductions are 1 - ratio of means",
@@ -419,6 +420,6 @@ def run_simulate(args) -> int:
     if args.plot:
         title = (f"{os.path.basename(args.trace)}: {setup.ranks} ranks ({setup.ranks_per_node} per node x "
                  f"{setup.nodes}), D = {setup.dynamic_experts}, cost profile {setup.profile.name}, "
-                 f"{trace.steps} micro-batches x {trace.layers} layer{'s' if trace.layers != 1 else ''}")
+                 f"{trace.micro_batches} micro-batches x {trace.layers} layer{'s' if trace.layers != 1 else ''}")
         plot(args.plot, result.runs, d_sweep, title=title)
     return 0

@@ -37,7 +37,7 @@ MESSAGE_US, FORWARD_SHARE = 6, 7  # columns of a recorded trace's ``stage_us`` (
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
                            recorded_costs: bool = False, sends_after_static: bool = False,
                            dynamic_experts: int = 0, recorded_message_us: bool = True) -> np.ndarray:
-    """float64 [K, 5] = (step, layer, domain, predicted µs, measured µs) for every domain of every
+    """float64 [K, 5] = (micro_batch, layer, domain, predicted µs, measured µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
     allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the costs
     of a piece and of a row are the domain's recorded fits, the plan's latency the previous
@@ -55,7 +55,7 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
         raise ValueError(f"{ranks} recorded ranks, {experts} experts: --ranks-per-node {ranks_per_node} must divide "
                          "the ranks, and the ranks the experts")
     per_rank = experts // ranks
-    forward, backward = trace.stage_us[..., 0], trace.stage_us[..., 1]  # [steps, layers, ranks]
+    forward, backward = trace.stage_us[..., 0], trace.stage_us[..., 1]  # [micro_batches, layers, ranks]
     moves = trace.plan_moves
     model = replace(model, sends_after_static=sends_after_static)
     current = trace.stage_us.shape[-1] >= 6  # an older record means other things by columns 2 and 3

@@ -1,6 +1,6 @@
 """Balancing policies the simulator compares (docs/ARCHITECTURE.md, "Simulator").
 
-Each policy turns one (step, layer)'s per-source expert counts into the *expert pieces* every rank
+Each policy turns one (micro-batch, layer)'s per-source expert counts into the *expert pieces* every rank
 computes: ``(piece_rank int64 [P], piece_tokens int64 [P])``; the cost model prices each piece
 (tile-quantised GEMM) and the metrics sum them per rank. Stateful policies (EPLB, the cross-node
 layer) only look at past steps.

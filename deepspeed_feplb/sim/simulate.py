@@ -1,6 +1,6 @@
 """Replay a routing trace through the balancing policies and measure stragglers (docs/ARCHITECTURE.md, "Metrics").
 
-Per (step, layer) and policy: ``T_r`` tokens each rank computes, token straggler
+Per (micro-batch, layer) and policy: ``T_r`` tokens each rank computes, token straggler
 ``max T - mean T``, ``max/mean``, GEMM straggler from the cost model (:mod:`.cost`), and for the
 intra-node policies the gap to the lower bound and Copy-Engine time vs static time.
 
@@ -13,7 +13,7 @@ copied per optimizer step (``SimSetup.micro_batches_per_step`` micro-batches) an
 layer), added to the micro-batch that ends the step where they happen; ``placement_us`` is that
 time alone (mean per micro-batch).
 
-Averages: every "mean" is over all (step, layer) micro-batches; ``reduction_vs_vanilla`` is
+Averages: every "mean" is over all (micro-batch, layer) pairs; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
 for GEMM time.
 """
@@ -36,10 +36,10 @@ _TIMING_KEYS = ("expert_us", "exposed_us", "weight_bytes", "grad_bytes", "placem
 
 @dataclass
 class PolicyRun:
-    """Per-micro-batch arrays of one policy. rank_rows int64 [steps, layers, R];
-    gemm_us float64 [steps, layers, R]; lower_bound float [steps, layers] (nan if none);
-    ce_us, exposed_us, static_us float [steps, layers] (nan if none);
-    moves int64 [M, 6] = (step, layer, expert, home, helper, tokens) or None."""
+    """Per-micro-batch arrays of one policy. rank_rows int64 [micro_batches, layers, R];
+    gemm_us float64 [micro_batches, layers, R]; lower_bound float [micro_batches, layers] (nan if none);
+    ce_us, exposed_us, static_us float [micro_batches, layers] (nan if none);
+    moves int64 [M, 6] = (micro_batch, layer, expert, home, helper, tokens) or None."""
 
     name: str
     rank_rows: np.ndarray
@@ -50,11 +50,11 @@ class PolicyRun:
     static_us: np.ndarray
     moves: Optional[np.ndarray]
     summary: dict = field(default_factory=dict)
-    expert_us: Optional[np.ndarray] = None  # float [steps, layers]: makespan, fwd + bwd with copies
-    copy_exposed_us: Optional[np.ndarray] = None  # float [steps, layers]
-    weight_bytes: Optional[np.ndarray] = None  # int64 [steps, layers]: weights copied
-    grad_bytes: Optional[np.ndarray] = None  # int64 [steps, layers]: weight-gradients copied
-    placement_us: Optional[np.ndarray] = None  # float [steps, layers]: re-placement transfers (in expert_us)
+    expert_us: Optional[np.ndarray] = None  # float [micro_batches, layers]: makespan, fwd + bwd with copies
+    copy_exposed_us: Optional[np.ndarray] = None  # float [micro_batches, layers]
+    weight_bytes: Optional[np.ndarray] = None  # int64 [micro_batches, layers]: weights copied
+    grad_bytes: Optional[np.ndarray] = None  # int64 [micro_batches, layers]: weight-gradients copied
+    placement_us: Optional[np.ndarray] = None  # float [micro_batches, layers]: re-placement transfers (in expert_us)
     micro_batches_per_step: int = 1
 
     @property
@@ -115,7 +115,7 @@ class SimResult:
 
 def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: bool = False,
              keep_moves: bool = False) -> SimResult:
-    """Run every policy over every (step, layer) of ``trace``. ``vanilla`` is always included
+    """Run every policy over every (micro-batch, layer) of ``trace``. ``vanilla`` is always included
     (reductions are relative to it). ``progress`` shows a tqdm bar."""
     setup.check()
     if trace.experts != setup.experts:

@@ -128,6 +128,7 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
 
     from deepspeed_feplb.config import FEPLBConfig
     from deepspeed_feplb.gate.top1 import DroplessTop1Gate
+    from deepspeed_feplb.integration import seams
     from deepspeed_feplb.integration.deepspeed_moe import MoE as FEPLBMoE
     from deepspeed_feplb.testing.routing import RoutedGate, _arm
 
@@ -146,7 +147,7 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
     twin = copy.deepcopy(model, memo)
     for module in twin.modules():
         if against == "deepspeed" and isinstance(module, FEPLBMoE):
-            module.__class__ = ds_layer.MoE
+            seams.back_to(module, ds_layer.MoE)
     for layer in _feplb_layers(twin):
         if against == "unbalanced":
             config = layer.feplb_config or FEPLBConfig()
@@ -154,11 +155,11 @@ def _twin(model: torch.nn.Module, against: str) -> torch.nn.Module:
             layer._feplb_ready = False
             _arm(layer)
         else:
-            layer.__class__ = MOELayer
+            seams.back_to(layer, MOELayer)
             inner = layer.gate.inner if isinstance(layer.gate, RoutedGate) else layer.gate
-            inner.drop_tokens = False  # DeepSpeed's dropless mode, the one FEPLB equals
+            seams.dropless(inner)
             if type(inner) is DroplessTop1Gate:
-                inner.__class__ = TopKGate  # DeepSpeed's own top-1, the independent reference
+                seams.back_to(inner, TopKGate)  # DeepSpeed's own top-1, the independent reference
     return twin
 
 

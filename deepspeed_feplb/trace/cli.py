@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
     """Register ``trace`` on an argparse sub-parsers object."""
     t = subparsers.add_parser(
         "trace", help="generate a synthetic routing trace or import one",
-        description="Write a routing trace (.npz with counts int64 [steps, layers, src_ranks, experts]: tokens "
+        description="Write a routing trace (.npz with counts int64 [micro_batches, layers, src_ranks, experts]: tokens "
                     "that each source rank's router sent to each expert, per micro-batch) for "
                     "`python -m deepspeed_feplb simulate`: a synthetic one (--kind) or one imported from "
                     "Megatron-Core router_trace files (--megatron).")
@@ -41,9 +41,9 @@ def add_parser(subparsers) -> None:
                         "per-expert load noise, one source rank) (default: %(default)s)")
     t.add_argument("--megatron", nargs="+", metavar="PATH",
                    help="import Megatron-Core router_trace JSONL files, or folders holding them, instead of "
-                        "generating (micro-batches become steps; ranks and layers as recorded)")
-    t.add_argument("--steps", type=whole_number(1), default=100,
-                   help="micro-batches to generate (default: %(default)s)")
+                        "generating (every record one micro-batch; ranks and layers as recorded)")
+    t.add_argument("--micro-batches", "--steps", type=whole_number(1), default=100, dest="micro_batches",
+                   help="micro-batches to generate (default: %(default)s; --steps: its old name)")
     t.add_argument("--layers", type=whole_number(1), default=2, help="MoE layers (default: %(default)s)")
     t.add_argument("--ranks", type=whole_number(1), default=8,
                    help="source ranks (the EP size the trace is recorded at; simulate replays it on this many "
@@ -110,7 +110,7 @@ def run_trace(args) -> int:
                 _fail("--skew does not apply to --kind noaux (it is calibrated); use --kind zipf --skew S")
             kw[{"zipf": "skew", "dirichlet": "skew", "biased": "bias_std", "lplb": "sigma"}[args.kind]] = args.skew
         try:
-            trace = GENERATORS[args.kind](args.steps, args.layers, args.ranks, experts, **kw)
+            trace = GENERATORS[args.kind](args.micro_batches, args.layers, args.ranks, experts, **kw)
         except ValueError as e:
             _fail(f"--kind {args.kind}: {e}")
     save_trace(args.out, trace)

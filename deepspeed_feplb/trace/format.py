@@ -1,15 +1,15 @@
 """Routing traces: the ``.npz`` format, validation and folding onto an EP group.
 
-A trace holds ``counts`` int64 ``[steps, layers, src_ranks, experts]``: tokens (token-expert
+A trace holds ``counts`` int64 ``[micro_batches, layers, src_ranks, experts]``: tokens (token-expert
 pairs) that the router of ``layer`` sent to ``expert`` from EP rank ``src_rank`` at micro-batch
-``step``. Optional scalars: ``top_k``, ``hidden``, ``ffn_hidden``, ``source`` (free text).
+``micro_batch``. Optional scalars: ``top_k``, ``hidden``, ``ffn_hidden``, ``source`` (free text).
 Experts are placed contiguously (``expert // (experts / ranks)``), as DeepSpeed does.
 
 A trace recorded by a FEPLB run (`trace.record`) also holds what the runtime did, so that the
 simulator's time model can be checked against it (``simulate --compare-measured``):
-``plan_moves`` int64 ``[M, 7]`` = (step, layer, expert, home_rank, helper_rank, rows, fresh):
+``plan_moves`` int64 ``[M, 7]`` = (micro_batch, layer, expert, home_rank, helper_rank, rows, fresh):
 the plans' moves (EP ranks; ``fresh``: the chunk carried the expert's weights), and
-``stage_us`` float64 ``[steps, layers, ranks, 8]``: per EP rank, the expert stage's measured
+``stage_us`` float64 ``[micro_batches, layers, ranks, 8]``: per EP rank, the expert stage's measured
 forward and backward time (host clock on CPU ranks, CUDA events on GPUs), when its plan was in
 hand (from the stage's start, host clock; NaN: the micro-batch was not balanced), the rank's
 fitted cost of an expert piece and of a row (forward + backward,
@@ -21,7 +21,7 @@ stage's busy time that its planner priced (`expert_costs.StageFactor.forward_sha
 NaN where not measured. Older traces have 5 columns (no CPU time), 6 (no message latency) or 7
 (no forward share); they load and replay as recorded. `load_trace` refuses a file that is not
 this (`trace_from_arrays`: wrong shapes or dtypes, a dimension of 0, rows below 0 or above
-`MAX_COUNT`, plan moves outside the trace's steps, layers, experts and ranks).
+`MAX_COUNT`, plan moves outside the trace's micro-batches, layers, experts and ranks).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ __all__ = ["MAX_COUNT", "Trace", "load_trace", "trace_from_arrays", "save_trace"
 
 @dataclass(frozen=True)
 class Trace:
-    """counts: int64 [steps, layers, src_ranks, experts]; the scalars are optional metadata."""
+    """counts: int64 [micro_batches, layers, src_ranks, experts]; the scalars are optional metadata."""
 
     counts: np.ndarray
     top_k: Optional[int] = None
@@ -55,14 +55,20 @@ class Trace:
     def __post_init__(self):
         counts = np.asarray(self.counts)
         if counts.ndim != 4:
-            raise ValueError(f"trace counts must be [steps, layers, src_ranks, experts], got shape {counts.shape}")
+            raise ValueError(f"trace counts must be [micro_batches, layers, src_ranks, experts], got shape "
+                             f"{counts.shape}")
         if counts.size and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
             raise ValueError("trace counts must be non-negative integers")
         object.__setattr__(self, "counts", counts.astype(np.int64, copy=False))
 
     @property
-    def steps(self) -> int:
+    def micro_batches(self) -> int:
         return self.counts.shape[0]
+
+    @property
+    def steps(self) -> int:
+        """`micro_batches` under its old name."""
+        return self.micro_batches
 
     @property
     def layers(self) -> int:
@@ -109,7 +115,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     return trace_from_arrays(arrays, path)
 
 
-_EXPECTED = "a trace holds counts int64 [steps, layers, src_ranks, experts]"
+_EXPECTED = "a trace holds counts int64 [micro_batches, layers, src_ranks, experts]"
 MAX_COUNT = 2 ** 40  # rows in one entry of counts or plan_moves: far above any batch, far below int64 overflow in sums
 MAX_SIZE = 2 ** 24  # hidden and ffn_hidden: far above any model's
 
@@ -127,14 +133,14 @@ def trace_from_arrays(arrays: dict, path: str | os.PathLike) -> Trace:
         refuse(f"no counts array; {_EXPECTED}")
     counts = np.asarray(arrays["counts"])
     if counts.ndim != 4 or not np.issubdtype(counts.dtype, np.integer):
-        refuse(f"counts has {_kind(counts)}, expected integers of shape (steps, layers, src_ranks, experts)")
+        refuse(f"counts has {_kind(counts)}, expected integers of shape (micro_batches, layers, src_ranks, experts)")
     if 0 in counts.shape:
         refuse(f"counts has shape {counts.shape}: a trace needs at least one step (micro-batch), layer, source rank "
                "and expert")
     low, high = counts.min(), counts.max()
     if low < 0 or high > MAX_COUNT:
         refuse(f"counts holds {low if low < 0 else high}, expected rows from 0 to 2**40 = {MAX_COUNT}")
-    steps, layers, ranks, experts = counts.shape
+    micro_batches, layers, ranks, experts = counts.shape
     meta = {}
     for key, most in (("top_k", experts), ("hidden", MAX_SIZE), ("ffn_hidden", MAX_SIZE)):
         if key in arrays:
@@ -152,9 +158,9 @@ def trace_from_arrays(arrays: dict, path: str | os.PathLike) -> Trace:
     if "plan_moves" in arrays:
         moves = np.asarray(arrays["plan_moves"])
         if moves.ndim != 2 or moves.shape[1] != 7 or not np.issubdtype(moves.dtype, np.integer):
-            refuse(f"plan_moves has {_kind(moves)}, expected integers of shape (M, 7) = (step, layer, expert, "
+            refuse(f"plan_moves has {_kind(moves)}, expected integers of shape (M, 7) = (micro_batch, layer, expert, "
                    "home_rank, helper_rank, rows, fresh)")
-        columns = (("step", steps), ("layer", layers), ("expert", experts), ("home_rank", ranks),
+        columns = (("micro_batch", micro_batches), ("layer", layers), ("expert", experts), ("home_rank", ranks),
                    ("helper_rank", ranks), ("rows", MAX_COUNT + 1), ("fresh", 2))
         for column, (name, limit) in enumerate(columns):
             bad = np.flatnonzero((moves[:, column] < 0) | (moves[:, column] >= limit))
@@ -166,8 +172,8 @@ def trace_from_arrays(arrays: dict, path: str | os.PathLike) -> Trace:
         stage = np.asarray(arrays["stage_us"])
         real = np.issubdtype(stage.dtype, np.floating) or np.issubdtype(stage.dtype, np.integer)
         if not real or stage.ndim != 4 or stage.shape[:3] != counts.shape[:3] or not 5 <= stage.shape[3] <= 8:
-            refuse(f"stage_us has {_kind(stage)}, expected floats of shape (steps, layers, ranks, 5 to 8) = "
-                   f"({steps}, {layers}, {ranks}, 5 to 8), as counts")
+            refuse(f"stage_us has {_kind(stage)}, expected floats of shape (micro_batches, layers, ranks, 5 to 8) = "
+                   f"({micro_batches}, {layers}, {ranks}, 5 to 8), as counts")
         meta["stage_us"] = stage.astype(np.float64)
     return Trace(counts=counts, **meta)
 

@@ -2,7 +2,7 @@
 
 * :func:`skewed_trace` — per-layer expert popularity from a Zipf law (``dist="zipf"``, exponent
   ``skew``) or a Dirichlet draw (``dist="dirichlet"``, concentration ``skew``), drifting over
-  steps as a mean-reverting log-normal walk, with per-source-rank heterogeneity. The preset
+  micro-batches as a mean-reverting log-normal walk, with per-source-rank heterogeneity. The preset
   :func:`no_aux_trace` is calibrated so that vanilla EP at EP=8, 128 experts, top-8 wastes about
   18.6% of GPU time in the MoE layer (the FEPLB paper's motivating figure).
 * :func:`biased_logits_trace` — Megatron-Core's ``moe_router_force_biased`` style: per-token
@@ -35,11 +35,11 @@ def _cap_probs(p: np.ndarray, top_k: int) -> np.ndarray:
     return p
 
 
-def skewed_trace(steps: int, layers: int, ranks: int, experts: int, tokens_per_rank: int = 4096,
+def skewed_trace(micro_batches: int, layers: int, ranks: int, experts: int, tokens_per_rank: int = 4096,
                  top_k: int = 8, dist: str = "zipf", skew: float = 1.0, drift: float = 0.2,
                  memory: float = 0.9, source_skew: float = 0.1, hidden: int | None = None,
                  ffn_hidden: int | None = None, seed: int = 0) -> Trace:
-    """A trace [steps, layers, ranks, experts] of ``tokens_per_rank * top_k`` pairs per source.
+    """A trace [micro_batches, layers, ranks, experts] of ``tokens_per_rank * top_k`` pairs per source.
 
     dist/skew:    "zipf" with exponent ``skew`` (0 = uniform) over a random expert order per
                   layer, or "dirichlet" with concentration ``skew`` (small = skewed).
@@ -57,8 +57,8 @@ def skewed_trace(steps: int, layers: int, ranks: int, experts: int, tokens_per_r
     walk = rng.standard_normal((layers, experts)) * drift
     innov = np.sqrt(max(0.0, 1.0 - memory * memory)) * drift
     pairs = tokens_per_rank * top_k
-    counts = np.zeros((steps, layers, ranks, experts), dtype=np.int64)
-    for s in range(steps):
+    counts = np.zeros((micro_batches, layers, ranks, experts), dtype=np.int64)
+    for s in range(micro_batches):
         if s:
             walk = memory * walk + innov * rng.standard_normal((layers, experts))
         logits = base[:, None, :] + walk[:, None, :] + source_skew * rng.standard_normal((layers, ranks, experts))
@@ -70,23 +70,23 @@ def skewed_trace(steps: int, layers: int, ranks: int, experts: int, tokens_per_r
                         f"source_skew={source_skew}, seed={seed})")
 
 
-def no_aux_trace(steps: int, layers: int, ranks: int = 8, experts: int = 128, tokens_per_rank: int = 4096,
+def no_aux_trace(micro_batches: int, layers: int, ranks: int = 8, experts: int = 128, tokens_per_rank: int = 4096,
                  top_k: int = 8, hidden: int | None = 6144, ffn_hidden: int | None = 2048, seed: int = 0) -> Trace:
     """Training without an auxiliary loss (GLM-5-like shapes by default): persistent hot experts
     with drift; calibrated so vanilla EP=8 wastes ~18.6% of the MoE layer's GPU time."""
-    return skewed_trace(steps, layers, ranks, experts, tokens_per_rank, top_k, "zipf", NO_AUX_ZIPF_S,
+    return skewed_trace(micro_batches, layers, ranks, experts, tokens_per_rank, top_k, "zipf", NO_AUX_ZIPF_S,
                         drift=0.3, memory=0.9, source_skew=0.1, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed)
 
 
-def biased_logits_trace(steps: int, layers: int, ranks: int, experts: int, tokens_per_rank: int = 4096,
+def biased_logits_trace(micro_batches: int, layers: int, ranks: int, experts: int, tokens_per_rank: int = 4096,
                         top_k: int = 8, bias_std: float = 1.0, hidden: int | None = None,
                         ffn_hidden: int | None = None, seed: int = 0) -> Trace:
     """Megatron-style biased random routing: logits = N(0, 1) per (token, expert) + bias[layer,
     expert] with bias ~ N(0, bias_std) fixed per layer; each token takes its top_k experts."""
     rng = np.random.default_rng(seed)
     bias = rng.standard_normal((layers, experts)) * bias_std
-    counts = np.zeros((steps, layers, ranks, experts), dtype=np.int64)
-    for s in range(steps):
+    counts = np.zeros((micro_batches, layers, ranks, experts), dtype=np.int64)
+    for s in range(micro_batches):
         for layer in range(layers):
             layer_bias = bias[layer].astype(np.float32)
             for r in range(ranks):
@@ -97,14 +97,14 @@ def biased_logits_trace(steps: int, layers: int, ranks: int, experts: int, token
                  source=f"biased_logits_trace(bias_std={bias_std}, seed={seed})")
 
 
-def lplb_noise_trace(steps: int, layers: int, ranks: int, experts: int, tokens_per_rank: int = 4096,
+def lplb_noise_trace(micro_batches: int, layers: int, ranks: int, experts: int, tokens_per_rank: int = 4096,
                      top_k: int = 8, sigma: float = 0.3, hidden: int | None = None,
                      ffn_hidden: int | None = None, seed: int = 0) -> Trace:
     """LPLB-style i.i.d. noise: load[e] = max(0, N(1, sigma)) * mean expert load; one source rank
     (no source information)."""
     rng = np.random.default_rng(seed)
     mean = tokens_per_rank * top_k * ranks / experts
-    loads = np.maximum(rng.standard_normal((steps, layers, 1, experts)) * sigma + 1.0, 0.0) * mean
+    loads = np.maximum(rng.standard_normal((micro_batches, layers, 1, experts)) * sigma + 1.0, 0.0) * mean
     return Trace(np.rint(loads).astype(np.int64), top_k=top_k, hidden=hidden, ffn_hidden=ffn_hidden,
                  source=f"lplb_noise_trace(sigma={sigma}, seed={seed})")
 

@@ -6,7 +6,7 @@ gathers the vectors of the layer's EP group with one ``all_gather`` (so every ra
 takes part in the same collectives, in the same order as the forward itself) and keeps them as
 ``[src_ranks, experts]`` for that layer call. Layers are numbered in the order they are first
 called; a layer's n-th recorded call is step n. Only the EP group that holds global rank 0
-gathers; rank 0 writes ``counts`` int64 ``[steps, layers, src_ranks, experts]`` (steps that every
+gathers; rank 0 writes ``counts`` int64 ``[micro_batches, layers, src_ranks, experts]`` (steps that every
 layer completed) with :func:`deepspeed_feplb.trace.format.save_trace`, at :meth:`flush`, at
 `deepspeed_feplb.shutdown` (through :func:`flush_all`) and at interpreter exit.
 
