@@ -249,3 +249,55 @@ def test_a_step_answered_twice_while_the_process_comes_up_keeps_one_plan():
     finally:
         c.close()
     assert not leftover_segments(name)
+
+
+WARM_CHECK = """
+import sys
+
+import numba
+import numpy as np
+from deepspeed_feplb.plan import passes
+from deepspeed_feplb.plan.policy import PlanConstraints, plan_domain
+from deepspeed_feplb.plan.time_model import TimeModel
+from deepspeed_feplb.scheduler.mailbox import Mailbox
+from deepspeed_feplb.scheduler.process import warm_planner
+
+def loaded():
+    return {name: len(f.signatures) for name in dir(passes)
+            if isinstance(f := getattr(passes, name), numba.core.registry.CPUDispatcher)}
+
+warm_planner()
+warmed, modules = loaded(), set(sys.modules)
+box = Mailbox("{name}", 2, create=True)
+try:
+    model = TimeModel.measured(0.002, 900, 1 << 20, 512, 450.0)
+    seq = 0
+    for bound in (0.0, 1.02):
+        for budget in (float("inf"), 3e6):
+            constraints = PlanConstraints(dynamic_experts=2, max_helpers=1, chunk_align=8, ce_budget_bytes=budget,
+                                          expert_bytes=1 << 20, model=model, keep_copies=True,
+                                          max_rows_over_mean=bound, mean_rows=600.0)
+            for rank, counts in enumerate(([900, 400, 30, 0], [20, 10, 40, 0])):
+                box.publish(rank, seq, np.array(counts, np.int64), constraints, np.zeros((4, 1), np.int64))
+            ready = box.read_counts(seq)
+            assert plan_domain(ready.counts, ready.constraints, ready.resident, ready.dynamic).moves.shape[0] > 0
+            seq += 1
+finally:
+    box.close()
+assert loaded() == warmed, (warmed, loaded())
+assert set(sys.modules) == modules, sorted(set(sys.modules) - modules)
+"""
+
+
+def test_the_process_warm_up_loads_every_pass_a_published_plan_calls():
+    """The scheduler process plans small domains before it says it is up (`process.warm_planner`):
+    a first call is slow (numba's typing of the first arrays imports parts of numpy: 10-17 ms
+    here), which made the process's first real plan late (the rank then planned itself, loading
+    the planner into the training process: a 0.7 s step of `make run`). Plans read from the
+    mailbox, with and without a row bound and a copy budget, must import nothing and call no pass
+    with a signature the warm-up did not load."""
+    import subprocess
+    import sys
+    code = WARM_CHECK.replace("{name}", f"feplb-test-{secrets.token_hex(4)}-mbox")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -64,6 +64,27 @@ def serve(mailbox: Mailbox, parent_pid: int) -> None:
             mailbox.header[HEARTBEAT] = int(time.time())
 
 
+def warm_planner() -> None:
+    """Plan two small domains, with and without a row bound, under a time model, with kept copies:
+    a first call is slow (numba's typing of its first arrays imports parts of numpy: 10-17 ms on a
+    2-core VM, more on a busy host), which made the process's first real plan late (a rank then
+    plans itself, loading the planner into the training process: 0.6 s)."""
+    import numpy as np
+
+    from deepspeed_feplb.plan.hottest import dynamic_candidates
+    from deepspeed_feplb.plan.policy import PlanConstraints, no_residents
+    from deepspeed_feplb.plan.time_model import TimeModel
+    counts = np.array([[400, 300, 20, 10], [10, 20, 30, 40]], np.int64)
+    resident = no_residents(*counts.shape)
+    resident[0, 1, 0] = 2  # rank 1 keeps a copy of rank 0's expert 1
+    model = TimeModel(1, 5.0, 100.0, 50.0, 50.0, 0.1, message_us=20.0)
+    for bound in (0.0, 1.05):
+        constraints = PlanConstraints(dynamic_experts=2, max_helpers=1, chunk_align=8, expert_bytes=1 << 20,
+                                      ce_budget_bytes=float(1 << 20), model=model, keep_copies=True,
+                                      max_rows_over_mean=bound)
+        plan_domain(counts, constraints, resident, dynamic_candidates(counts, 2))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="FEPLB scheduler process of one NVLink domain (started by the layer)")
     parser.add_argument("--mailbox", required=True)
@@ -72,7 +93,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _prctl(15, b"feplb-sched")  # PR_SET_NAME: what `ps -o comm` and pkill see
     _prctl(29, 1000)  # PR_SET_TIMERSLACK 1 µs (default 50 µs): a wake-up is not deferred
-    from deepspeed_feplb.plan import passes  # noqa: F401  (the compiled pass, loaded before we say we are up)
+    warm_planner()  # the compiled passes, loaded before we say we are up
     try:
         mailbox = Mailbox(args.mailbox, args.ranks, create=False)
     except FileNotFoundError:
