@@ -176,6 +176,29 @@ def _independent_vanilla(counts, ranks):
     return out
 
 
+def test_the_ideal_and_where_each_policys_time_over_it_goes():
+    """The ideal is vanilla's compute spread evenly (mean over ranks, no transfers): vanilla's
+    excess is all imbalance; a trace with the same rows on every expert is ideal under vanilla;
+    no policy beats the ideal, and the excess splits into pieces, imbalance, exposed copies and the
+    rest, which add up to each policy's expert time."""
+    trace = no_aux_trace(6, 2, ranks=8, experts=32, tokens_per_rank=512, seed=2)
+    setup = SimSetup(4, 2, 32, dynamic_experts=2, chunk_align=1)
+    m = simulate(trace, setup, ["fastermoe", "eplb", "feplb"]).metrics()
+    vanilla = m["vanilla"]
+    assert vanilla["excess_pieces_us"] == pytest.approx(0, abs=1e-6) and vanilla["excess_other_us"] == pytest.approx(
+        0, abs=1e-6)
+    assert vanilla["excess_imbalance_us"] > 0 and vanilla["time_over_ideal"] > 1.05
+    for name, p in m.items():
+        assert p["ideal_time_us"] == vanilla["ideal_time_us"], name
+        assert p["time_over_ideal"] >= 1 - 1e-9, name
+        parts = p["ideal_time_us"] + p["excess_pieces_us"] + p["excess_imbalance_us"] + p["copy_exposed_us"] + p[
+            "excess_other_us"]
+        assert parts == pytest.approx(p["expert_time_us"], rel=1e-9), name
+    assert m["feplb"]["time_over_ideal"] < vanilla["time_over_ideal"]
+    even = Trace(np.full((2, 1, 8, 32), 16, np.int64))
+    assert simulate(even, setup, []).metrics()["vanilla"]["time_over_ideal"] == pytest.approx(1.0)
+
+
 def test_simulator_reproduces_vanilla_and_balances():
     trace = no_aux_trace(6, 2, ranks=8, experts=32, tokens_per_rank=512, seed=2)
     setup = SimSetup(4, 2, 32, dynamic_experts=2, chunk_align=1)

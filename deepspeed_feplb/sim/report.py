@@ -39,6 +39,7 @@ _COLUMNS = [
     ("lower_bound_gap_pct", "gap to bound (% of mean)", "{:.2f}"),
     ("expert_time_us", "expert time fwd+bwd (µs)", _number),
     ("copy_exposed_us", "exposed copy (µs)", _number),
+    ("time_over_ideal", "expert time / ideal", "{:.3f}"),
     ("weight_bytes_per_step", "weight MB / step", lambda v: _number(v / 1e6)),
     ("ce_us", "CE time (µs)", _number),
     ("static_us", "static time (µs)", _number),

@@ -13,12 +13,23 @@ copied per optimizer step (``SimSetup.micro_batches_per_step`` micro-batches) an
 layer), added to the micro-batch that ends the step where they happen; ``placement_us`` is that
 time alone (mean per micro-batch).
 
+The ideal (`ideal_time_us`, the same for every policy): per micro-batch and layer, the mean over
+the EP group of vanilla's per-rank compute time under the time model (`policies.pieces_us`:
+every rank computing the mean of the experts' pieces and rows, forward + backward), i.e. a layer
+balanced perfectly with no transfer. ``time_over_ideal`` is ``expert_time_us / ideal_time_us``
+(ratio of the means), and the excess over the ideal splits into (means, µs):
+``excess_pieces_us`` (the policy's mean per-rank compute less the ideal: pieces its splitting
+added), ``excess_imbalance_us`` (its slowest rank's compute less the mean: imbalance left),
+``copy_exposed_us`` (copies the compute does not hide) and ``excess_other_us`` (the rest: message
+latency, gradient returns, forward and backward slowest on different ranks, re-placements).
+
 Averages: every "mean" is over all (micro-batch, layer) pairs; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
 for GEMM time.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -56,6 +67,17 @@ class PolicyRun:
     grad_bytes: Optional[np.ndarray] = None  # int64 [micro_batches, layers]: weight-gradients copied
     placement_us: Optional[np.ndarray] = None  # float [micro_batches, layers]: re-placement transfers (in expert_us)
     micro_batches_per_step: int = 1
+    compute_us: Optional[np.ndarray] = None  # float [micro_batches, layers, R]: each rank's compute, no transfers
+    ideal_us: Optional[np.ndarray] = None  # float [micro_batches, layers]: the module docstring's ideal
+
+    def _over_ideal(self) -> dict:
+        """``ideal_time_us``, ``time_over_ideal`` and the excess split (module docstring)."""
+        ideal, slowest, mean = self.ideal_us.mean(), self.compute_us.max(axis=-1), self.compute_us.mean(axis=-1)
+        return {"ideal_time_us": float(ideal),
+                "time_over_ideal": float(self.expert_us.mean() / ideal) if ideal > 0 else math.nan,
+                "excess_pieces_us": float((mean - self.ideal_us).mean()),
+                "excess_imbalance_us": float((slowest - mean).mean()),
+                "excess_other_us": float((self.expert_us - slowest - self.copy_exposed_us).mean())}
 
     @property
     def token_straggler(self) -> np.ndarray:
@@ -94,6 +116,8 @@ class PolicyRun:
             out["grad_bytes_per_step"] = float(self.grad_bytes.sum() / (steps * L))
             if self.placement_us is not None:
                 out["placement_us"] = float(self.placement_us.mean())
+            if self.ideal_us is not None and self.compute_us is not None:
+                out.update(self._over_ideal())
         if not np.all(np.isnan(self.ce_us)):
             out["ce_us"] = float(np.nanmean(self.ce_us))
             out["static_us"] = float(np.nanmean(self.static_us))
@@ -127,7 +151,7 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
     shape = (S, L, R)
     data = {n: {"tok": np.zeros(shape, np.int64), "gemm": np.zeros(shape), "lb": np.full((S, L), np.nan),
                 "ce": np.full((S, L), np.nan), "exp": np.full((S, L), np.nan), "st": np.full((S, L), np.nan),
-                "moves": [], "time": np.zeros((5, S, L))} for n in names}
+                "moves": [], "time": np.zeros((5, S, L)), "compute": np.zeros(shape)} for n in names}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -140,8 +164,8 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
                 d = data[n]
                 d["tok"][s, layer] = np.bincount(res.piece_rank, weights=res.piece_tokens, minlength=R).astype(np.int64)
                 d["gemm"][s, layer] = rank_gemm_us(res.piece_rank, res.piece_tokens, R, setup.shape, setup.profile)
-                timing = res.timing or {"expert_us": float(pieces_us(res.piece_rank, res.piece_tokens, R,
-                                                                        setup.time_model).max())}
+                d["compute"][s, layer] = pieces_us(res.piece_rank, res.piece_tokens, R, setup.time_model)
+                timing = res.timing or {"expert_us": float(d["compute"][s, layer].max())}
                 d["time"][:, s, layer] = [timing.get(k, 0) for k in _TIMING_KEYS]
                 if res.lower_bound is not None:
                     d["lb"][s, layer] = res.lower_bound
@@ -157,11 +181,13 @@ def simulate(trace: Trace, setup: SimSetup, policies: Iterable[str], progress: b
     if bar is not None:
         bar.close()
     runs = {}
+    ideal = data["vanilla"]["compute"].mean(axis=-1)
     for n in names:
         d = data[n]
         moves = np.concatenate(d["moves"]).astype(np.int64) if d["moves"] else np.zeros((0, 6), np.int64)
         t = d["time"]
         runs[n] = PolicyRun(n, d["tok"], d["gemm"], d["lb"], d["ce"], d["exp"], d["st"],
                             moves if keep_moves else None, objs[n].summary(), t[0], t[1],
-                            t[2].astype(np.int64), t[3].astype(np.int64), t[4], setup.micro_batches_per_step)
+                            t[2].astype(np.int64), t[3].astype(np.int64), t[4], setup.micro_batches_per_step,
+                            d["compute"], ideal)
     return SimResult(setup, runs)
