@@ -190,8 +190,8 @@ class StatsConfig(FEPLBConfigModel):
 class PlacementConfig(FEPLBConfigModel):
     """Cross-node expert placement: which rank is each expert's home, re-decided at optimizer steps from the load history."""
 
-    enabled: bool = False
-    """Re-place each MoE layer's experts over its EP group every interval_steps optimizer steps, balancing the nodes' loads; an expert moves with its optimizer state, only when the expected gain exceeds the move's time. Checkpoints keep DeepSpeed's layout."""
+    enabled: Union[bool, Literal["auto"]] = False
+    """Re-place each MoE layer's experts over its EP group every interval_steps optimizer steps, balancing the nodes' loads; an expert moves with its optimizer state, only when the expected gain exceeds the move's time (the contents of expert slots move: per-parameter state kept outside the optimizer, such as an EMA copy of the weights, must be taken inside deepspeed_feplb.canonical_experts). Checkpoints keep DeepSpeed's layout. "auto": on when an MoE layer's EP group spans more than one NVLink domain (nodes) and the run supports placement (ZeRO stage 0 to 2 without fp16/bf16 at stage 0, no pipeline), decided at deepspeed_feplb.initialize (or when DeepSpeed's engine configures the layers); one line says why where such a group stays without it; a layer used without an engine has none."""
 
     interval_steps: int = Field(50, ge=1)
     """Optimizer steps between placement decisions."""
@@ -269,7 +269,7 @@ _IDLE_RULES = (
     ("feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler)",
      lambda c: c.dynamic_experts_per_rank == 0, _MIGRATION),
     ("feplb.placement.enabled is false",
-     lambda c: not c.placement.enabled,
+     lambda c: c.placement.enabled is False,
      ("placement.redundant_experts_per_rank", "placement.interval_steps", "placement.history_decay",
       "placement.network_gbps")),
     ("feplb.weight_residency is \"micro_batch\": no copy is kept past its micro-batch",

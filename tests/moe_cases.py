@@ -655,9 +655,10 @@ def _train(engines: dict, steps, on_step=None) -> dict:
 
 def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6,
                    ep_size: int | None = None, experts_per_rank: int = 4, learn_gate: bool = False,
-                   optimizer: str = "adam", gradient_clipping: float = 1.0) -> dict:
-    """Cross-node placement on ``world`` ranks as nodes of ``domain`` (``experts_per_rank``, the hot
-    ones on the first node; a learning gate with ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`):
+                   optimizer: str = "adam", gradient_clipping: float = 1.0, enabled=True) -> dict:
+    """Cross-node placement (``feplb.placement.enabled``: ``enabled``) on ``world`` ranks as nodes of
+    ``domain`` (``experts_per_rank``, the hot ones on the first node; a learning gate with
+    ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`):
     FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical experts, trained side by
     side. Returns both loss curves, the parameter errors with FEPLB's experts back in DeepSpeed's
     layout, the node loads of the last ``settled`` steps under
@@ -670,7 +671,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
              "fixed_costs": "ignore",
-             "placement": {"enabled": True, "interval_steps": interval, "history_decay": 0.5}}
+             "placement": {"enabled": enabled, "interval_steps": interval, "history_decay": 0.5}}
     config = {**ds_config(zero_stage, feplb, optimizer), "gradient_clipping": gradient_clipping}
     num_experts = experts_per_rank * world
     models = {name: _placed_model(num_experts, ep_size, learn_gate) for name in ("reference", "feplb")}
@@ -1154,7 +1155,9 @@ def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
             diversify_experts(moe)
         return model
 
-    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore"}
+    # no cross-node placement: its re-placed experts would take DeepSpeed's weights by slot, not by expert
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+             "placement": {"enabled": False}}
     config = ds_config(0, feplb)
     engines = {}
     for name, init in (("reference", deepspeed.initialize), ("feplb", deepspeed_feplb.initialize)):

@@ -334,8 +334,9 @@ def _with(**section):
     ({}, []),
     ({"placement": {"redundant_experts_per_rank": 0}}, []),  # at its default: changes nothing either way
     ({"placement": {"enabled": True, "redundant_experts_per_rank": 2}}, []),
-    ({"placement": {"redundant_experts_per_rank": 2}},
+    ({"placement": {"enabled": False, "redundant_experts_per_rank": 2}},
      ["feplb.placement.enabled is false, so feplb.placement.redundant_experts_per_rank has no effect"]),
+    ({"placement": {"enabled": "auto", "redundant_experts_per_rank": 2}}, []),  # on where an EP group spans nodes
     ({"weight_residency": "micro_batch", "max_resident_experts": 3, "resident_budget_mb": 100},
      ['feplb.weight_residency is "micro_batch": no copy is kept past its micro-batch, so '
       "feplb.max_resident_experts, feplb.resident_budget_mb have no effect"]),
@@ -363,12 +364,13 @@ def test_keys_without_effect_are_named(section, lines):
 def test_keys_without_effect_are_said_once_per_job(capsys):
     from deepspeed_feplb.integration.engine import say_idle_keys
 
-    config = _with(placement={"redundant_experts_per_rank": 1})
+    config = _with(placement={"enabled": False, "redundant_experts_per_rank": 1})
     [line] = idle_keys(config)
     forget(("idle keys", line))
     try:
         say_idle_keys(config)
-        say_idle_keys(_with(placement={"redundant_experts_per_rank": 1}))  # another initialize of the job
+        # another initialize of the job
+        say_idle_keys(_with(placement={"enabled": False, "redundant_experts_per_rank": 1}))
         assert capsys.readouterr().out == f"deepspeed_feplb: {line}\n"
     finally:
         forget(("idle keys", line))

@@ -154,6 +154,42 @@ def test_placement_refuses_what_it_cannot_move(ds_config, problem):
         check_config(torch.nn.Linear(2, 2), fine)
 
 
+def test_auto_placement_is_on_where_an_ep_group_spans_domains_and_the_run_supports_it(capsys):
+    """``"enabled": "auto"`` becomes true or false for the job: on where a layer's EP group spans
+    NVLink domains; off within one domain (silently) and where the run cannot place (one line
+    naming why); an explicit setting stays as it is. A layer without an engine has none."""
+    from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.integration.placement import replica_slots_per_rank
+    from deepspeed_feplb.integration.placement_engine import moe_ep_sizes, resolve_auto
+    auto = FEPLBConfig(nvlink_domain_size=2, placement={"enabled": "auto", "redundant_experts_per_rank": 1})
+    assert auto.placement.enabled == "auto" and replica_slots_per_rank(auto, 4) == 0
+    zero1 = {"zero_optimization": {"stage": 1}}
+    assert resolve_auto(auto, None, zero1, [4]).placement.enabled is True
+    assert replica_slots_per_rank(resolve_auto(auto, None, zero1, [4]), 4) == 1
+    assert resolve_auto(auto, None, zero1, [2, 2]).placement.enabled is False
+    assert capsys.readouterr().out == ""
+    assert resolve_auto(auto, None, {"zero_optimization": {"stage": 3}}, [4]).placement.enabled is False
+    said = capsys.readouterr().out.splitlines()
+    assert said == ['deepspeed_feplb: feplb.placement.enabled is "auto": the expert-parallel group of 4 ranks spans '
+                    "NVLink domains, but placement stays off: it is not supported with ZeRO stage 3"], said
+    for explicit in (True, False):
+        config = FEPLBConfig(nvlink_domain_size=2, placement={"enabled": explicit})
+        assert resolve_auto(config, None, {"zero_optimization": {"stage": 3}}, [4]) is config
+    assert moe_ep_sizes(None, {"expert_parallel": {"enabled": True, "autoep_size": 8}}) == [8]
+    assert moe_ep_sizes(None, {"expert_parallel": {"autoep_size": 8}}) == []
+
+
+def test_auto_placement_places_and_trains_exactly():
+    """``"auto"`` on 4 ranks as 2 nodes of 2 through `deepspeed_feplb.initialize`: experts move,
+    and training equals DeepSpeed's MoE."""
+    results = run_distributed(moe_cases.placement_case, 4, 1, 8, 2, enabled="auto", timeout=600)
+    r = results[0]
+    assert r["refreshes"] >= 1 and r["moved_experts"] > 0, "auto placement did not move experts"
+    reference, ours = np.array(r["losses"]["reference"]), np.array(r["losses"]["feplb"])
+    assert np.allclose(ours, reference, rtol=1e-5, atol=1e-6), f"losses differ: {ours - reference}"
+    assert max(max(x["param_errors"].values()) for x in results) < 1e-4
+
+
 def one_node_placement_warning() -> list:
     import contextlib
     import io

@@ -294,7 +294,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
                  "feplb.placement": config.placement.model_dump()}
         experts.feplb_setup(config, layer.ep_group, layer.ep_size, facts,
                             seams.step_ends(engine) if engine is not None else None)
-        if config.placement.enabled and layer.ep_size > 1:
+        if config.placement.enabled is True and layer.ep_size > 1:  # "auto" is decided at initialize
             _place(name, layer, experts, config)
         installed[name] = experts
     return installed

@@ -87,7 +87,7 @@ class FEPLBMOELayer(MOELayer):
         if not config.enabled:
             adopt_loaded_order(self)  # refuses a state dict in placement order
             return
-        placed = config.placement.enabled and self.ep_size > 1
+        placed = config.placement.enabled is True and self.ep_size > 1  # "auto" undecided: no engine moves them
         redundant = replica_slots_per_rank(config, self.ep_size)
         local_slots = self.num_local_experts + redundant  # the primary slots, then the replica slots
         self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size, local_slots,
@@ -373,10 +373,14 @@ class MoE(ds_layer.MoE):
             self.deepspeed_moe.step_ends = seams.step_ends(engine)
         if self.deepspeed_moe.feplb_config is None and engine is not None:
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
-        if engine is not None and self.deepspeed_moe.feplb_config.enabled and \
-                self.deepspeed_moe.feplb_config.placement.enabled:
+        config = self.deepspeed_moe.feplb_config
+        if engine is not None and config.enabled and config.placement.enabled:
             from deepspeed_feplb.integration.placement_engine import install as install_placement
-            install_placement(engine)
+            from deepspeed_feplb.integration.placement_engine import resolve_auto
+            config = self.deepspeed_moe.feplb_config = resolve_auto(config, getattr(engine, "module", None),
+                                                                    engine.config, [self.ep_size])
+            if config.placement.enabled:
+                install_placement(engine)
 
     @classmethod
     def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":

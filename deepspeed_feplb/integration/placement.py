@@ -469,7 +469,8 @@ def replica_slots_per_rank(config, ep_size: int) -> int:
     redundant_experts_per_rank`` where placement is on and the EP group spans domains (inside one
     domain, phase 2 does their work), else 0."""
     placement = config.placement
-    return placement.redundant_experts_per_rank if placement.enabled and ep_size > domain_size(config, ep_size) else 0
+    spans = ep_size > domain_size(config, ep_size)
+    return placement.redundant_experts_per_rank if placement.enabled is True and spans else 0
 
 
 def copies_stale(stage, placement: Optional["ExpertPlacement"]) -> None:

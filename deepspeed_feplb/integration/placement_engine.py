@@ -11,10 +11,15 @@ norms in DeepSpeed's layout (`canonical_grad_norms`). Idempotent per engine.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
-from deepspeed_feplb.config import FEPLBConfigError
+import torch.distributed as dist
+
+from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.domain import domain_size
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.placement import ExpertPlacement
+from deepspeed_feplb.once import first_time
 
 
 def placed_layers(module):
@@ -25,25 +30,60 @@ def placed_layers(module):
     return [m for m in module.modules() if isinstance(getattr(m, "placement", None), ExpertPlacement)]
 
 
-def check_config(model, ds_config: dict) -> None:
-    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under: ZeRO stage 3
+def unsupported(model, ds_config: dict) -> Optional[tuple[str, str]]:
+    """(what, the fix) that placement cannot move an expert's state under, or None: ZeRO stage 3
     (experts partitioned across ranks), pipelines (whose engine steps internally), and fp16 or bf16
     at ZeRO stage 0 (DeepSpeed's fp16 optimizer wrapper keeps the fp32 master weights in groups of
     its own, apart from the parameters)."""
     from deepspeed.runtime.pipe.module import PipelineModule
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if stage > 2:
-        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with ZeRO stage {stage}; use stage 0, 1 or 2, "
-                               "or set feplb.placement.enabled to false")
+        return f"ZeRO stage {stage}", "use stage 0, 1 or 2"
     if isinstance(model, PipelineModule):
-        raise FEPLBConfigError("feplb.placement.enabled: not supported with pipeline parallelism yet; set "
-                               "feplb.placement.enabled to false")
+        return "pipeline parallelism yet", ""
     half = [key for key in ("bf16", "bfloat16", "fp16") if (ds_config.get(key) or {}).get("enabled") is True]
     if half and stage == 0:
-        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with {half[0]} at ZeRO stage 0 (DeepSpeed's "
-                               "fp16/bf16 optimizer wrapper keeps the fp32 master weights apart from the parameters, "
-                               "and a moved expert could not take them along); use zero_optimization.stage 1 or 2, "
-                               "or set feplb.placement.enabled to false")
+        return (f"{half[0]} at ZeRO stage 0 (DeepSpeed's fp16/bf16 optimizer wrapper keeps the fp32 master weights "
+                "apart from the parameters, and a moved expert could not take them along)",
+                "use zero_optimization.stage 1 or 2")
+    return None
+
+
+def check_config(model, ds_config: dict) -> None:
+    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under (`unsupported`)."""
+    found = unsupported(model, ds_config)
+    if found is not None:
+        what, fix = found
+        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with {what}; {fix + ', or ' if fix else ''}"
+                               "set feplb.placement.enabled to false")
+
+
+def resolve_auto(config: FEPLBConfig, model, ds_config: dict, ep_sizes: list[int]) -> FEPLBConfig:
+    """``config`` with ``feplb.placement.enabled: "auto"`` decided for the job: true where an MoE
+    layer's EP group (of ``ep_sizes``) spans more than one NVLink domain and the run supports
+    placement (`unsupported`), else false, said in one line (EP rank 0) where such a group stays
+    without it. Any other setting is returned as it is."""
+    if config.placement.enabled != "auto":
+        return config
+    spans = [size for size in ep_sizes if size > domain_size(config, size)]
+    reason = unsupported(model, ds_config) if spans else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if reason is not None and rank == 0 and first_time("placement auto off"):
+        print(f'deepspeed_feplb: feplb.placement.enabled is "auto": the expert-parallel group of {spans[0]} ranks '
+              f"spans NVLink domains, but placement stays off: it is not supported with {reason[0]}", flush=True)
+    placement = config.placement.model_copy(update={"enabled": bool(spans) and reason is None})
+    return config.model_copy(update={"placement": placement})
+
+
+def moe_ep_sizes(model, ds_config: dict) -> list[int]:
+    """The EP group sizes of ``model``'s DeepSpeed MoE layers and of the layers DeepSpeed AutoEP
+    will build from ``ds_config``'s ``expert_parallel`` section."""
+    from deepspeed.moe.layer import MoE
+    sizes = [m.ep_size for m in model.modules() if isinstance(m, MoE)] if model is not None else []
+    autoep = ds_config.get("expert_parallel") or {}
+    if autoep.get("enabled", False):
+        sizes.append(int(autoep.get("autoep_size", 1)))
+    return sizes
 
 
 def install(engine) -> None:
