@@ -38,7 +38,7 @@ from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
 from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
 from deepspeed_feplb.integration.expert_state import StackedExperts
-from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, replica_slots_per_rank
+from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, places, replica_slots_per_rank
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
@@ -294,7 +294,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
                  "feplb.placement": config.placement.model_dump()}
         experts.feplb_setup(config, layer.ep_group, layer.ep_size, facts,
                             seams.step_ends(engine) if engine is not None else None)
-        if config.placement.enabled is True and layer.ep_size > 1:  # "auto" is decided at initialize
+        if places(config, layer.ep_size):
             _place(name, layer, experts, config)
         installed[name] = experts
     return installed

@@ -32,7 +32,7 @@ from deepspeed_feplb.grouped_mlp import StackedMLP, empty_groups_zeroed
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
 from deepspeed_feplb.integration.expert_state import ModuleExperts
-from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, replica_slots_per_rank
+from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, places, replica_slots_per_rank
 from deepspeed_feplb.integration.replicas import with_sum
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing
@@ -87,7 +87,7 @@ class FEPLBMOELayer(MOELayer):
         if not config.enabled:
             adopt_loaded_order(self)  # refuses a state dict in placement order
             return
-        placed = config.placement.enabled is True and self.ep_size > 1  # "auto" undecided: no engine moves them
+        placed = places(config, self.ep_size)
         redundant = replica_slots_per_rank(config, self.ep_size)
         local_slots = self.num_local_experts + redundant  # the primary slots, then the replica slots
         self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size, local_slots,

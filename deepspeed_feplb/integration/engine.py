@@ -80,7 +80,8 @@ def initialize(*args, **kwargs):
         learn_ranks_per_host()  # where the launcher does not tell it (srun, mpirun): domains stay on one host
         say_idle_keys(config)
         from deepspeed_feplb.integration.placement_engine import moe_ep_sizes, resolve_auto
-        config = resolve_auto(config, model, _as_dict(ds_config), moe_ep_sizes(model, _as_dict(ds_config)))
+        ds_dict = _as_dict(ds_config)  # a path is read once
+        config = resolve_auto(config, model, ds_dict, moe_ep_sizes(model, ds_dict))
     convert(model, config)
     check_consistency(model, config)
     bound = _cpu_adam(bound, ds_config)

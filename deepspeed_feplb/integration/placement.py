@@ -464,13 +464,19 @@ class ExpertPlacement:
         return moved, sent_bytes
 
 
+def places(config, ep_size: int) -> bool:
+    """Whether a layer over ``ep_size`` ranks places its experts: ``feplb.placement.enabled`` true
+    and more than one rank (``"auto"`` still undecided, as for a layer used without an engine, is
+    off: `placement_engine.resolve_auto` decides it)."""
+    return config.placement.enabled is True and ep_size > 1
+
+
 def replica_slots_per_rank(config, ep_size: int) -> int:
     """Replica slots per rank of a layer over ``ep_size`` ranks: ``feplb.placement.
     redundant_experts_per_rank`` where placement is on and the EP group spans domains (inside one
     domain, phase 2 does their work), else 0."""
-    placement = config.placement
     spans = ep_size > domain_size(config, ep_size)
-    return placement.redundant_experts_per_rank if placement.enabled is True and spans else 0
+    return config.placement.redundant_experts_per_rank if places(config, ep_size) and spans else 0
 
 
 def copies_stale(stage, placement: Optional["ExpertPlacement"]) -> None:

@@ -51,13 +51,14 @@ def description_words(count: int) -> int:
 
 def read_message(words, tag: int, src: int) -> list[tuple[torch.dtype, int, list[int]]]:
     """(dtype, byte offset, shape) per tensor of the message described by ``words`` (a list of ints
-    or an int64 array holding at least its description), checked to be ``tag`` from local rank
-    ``src`` (`check_tag`)."""
-    words = words.tolist() if hasattr(words, "tolist") else words
-    check_tag(tag, words[TAG], src)
+    or an int64 array holding at least its description: only the description is read), checked to
+    be ``tag`` from local rank ``src`` (`check_tag`)."""
+    check_tag(tag, int(words[TAG]), src)
+    described = words[HEAD:description_words(int(words[COUNT]))]
+    described = described.tolist() if hasattr(described, "tolist") else described
     found = []
-    for at in range(HEAD, description_words(words[COUNT]), FIELDS):
-        code, offset, ndim, *shape = words[at:at + FIELDS]
+    for at in range(0, len(described), FIELDS):
+        code, offset, ndim, *shape = described[at:at + FIELDS]
         found.append((DTYPES[code], offset, shape[:ndim]))
     return found
 
