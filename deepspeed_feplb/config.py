@@ -146,7 +146,7 @@ class SchedulerConfig(FEPLBConfigModel):
     """Restart the scheduler process if it dies (ranks use the in-process plan meanwhile)."""
 
     start_after_steps: int = Field(8, ge=0)
-    """'process' mode: micro-batch steps (MoE layer passes) the domain plans in-process before its scheduler process starts, so that short runs such as unit tests never pay for starting it (~0.5 s of CPU); 0 starts it with the domain."""
+    """'process' mode, where plans move from the first micro-batch (fixed_costs 'ignore', max_rows_over_mean): micro-batch steps (MoE layer passes) the domain's first rank plans in-process before the scheduler process starts, so that short runs such as unit tests never pay for starting it (~0.7 s of CPU); 0 starts it while the engine is built. With measured costs (the default) the process always starts while the engine is built, since the domain moves nothing until it serves."""
 
     poll_ms: Optional[float] = Field(None, ge=0, deprecated="feplb.scheduler.poll_ms has no effect: the scheduler "
                                      "sleeps until the counts arrive; remove the key")

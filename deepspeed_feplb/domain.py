@@ -30,6 +30,7 @@ from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
 from deepspeed_feplb.plan.residency import KeptBytes, resident_budget_bytes
 from deepspeed_feplb.scheduler import Scheduler, make_scheduler
+from deepspeed_feplb.scheduler.client import start_spare, stop_spare
 from deepspeed_feplb.segments import (
     PeerWatch,
     cleanup,
@@ -170,8 +171,7 @@ class DomainRuntime:
         self.transport = transport_cls(self.name, self.local_rank, self.size, sched.peer_timeout_s, create=create,
                                        watch=self.watch, device=device, slot_bytes=slot_bytes)
         self.scheduler = make_scheduler(sched, f"{self.name}-mbox", self.local_rank, self.size, create, self.watch,
-                                        moves_at_once=self.config.fixed_costs == "ignore"
-                                        or self.config.max_rows_over_mean is not None)
+                                        moves_at_once=moves_at_once(self.config))
 
     def next_seq(self) -> int:
         seq, self.seq = self.seq, self.seq + 1
@@ -186,6 +186,29 @@ class DomainRuntime:
                 # the leader died before removing them: no rank can use the domain any more (its names
                 # are this job's own), and a rank that still maps one keeps its memory until it unmaps
                 cleanup(prefix=f"{self.name}-")
+
+
+def moves_at_once(config: FEPLBConfig) -> bool:
+    """Whether a domain's first plans may move rows before its scheduler process serves (costs
+    not measured, or a row bound to keep): then a rank plans itself meanwhile (`make_scheduler`)."""
+    return config.fixed_costs == "ignore" or config.max_rows_over_mean is not None
+
+
+def start_planner_early(config: FEPLBConfig, ep_group) -> None:
+    """Where this rank will lead a domain of ``ep_group`` whose scheduler process starts with the
+    domain (mode "process", measured costs), start that process now, while DeepSpeed builds the
+    engine (`scheduler.client.start_spare`): the domain opens once the experts are timed (the
+    second micro-batch), and its first plan then finds the planner loaded. A rank that never opens
+    a domain stops the spare at exit (`shutdown`). Called where a layer learns its EP group."""
+    if not (config.enabled and config.dynamic_experts_per_rank > 0 and config.scheduler.mode == "process"):
+        return
+    if moves_at_once(config) and config.scheduler.start_after_steps > 0 and planner_cached():
+        return  # the process starts after `start_after_steps`: short runs never pay for it
+    ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+    size = domain_size(config, ep_size)
+    if ep_size > 1 and size > 1 and dist.get_rank(ep_group) % size == 0:
+        install_exit_handlers()
+        start_spare()
 
 
 def get_runtime(ep_group, config: FEPLBConfig, transport_cls: type = ShmTransport, device=None,
@@ -227,6 +250,7 @@ def shutdown() -> None:
             for runtime in _RUNTIMES.values():
                 runtime.close()
             _RUNTIMES.clear()
+            stop_spare()
     finally:
         _shutting_down = False
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -42,6 +42,7 @@ from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
 from deepspeed_feplb.plan.policy import balancing_may_pay, rows_bound
 from deepspeed_feplb.stats import MicroBatchStats, StageTimes, recomputing, unbalanced_stats
 
+_EXCHANGES_KEPT = 8  # count exchanges whose fastest `ExpertStage.announce` tells (a few micro-batches)
 _DECISIONS_KEPT = 256  # forwards whose recompute may still come (pipeline schedules keep several in flight)
 
 
@@ -95,7 +96,9 @@ class ExpertStage:
         self.times_every_call = False  # a placement reads the time per row even where nothing balances
         self.stats: MicroBatchStats | dict = {}
         self._decisions: OrderedDict[bytes, bool] = OrderedDict()  # received digest -> decision, for recomputes
-        self._exchange_us = float("nan")  # this rank's last count exchange
+        # this rank's recent count exchanges (µs): the fastest stands for the group's latency, so that
+        # a rank descheduled during one exchange (a busy host) does not stop balancing for a micro-batch
+        self._exchanges_us: deque[float] = deque(maxlen=_EXCHANGES_KEPT)
         self._rows_here = 0  # this rank's rows in the current micro-batch
         self.records = False  # a trace recorder reads `last` (`trace.record`)
         self.last: Optional[dict] = None  # with `records`: what the last micro-batch did (`_measure`)
@@ -103,11 +106,12 @@ class ExpertStage:
     # ------------------------------------------------------------------ group facts
     def announce(self) -> tuple[float, ...]:
         """What phase 1 tells the EP group for `balances_now`: this rank's (piece_us, row_us) (a
-        one-row call, and the fitted cost per row; NaN before anything was timed) and how long its
-        previous count exchange took (µs)."""
+        one-row call, and the fitted cost per row; NaN before anything was timed) and the fastest of
+        its last `_EXCHANGES_KEPT` count exchanges (µs)."""
         if not self.balances or self.config.fixed_costs == "ignore":
             return ()
-        return (*(self.compute_times.fitted_us() or (float("nan"), float("nan"))), self._exchange_us)
+        exchange_us = min(self._exchanges_us, default=float("nan"))
+        return (*(self.compute_times.fitted_us() or (float("nan"), float("nan"))), exchange_us)
 
     def exchange(self, counts: torch.Tensor) -> tuple[np.ndarray, GroupFacts]:
         """For a layer kind whose dispatch does not tell the group's counts (AutoEP): every rank's
@@ -153,9 +157,10 @@ class ExpertStage:
     def _message_us(self, exchange_us: np.ndarray) -> float:
         """One message's latency between ranks of a domain: what the domain's transport measured
         when it opened (before that, the transport class's prior), or, when larger and the EP group
-        is that one domain, the shortest of the ranks' last count exchanges (float64 [G] µs; the
-        rank that arrived last waited for nobody, so its exchange took about the group's latency;
-        on an oversubscribed host this includes waiting for a core, as a phase-2 message would). An
+        is that one domain, the shortest of the ranks' recent count exchanges (float64 [G] µs, each
+        rank's fastest of its last few; the rank that arrived last waited for nobody, so its exchange
+        took about the group's latency; on a host that stays oversubscribed this includes waiting
+        for a core, as a phase-2 message would). An
         exchange over several domains would add the network's latency."""
         figure = (self.domain.transport if self.domain is not None else self.transport_cls).message_us
         measured = exchange_us[np.isfinite(exchange_us)]
@@ -190,7 +195,7 @@ class ExpertStage:
         ``step_ends``: this micro-batch is the last of its optimizer step (weight residency)."""
         self._rows_here = int(counts.sum())
         if not math.isnan(facts.exchange_seconds):  # a backend that exchanged nothing leaves the last figure
-            self._exchange_us = facts.exchange_seconds * 1e6
+            self._exchanges_us.append(facts.exchange_seconds * 1e6)
         config = self.config
         # measured (`_measure`): a training micro-batch of a balancing layer, or any with a recorder
         measured = (self.balances or self.records) and torch.is_grad_enabled() and not recomputing()

@@ -1374,3 +1374,26 @@ def frozen_input_case(zero_stage: int, dynamic: int, known: bool, steps: int = 3
     errors = {n: relative_error(p.detach(), reference[n].detach())
               for n, p in engines["feplb"].module.named_parameters()}
     return {"losses": losses, "param_errors": errors, "highest_expert_routed": max(routed)}
+
+
+def early_planner_case(steps: int = 3) -> dict:
+    """`deepspeed_feplb.initialize` on 2 ranks, one domain: the pid of the spare scheduler process
+    each rank holds after initialize, the pid that serves the domain once it opened, and whether
+    the spare still lives after `deepspeed_feplb.shutdown`."""
+    from deepspeed_feplb.scheduler import client as scheduler_client
+
+    torch.manual_seed(11)
+    model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=8, ep_size=2, k=2,
+                                      min_capacity=0, drop_tokens=False))
+    skew_gate(model.moe.deepspeed_moe.gate.wg.weight, spread=False)
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore", "scheduler": {"start_after_steps": 0}}
+    engine, *_ = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model),
+                                            config=ds_config(0, feplb))
+    spare = scheduler_client._spare.pid if scheduler_client._spare is not None else 0
+    for step in range(steps):
+        train_step(engine, *rank_inputs(200 + step))
+    client = engine.module.moe.deepspeed_moe.stage.domain.scheduler
+    serving = _serving_pid(client) if client.process is not None else 0
+    deepspeed_feplb.shutdown()
+    return {"spare": spare, "serving": serving, "spare_alive": spare > 0 and process_alive(spare)}

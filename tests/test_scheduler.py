@@ -301,3 +301,55 @@ def test_the_process_warm_up_loads_every_pass_a_published_plan_calls():
     code = WARM_CHECK.replace("{name}", f"feplb-test-{secrets.token_hex(4)}-mbox")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_spare_started_early_serves_the_domain_that_opens_and_an_unused_one_is_stopped():
+    """`client.start_spare` loads the planner before any domain exists (the engine starts it while
+    DeepSpeed builds): the domain that opens takes that very process, which serves its first plan
+    without the ~0.7 s start, and no second process is started. A spare that no domain took ends at
+    `stop_spare` (the rank's exit), and one whose rank closed its stdin ends by itself."""
+    import subprocess
+    import sys
+    client_module.start_spare()
+    spare = client_module._spare
+    try:
+        client_module.start_spare()  # idempotent while one waits
+        assert client_module._spare is spare and spare.pid > 0
+        deadline = time.monotonic() + 60
+        while cpu_seconds(spare.pid) < 0.3 and time.monotonic() < deadline:  # it loads the planner meanwhile
+            time.sleep(0.05)
+        name = f"feplb-test-{secrets.token_hex(4)}"
+        c = ProcessScheduler(f"{name}-mbox", 0, RANKS, plan_timeout_s=1.0, peer_timeout_s=10.0, restart=True,
+                             create=True, start_after_steps=0)
+        try:
+            assert c.process is spare and client_module._spare is None
+            assert wait_up(c, timeout=30) == spare.pid
+            x, planned = step(c, 0)
+            assert not planned.fallback and np.array_equal(planned.plan.moves, plan_domain(x, CONSTRAINTS).moves)
+        finally:
+            c.close()
+        assert not process_alive(spare.pid) and not leftover_segments(name)
+    finally:
+        client_module.stop_spare()
+
+    client_module.start_spare()
+    unused = client_module._spare
+    client_module.stop_spare()
+    assert client_module._spare is None and unused.poll() is not None and not process_alive(unused.pid)
+    orphan = subprocess.Popen([sys.executable, "-m", "deepspeed_feplb.scheduler.process", "--spare",
+                               f"--parent={os.getpid()}"], stdin=subprocess.PIPE)
+    orphan.stdin.close()  # as when its rank exits
+    assert orphan.wait(timeout=60) == 0
+
+
+def test_the_engine_starts_the_domain_leaders_planner_while_deepspeed_builds():
+    """`deepspeed_feplb.initialize` starts the scheduler process of the domain that rank 0 will
+    lead as a spare (the other rank starts none), and that process serves the domain when it opens
+    at the first micro-batch: balancing does not wait ~0.7 s for a process started then."""
+    from deepspeed_feplb.testing import run_distributed
+
+    import moe_cases
+    leader, other = run_distributed(moe_cases.early_planner_case, 2, timeout=180)
+    assert leader["spare"] > 0 and other["spare"] == 0
+    assert leader["serving"] == leader["spare"], leader
+    assert not leader["spare_alive"]

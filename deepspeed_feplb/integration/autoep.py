@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import validate_domain_size
+from deepspeed_feplb.domain import start_planner_early, validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
 from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph
 from deepspeed_feplb.integration import seams
@@ -288,6 +288,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
             raise RuntimeError(f"AutoEP layer {name}: no expert-parallel group yet; call install after "
                                "deepspeed.initialize")
         validate_domain_size(config, layer.ep_size)
+        start_planner_early(config, layer.ep_group)
         if type(experts) is not FEPLBGroupedExperts:
             seams.become(experts, FEPLBGroupedExperts)
         facts = {"num_experts": layer.num_experts, "top-k": layer.top_k, "hidden size": layer.hidden_size,

@@ -23,7 +23,7 @@ from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBModelError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
-from deepspeed_feplb.domain import domain_size, install_exit_handlers
+from deepspeed_feplb.domain import domain_size, install_exit_handlers, start_planner_early
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
 from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph, run_expert
 from deepspeed_feplb.gate import SigmoidTopKGate
@@ -381,6 +381,8 @@ class MoE(ds_layer.MoE):
                                                                     engine.config, [self.ep_size])
             if config.placement.enabled:
                 install_placement(engine)
+        if config is not None and self.ep_size > 1:
+            start_planner_early(config, self.deepspeed_moe.ep_group)
 
     @classmethod
     def from_deepspeed(cls, module: ds_layer.MoE, feplb_config=None) -> "MoE":

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -143,11 +144,8 @@ class ProcessScheduler(InlineScheduler):
     def _start_process(self) -> None:
         self.mailbox.header[PID] = 0  # never a sentinel pid: os.kill(-1, ...) would signal every process
         self.mailbox.header[STARTING] = 1
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "deepspeed_feplb.scheduler.process", "--mailbox", self.mailbox.name, "--ranks",
-             str(self.ranks), "--parent", str(os.getpid())],
-            stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
-            start_new_session=True)  # a terminal's Ctrl-C goes to the ranks; the process follows its rank's exit
+        self.process = _hand_spare(self.mailbox.name, self.ranks) or _spawn(f"--mailbox={self.mailbox.name}",
+                                                                             f"--ranks={self.ranks}")
 
     def revive(self) -> None:
         """Restart the process now if it died (only its owner, rank 0 of the domain, can), instead of
@@ -277,6 +275,56 @@ class ProcessScheduler(InlineScheduler):
                 self.process.wait()
             self.process = None
         super().close()
+
+
+def _spawn(*args: str, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+    """A `feplb-sched` process of this rank (``args``: its command line after the module)."""
+    return subprocess.Popen([sys.executable, "-m", "deepspeed_feplb.scheduler.process", *args,
+                             f"--parent={os.getpid()}"], stdin=stdin, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)  # a terminal's Ctrl-C goes to the ranks; it follows its rank's exit
+
+
+_spare: Optional[subprocess.Popen] = None  # `start_spare`'s process, until a domain takes it
+
+
+def start_spare() -> None:
+    """Start a `feplb-sched` process that loads the planner now and then waits for a domain
+    (idempotent while one waits). Starting one takes ~0.7 s of CPU on a 2-core VM (Python,
+    numpy, numba's cached planner, a warm-up plan): started when the domain opens, it came up ~12
+    toy steps later, and balancing waited for it. The domain that opens first on this rank takes
+    it (`ProcessScheduler`) and sends it its mailbox on the spare's stdin; `stop_spare` ends one
+    that no domain took, and the spare exits by itself when its rank does (its stdin closes)."""
+    global _spare
+    if _spare is None or _spare.poll() is not None:
+        _spare = _spawn("--spare", stdin=subprocess.PIPE)
+
+
+def _hand_spare(mailbox: str, ranks: int) -> Optional[subprocess.Popen]:
+    """The waiting spare, told to serve ``mailbox`` of ``ranks`` ranks; None when there is none
+    (or it died)."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is None or spare.poll() is not None:
+        return None
+    try:
+        spare.stdin.write(f"{mailbox} {ranks}\n".encode())
+        spare.stdin.close()
+    except OSError:  # it died just now
+        spare.kill()
+        spare.wait()
+        return None
+    return spare
+
+
+def stop_spare() -> None:
+    """End a spare that no domain took (our own child: its pid is > 0 and ours to signal)."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is not None and spare.pid > 0 and spare.poll() is None:
+        spare.kill()
+        spare.wait()
+    if spare is not None and spare.stdin is not None:
+        spare.stdin.close()
 
 
 def _wait_for(read, bell: Word, timeout_s: float, what: str, watch=None):

@@ -1,8 +1,10 @@
 """The `feplb-sched` process: one per NVLink domain, it plans every balanced micro-batch.
 
 Started by the domain's rank 0 (`client.ProcessScheduler`) as ``python -m
-deepspeed_feplb.scheduler.process``; it imports numpy, numba's compiled planner and the mailbox,
-never torch, so it is up in a fraction of a second. It waits until every rank published micro-batch
+deepspeed_feplb.scheduler.process``, or before the domain opens as a spare (``--spare``,
+`client.start_spare`) that reads its domain's mailbox from stdin. It imports numpy, numba's compiled
+planner and the mailbox, never torch (up in ~0.7 s of CPU on a 2-core VM, most of it numba).
+It waits until every rank published micro-batch
 ``seq`` (sleeping on the mailbox's counts bell meanwhile), calls `plan_domain` and writes the
 `Plan` into the mailbox's plan ring; it exits on the mailbox's shutdown word, or removes the
 domain's segments and exits when its parent rank died.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import sys
 import time
 
 from deepspeed_feplb.plan.policy import plan_domain
@@ -87,13 +90,22 @@ def warm_planner() -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="FEPLB scheduler process of one NVLink domain (started by the layer)")
-    parser.add_argument("--mailbox", required=True)
-    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--mailbox")
+    parser.add_argument("--ranks", type=int)
+    parser.add_argument("--spare", action="store_true",
+                        help="load the planner, then read 'MAILBOX RANKS' from stdin (end of input: exit)")
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
+    if not args.spare and (args.mailbox is None or args.ranks is None):
+        parser.error("--mailbox and --ranks are required without --spare")
     _prctl(15, b"feplb-sched")  # PR_SET_NAME: what `ps -o comm` and pkill see
     _prctl(29, 1000)  # PR_SET_TIMERSLACK 1 µs (default 50 µs): a wake-up is not deferred
     warm_planner()  # the compiled passes, loaded before we say we are up
+    if args.spare:
+        domain = sys.stdin.readline().split()
+        if len(domain) != 2:
+            return  # our rank exited, or stopped us, before any domain needed us
+        args.mailbox, args.ranks = domain[0], int(domain[1])
     try:
         mailbox = Mailbox(args.mailbox, args.ranks, create=False)
     except FileNotFoundError:
