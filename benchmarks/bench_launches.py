@@ -45,6 +45,40 @@ def _op_count():
     return module
 
 
+# the transport backend's calls that are CUDA API calls on a GPU (a copy, a stream memory operation, an event)
+DEVICE_CALLS = ("memcpy_async", "stream_wait_value32", "stream_write_value32", "event_record", "stream_wait_event",
+                "event_query", "event_synchronize", "stream_synchronize")
+
+
+def _use_ce_on_host(calls: dict) -> None:
+    """Phase 2 through the Copy-Engine transport's code path on host memory (`HostBackend`), as
+    `migrate.transport_class` picks it on a GPU; its device calls are tallied into ``calls["now"]``
+    (a dict, or None outside the counted micro-batch)."""
+    from deepspeed_feplb import expert_stage
+    from deepspeed_feplb.migrate.backend import HostBackend
+    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+    from deepspeed_feplb.migrate.shm import ShmTransport
+
+    def tallied(name):
+        def call(self, *args, **kwargs):
+            if calls["now"] is not None:
+                calls["now"][name] = calls["now"].get(name, 0) + 1
+            return getattr(HostBackend, name)(self, *args, **kwargs)
+        return call
+
+    CountingBackend = type("CountingBackend", (HostBackend,), {name: tallied(name) for name in DEVICE_CALLS})
+
+    class HostCETransport(CudaCETransport):
+        device_id = ShmTransport.device_id
+        preflight = ShmTransport.preflight
+
+        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
+            super().__init__(name, local_rank, size, timeout_s, create, watch,
+                             backend=CountingBackend(prefix=f"{name}-mem"), slot_bytes=slot_bytes)
+
+    expert_stage.transport_class = lambda config, expert_params: HostCETransport
+
+
 def _worker(opts: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -63,13 +97,19 @@ def _worker(opts: dict) -> dict:
     class UnknownExpert(torch.nn.Sequential):
         """The same MLP under a class FEPLB does not know: one call per expert."""
 
+    transport = "cuda_ce" if cuda else "shm"
+    calls = {"now": None}  # the transport backend's device calls during the counted micro-batch
+    if opts["transport"] == "ce-host":
+        transport = "shm"  # the config's choice on CPU; the stage is handed the CE transport below
+        _use_ce_on_host(calls)
+
     layers = {}
     for name in VARIANTS:
         torch.manual_seed(0)
         cls = torch.nn.Sequential if name.startswith("grouped") else UnknownExpert
         expert = cls(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
         feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2 if name.endswith("balanced") else 0,
-                 "chunk_align_tokens": 1, "fixed_costs": "ignore", "transport": "cuda_ce" if cuda else "shm",
+                 "chunk_align_tokens": 1, "fixed_costs": "ignore", "transport": transport,
                  "scheduler": {"start_after_steps": 0}, "max_helpers_per_expert": 4}
         layer = deepspeed_feplb.MoE(hidden_size=hidden, expert=expert, num_experts=experts, ep_size=2, k=k,
                                     min_capacity=0, drop_tokens=False, use_rts=False, feplb_config=feplb)
@@ -127,17 +167,23 @@ def _worker(opts: dict) -> dict:
         layer.zero_grad(set_to_none=True)  # as after an optimizer step: gradients are handed over, not added
         counts = {}
         forward = {"layer": op_count.OpCount(), "stage": op_count.OpCount()}
+        device_calls = {"forward": {}, "backward": {}}
+        calls["now"] = device_calls["forward"]
         with Split(forward):
             out, l_aux = step(layer, batches[3])
+        calls["now"] = None
         loss = (out * batches[3][1]).sum() + l_aux  # outside the count: the model's, not the layer's
         backward = {"layer": op_count.OpCount(), "stage": op_count.OpCount()}
+        calls["now"] = device_calls["backward"]
         with Split(backward):
             loss.backward()
+        calls["now"] = None
         for direction, parts in (("forward", forward), ("backward", backward)):
             counts[direction] = {"layer_ops": parts["layer"].ops + parts["stage"].ops,
                                  "layer_non_view": parts["layer"].non_view + parts["stage"].non_view,
                                  "stage_ops": parts["stage"].ops, "stage_non_view": parts["stage"].non_view,
-                                 "stage_top": parts["stage"].top(6)}
+                                 "stage_top": parts["stage"].top(opts.get("top", 6)),
+                                 "transport_calls": dict(sorted(device_calls[direction].items()))}
         stats = layer.feplb_stats
         figures[name] = {**counts, "migrated_rows": int(stats.get("migrated_tokens", 0)),
                          "grouped": getattr(layer.deepspeed_moe, "stacked_mlp", None) is not None}
@@ -172,6 +218,10 @@ def main(argv=None) -> int:
                         help="cuda: both ranks on GPU 0, the CE transport")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="bfloat16: the dtype whose grouped GEMM CUDA runs natively (Hopper, Blackwell)")
+    parser.add_argument("--transport", choices=("shm", "ce-host"), default="shm",
+                        help="on CPU, phase 2 through the shared-memory transport (its copies are aten ops) or "
+                             "through the Copy-Engine transport's code path on host memory (its copies are "
+                             "transport calls, as cudaMemcpyAsync is on a GPU)")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -181,7 +231,8 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()[0]
     ranks = run_distributed(_worker, 2, vars(args), timeout=900)
-    result = {"shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "k", "device", "dtype")},
+    result = {"shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "k", "device", "dtype",
+                                                       "transport")},
               "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "variants": {}}
     print(f"{'variant':<20} {'rank':>4} {'layer fwd':>9} {'layer bwd':>9} {'stage fwd':>9} {'stage bwd':>9} "
           f"{'host us (median)':>16}   non-view aten ops (all ops)")
@@ -202,6 +253,11 @@ def main(argv=None) -> int:
                  / result["variants"][b]["host_us_median_slower_rank"])
         result[f"{a} / {b}"] = round(ratio, 3)
         print(f"host time {a} / {b}: {ratio:.3f}")
+    for name in VARIANTS:
+        for rank, r in enumerate(result["variants"][name]["per_rank"]):
+            if r["forward"]["transport_calls"] or r["backward"]["transport_calls"]:
+                print(f"transport device calls, {name}, rank {rank}: forward {r['forward']['transport_calls']}, "
+                      f"backward {r['backward']['transport_calls']}")
     print(f"load average (1 min) before / after: {result['load_average_1m']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,7 @@ gloo ranks. What they cannot show is the CUDA side: that is tests/gpu/.
 import os
 import signal
 import time
+import warnings
 
 import pytest
 import torch
@@ -80,11 +81,12 @@ def all_to_all_rounds(capacity: int, rounds: int, stream_memops: bool = True) ->
         for f in futures:
             f.result(timeout=20)
     capacities, parts = transport.capacities(), transport.extra_parts
+    streams = backend.live()["streams"]
     dist.barrier()
     transport.close()
     live = backend.live()
     dist.barrier()
-    return {"capacities": capacities, "extra_parts": parts, "live": live, "into_kept": into_kept,
+    return {"capacities": capacities, "extra_parts": parts, "live": live, "into_kept": into_kept, "streams": streams,
             "leftover": [n for n in leftover_segments() if n.startswith(name)]}
 
 
@@ -175,9 +177,20 @@ def latency_case() -> dict:
     return out
 
 
+def shared_streams_rounds() -> dict:
+    """`all_to_all_rounds` in parts where CUDA has 4 hardware queues: both peers share one send and
+    one receive stream (`cuda_ce.copy_streams`)."""
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "4"
+    try:
+        return all_to_all_rounds(1024, 3)
+    finally:
+        del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
+
+
 def protocol_suite() -> dict:
     """All protocol cases in one launch (spawning ranks dominates the cost on CPU)."""
-    return {"rounds": all_to_all_rounds(1 << 20, 4), "parts": all_to_all_rounds(1024, 5), "wrong_tag": wrong_tag(),
+    return {"rounds": all_to_all_rounds(1 << 20, 4), "parts": all_to_all_rounds(1024, 5),
+            "shared_streams": shared_streams_rounds(), "wrong_tag": wrong_tag(),
             "silent_peer": silent_peer(), "arena": arena_case(), "credits": credits_and_wrap(),
             "latency": latency_case()}
 
@@ -306,6 +319,22 @@ def test_a_message_larger_than_its_slot_travels_in_parts_through_it(protocol_res
         assert result["into_kept"] == 2 * 2, result  # rounds 1 and 3: each part into the receiver's buffers
         assert result["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, result)
         assert result["leftover"] == []
+
+
+def test_streams_fit_the_hardware_queues_and_shared_ones_carry_every_message(protocol_results):
+    """A stream per peer each way (15 at 8 GPUs) exceeded CUDA's 8 hardware queues; peers now share
+    them round robin (`copy_streams`), and messages in parts still arrive intact where both peers
+    share one send and one receive stream (4 queues)."""
+    from deepspeed_feplb.migrate.cuda_ce import copy_streams
+    assert [copy_streams(peers, 8) for peers in (1, 2, 3, 7, 63)] == [1, 2, 3, 3, 3]  # 2k + side + compute <= 8
+    assert copy_streams(7, 1) == copy_streams(7, 4) == 1 and copy_streams(7, 32) == 7
+    for rank, suite in enumerate(protocol_results):
+        assert suite["rounds"]["streams"] == 2 * 2 + 1, (rank, suite["rounds"])  # 2 peers, 8 queues: one each
+        shared = suite["shared_streams"]
+        assert shared["streams"] == 3, (rank, shared)  # one send, one receive, the side stream
+        assert shared["extra_parts"] >= 2 * 3 * 2 and shared["into_kept"] == 2, (rank, shared)
+        assert shared["live"] == {"owned": [], "opened": [], "events": 0, "streams": 0}, (rank, shared)
+        assert shared["leftover"] == []
 
 
 def test_sends_run_ahead_of_the_receiver_on_credits_and_flags_wrap(protocol_results):
@@ -582,3 +611,21 @@ def test_random_stream_timing_on_shared_queues_changes_nothing(executors):
         assert case["losses"]["feplb"] == pytest.approx(case["losses"]["reference"], rel=1e-5), rank
         assert max(case["param_errors"].values()) <= 1e-5, rank
     assert results[0]["traffic"]["moves"] > 0 and results[0]["traffic"]["resident_hits"] > 0
+
+
+def test_too_few_hardware_queues_are_said_once(monkeypatch):
+    """With CUDA_DEVICE_MAX_CONNECTIONS below what the transport's 3 streams and the compute stream
+    need, one warning says that copies then hold up compute; the transport still opens."""
+    from deepspeed_feplb import once
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+    once.forget("few hardware queues")
+    name = f"feplb-cetest-{os.getpid()}-queues"
+    with pytest.warns(RuntimeWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=2"):
+        first = CudaCETransport(name, 0, 1, 5.0, True, backend=HostBackend(prefix=f"{name}-mem"), slot_bytes=4096)
+    first.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = CudaCETransport(f"{name}2", 0, 1, 5.0, True, backend=HostBackend(prefix=f"{name}2-mem"),
+                                slot_bytes=4096)
+    again.close()
+    assert not [n for n in leftover_segments() if n.startswith(name)]

@@ -34,6 +34,10 @@ wait for the device; the receiving stream orders itself on a flag word.
   the copy streams never wait on a peer: no cycle of waits can form, even where CUDA maps several
   streams onto one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``). A message that fits the
   free ring slots is enqueued whole by its `send`.
+* **Streams within the hardware queues.** Peers share send streams, and receive streams, round
+  robin (`copy_streams`): with a side stream and the caller's compute stream they fit
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` (8 by default: 3 each way), where a stream per peer (15 at 8
+  GPUs) made CUDA map several onto one queue anyway.
 * **Descriptions on the host.** What a message holds (tag, tensor dtypes, shapes and offsets) is
   published in the control block (`MESSAGES` entries per link) as soon as its send is called
   and an entry is free; the receiver's host reads it without waiting for the device.
@@ -62,6 +66,7 @@ this module.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 import warnings
@@ -166,6 +171,34 @@ def preflight_problems(me: int, ranks: Sequence[int], devices: Sequence[str], sl
     return problems
 
 
+def hardware_queues() -> int:
+    """The hardware queues CUDA maps this process's streams onto: ``CUDA_DEVICE_MAX_CONNECTIONS``
+    (CUDA's own variable; 8 when unset, at most 32)."""
+    try:
+        return min(max(int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")), 1), 32)
+    except ValueError:
+        return 8
+
+
+def copy_streams(peers: int, queues: int) -> int:
+    """Send streams of a rank with ``peers`` domain peers (and as many receive streams), so that its
+    streams fit CUDA's ``queues`` hardware queues: the transport's 2k + 1 (the side stream) beside
+    the caller's compute stream, at least one each way, at most one per peer. Streams beyond the
+    queues share them, and an operation that waits then holds up whatever is queued behind it,
+    of every stream; peers that share a stream are ordered no more strictly than that (the
+    protocol waits only for work already enqueued, so neither deadlocks). With fewer than 4
+    queues the transport still needs its 3 streams; `CudaCETransport` says so once."""
+    return max(1, min(peers, (queues - 2) // 2))
+
+
+def _warn_few_queues(queues: int) -> None:
+    if first_time("few hardware queues"):
+        warnings.warn(f"FEPLB: CUDA_DEVICE_MAX_CONNECTIONS={queues} leaves fewer hardware queues than phase 2's "
+                      "copy streams (a send, a receive and a side stream) and the compute stream need: they share "
+                      "queues, so a copy that waits for a peer holds up the compute queued behind it on its queue",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _warn_host_flags(why: str) -> None:
     """Say once per process that phase 2 runs on host flags, and why."""
     if first_time("host flags"):
@@ -261,6 +294,7 @@ class CudaCETransport:
         self._outgoing = {dst: collections.deque() for dst in self._peers}  # _Outgoing not fully out, in order
         self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors)
         self._capacity = ring_capacity(slot_bytes)
+        self.streams_each_way = copy_streams(size - 1, hardware_queues())
         self._poison = bool(getattr(self.backend, "poison_released", False))  # `HostBackend`, for ordering tests
         self._lock = threading.RLock()  # the sending side's state: callers and the background thread
         self._stop, self._wake = threading.Event(), threading.Event()
@@ -278,6 +312,8 @@ class CudaCETransport:
         self._signals: dict[tuple, collections.deque] = {}  # host flags: (src, dst, field) -> (event, value)s
         self._owns_control = create
         try:
+            if 2 * self.streams_each_way + 2 > hardware_queues():
+                _warn_few_queues(hardware_queues())
             with backend.on_device():
                 why = backend.probe_flags()
                 self.stream_flags = not why  # False: the host stores and waits for the flags
@@ -317,9 +353,10 @@ class CudaCETransport:
             channel[CAP] = self._capacity
             channel[GEN] = 1  # publish last: the peer maps the allocation once it sees this
             self._notify(peer, self.local_rank, GEN)
-        for peer in self._peers:
-            self._streams[peer] = backend.stream_create()
-            self._recv_streams[peer] = backend.stream_create()
+        sending, receiving = ([backend.stream_create() for _ in range(self.streams_each_way)] for _ in range(2))
+        for i, peer in enumerate(self._peers):  # peers share a stream round robin (`copy_streams`)
+            self._streams[peer] = sending[i % len(sending)]
+            self._recv_streams[peer] = receiving[i % len(receiving)]
             self._events["caller_at"][peer] = backend.event_create()  # recv: the caller's stream, now
             self._events["done"][peer] = backend.event_create()  # recv: the copy-out, done
             self._events["ready"][peer] = backend.event_create()  # send: the caller's stream, now
@@ -747,8 +784,8 @@ class CudaCETransport:
         backend = self.backend
         steps = []
         if streams:
-            for stream in [*self._streams.values(), *self._recv_streams.values(),
-                           *([self._side] if self._side is not None else [])]:
+            for stream in {*self._streams.values(), *self._recv_streams.values(),
+                           *([self._side] if self._side is not None else [])}:
                 steps.append(lambda s=stream: backend.stream_destroy(s))
             for event in [*(e for kind in self._events.values() for e in kind.values()), *self._spare_events,
                           *(event for queued in self._signals.values() for event, _ in queued)]:
@@ -792,7 +829,7 @@ class CudaCETransport:
         streams did not finish."""
         backend = self.backend
         marks = []
-        for stream in [*self._streams.values(), *self._recv_streams.values()]:
+        for stream in {*self._streams.values(), *self._recv_streams.values()}:
             marks.append(backend.event_create())
             backend.event_record(marks[-1], stream)
         deadline = time.monotonic() + self.timeout_s
