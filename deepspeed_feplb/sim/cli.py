@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.exits import InputFileError, fail
 from deepspeed_feplb.plan.residency import AUTO_BUDGET_SHARE
 from deepspeed_feplb.trace.cli import whole_number
@@ -43,6 +44,10 @@ The trace's experts must split evenly over the G x N ranks, and G x N must divid
 (unless it has one): stdlib_moe_trace.npz (2 source ranks, 16 experts) fits 1 or 2 ranks,
 stdlib_moe_ep8_4k.npz and stdlib_moe_ep8_32k.npz (8 source ranks, 64 experts) 1, 2, 4 or 8."""
 
+
+
+_RUNTIME = FEPLBConfig()  # the runtime's defaults are the simulator's
+_PLACEMENT_DEFAULT = {True: "on", False: "off", "auto": "auto"}[_RUNTIME.placement.enabled]
 
 def _budget(text: str):
     """argparse type of --ce-budget: "auto", "inf" or a number of bytes >= 0."""
@@ -94,8 +99,6 @@ def _d_list(text: str) -> list:
 
 def add_parser(subparsers) -> None:
     """Register ``simulate`` on an argparse sub-parsers object."""
-    from deepspeed_feplb.config import FEPLBConfig  # the runtime's defaults are the simulator's
-
     p = subparsers.add_parser(
         "simulate", help="replay a routing trace through balancing policies",
         description="Replay a routing trace through load-balancing policies (vanilla, FasterMoE, EPLB,\n"
@@ -113,7 +116,7 @@ def add_parser(subparsers) -> None:
                    help="ranks per node (one NVLink / copy-engine domain; migration stays inside it)")
     p.add_argument("--nodes", type=whole_number(1), default=1, metavar="N",
                    help="nodes in the expert-parallel group: G x N ranks in all (default: %(default)s)")
-    p.add_argument("--dynamic-experts", type=whole_number(0), default=4, metavar="D",
+    p.add_argument("--dynamic-experts", type=whole_number(0), default=_RUNTIME.dynamic_experts_per_rank, metavar="D",
                    help="dynamic experts per rank: each rank's D hottest experts of a micro-batch may be split "
                         "over helpers (default: %(default)s)")
     p.add_argument("--policies", default="vanilla,fastermoe,eplb,feplb-paper,feplb", metavar="LIST",
@@ -130,7 +133,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-helpers", type=whole_number(1),
                    default=FEPLBConfig.model_fields["max_helpers_per_expert"].default, metavar="H",
                    help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
-    p.add_argument("--chunk-align", type=whole_number(1), default=8, metavar="TOKENS",
+    p.add_argument("--chunk-align", type=whole_number(1), default=_RUNTIME.chunk_align_tokens, metavar="TOKENS",
                    help="token chunks moved to helpers are multiples of this many tokens (default: %(default)s)")
     p.add_argument("--ce-budget", type=_budget, default="auto", metavar="BYTES",
                    help="hard cap on the expert-weight bytes a rank copies per micro-batch: auto or inf (no cap: "
@@ -141,7 +144,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--residency", default="step", choices=("step", "micro_batch"),
                    help="feplb's weight residency: keep copies on helpers for the optimizer step, or copy every "
                         "micro-batch (default: %(default)s)")
-    p.add_argument("--max-resident", type=whole_number(0), default=8, metavar="COPIES",
+    p.add_argument("--max-resident", type=whole_number(0), default=_RUNTIME.max_resident_experts, metavar="COPIES",
                    help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
     p.add_argument("--resident-budget-mb", type=_mib, default="auto", metavar="MIB",
                    help="feplb.resident_budget_mb: MiB of weight copies (weights and an fp32 gradient each) a "
@@ -172,11 +175,13 @@ def add_parser(subparsers) -> None:
                    help="redundant expert slots of EPLB in the whole group (default: one per rank)")
     p.add_argument("--eplb-interval", type=whole_number(1), default=20, metavar="MICRO_BATCHES",
                    help="micro-batches between EPLB re-placements (default: %(default)s)")
-    p.add_argument("--placement", default="auto", choices=("auto", "on", "off"),
-                   help="feplb's cross-node expert placement layer (auto: on when nodes > 1) (default: %(default)s)")
-    p.add_argument("--placement-interval", type=whole_number(1), default=20, metavar="MICRO_BATCHES",
+    p.add_argument("--placement", default=_PLACEMENT_DEFAULT, choices=("auto", "on", "off"),
+                   help="feplb's cross-node expert placement layer (feplb.placement.enabled; auto: on when "
+                        "nodes > 1) (default: %(default)s, the runtime's)")
+    p.add_argument("--placement-interval", type=whole_number(1), metavar="MICRO_BATCHES",
                    help="micro-batches between re-placements of experts across nodes by feplb's placement layer "
-                        "(default: %(default)s)")
+                        "(default: the runtime's feplb.placement.interval_steps "
+                        f"({_RUNTIME.placement.interval_steps}) x --micro-batches-per-step)")
     p.add_argument("--placement-horizon", type=whole_number(1), metavar="MICRO_BATCHES",
                    help="micro-batches over which the placement layer counts a re-placement's gain against the "
                         "time its expert transfers take (default: measured: --placement-interval / (1 - the share of "
@@ -321,7 +326,9 @@ def _setup(args, trace, D):
                     dynamic_experts=D, max_helpers=args.max_helpers, chunk_align=args.chunk_align,
                     shape=shape, profile=profile, ce_budget=args.ce_budget,
                     eplb_redundant=args.eplb_redundant, eplb_interval=args.eplb_interval,
-                    placement=args.placement, placement_interval=args.placement_interval,
+                    placement=args.placement,
+                    placement_interval=args.placement_interval or _RUNTIME.placement.interval_steps
+                    * args.micro_batches_per_step,
                     placement_horizon=args.placement_horizon, placement_warmup=args.placement_warmup,
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
                     max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
