@@ -309,7 +309,7 @@ def test_simulator_figure_has_rank_legends_and_integer_ticks(small_trace):
     result = simulate(trace, SimSetup(4, 1, 8, dynamic_experts=1), ["feplb"])
     fig = figure(result.runs, {"feplb": {0: 5.0, 1: 2.0, 2: 1.0}})
     axes = [ax for ax in fig.axes if ax.get_title()]
-    assert len(axes) == 6
+    assert len(axes) == 7  # with the expert time over the ideal
     for ax in axes:
         assert _integral(ax.get_xticks()), ax.get_title()
     for ax in axes[:2]:  # stacked panels: one legend entry per rank
@@ -353,6 +353,8 @@ def test_simulate_compares_the_model_with_a_recorded_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "time model vs measured, profile h100's compute costs (2 micro-batches x domains): median |error|" in printed
     assert "time model vs measured, the run's own fitted costs, as its planner had them" in printed
+    assert measured["over_ideal"]["time_over_ideal"] == pytest.approx(90.0 / 75.0)  # (see test_sim's)
+    assert "measured expert stage over the ideal" in printed
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", "--trace", str(plain), "--ranks-per-node", "2", "--policies", "feplb",
               "--compare-measured", "--no-progress"])

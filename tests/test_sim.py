@@ -199,6 +199,31 @@ def test_the_ideal_and_where_each_policys_time_over_it_goes():
     assert simulate(even, setup, []).metrics()["vanilla"]["time_over_ideal"] == pytest.approx(1.0)
 
 
+def test_the_figure_shows_each_policys_time_over_the_ideal_split_as_the_json_has_it():
+    """`simulate --plot`'s panel: per policy a bar of the ideal (1) and its excess parts, as
+    multiples of the ideal, ending at the JSON's ``time_over_ideal``."""
+    pytest.importorskip("matplotlib")
+    from deepspeed_feplb.sim.report import figure
+
+    trace = no_aux_trace(6, 1, ranks=8, experts=32, tokens_per_rank=512, seed=2)
+    result = simulate(trace, SimSetup(8, 1, 32, dynamic_experts=2, chunk_align=1), ["eplb", "feplb"])
+    metrics = result.metrics()
+    fig = figure(result.runs)
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("expert time over the ideal"))
+    labels = [t.get_text() for t in panel.get_yticklabels()]
+    ends = {}
+    for bar in panel.patches:
+        row = labels[round(bar.get_y() + bar.get_height() / 2)]
+        ends[row] = max(ends.get(row, 0.0), bar.get_x() + bar.get_width())
+    assert len(ends) == 3
+    for name, p in metrics.items():
+        label = next(label for label in labels if label.startswith(name + " (") or label == name)
+        drawn = 1 + sum(max(p[k], 0) for k in ("excess_pieces_us", "excess_imbalance_us", "copy_exposed_us",
+                                                "excess_other_us")) / p["ideal_time_us"]
+        assert ends[label] == pytest.approx(drawn) and drawn >= p["time_over_ideal"] - 1e-9, name
+        assert f"{p['time_over_ideal']:.3f}" in [t.get_text().strip() for t in panel.texts]
+
+
 def test_simulator_reproduces_vanilla_and_balances():
     trace = no_aux_trace(6, 2, ranks=8, experts=32, tokens_per_rank=512, seed=2)
     setup = SimSetup(4, 2, 32, dynamic_experts=2, chunk_align=1)
@@ -347,7 +372,7 @@ def _recorded_trace(measured_over_model: float) -> Trace:
 
 def test_the_time_model_is_compared_with_a_recorded_runs_own_plans(tmp_path):
     from deepspeed_feplb.plan.timeline import TimeModel
-    from deepspeed_feplb.sim.measured import compare_measured, predicted_and_measured
+    from deepspeed_feplb.sim.measured import compare_measured, over_ideal, predicted_and_measured
 
     # 1 µs per row forward, 2 backward, free pieces, a 5 µs weight copy and gradient, 0.1 µs per
     # row copied: rank 0 keeps 20 + 10 rows (30 µs forward, 60 backward); rank 1 computes its 10,
@@ -359,12 +384,17 @@ def test_the_time_model_is_compared_with_a_recorded_runs_own_plans(tmp_path):
     save_trace(path, _recorded_trace(1.1))
     trace = load_trace(path)  # plans and stage times survive the file
     rows = predicted_and_measured(trace, model, ranks_per_node=2)
-    assert rows.tolist() == [[1, 0, 0, 90.0, 99.0], [2, 0, 0, 90.0, 99.0]]  # the first micro-batch is skipped
+    # the first micro-batch is skipped; the ideal: (40 + 10) rows at 3 µs over 2 ranks; the measured
+    # mean: rank 0's 33 + 66 µs and rank 1's 20 + 40
+    assert np.allclose(rows, [[1, 0, 0, 90.0, 99.0, 75.0, 79.5], [2, 0, 0, 90.0, 99.0, 75.0, 79.5]])
     errors = compare_measured(trace, model, ranks_per_node=2)
     assert errors["micro_batches"] == 2 and errors["median_rel_error"] == pytest.approx(-1 / 11)
     assert errors["median_abs_rel_error"] == errors["p90_abs_rel_error"] == pytest.approx(1 / 11)
     with pytest.raises(ValueError, match="no runtime record"):
         compare_measured(Trace(trace.counts), model, ranks_per_node=2)
+    split = over_ideal(rows)  # measured 99 µs over the ideal 75: 19.5 of imbalance, 4.5 of the rest
+    assert split == pytest.approx({"measured_time_us": 99.0, "ideal_time_us": 75.0, "time_over_ideal": 1.32,
+                                   "imbalance_us": 19.5, "rest_us": 4.5, "micro_batches": 2})
 
 
 def test_the_recorded_costs_replace_the_profiles_compute_costs():

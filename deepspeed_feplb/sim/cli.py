@@ -342,7 +342,7 @@ def _compare_measured(args, trace, setup) -> dict:
     each and, with ``--plot``, draws predicted against measured per micro-batch."""
     from deepspeed_feplb.plan.timeline import TimeModel
 
-    from .measured import cpu_share, errors, predicted_and_measured
+    from .measured import cpu_share, errors, over_ideal, predicted_and_measured
     model = TimeModel.of(setup.shape, setup.profile)
     out = {"profile": setup.profile.name, "model": dataclasses.asdict(model), "cpu_share": cpu_share(trace)}
     if out["cpu_share"] is not None:
@@ -363,6 +363,12 @@ def _compare_measured(args, trace, setup) -> dict:
         print(f"time model vs measured, {what} ({figures['micro_batches']} micro-batches x domains): median "
               f"|error| {figures['median_abs_rel_error']:.1%}, p90 {figures['p90_abs_rel_error']:.1%}, median signed "
               f"{figures['median_rel_error']:+.1%} (negative: the model predicts less time than was measured)")
+        if recorded:  # the ideal under the run's own costs
+            split = out["over_ideal"] = over_ideal(rows)
+            print(f"measured expert stage over the ideal (every rank at the mean rows, computed at home, the run's "
+                  f"own costs): {split['measured_time_us']:,.0f} µs / {split['ideal_time_us']:,.0f} µs = "
+                  f"{split['time_over_ideal']:.3f}; excess: imbalance {split['imbalance_us']:,.0f} µs (slowest rank "
+                  f"over the mean), rest {split['rest_us']:,.0f} µs (pieces, copies, messages, host work)")
         if args.plot:
             from .report import plot_measured
             stem, _ = os.path.splitext(args.plot)

@@ -29,7 +29,7 @@ import numpy as np
 from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
 from deepspeed_feplb.trace.format import Trace
 
-__all__ = ["compare_measured", "cpu_share", "errors", "predicted_and_measured"]
+__all__ = ["compare_measured", "cpu_share", "errors", "over_ideal", "predicted_and_measured"]
 
 MESSAGE_US, FORWARD_SHARE = 6, 7  # columns of a recorded trace's ``stage_us`` (`trace.format`)
 
@@ -37,7 +37,8 @@ MESSAGE_US, FORWARD_SHARE = 6, 7  # columns of a recorded trace's ``stage_us`` (
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
                            recorded_costs: bool = False, sends_after_static: bool = False,
                            dynamic_experts: int = 0, recorded_message_us: bool = True) -> np.ndarray:
-    """float64 [K, 5] = (micro_batch, layer, domain, predicted µs, measured µs) for every domain of every
+    """float64 [K, 7] = (micro_batch, layer, domain, predicted µs, measured µs, ideal µs, measured mean
+    µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
     allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the costs
     of a piece and of a row are the domain's recorded fits, the plan's latency the previous
@@ -46,7 +47,9 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
     (each rank's D hottest experts wait for the plan). A trace recorded before 2026-12-02 (5
     columns of ``stage_us``) has a probe's cost where the fitted piece cost is now and the planning
     time where the plan's arrival is: its pieces cost nothing and its plan latency is 0, as its
-    planner had them."""
+    planner had them. The ideal (`over_ideal`) is the domain's rows computed at home, spread evenly
+    over its ranks, under the same costs; the measured mean is the mean over its ranks of each
+    rank's forward + backward stage time."""
     if trace.stage_us is None or trace.plan_moves is None:
         raise ValueError("the trace holds no runtime record (plan_moves, stage_us): record it with a FEPLB run's "
                          "feplb.stats.record_trace")
@@ -92,8 +95,26 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                                          mine[:, 5]]).astype(np.int64).reshape(-1, 4)
                 finish = rank_finish_us(received[ranks_here], local, here_model,
                                         fresh=mine[:, 6].astype(bool), dynamic_experts=dynamic_experts)
-                out.append((step, layer, domain, makespan_us(finish), makespan_us(measured)))
-    return np.array(out, np.float64).reshape(-1, 5)
+                at_home = rank_finish_us(received[ranks_here], np.zeros((0, 4), np.int64), here_model)
+                out.append((step, layer, domain, makespan_us(finish), makespan_us(measured),
+                            float(at_home.sum(axis=0).mean()), float(measured.sum(axis=0).mean())))
+    return np.array(out, np.float64).reshape(-1, 7)
+
+
+def over_ideal(rows: np.ndarray) -> dict:
+    """A recorded run's expert-stage time over the ideal, measured, from `predicted_and_measured`
+    rows ``[K, 7]`` (means over them, µs): ``measured_time_us`` (the slowest rank's forward plus the
+    slowest's backward), ``ideal_time_us`` (every rank at the domain's mean rows, computed at home
+    under the rows' costs: no pieces split, no transfer), ``time_over_ideal``, and the measured
+    excess split into ``imbalance_us`` (the measured time less the ranks' mean stage time: what
+    the slowest rank took longer) and ``rest_us`` (that mean less the ideal: extra pieces, copies
+    and messages not hidden, the stage's host work)."""
+    if not len(rows):
+        raise ValueError("no micro-batch of the trace has every rank's stage time measured")
+    measured, ideal, mean = rows[:, 4].mean(), rows[:, 5].mean(), rows[:, 6].mean()
+    return {"measured_time_us": float(measured), "ideal_time_us": float(ideal),
+            "time_over_ideal": float(measured / ideal) if ideal > 0 else float("nan"),
+            "imbalance_us": float(measured - mean), "rest_us": float(mean - ideal), "micro_batches": int(len(rows))}
 
 
 def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
@@ -107,7 +128,7 @@ def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_s
 
 
 def errors(rows: np.ndarray) -> dict:
-    """`compare_measured`'s figures of `predicted_and_measured` rows ``[K, 5]``."""
+    """`compare_measured`'s figures of `predicted_and_measured` rows ``[K, 7]``."""
     if not len(rows):
         raise ValueError("no micro-batch of the trace has every rank's stage time measured")
     relative = (rows[:, 3] - rows[:, 4]) / rows[:, 4]

@@ -6,7 +6,9 @@ no display needed), one panel each:
 2. token straggler per policy over micro-batches (mean over layers);
 3. GEMM straggler per policy (the cost model, mean over layers);
 4. expert time per policy (forward + backward with copies, `plan.timeline`; mean over layers);
-5. token straggler as a function of D for feplb and feplb-paper (when a D sweep was run).
+5. expert time over the ideal per policy, and where the excess goes (extra pieces, imbalance left,
+   exposed copies, the rest: `simulate.PolicyRun.over_ideal`);
+6. token straggler as a function of D for feplb and feplb-paper (when a D sweep was run).
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    panels = 5 + (1 if d_sweep else 0)
+    panels = 6 + (1 if d_sweep else 0)
     cols = 3
     rows = -(-panels // cols)
     fig, grid = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.6 * rows), squeeze=False)
@@ -159,8 +161,9 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
     _policy_panel(axes[4], {name: values / scale for name, values in expert.items()},
                   "expert time with copies\n(slowest forward + slowest backward), mean over layers", unit)
 
+    _over_ideal_panel(axes[5], runs)
     if d_sweep:
-        ax = axes[5]
+        ax = axes[6]
         for name, by_d in d_sweep.items():
             ds = sorted(by_d)
             ax.plot(ds, [by_d[d] for d in ds], marker="o", label=_label(name), color=POLICY_COLORS.get(name))
@@ -174,6 +177,38 @@ def figure(runs: dict, d_sweep: Optional[dict] = None, layer: int = 0, title: st
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+# the excess over the ideal, in the order it is drawn: (key of `PolicyRun.over_ideal` / `metrics`, label, colour)
+_EXCESS = (("excess_pieces_us", "extra pieces", "tab:olive"), ("excess_imbalance_us", "imbalance left", "tab:red"),
+           ("copy_exposed_us", "exposed copies", "tab:blue"),
+           ("excess_other_us", "other (messages, gradients, re-placements)", "tab:grey"))
+
+
+def _over_ideal_panel(ax, runs: dict) -> None:
+    """One bar per policy with an expert time: the ideal (1) and each part of the excess, as
+    multiples of the ideal; the ratio written at the bar's end. A part below 0 (a policy computing
+    less than vanilla's pieces) is not drawn; the ratio is exact."""
+    names = [name for name, run in runs.items() if run.over_ideal()]
+    for i, name in enumerate(names):
+        run = runs[name]
+        parts = {**run.over_ideal(), "copy_exposed_us": float(run.copy_exposed_us.mean())}
+        ideal = parts["ideal_time_us"]
+        ax.barh(i, 1.0, color="lightgrey", label="ideal (perfect balance, no transfers)" if i == 0 else None)
+        left = 1.0
+        for key, label, colour in _EXCESS:
+            width = max(parts[key], 0.0) / ideal
+            ax.barh(i, width, left=left, color=colour, label=label if i == 0 else None)
+            left += width
+        ax.text(left, i, f" {parts['time_over_ideal']:.3f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), [_label(name) for name in names], fontsize=8)
+    ax.set_title("expert time over the ideal, and where the excess goes,\nmean over micro-batches and layers",
+                 fontsize=10)
+    ax.set_xlabel("× ideal expert time")
+    ax.grid(alpha=0.3, axis="x")
+    if names:
+        ax.set_xlim(0, max(runs[n].over_ideal()["time_over_ideal"] for n in names) * 1.15)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
 
 
 def _policy_panel(ax, series: dict, title: str, ylabel: str) -> None:

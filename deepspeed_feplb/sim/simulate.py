@@ -70,8 +70,11 @@ class PolicyRun:
     compute_us: Optional[np.ndarray] = None  # float [micro_batches, layers, R]: each rank's compute, no transfers
     ideal_us: Optional[np.ndarray] = None  # float [micro_batches, layers]: the module docstring's ideal
 
-    def _over_ideal(self) -> dict:
-        """``ideal_time_us``, ``time_over_ideal`` and the excess split (module docstring)."""
+    def over_ideal(self) -> dict:
+        """``ideal_time_us``, ``time_over_ideal`` and the excess split (module docstring; the
+        exposed copies are ``copy_exposed_us`` of `metrics`); {} where the run has no expert time."""
+        if self.expert_us is None or self.ideal_us is None or self.compute_us is None:
+            return {}
         ideal, slowest, mean = self.ideal_us.mean(), self.compute_us.max(axis=-1), self.compute_us.mean(axis=-1)
         return {"ideal_time_us": float(ideal),
                 "time_over_ideal": float(self.expert_us.mean() / ideal) if ideal > 0 else math.nan,
@@ -116,8 +119,7 @@ class PolicyRun:
             out["grad_bytes_per_step"] = float(self.grad_bytes.sum() / (steps * L))
             if self.placement_us is not None:
                 out["placement_us"] = float(self.placement_us.mean())
-            if self.ideal_us is not None and self.compute_us is not None:
-                out.update(self._over_ideal())
+            out.update(self.over_ideal())
         if not np.all(np.isnan(self.ce_us)):
             out["ce_us"] = float(np.nanmean(self.ce_us))
             out["static_us"] = float(np.nanmean(self.static_us))
