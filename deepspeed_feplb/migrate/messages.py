@@ -8,6 +8,7 @@ every tensor after the first mistake.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -63,9 +64,52 @@ class MessageLayout:
                         place = places[c][k] if part == name else None
                         fits = place is not None and list(place.shape) == list(shape) and place.dtype == dtype \
                             and place.is_contiguous()
-                        out.append(place if fits else torch.empty(shape, dtype=dtype, device=device))
-            return out
+                        out.append(place if fits else None)
+            return message_buffers(descriptions, device, given=out)
         return into
+
+
+ALIGN_BYTES = 256  # where each tensor (or group of tensors) of a received message starts in its buffer
+
+
+def message_buffers(descriptions: Sequence, device: torch.device, given: Sequence = (),
+                    groups: Sequence[Sequence[int]] = (), apart: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Receive buffers for a message's ``descriptions`` ((shape, dtype) each, `Transport.recv`):
+    ``given[i]`` where it is a tensor, else a view of one allocation per dtype (one allocator call
+    for the message, where a tensor each took one per tensor). The tensors of each group in
+    ``groups`` (lists of indices) lie back to back in it, in order, so that `phase2.stacked_view`
+    takes a group as one tensor; each group, and each other tensor, starts at a multiple of
+    `ALIGN_BYTES` (what a grouped GEMM's operands and vectorised kernels need). The tensors in
+    ``apart`` (indices) get allocations of their own per dtype, so that one kept part (a weight
+    copy a helper keeps for the step) does not keep the others' memory (the rows)."""
+    given = list(given) + [None] * (len(descriptions) - len(given))
+    grouped = {i for group in groups for i in group}
+    runs = [list(group) for group in groups if group] + [[i] for i in range(len(descriptions)) if i not in grouped]
+    apart = set(apart)
+    layout: dict = {}  # (dtype, apart) -> ([(index, offset in elements)], elements)
+    for run in runs:
+        run = [i for i in run if given[i] is None]
+        if not run:
+            continue
+        dtype = descriptions[run[0]][1]
+        key = (dtype, run[0] in apart)
+        places, at = layout.setdefault(key, ([], 0))
+        align = max(ALIGN_BYTES // dtype.itemsize, 1)
+        at = -(-at // align) * align
+        for i in run:
+            shape, kind = descriptions[i]
+            if kind != dtype or (i in apart) != key[1]:
+                raise ValueError(f"phase-2 message: a group mixes {dtype} and {kind}, or kept and apart tensors")
+            places.append((i, at))
+            at += math.prod(shape)
+        layout[key] = (places, at)
+    out = list(given)
+    for (dtype, _), (places, total) in layout.items():
+        flat = torch.empty(total, dtype=dtype, device=device)
+        for i, at in places:
+            shape = descriptions[i][0]
+            out[i] = flat[at:at + math.prod(shape)].view(shape)
+    return out
 
 
 def rows_to_helper(carries: Sequence[bool], n_params: int, n_buffers: int) -> MessageLayout:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -210,6 +211,7 @@ class Phase2MicroBatch:
         start = time.perf_counter()
         outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
         self.row_width = dyn_x.shape[1]  # the input-gradient's, also where no dynamic expert is here
+        self.device = dyn_x.device  # where received messages land
         self.send_forward(dyn_x, params)
         sends = self._forward_sends
 
@@ -252,7 +254,10 @@ class Phase2MicroBatch:
         return parts
 
     def _recv(self, src: int, message_tag: int, into=None) -> list[torch.Tensor]:
+        """Receive a message (into one buffer per dtype where ``into`` is None: `messages.message_buffers`)."""
         start = time.perf_counter()
+        if into is None:
+            into = partial(messages.message_buffers, device=self.device)
         try:
             return self.transport.recv(src, message_tag, into)
         finally:
@@ -354,12 +359,12 @@ class Phase2MicroBatch:
         n_params, n_buffers = len(self.spec.param_names), len(self.spec.buffer_names)
         sends = []
         for home, experts in self.view.incoming.items():
-            into = _stacked_weights(len(experts), n_params, n_buffers, device) if self.spec.grouped else None
+            into = _stacked_weights(len(experts), n_params, n_buffers, device)
             message = self._recv(home, tag(self.seq, FWD_TOKENS), into)
             carries = _read_flags(message[0], len(experts))
             parts = messages.rows_to_helper(carries, n_params, n_buffers).unpack(message[1:], "forward rows")
             # a kept copy may hold on to the message's stacked weights only if every copy in them is kept
-            whole = into is None or all(self.copy_kept[m] for (_, m), carry in zip(experts, carries) if carry)
+            whole = all(self.copy_kept[m] for (_, m), carry in zip(experts, carries) if carry)
             held = [self._held_copy(home, expert, m, None if not carry else part["weights"] if whole or not
                                     self.copy_kept[m] else [w.clone() for w in part["weights"]])
                     for (expert, m), carry, part in zip(experts, carries, parts)]
@@ -481,9 +486,9 @@ def _flags_of(mask: int, n: int) -> list[bool]:
 
 def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.device):
     """A `Transport.recv` ``into`` for a forward-rows message of ``chunks`` chunks: the weights of the
-    chunks that carry them land in one buffer per parameter, stacked ``[k, *shape]`` in chunk order,
-    and the chunks' rows in one ``[sum n, H]``, so that a grouped call computes from them without
-    another copy (`stacked_view`)."""
+    chunks that carry them land in one buffer, each parameter's stacked ``[k, *shape]`` in chunk
+    order, and the chunks' rows in another, joined ``[sum n, H]``, so that a grouped call computes
+    from them without another copy (`stacked_view`), and a kept weight copy does not keep the rows."""
     def into(descriptions: list) -> list[torch.Tensor]:
         carries = _flags_of(int(descriptions[0][0][1]), chunks)
         layout = messages.rows_to_helper(carries, n_params, n_buffers)
@@ -496,19 +501,7 @@ def _stacked_weights(chunks: int, n_params: int, n_buffers: int, device: torch.d
                 elif name == "rows":
                     rows.append(at)
                 at += count
-        outs: list = [None] * len(descriptions)
-        for positions in weights:
-            if positions:
-                shape, dtype = descriptions[positions[0]]
-                stacked = torch.empty((len(positions), *shape), dtype=dtype, device=device)
-                for k, i in enumerate(positions):
-                    outs[i] = stacked[k]
-        shape, dtype = descriptions[rows[0]]
-        joined = torch.empty((sum(descriptions[i][0][0] for i in rows), *shape[1:]), dtype=dtype, device=device)
-        for i, part in zip(rows, joined.split([descriptions[i][0][0] for i in rows])):
-            outs[i] = part
-        return [out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-                for out, (shape, dtype) in zip(outs, descriptions)]
+        return messages.message_buffers(descriptions, device, groups=[*weights, rows], apart=rows)
     return into
 
 
