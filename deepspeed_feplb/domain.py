@@ -205,7 +205,10 @@ def start_planner_early(config: FEPLBConfig, ep_group) -> None:
     if moves_at_once(config) and config.scheduler.start_after_steps > 0 and planner_cached():
         return  # the process starts after `start_after_steps`: short runs never pay for it
     ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-    size = domain_size(config, ep_size)
+    try:
+        size = domain_size(config, ep_size)
+    except FEPLBConfigError:
+        return  # said where the layer checks its domain (`validate_domain_size`), not here
     if ep_size > 1 and size > 1 and dist.get_rank(ep_group) % size == 0:
         install_exit_handlers()
         start_spare()
