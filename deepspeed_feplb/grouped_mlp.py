@@ -62,6 +62,21 @@ class StackedMLP:
         """``params[i]`` (expert i's, ``named_parameters`` order) -> per parameter ``[k, ...]``."""
         return [torch.stack(group) for group in zip(*params)]
 
+    @staticmethod
+    def in_place(params: list[list[torch.Tensor]], unused: list[bool]) -> Optional[list[torch.Tensor]]:
+        """`stack` without a copy, where every parameter of the k experts lies in one storage, one
+        stride apart, in expert order: ZeRO's flat buffers hold a layer's experts so (each expert's
+        parameters back to back, so one parameter recurs every expert's size), and `torch.stack`
+        copied all the static experts' weights every forward. ``unused[i]``: expert i takes no
+        gradient from this call (a dynamic expert, whose rows phase 2 computes): its backward gets
+        None, where a zero gradient would be added to phase 2's. None where the parameters do not
+        lie so (then `stack` the experts that are used)."""
+        views = [strided_stack(list(group)) for group in zip(*params)]
+        if any(view is None for view in views):
+            return None
+        flat = [t for group in params for t in group]
+        return list(_InPlace.apply(tuple(unused), len(views), *views, *flat))
+
     def grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """k experts on their rows (class docstring): x ``[N, H]`` -> ``[N, H]``."""
         if not grouped_mm_runs(x.device, x.dtype):  # the layer moved to another dtype or device since
@@ -119,6 +134,40 @@ def empty_groups_zeroed(device: torch.device) -> bool:
 @lru_cache(maxsize=None)
 def _capability_major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
+
+
+def strided_stack(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``torch.stack(tensors)`` ``[k, ...]`` as a view (of detached tensors), where the tensors,
+    contiguous and alike, lie in one storage at one stride apart in order, each start 16-byte
+    aligned (what the grouped GEMM needs of every group's operand); None otherwise."""
+    first = tensors[0]
+    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else first.numel()
+    if step < first.numel() or (step * first.element_size()) % _ALIGN_BYTES or first.data_ptr() % _ALIGN_BYTES:
+        return None
+    storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, t in enumerate(tensors):
+        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != start + i * step):
+            return None
+    return first.detach().as_strided((len(tensors), *first.shape), (step, *first.stride()))
+
+
+class _InPlace(torch.autograd.Function):
+    """``(unused, n, *views, *params)`` -> the ``n`` views (`strided_stack` of each parameter over
+    the experts), on the graph of ``params`` (k experts' parameters, expert by expert): backward
+    hands each parameter its expert's slice of its view's gradient (None for ``unused`` experts),
+    as `torch.stack`'s backward does."""
+
+    @staticmethod
+    def forward(ctx, unused, n, *tensors):
+        ctx.unused, ctx.n = unused, n
+        return tuple(v.view_as(v) for v in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, k = ctx.n, len(ctx.unused)
+        per_param = [[None if ctx.unused[i] or g is None else g[i] for i in range(k)] for g in grads]
+        return (None, None, *([None] * n), *(per_param[j][i] for i in range(k) for j in range(n)))
 
 
 class _RowBias(torch.autograd.Function):

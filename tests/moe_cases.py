@@ -1397,3 +1397,35 @@ def early_planner_case(steps: int = 3) -> dict:
     serving = _serving_pid(client) if client.process is not None else 0
     deepspeed_feplb.shutdown()
     return {"spare": spare, "serving": serving, "spare_alive": spare > 0 and process_alive(spare)}
+
+
+def zero_in_place_case(zero_stage: int) -> dict:
+    """One training step of `TinyMoEModel` with a known MLP through `deepspeed_feplb.initialize`
+    at ``zero_stage``, balanced (D = 2); then the aten ops of the next forward's expert stage, by name."""
+    from deepspeed_feplb.expert_stage import ExpertStage
+    from deepspeed_feplb.testing.op_count import count_ops
+
+    torch.manual_seed(11)
+    model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=8, ep_size=2, k=2,
+                                      min_capacity=0, drop_tokens=False))
+    skew_gate(model.moe.deepspeed_moe.gate.wg.weight, spread=False)
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore", "scheduler": {"mode": "inline"}}
+    engine, *_ = deepspeed_feplb.initialize(model=model, model_parameters=param_groups(model),
+                                            config=ds_config(zero_stage, feplb))
+    train_step(engine, *rank_inputs(300))
+    run, ops = ExpertStage.run, {}
+
+    def counted(self, rows, *args, **kwargs):
+        with count_ops() as forward:
+            out = run(self, rows, *args, **kwargs)
+        ops.update(forward.by_name)
+        return out
+
+    ExpertStage.run = counted
+    try:
+        train_step(engine, *rank_inputs(301))
+    finally:
+        ExpertStage.run = run
+    deepspeed_feplb.shutdown()
+    return {"ops": ops, "migrated": engine.module.moe.feplb_stats["migrated_tokens"]}

@@ -86,6 +86,56 @@ def test_an_expanded_output_gradient_is_taken():
     assert all(relative(a, b) <= 1e-6 for a, b in zip(grouped, loop))
 
 
+def _flattened(experts) -> torch.Tensor:
+    """Lay the experts' parameters in one buffer, expert by expert (ZeRO's flat buffers hold them
+    so), each parameter a view of it; the buffer."""
+    params = [p for e in experts for p in e.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        p.data = flat[at:at + p.numel()].view_as(p)
+        at += p.numel()
+    return flat
+
+
+def test_weights_laid_out_as_zero_does_are_grouped_without_a_copy_and_unused_experts_get_no_gradient():
+    """`StackedMLP.in_place`: where every expert's parameters lie in one buffer, one expert after the
+    other (ZeRO 1/2's flat buffers), each parameter over the experts is a strided view, not a
+    `torch.stack` copy of all the static experts' weights per forward; the math is the stacked
+    call's. An unused expert (a dynamic one, computed by phase 2) is a group of no rows whose
+    parameters get no gradient (None), not zeros that would be added to phase 2's."""
+    torch.manual_seed(0)
+    sizes, unused = [5, 0, 9, 3], [False, True, False, False]
+    experts = [mlp(torch.nn.GELU()) for _ in sizes]
+    flat = _flattened(experts)
+    layer = StackedMLP.of(experts[0])
+    params = [list(e.parameters()) for e in experts]
+    x = torch.randn(sum(sizes), H)
+    grad = torch.randn(sum(sizes), H)
+    outs = []
+    for in_place in (True, False):
+        for e in experts:
+            e.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with count_ops() as forward:
+            weights = layer.in_place(params, unused) if in_place else layer.stack(params)
+        if in_place:
+            assert forward.non_view == 0
+            assert weights[0].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        y = layer.grouped(weights, xi, sizes)
+        y.backward(grad)
+        outs.append((y.detach(), xi.grad, [[p.grad for p in group] for group in params]))
+    (y, gx, grads), (y_ref, gx_ref, grads_ref) = outs
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+    for i, (got, want) in enumerate(zip(grads, grads_ref)):
+        if unused[i]:
+            assert all(g is None for g in got) and all(not w.any() for w in want)
+        else:
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), i
+    separate = [mlp(torch.nn.GELU()) for _ in sizes]  # each parameter its own tensor: copied by `stack`
+    assert layer.in_place([list(e.parameters()) for e in separate], unused) is None
+
+
 def test_its_launches_do_not_grow_with_the_experts():
     counts = []
     for k in (4, 32):
@@ -146,3 +196,14 @@ def test_a_known_mlp_layer_launches_few_ops_at_32_local_experts():
         # one call per expert took 97 forward (64 addmm, 32 gelu) and 266 in the layer's backward
         assert figures["stage_forward"] <= 25, figures
         assert figures["layer_forward"] <= 120 and figures["layer_backward"] <= 120, figures
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_under_zero_the_static_experts_weights_are_not_copied_each_forward(zero_stage):
+    """ZeRO 1 and 2 lay the experts' parameters in their flat buffer one expert after the other: a
+    balanced layer's static experts then compute from their weights as they lie (no `stack`); the
+    equivalence with DeepSpeed's MoE under ZeRO 1/2 (`test_layer_equivalence.py`) covers the math."""
+    import moe_cases
+    for rank, result in enumerate(run_distributed(moe_cases.zero_in_place_case, 2, zero_stage, timeout=240)):
+        assert result["ops"].get("stack", 0) == 0 and result["ops"]["_grouped_mm"] >= 2, (rank, result["ops"])
+        assert result["migrated"] > 0 or rank == 1, result  # the micro-batch was balanced

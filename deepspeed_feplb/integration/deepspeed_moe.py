@@ -189,7 +189,8 @@ class FEPLBMOELayer(MOELayer):
         it where the grouped GEMM zeroes their weight-gradients (`empty_groups_zeroed`): every
         expert then gets a view of one stacked gradient, as DeepSpeed's capacity buffer gives each a
         gradient; elsewhere they stay out, and `ExpertGradOrder` gives them zeros."""
-        members = static if empty_groups_zeroed(rows.device) else [e for e in static if len(blocks[e])]
+        zeroed = empty_groups_zeroed(rows.device)
+        members = static if zeroed else [e for e in static if len(blocks[e])]
         sizes = [len(blocks[e]) for e in members]
         if not sum(sizes):
             return on_graph(rows[:0], [p for e in static for p in params[e]])
@@ -197,6 +198,11 @@ class FEPLBMOELayer(MOELayer):
         # ``rows`` would zero-fill a full-size gradient)
         x = rows if sum(sizes) == len(rows) else torch.cat([blocks[e] for e in members])
         mlp = self.stacked_mlp
+        if zeroed and len(params) == len(blocks):  # every expert's weights as they lie (no copy), others rowless
+            static_set = set(static)
+            weights = mlp.in_place(params, [e not in static_set for e in range(len(blocks))])
+            if weights is not None:
+                return mlp.grouped(weights, x, [len(blocks[e]) if e in static_set else 0 for e in range(len(blocks))])
         return mlp.grouped(mlp.stack([params[e] for e in members]), x, sizes)
 
     def _primary_params(self) -> list[list[torch.Tensor]]:
