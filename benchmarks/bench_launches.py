@@ -79,6 +79,19 @@ def _use_ce_on_host(calls: dict) -> None:
     expert_stage.transport_class = lambda config, expert_params: HostCETransport
 
 
+def _flatten_like_zero(experts) -> None:
+    """Lay the local experts' parameters in one buffer, one expert after the other, each a view of
+    it, as ZeRO 1/2's flat buffers (which a run with an engine has) hold them."""
+    import torch
+
+    params = [p for e in experts for p in e.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        p.data = flat[at:at + p.numel()].view_as(p)
+        at += p.numel()
+
+
 def _worker(opts: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -117,6 +130,8 @@ def _worker(opts: dict) -> dict:
             layer.deepspeed_moe.gate.wg.weight[:experts // 2] += opts["skew"] / hidden
         layer.set_deepspeed_parallelism()
         layers[name] = layer.to(dev, dtype)
+        if opts.get("flat_params"):
+            _flatten_like_zero(layer.deepspeed_moe.experts.deepspeed_experts)
 
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     batches = [((torch.randn(tokens, hidden, generator=g) + 1.0).to(dev, dtype),
@@ -222,6 +237,9 @@ def main(argv=None) -> int:
                         help="on CPU, phase 2 through the shared-memory transport (its copies are aten ops) or "
                              "through the Copy-Engine transport's code path on host memory (its copies are "
                              "transport calls, as cudaMemcpyAsync is on a GPU)")
+    parser.add_argument("--flat-params", action="store_true",
+                        help="lay each layer's expert parameters out as ZeRO 1/2's flat buffers do (one expert "
+                             "after the other in one buffer), as a run with a DeepSpeed engine has them")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -232,7 +250,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     ranks = run_distributed(_worker, 2, vars(args), timeout=900)
     result = {"shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "k", "device", "dtype",
-                                                       "transport")},
+                                                       "transport", "flat_params")},
               "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "variants": {}}
     print(f"{'variant':<20} {'rank':>4} {'layer fwd':>9} {'layer bwd':>9} {'stage fwd':>9} {'stage bwd':>9} "
           f"{'host us (median)':>16}   non-view aten ops (all ops)")
