@@ -113,6 +113,12 @@ class ExpertStage:
         exchange_us = min(self._exchanges_us, default=float("nan"))
         return (*(self.compute_times.fitted_us() or (float("nan"), float("nan"))), exchange_us)
 
+    def exchanged(self, seconds: float) -> None:
+        """This micro-batch's count exchange took ``seconds`` (NaN: a backend that exchanged nothing,
+        which leaves the earlier figures); `announce` tells the fastest of the last few."""
+        if not math.isnan(seconds):
+            self._exchanges_us.append(seconds * 1e6)
+
     def exchange(self, counts: torch.Tensor) -> tuple[np.ndarray, GroupFacts]:
         """For a layer kind whose dispatch does not tell the group's counts (AutoEP): every rank's
         received rows (``counts`` ``[E_local]``, integer, on the group's device: CUDA for NCCL) and
@@ -194,8 +200,7 @@ class ExpertStage:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``;
         ``step_ends``: this micro-batch is the last of its optimizer step (weight residency)."""
         self._rows_here = int(counts.sum())
-        if not math.isnan(facts.exchange_seconds):  # a backend that exchanged nothing leaves the last figure
-            self._exchanges_us.append(facts.exchange_seconds * 1e6)
+        self.exchanged(facts.exchange_seconds)
         config = self.config
         # measured (`_measure`): a training micro-batch of a balancing layer, or any with a recorder
         measured = (self.balances or self.records) and torch.is_grad_enabled() and not recomputing()

@@ -206,3 +206,23 @@ def test_a_row_bound_balances_rows_that_time_alone_leaves(paced_results):
         assert after.max() < before.max(), step
     piece_us, row_us = results[0]["steps"][-1]["fit"]
     assert not balancing_may_pay(np.array(results[0]["steps"][-1]["counts"]), piece_us, row_us, 50.0)
+
+
+def test_one_slow_count_exchange_does_not_price_every_message_at_it():
+    """A rank announces the fastest of its last `_EXCHANGES_KEPT` count exchanges: one exchange
+    in which it was descheduled (6-10 ms on a 2-core VM, against ~0.3 ms) made the skip rule skip
+    balancing that micro-batch (steps 10 and 26 of a 30-step `make run`); a host that stays slow
+    still shows, once the fast exchanges are older than the window."""
+    import torch
+
+    from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.expert_stage import _EXCHANGES_KEPT, ExpertStage
+
+    stage = ExpertStage(FEPLBConfig(nvlink_domain_size=2), None, 2, 4, [torch.zeros(8, 8)], 8)
+    assert math.isnan(stage.announce()[2])  # nothing exchanged yet
+    for seconds in (3e-4, 2.5e-4, 9e-3, math.nan):  # the last: a backend that exchanged nothing
+        stage.exchanged(seconds)
+    assert stage.announce()[2] == pytest.approx(250.0)
+    for _ in range(_EXCHANGES_KEPT):
+        stage.exchanged(6e-3)
+    assert stage.announce()[2] == pytest.approx(6000.0)
