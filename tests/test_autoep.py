@@ -83,6 +83,8 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 
     ours, _, _, _ = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config(preset, True, zero, bf16, gas, fixed_costs,
                                                                 grouped=grouped))
+    from deepspeed_feplb.scheduler import client as scheduler_client
+    spare = scheduler_client._spare.pid if scheduler_client._spare is not None else 0  # started by `install`
     ref, _, _, _ = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
                                               config=ds_config(preset, False, zero, bf16, gas, grouped=grouped))
     swapped = [type(m.experts) for m in ours.module.modules() if hasattr(m, "experts") and hasattr(m, "router")]
@@ -135,7 +137,8 @@ def equivalence_case(preset: str, zero: int = 0, bf16: bool = False, gas: int = 
             "announced": [stage.announce() for stage in stages],
             "stats": {name: {k: s[k] for k in ("ranks", "tokens_before", "tokens_after", "migrated_tokens", "moves")}
                       for name, s in last.items()},
-            "resident_hits": sum(s.get("resident_hits", 0) for seen in stats_seen for s in seen.values())}
+            "resident_hits": sum(s.get("resident_hits", 0) for seen in stats_seen for s in seen.values()),
+            "spare": spare}
 
 
 def phase2_calls_case(grouped: bool) -> dict:
@@ -264,6 +267,13 @@ def test_the_skip_rule_decides_alike_on_every_rank(results):
     for per_rank in results:
         for announced in per_rank["mixtral_measured"]["announced"]:
             assert len(announced) == 3 and announced[1] == announced[1], announced  # a fitted cost per row (not NaN)
+
+
+def test_autoep_starts_the_domain_leaders_planner_before_the_first_forward(results):
+    """With measured costs, `install` starts the scheduler process of the domain that rank 0 will
+    lead as a spare (`domain.start_planner_early`), before any forward; rank 1 starts none."""
+    leader, other = (per_rank["mixtral_measured"]["spare"] for per_rank in results)
+    assert leader > 0 and other == 0, (leader, other)
 
 
 def disagreeing_configs() -> str:
