@@ -79,19 +79,6 @@ def _use_ce_on_host(calls: dict) -> None:
     expert_stage.transport_class = lambda config, expert_params: HostCETransport
 
 
-def _flatten_like_zero(experts) -> None:
-    """Lay the local experts' parameters in one buffer, one expert after the other, each a view of
-    it, as ZeRO 1/2's flat buffers (which a run with an engine has) hold them."""
-    import torch
-
-    params = [p for e in experts for p in e.parameters()]
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    at = 0
-    for p in params:
-        p.data = flat[at:at + p.numel()].view_as(p)
-        at += p.numel()
-
-
 def _worker(opts: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -130,8 +117,9 @@ def _worker(opts: dict) -> dict:
             layer.deepspeed_moe.gate.wg.weight[:experts // 2] += opts["skew"] / hidden
         layer.set_deepspeed_parallelism()
         layers[name] = layer.to(dev, dtype)
-        if opts.get("flat_params"):
-            _flatten_like_zero(layer.deepspeed_moe.experts.deepspeed_experts)
+        if opts.get("flat_params"):  # as ZeRO 1/2's flat buffers hold them
+            from deepspeed_feplb.testing import experts_in_one_buffer
+            experts_in_one_buffer(layer.deepspeed_moe.experts.deepspeed_experts)
 
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     batches = [((torch.randn(tokens, hidden, generator=g) + 1.0).to(dev, dtype),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepspeed_feplb.grouped_mlp import StackedMLP
-from deepspeed_feplb.testing import run_distributed
+from deepspeed_feplb.testing import experts_in_one_buffer, run_distributed
 from deepspeed_feplb.testing.op_count import count_ops
 
 H = 16
@@ -86,18 +86,6 @@ def test_an_expanded_output_gradient_is_taken():
     assert all(relative(a, b) <= 1e-6 for a, b in zip(grouped, loop))
 
 
-def _flattened(experts) -> torch.Tensor:
-    """Lay the experts' parameters in one buffer, expert by expert (ZeRO's flat buffers hold them
-    so), each parameter a view of it; the buffer."""
-    params = [p for e in experts for p in e.parameters()]
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    at = 0
-    for p in params:
-        p.data = flat[at:at + p.numel()].view_as(p)
-        at += p.numel()
-    return flat
-
-
 def test_weights_laid_out_as_zero_does_are_grouped_without_a_copy_and_unused_experts_get_no_gradient():
     """`StackedMLP.in_place`: where every expert's parameters lie in one buffer, one expert after the
     other (ZeRO 1/2's flat buffers), each parameter over the experts is a strided view, not a
@@ -107,7 +95,7 @@ def test_weights_laid_out_as_zero_does_are_grouped_without_a_copy_and_unused_exp
     torch.manual_seed(0)
     sizes, unused = [5, 0, 9, 3], [False, True, False, False]
     experts = [mlp(torch.nn.GELU()) for _ in sizes]
-    flat = _flattened(experts)
+    flat = experts_in_one_buffer(experts)  # as ZeRO 1/2's flat buffers hold them
     layer = StackedMLP.of(experts[0])
     params = [list(e.parameters()) for e in experts]
     x = torch.randn(sum(sizes), H)

@@ -294,7 +294,8 @@ class CudaCETransport:
         self._outgoing = {dst: collections.deque() for dst in self._peers}  # _Outgoing not fully out, in order
         self._in_flight = {dst: collections.deque() for dst in self._peers}  # (copied event, tensors)
         self._capacity = ring_capacity(slot_bytes)
-        self.streams_each_way = copy_streams(size - 1, hardware_queues())
+        queues = hardware_queues()
+        self.streams_each_way = copy_streams(size - 1, queues)
         self._poison = bool(getattr(self.backend, "poison_released", False))  # `HostBackend`, for ordering tests
         self._lock = threading.RLock()  # the sending side's state: callers and the background thread
         self._stop, self._wake = threading.Event(), threading.Event()
@@ -312,8 +313,8 @@ class CudaCETransport:
         self._signals: dict[tuple, collections.deque] = {}  # host flags: (src, dst, field) -> (event, value)s
         self._owns_control = create
         try:
-            if 2 * self.streams_each_way + 2 > hardware_queues():
-                _warn_few_queues(hardware_queues())
+            if 2 * self.streams_each_way + 2 > queues:
+                _warn_few_queues(queues)
             with backend.on_device():
                 why = backend.probe_flags()
                 self.stream_flags = not why  # False: the host stores and waits for the flags

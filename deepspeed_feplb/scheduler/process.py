@@ -4,10 +4,9 @@ Started by the domain's rank 0 (`client.ProcessScheduler`) as ``python -m
 deepspeed_feplb.scheduler.process``, or before the domain opens as a spare (``--spare``,
 `client.start_spare`) that reads its domain's mailbox from stdin. It imports numpy, numba's compiled
 planner and the mailbox, never torch (up in ~0.7 s of CPU on a 2-core VM, most of it numba).
-It waits until every rank published micro-batch
-``seq`` (sleeping on the mailbox's counts bell meanwhile), calls `plan_domain` and writes the
-`Plan` into the mailbox's plan ring; it exits on the mailbox's shutdown word, or removes the
-domain's segments and exits when its parent rank died.
+It waits until every rank published micro-batch ``seq`` (sleeping on the mailbox's counts bell
+meanwhile), calls `plan_domain` and writes the `Plan` into the mailbox's plan ring; it exits on
+the mailbox's shutdown word, or removes the domain's segments and exits when its parent rank died.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ _LAZY = {
         "one_hot_expert_routing", "uniform_routing", "RoutedGate", "RoutingOverride", "override_routing",
         "assign_counts", "scale_counts", "example_trace_path", "EXAMPLE_TRACE")},
     **{name: "deepspeed_feplb.testing.asserts" for name in (
-        "assert_same_on_all_ranks", "assert_equal_to_unbalanced", "relative_error", "distinct_experts")},
+        "assert_same_on_all_ranks", "assert_equal_to_unbalanced", "relative_error", "distinct_experts",
+        "experts_in_one_buffer")},
 }
 
 __all__ = ["free_port", "run_distributed", "RankFailed", "RankSkipped", *_LAZY]

@@ -6,6 +6,7 @@
   FEPLB layers) equals the same model with balancing off (``against="unbalanced"``: FEPLB with 0
   dynamic experts, every expert computed at home) or DeepSpeed's own MoE layer
   (``against="deepspeed"``, dropless): outputs, input gradients and every parameter gradient.
+* `experts_in_one_buffer(experts)` -- lay experts' parameters out as ZeRO 1/2's flat buffers do.
 """
 from __future__ import annotations
 
@@ -91,6 +92,19 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+def experts_in_one_buffer(experts) -> torch.Tensor:
+    """Lay ``experts``' parameters in one buffer, one expert after the other, each parameter a view
+    of it, as ZeRO 1/2's flat buffers (which a run with a DeepSpeed engine has) hold them; returns
+    the buffer. Values are kept."""
+    params = [p for e in experts for p in e.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        p.data = flat[at:at + p.numel()].view_as(p)
+        at += p.numel()
+    return flat
+
+
 def distinct_experts(model: torch.nn.Module, seed: int = 0) -> None:
     """Give every expert of every MoE layer in ``model`` its own weights.
 
