@@ -91,7 +91,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm().item() / denominator) if denominator > 0 else float((a - b).norm().item())
 
 
-@torch.no_grad()
 def experts_in_one_buffer(experts) -> torch.Tensor:
     """Lay ``experts``' parameters in one buffer, one expert after the other, each parameter a view
     of it, as ZeRO 1/2's flat buffers (which a run with a DeepSpeed engine has) hold them; returns
@@ -105,6 +104,7 @@ def experts_in_one_buffer(experts) -> torch.Tensor:
     return flat
 
 
+@torch.no_grad()
 def distinct_experts(model: torch.nn.Module, seed: int = 0) -> None:
     """Give every expert of every MoE layer in ``model`` its own weights.
 
