@@ -1,15 +1,21 @@
-"""Expert time over a perfectly balanced layer, simulated on the recorded traces at the defaults.
+"""Expert time over a perfectly balanced layer, simulated at the defaults on recorded and generated traces.
 
     python benchmarks/bench_time_over_ideal.py [--json benchmarks/data/sim_time_over_ideal.json]
 
-Runs ``simulate`` (the time model, not a measurement) on the shipped recorded traces
-(``stdlib_moe_ep8_{4k,32k}.npz``: 64 experts top-8, 8 source ranks, 4,096 / 32,768 rows per rank)
-priced as GLM-5-like experts, 8 micro-batches per step, every option of FEPLB at its default
-(the runtime's), as one node of 8 and as 2 nodes of 4, and the 2-node cases once more with the
-cross-node placement layer on (``--placement on``: opt-in in the runtime). Per policy it keeps
-the token max/mean, the expert time, the ideal (vanilla's compute spread evenly over the EP group,
-no transfers), their ratio and FEPLB's excess split into extra pieces, imbalance left, exposed
-weight copies and the rest (`simulate`'s JSON).
+Runs ``simulate`` (the time model, not a measurement), every option of FEPLB at its default (the
+runtime's), GLM-5-like experts (hidden 6144, ffn 2048), 8 micro-batches per step, on
+
+* the shipped recorded traces (``stdlib_moe_ep8_{4k,32k}.npz``: 64 experts top-8, 8 source ranks,
+  4,096 / 32,768 rows per rank), as one node of 8 and as 2 nodes of 4, and the 2-node cases once
+  more with the cross-node placement layer on (``--placement on``: opt-in in the runtime);
+* generated traces nobody tuned for (``trace --kind noaux``, its default skew, seed 7, 48
+  micro-batches, 256 experts top-8): EP 16 as 2 nodes of 8 at 2,048 and 16,384 rows per rank, EP 64
+  as 8 nodes of 8 at 4,096 and 32,768.
+
+Per policy it keeps the token max/mean, the expert time, the ideal (vanilla's compute spread evenly
+over the EP group, no transfers), their ratio and the excess split into extra pieces, imbalance
+left, exposed copies and the rest (`simulate`'s JSON); ``feplb_one_part`` is FEPLB with
+``--serve-parts 1`` (each helper returns a home's results in one message, as before 2026-12-06).
 """
 from __future__ import annotations
 
@@ -23,39 +29,64 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMAND = ("python -m deepspeed_feplb simulate --trace deepspeed_feplb/trace/data/TRACE --ranks-per-node G --nodes N "
-           "--hidden 6144 --ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json "
-           "[--placement on] (every other option at its default)")
+COMMAND = ("python -m deepspeed_feplb simulate --trace TRACE --ranks-per-node G --nodes N --hidden 6144 "
+           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on] "
+           "(every other option at its default; feplb_one_part: the feplb row of the same with --serve-parts 1); "
+           "generated TRACE: python -m deepspeed_feplb trace --out T.npz --kind noaux --ranks R --experts 256 "
+           "--tokens-per-rank ROWS --micro-batches 48 --layers 1 --top-k 8 --seed 7")
+# name: (trace: a shipped file or (ranks, rows per rank) generated, ranks per node, nodes, placement)
 CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, False), "ep8_32k": ("stdlib_moe_ep8_32k.npz", 8, 1, False),
          "ep8_2nodes_4k": ("stdlib_moe_ep8_4k.npz", 4, 2, False),
          "ep8_2nodes_32k": ("stdlib_moe_ep8_32k.npz", 4, 2, False),
          "ep8_2nodes_4k_placement": ("stdlib_moe_ep8_4k.npz", 4, 2, True),
-         "ep8_2nodes_32k_placement": ("stdlib_moe_ep8_32k.npz", 4, 2, True)}
+         "ep8_2nodes_32k_placement": ("stdlib_moe_ep8_32k.npz", 4, 2, True),
+         "generated_ep16_2k": ((16, 2048), 8, 2, False), "generated_ep16_16k": ((16, 16384), 8, 2, False),
+         "generated_ep64_4k": ((64, 4096), 8, 8, False), "generated_ep64_32k": ((64, 32768), 8, 8, False)}
 KEYS = ("token_max_over_mean", "expert_time_us", "ideal_time_us", "time_over_ideal", "excess_pieces_us",
         "excess_imbalance_us", "copy_exposed_us", "excess_other_us")
 
 
-def run_case(trace: str, ranks_per_node: int, nodes: int, placement: bool) -> dict:
+def _cli(argv: list) -> None:
     from deepspeed_feplb.__main__ import main
 
+    with contextlib.redirect_stdout(io.StringIO()):
+        if main(argv) != 0:
+            raise RuntimeError(f"failed: {argv}")
+
+
+def _trace(trace, tmp: str) -> str:
+    if isinstance(trace, str):
+        return os.path.join(ROOT, "deepspeed_feplb", "trace", "data", trace)
+    ranks, rows = trace
+    path = os.path.join(tmp, f"noaux_{ranks}_{rows}.npz")
+    _cli(["trace", "--out", path, "--kind", "noaux", "--ranks", str(ranks), "--experts", "256", "--tokens-per-rank",
+          str(rows), "--micro-batches", "48", "--layers", "1", "--top-k", "8", "--seed", "7"])
+    return path
+
+
+def _simulate(path: str, ranks_per_node: int, nodes: int, placement: bool, tmp: str, *extra: str) -> dict:
+    out = os.path.join(tmp, "out.json")
+    _cli(["simulate", "--trace", path, "--ranks-per-node", str(ranks_per_node), "--nodes", str(nodes), "--hidden",
+          "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--policies", "feplb,eplb", "--json", out,
+          "--no-progress", *(["--placement", "on"] if placement else []), *extra])
+    with open(out) as f:
+        return {name: {k: round(float(p[k]), 4) for k in KEYS} for name, p in json.load(f)["policies"].items()}
+
+
+def run_case(trace, ranks_per_node: int, nodes: int, placement: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        argv = ["simulate", "--trace", os.path.join(ROOT, "deepspeed_feplb", "trace", "data", trace),
-                "--ranks-per-node", str(ranks_per_node), "--nodes", str(nodes), "--hidden", "6144",
-                "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--policies", "feplb,eplb", "--json", out,
-                "--no-progress", *(["--placement", "on"] if placement else [])]
-        with contextlib.redirect_stdout(io.StringIO()):
-            if main(argv) != 0:
-                raise RuntimeError(f"simulate failed: {argv}")
-        with open(out) as f:
-            doc = json.load(f)
-    return {"trace": trace, "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": placement,
-            "policies": {name: {k: round(float(p[k]), 4) for k in KEYS} for name, p in doc["policies"].items()}}
+        path = _trace(trace, tmp)
+        policies = _simulate(path, ranks_per_node, nodes, placement, tmp)
+        policies["feplb_one_part"] = _simulate(path, ranks_per_node, nodes, placement, tmp, "--serve-parts",
+                                               "1")["feplb"]
+    return {"trace": trace if isinstance(trace, str) else f"generated noaux, {trace[0]} ranks, {trace[1]} rows",
+            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": placement, "policies": policies}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
+    parser.add_argument("--cases", help="comma-separated case names (default: all)")
     args = parser.parse_args(argv)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
@@ -64,14 +95,18 @@ def main(argv=None) -> int:
     result = {"command": COMMAND, "commit": commit,
               "note": "simulated (time model), not measured; ideal = vanilla's compute spread evenly over the EP "
                       "group, no transfers", "cases": {}}
+    names = args.cases.split(",") if args.cases else list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     print("| case | policy | max/mean | time / ideal | pieces | imbalance | exposed copies | other |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, case in CASES.items():
-        result["cases"][name] = run_case(*case)
+    for name in names:
+        result["cases"][name] = run_case(*CASES[name])
         for policy, p in result["cases"][name]["policies"].items():
             print(f"| {name} | {policy} | {p['token_max_over_mean']:.3f} | {p['time_over_ideal']:.3f} | "
                   f"{p['excess_pieces_us']:.0f} | {p['excess_imbalance_us']:.0f} | {p['copy_exposed_us']:.0f} | "
-                  f"{p['excess_other_us']:.0f} |")
+                  f"{p['excess_other_us']:.0f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

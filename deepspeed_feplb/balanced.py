@@ -174,7 +174,8 @@ class BalancedMicroBatch:
         self.phase2 = Phase2MicroBatch(self.domain.transport, self.seq, self.domain.local_rank, planned.plan.moves,
                                        self.dynamic, self.row_counts, list(modules), self.experts.spec,
                                        self.needs_grad, self.with_grads, self.stage_times, self.residency,
-                                       self.step_ends, self.ready, self.mark)
+                                       self.step_ends, self.ready, self.mark, self.config.serve_parts,
+                                       self.config.serve_part_rows)
         self.phase2.send_forward(self.dyn_x.detach(), [[p.detach() for p in params[e]] for e in self.dynamic])
 
     # ------------------------------------------------------------------ 4. dynamic experts

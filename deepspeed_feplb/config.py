@@ -221,6 +221,12 @@ class FEPLBConfig(FEPLBConfigModel):
     chunk_align_tokens: int = Field(8, ge=1)
     """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment)."""
 
+    serve_parts: int = Field(4, ge=1, le=16)
+    """A helper computes the chunks it serves for one home in up to this many parts, each of at least serve_part_rows rows, and sends each part's results (outputs, in backward input-gradients) home as soon as it is computed, so that only the last part's return is not hidden behind the helper's compute. 1: one call and one return per home."""
+
+    serve_part_rows: int = Field(1024, ge=1)
+    """Fewest rows in one of serve_parts' parts: smaller parts would cost more in calls and messages than their earlier return saves."""
+
     nvlink_domain_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"
     """Consecutive ranks that share an NVLink / copy-engine domain (a node); migration stays inside a domain, which never spans hosts. 'auto': the ranks per host: the launcher's local world size (LOCAL_WORLD_SIZE or LOCAL_SIZE), else counted from the ranks' hostnames by deepspeed_feplb.initialize."""
 
@@ -262,7 +268,7 @@ class FEPLBConfig(FEPLBConfigModel):
 
 
 # (why the keys have no effect, when, the keys): `idle_keys`, checked in this order
-_MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "ce_budget", "transport_slot_mb", "weight_residency",
+_MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "serve_parts", "serve_part_rows", "ce_budget", "transport_slot_mb", "weight_residency",
               "max_resident_experts", "resident_budget_mb", "scheduler.mode", "scheduler.plan_timeout_ms",
               "scheduler.restart", "scheduler.start_after_steps")
 _IDLE_RULES = (

@@ -216,7 +216,8 @@ class ComputeTimes:
         stage = TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
         if stage is None:
             return None
-        stage = replace(stage, sends_after_static=sends_after_static, forward_share=self.factor.forward_share)
+        stage = replace(stage, sends_after_static=sends_after_static, forward_share=self.factor.forward_share,
+                        serve_parts=config.serve_parts, serve_part_rows=config.serve_part_rows)
         if config.fixed_costs == "ignore":
             return stage
         fitted = self.fitted_us()  # none when no call was timed alone (every expert dynamic): the whole stage's

@@ -25,6 +25,10 @@ from deepspeed_feplb.segments import process_alive
 
 HIDDEN = 16
 TOKENS = 48
+# helpers serve a home's chunks in parts of 2 rows or more (up to `serve_parts`, 4), so that these
+# small layers' equivalence covers results returned part by part (at the default 1024 rows only
+# far larger micro-batches are split)
+IN_PARTS = {"serve_part_rows": 2}
 
 
 class UnknownExpert(torch.nn.Sequential):
@@ -98,8 +102,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, dynamic: int = 2) -> dict:
     """Forward+backward of both layers on this rank; returns errors and FEPLB stats."""
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
-             "fixed_costs": "ignore",
-             "max_helpers_per_expert": 4}
+             "fixed_costs": "ignore", "max_helpers_per_expert": 4, **IN_PARTS}
     reference, ours = build_pair(num_experts, ep_size, k, feplb, seed=k)
     x, w = rank_inputs(k)
     ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
@@ -167,7 +170,7 @@ def training_case(zero_stage: int, ep_size: int = 2, domain: int = 2, k: int = 2
     import deepspeed
 
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
-             "fixed_costs": "ignore"}
+             "fixed_costs": "ignore", **IN_PARTS}
 
     def make_model():  # twice from one seed: deepcopy would lose DeepSpeed's expert-param marks
         torch.manual_seed(11)
@@ -226,7 +229,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
              "fixed_costs": "ignore",
-             "weight_residency": residency, "max_resident_experts": max_resident}
+             "weight_residency": residency, "max_resident_experts": max_resident, **IN_PARTS}
     one_copy = copy_bytes(make_expert().parameters())
     if budget_copies is not None:
         feplb["resident_budget_mb"] = budget_copies * one_copy / 2**20
@@ -322,7 +325,8 @@ def equivalence_variant(ep_size: int = 2, k: int = 2, dtype=torch.float32, resid
     """One forward (and backward when training) of DeepSpeed's MoE and ours; relative errors (and
     ``bitwise``: whether output, input gradient and every gradient are bit-equal). With
     ``contiguous_reference`` DeepSpeed's experts get contiguous rows (`contiguous_expert_inputs`)."""
-    feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore", **(feplb or {})}
+    feplb = {"dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore", **IN_PARTS,
+             **(feplb or {})}
     torch.manual_seed(5)
     kwargs = dict(hidden_size=HIDDEN, num_experts=8, ep_size=ep_size, k=k, min_capacity=0, use_residual=residual,
                   use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=reference_drop_tokens)
@@ -1142,7 +1146,8 @@ def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
         original = phase2.Phase2MicroBatch._vjp
 
         def scaled(self, pieces, grads):
-            served = [any(piece is q for q_pieces in self.served.values() for q in q_pieces) for piece in pieces]
+            served = [any(piece is q for parts in self.served.values() for _, q_pieces in parts for q in q_pieces)
+                      for piece in pieces]
             return [[gx, *[g * (1.0 + fault) for g in gp]] if helper else [gx, *gp]
                     for helper, (gx, *gp) in zip(served, original(self, pieces, grads))]
         phase2.Phase2MicroBatch._vjp = scaled

@@ -204,3 +204,86 @@ def test_a_place_that_does_not_fit_the_message_gets_a_tensor_of_its_own():
     outs = layout.receive_into("input_grads", places, torch.device("cpu"))(descriptions)
     assert outs[0] is not places[0][0] and outs[0].dtype == torch.float32  # another dtype than its place
     assert outs[1].shape == (3, 3) and outs[2] is places[1][0]
+
+
+def test_a_homes_chunks_are_cut_into_near_equal_parts_in_chunk_order():
+    assert messages.served_parts([10], 1) == [[(0, 0, 10)]]
+    # a chunk of no rows is a piece of the part where it would start
+    assert messages.served_parts([10, 0, 6], 4) == [[(0, 0, 4)], [(0, 4, 4)], [(0, 8, 2), (1, 0, 0), (2, 0, 2)],
+                                                    [(2, 2, 4)]]
+    assert messages.served_parts([3, 5, 8], 2) == [[(0, 0, 3), (1, 0, 5)], [(2, 0, 8)]]
+
+
+def _parts_case(grouped: bool) -> dict:
+    """Home 0 moves 6 of expert 0's rows and 3 of expert 1's to helper 1, which serves them in 3
+    parts of 3 rows (``serve_part_rows`` 3): forward and backward. The helper sends each part's
+    results before it computes the next; the home's output, input-gradient and weight-gradients
+    equal the unbalanced computation's, and with ``grouped`` a part is one grouped call."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from deepspeed_feplb.experts import ExpertSpec
+    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FWD_RESULTS, Phase2MicroBatch
+
+    rank = dist.get_rank()
+    transport = _shm_pair(f"parts-{int(grouped)}")
+    events = []
+    plain_send = transport.send
+
+    def send(dst, message_tag, tensors, after=None):
+        if message_tag & 0xF in (FWD_RESULTS, BWD_RESULTS):
+            events.append(("send", message_tag & 0xF, (message_tag >> 4) & 0xF))
+        return plain_send(dst, message_tag, tensors, after)
+    transport.send = send
+    torch.manual_seed(0)
+    template = torch.nn.Linear(8, 8, bias=False)
+    weights = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
+
+    def grouped_call(stacked, x, sizes):  # x @ w.T per expert
+        events.append(("compute", len(sizes)))
+        return torch.cat([x_i @ w_i.t() for x_i, w_i in zip(x.split(sizes), stacked[0])])
+    spec = ExpertSpec.of(template, grouped_call if grouped else None)
+    moves = np.array([[0, 0, 1, 6], [0, 1, 1, 3]], np.int64)
+    dynamic, counts = ([0, 1], [8, 4]) if rank == 0 else ([], [])
+    x = torch.randn(sum(counts), 8, generator=torch.Generator().manual_seed(1))
+    step = Phase2MicroBatch(transport, 1, rank, moves, dynamic, counts, [template, template], spec, True, dynamic,
+                            serve_parts=4, serve_part_rows=3)
+    step._compute = _logged(step._compute, events, "pieces")
+    step._vjp = _logged(step._vjp, events, "vjp")
+    y = step.forward(x, [[weights[e]] for e in dynamic])
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    grad_x, grads = step.backward_home(grad_y)
+    grad_x, grads = step.backward_rest(grad_x, grads)
+    out = {"events": events}
+    if rank == 0:
+        xr = x.clone().requires_grad_(True)
+        ref = torch.cat([xr[:8] @ weights[0].t(), xr[8:] @ weights[1].t()])
+        ref_grads = torch.autograd.grad(ref, [xr, *weights], grad_y)
+        out.update(y=torch.allclose(y, ref, atol=1e-6), grad_x=torch.allclose(grad_x, ref_grads[0], atol=1e-6),
+                   grad_w=all(torch.allclose(g[0], r, atol=1e-6) for g, r in zip(grads, ref_grads[1:])))
+    dist.barrier()
+    transport.close()
+    return out
+
+
+def _logged(method, events, name):
+    def logged(pieces, *args):
+        events.append((name, len(pieces)))
+        return method(pieces, *args)
+    return logged
+
+
+def test_a_helper_sends_each_parts_results_before_it_computes_the_next():
+    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FWD_RESULTS
+    from deepspeed_feplb.testing import run_distributed
+    for grouped in (False, True):
+        home, helper = run_distributed(_parts_case, 2, grouped, timeout=120)
+        assert home["y"] and home["grad_x"] and home["grad_w"], (grouped, home)
+        served = [e for e in helper["events"] if e[0] == "send" or e[0] != "compute" and e[1]]  # its own: none
+        # 9 rows in 3 parts of one piece each: expert 0's first 3 rows, its last 3, expert 1's 3
+        assert served == [("pieces", 1), ("send", FWD_RESULTS, 0), ("pieces", 1), ("send", FWD_RESULTS, 1),
+                          ("pieces", 1), ("send", FWD_RESULTS, 2),
+                          ("vjp", 1), ("send", BWD_RESULTS, 0), ("vjp", 1), ("send", BWD_RESULTS, 1),
+                          ("vjp", 1), ("send", BWD_RESULTS, 2)], served
+        calls = [e for e in helper["events"] if e[0] == "compute"]
+        assert calls == ([("compute", 1)] * 3 if grouped else []), calls

@@ -464,3 +464,20 @@ def test_copies_wait_for_the_plan_and_on_cpu_ranks_for_the_homes_other_experts()
         [pytest.approx([40.0, 25.0]), pytest.approx([80.0, 20.0])]
     late_model = replace(model, plan_us=25.0, sends_after_static=True, piece_floor_us=7.0, forward_share=0.4)
     assert TimeModel.from_record(late_model.record) == late_model  # as the mailbox carries it
+
+
+def test_a_helper_returns_its_results_part_by_part_and_only_the_last_waits_after_its_compute():
+    """Home 0 moves 100 rows to helper 1, which keeps a copy of the weights (no weight copy). Forward
+    (1 µs a row): the rows arrive at 50 µs, the helper computes them until 150; in one part the
+    outputs are home at 200, in 4 parts of 25 rows the last part's (12.5 µs) at 162.5. Backward (2
+    µs a row): served from 50 to 250, input-gradients home at 300, or 262.5."""
+    from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
+
+    counts, moves = np.array([[200], [0]]), np.array([[0, 0, 1, 100]])
+    kept = np.zeros(1, np.bool_)
+    model = TimeModel(1, 3.0, 0.0, 0.0, 0.0, 0.5)
+    for parts, part_rows, home in ((1, 1, [200.0, 300.0]), (4, 25, [162.5, 262.5]), (4, 40, [175.0, 275.0]),
+                                   (4, 1000, [200.0, 300.0])):
+        finish = rank_finish_us(counts, moves, replace(model, serve_parts=parts, serve_part_rows=part_rows),
+                                fresh=kept, grads_back=kept)
+        assert finish[:, 0].tolist() == pytest.approx(home), (parts, part_rows)

@@ -112,6 +112,29 @@ def message_buffers(descriptions: Sequence, device: torch.device, given: Sequenc
     return out
 
 
+def served_parts(sizes: Sequence[int], parts: int) -> list[list[tuple[int, int, int]]]:
+    """How a helper computes one home's chunks of ``sizes`` rows in ``parts`` parts
+    (`plan.time_model.serve_parts`), each part's results one message: the chunks' rows, back to
+    back, cut into ``parts`` near-equal runs. Per part, its pieces ``(chunk, first row in the chunk,
+    rows)`` in chunk order; a chunk of no rows is a piece of the part where it would start."""
+    total = sum(sizes)
+    bounds = [total * p // parts for p in range(parts + 1)]
+    out: list = [[] for _ in range(parts)]
+    p, at = 0, 0
+    for c, n in enumerate(sizes):
+        first = 0
+        while True:
+            while p + 1 < parts and bounds[p + 1] <= at + first:
+                p += 1
+            end = min(n, bounds[p + 1] - at) if p + 1 < parts else n
+            out[p].append((c, first, end - first))
+            first = end
+            if first >= n:
+                break
+        at += n
+    return out
+
+
 def rows_to_helper(carries: Sequence[bool], n_params: int, n_buffers: int) -> MessageLayout:
     """Home -> helper, forward (after a flags tensor): per chunk the expert's weights (when it
     carries them), its buffers, and its rows."""

@@ -36,13 +36,16 @@ import torch
 from deepspeed_feplb.experts import ExpertSpec
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
+from deepspeed_feplb.plan.time_model import serve_parts
 from deepspeed_feplb.stats import StageTimes
 
 FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
 
 
-def tag(seq: int, phase: int) -> int:
-    return (seq << 4) | phase
+def tag(seq: int, phase: int, part: int = 0) -> int:
+    """A message's tag: micro-batch (``seq``), ``phase`` and, for results sent part by part
+    (`messages.served_parts`, fewer than 16), the part."""
+    return (seq << 8) | (part << 4) | phase
 
 
 @dataclass
@@ -120,6 +123,10 @@ class Phase2MicroBatch:
     `grad_experts`, taken before the plan: at a step's end its admission keeps nothing new).
     ready: the transport's `mark` of when the rows were ready (right after phase 1): forward's
     sends wait for it, not for whatever the caller queued since (the static experts).
+    serve_parts, serve_part_rows: a helper computes one home's chunks in parts
+    (`plan.time_model.serve_parts`, `messages.served_parts`) and sends each part's results (outputs;
+    in backward input-gradients, with a chunk's weight-gradients in the part where it ends) as soon
+    as it is computed, so only the last part's return follows the helper's compute.
     mark: marks "now" for the timed forward calls (`expert_costs.ComputeTimes.clock`: host
     seconds, or CUDA events); ``timed`` receives (k pieces, n rows, start, end) per forward call,
     and ``wait_s`` the host seconds spent blocked on a peer (receives, sends to finish).
@@ -141,8 +148,10 @@ class Phase2MicroBatch:
     step_ends: bool = True
     ready: object = None
     mark: Callable[[], object] = time.perf_counter
+    serve_parts: int = 1
+    serve_part_rows: int = 1
     home_pieces: list[_Piece] = field(default_factory=list)
-    served: dict = field(default_factory=dict)  # src -> list[_Piece]
+    served: dict = field(default_factory=dict)  # home -> per part, (its pieces' (chunk, first row, rows), _Piece's)
 
     def __post_init__(self):
         self.view = RankView.of(self.moves, self.local_rank, self.dynamic, self.row_counts)
@@ -227,9 +236,10 @@ class Phase2MicroBatch:
             first = self.home_pieces[0].y
             out = first.new_empty((int(starts[-1]), first.shape[1]))
         for helper, chunks in outgoing.items():
-            places = [[out[starts[i] + offset:starts[i] + offset + tokens]] for i, offset, tokens, _ in chunks]
-            self._recv_into(helper, tag(self.seq, FWD_RESULTS), messages.outputs_to_home(len(chunks)), "outputs",
-                            places, out.device, "forward results")
+            for part, pieces in enumerate(self._parts([tokens for _, _, tokens, _ in chunks])):
+                places = [[out[starts[chunks[c][0]] + chunks[c][1] + first:][:rows]] for c, first, rows in pieces]
+                self._recv_into(helper, tag(self.seq, FWD_RESULTS, part), messages.outputs_to_home(len(pieces)),
+                                "outputs", places, out.device, "forward results")
         self._settle(sends)
         self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
@@ -240,6 +250,10 @@ class Phase2MicroBatch:
             out[starts[i]:starts[i] + home_rows[i]] = piece.y.detach()
         self._report("", start)
         return out if out is not None else dyn_x.new_zeros((0, dyn_x.shape[1]))
+
+    def _parts(self, sizes: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The parts one home's chunks of ``sizes`` rows are served in (`messages.served_parts`)."""
+        return messages.served_parts(sizes, serve_parts(sum(sizes), self.serve_parts, self.serve_part_rows))
 
     def _recv_into(self, src: int, message_tag: int, layout: messages.MessageLayout, name: str, places: list,
                    device: torch.device, what: str) -> list[dict]:
@@ -368,14 +382,19 @@ class Phase2MicroBatch:
             held = [self._held_copy(home, expert, m, None if not carry else part["weights"] if whole or not
                                     self.copy_kept[m] else [w.clone() for w in part["weights"]])
                     for (expert, m), carry, part in zip(experts, carries, parts)]
-            pieces = self._compute([(template, part["weights"] if carry else h.params, part["buffers"], part["rows"][0])
-                                    for h, carry, part in zip(held, carries, parts)])
-            for piece, h in zip(pieces, held):
-                piece.held = h
+            chunks = [(template, part["weights"] if carry else h.params, part["buffers"], part["rows"][0])
+                      for h, carry, part in zip(held, carries, parts)]
+            served = []
+            for k, members in enumerate(self._parts([len(chunk[3]) for chunk in chunks])):
+                pieces = self._compute([(*chunks[c][:3], chunks[c][3][first:first + rows])
+                                        for c, first, rows in members])
+                for piece, (c, _, _) in zip(pieces, members):
+                    piece.held = held[c]
+                served.append((members, pieces))
+                results = messages.outputs_to_home(len(pieces)).pack([{"outputs": [p.y.detach()]} for p in pieces])
+                sends.append(self.transport.send(home, tag(self.seq, FWD_RESULTS, k), results))
             if self.needs_grad:
-                self.served[home] = pieces
-            results = messages.outputs_to_home(len(pieces)).pack([{"outputs": [p.y.detach()]} for p in pieces])
-            sends.append(self.transport.send(home, tag(self.seq, FWD_RESULTS), results))
+                self.served[home] = served
         return sends
 
     # ------------------------------------------------------------------ backward
@@ -412,27 +431,41 @@ class Phase2MicroBatch:
         outgoing, starts = self.view.outgoing, self.view.starts
         sends, self._sends = self._sends, []
         n_params = len(self.spec.param_names)
-        for home, pieces in self.served.items():
-            grads = messages.output_grads_to_helper(len(pieces)).unpack(
+        for home, served in self.served.items():
+            chunks = len(self.view.incoming[home])
+            grads = messages.output_grads_to_helper(chunks).unpack(
                 self._recv(home, tag(self.seq, BWD_GRADS)), "backward output-gradients")
-            parts = []
-            for piece, (gx, *gp) in zip(pieces, self._vjp(pieces, [grad["output_grads"][0] for grad in grads])):
-                if piece.held is not None:
-                    piece.held.accumulate(gp)  # goes home once, at the step's end
-                parts.append({"input_grads": [gx], "weight_grads": gp if piece.held is None else []})
-            layout = messages.grads_to_home([piece.held is None for piece in pieces], n_params)
-            sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS), layout.pack(parts)))
+            summed: list = [None] * chunks  # a chunk's weight-gradients over its pieces, until its last
+            for k, (members, pieces) in enumerate(served):
+                vjps = self._vjp(pieces, [grads[c]["output_grads"][0][first:first + rows]
+                                          for c, first, rows in members])
+                parts, goes_home = [], []
+                for (c, first, rows), piece, (gx, *gp) in zip(members, pieces, vjps):
+                    if piece.held is not None:
+                        piece.held.accumulate(gp)  # goes home once, at the step's end
+                    else:  # in fp32 over parts: one rounding at the end, as one call over the chunk has
+                        summed[c] = gp if summed[c] is None else [a.float() + b for a, b in zip(summed[c], gp)]
+                    ends = piece.held is None and first + rows == len(grads[c]["output_grads"][0])
+                    parts.append({"input_grads": [gx],
+                                  "weight_grads": [a.to(b.dtype) for a, b in zip(summed[c], gp)] if ends else []})
+                    goes_home.append(ends)
+                layout = messages.grads_to_home(goes_home, n_params)
+                sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS, k), layout.pack(parts)))
 
         grad_params = list(grad_params)
         for helper, chunks in outgoing.items():
-            layout = messages.grads_to_home([not self.copy_kept[m] for *_, m in chunks], n_params)
-            # their rows' gradients land in grad_x (no copy after the receive)
-            places = [[grad_x[starts[i] + offset:starts[i] + offset + tokens]] for i, offset, tokens, _ in chunks]
-            parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS), layout, "input_grads", places, grad_x.device,
-                                    "backward results")
-            for (i, _, _, _), part in zip(chunks, parts):
-                if part["weight_grads"]:
-                    grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
+            for k, pieces in enumerate(self._parts([tokens for _, _, tokens, _ in chunks])):
+                # a chunk's weight-gradients come with its last piece, unless its helper keeps the copy
+                layout = messages.grads_to_home([not self.copy_kept[chunks[c][3]] and first + rows == chunks[c][2]
+                                                 for c, first, rows in pieces], n_params)
+                # their rows' gradients land in grad_x (no copy after the receive)
+                places = [[grad_x[starts[chunks[c][0]] + chunks[c][1] + first:][:rows]] for c, first, rows in pieces]
+                parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS, k), layout, "input_grads", places,
+                                        grad_x.device, "backward results")
+                for (c, _, _), part in zip(pieces, parts):
+                    if part["weight_grads"]:
+                        i = chunks[c][0]
+                        grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
         grad_params += [None] * (len(self.grad_experts) - len(grad_params))
         sends += self._flush(grad_params)
         self._settle(sends)

@@ -11,7 +11,7 @@ import numpy as np
 from numba import from_dtype, njit
 from numba import types as nt
 
-from deepspeed_feplb.plan.time_model import MODEL_DTYPE
+from deepspeed_feplb.plan.time_model import MODEL_DTYPE, serve_parts
 
 # The time model as the passes take it: `timeline.TimeModel.record`, read by field name (length
 # 0: no model, rows only). Its fields are part of the compiled signatures, so numba's cache never
@@ -406,13 +406,34 @@ def _piece_us(n, model):
     return max(m.piece_floor_us, m.piece_us + ((n + tile - 1) // tile) * tile * m.row_us)
 
 
+_serve_parts = njit(cache=True)(serve_parts)
+
+
+@njit(nt.int64(nt.float64, MODEL), cache=True)
+def _parts(rows, model):
+    """The parts a helper computes a message of ``rows`` rows in (`time_model.serve_parts`)."""
+    return _serve_parts(int(rows), int(model[0].serve_parts), int(model[0].serve_part_rows))
+
+
+@njit(nt.float64(nt.float64, nt.float64, nt.int64, nt.float64, nt.float64), cache=True)
+def _returned(start, cost, parts, part_copy_us, link_free):
+    """When the last of a served message's ``parts`` results has left its helper: part p is
+    computed by ``start + cost * (p + 1) / parts`` and its results (``part_copy_us``) follow on the
+    helper's outgoing link, free from ``link_free``, one part at a time."""
+    link = link_free
+    for p in range(parts):
+        link = max(link, start + cost * (p + 1) / parts) + part_copy_us
+    return link
+
+
 @njit(nt.Tuple((nt.int64[:, ::1], nt.float64[:, ::1]))(nt.int64[:, ::1], nt.boolean[::1], nt.boolean[::1], nt.int64,
                                                         MODEL), cache=True)
 def _messages(moves, fresh, grads_back, G, model):
     """The plan's chunks as the runtime sends them: one message per (home, helper) pair, ordered by
     home, then helper (a home sends to its helpers in ascending order; a helper serves its homes
     so). Returns (int64 [K, 2] = (home, helper), float64 [K, 4] = (rows, weight copies, gradient
-    returns, the chunks' pieces' forward + backward cost µs))."""
+    returns, the chunks' pieces' forward + backward cost µs: one more piece per part after the
+    first, `_parts`))."""
     M = moves.shape[0]
     key = moves[:, 0] * G + moves[:, 2]
     order = np.argsort(key, kind="mergesort")
@@ -428,6 +449,8 @@ def _messages(moves, fresh, grads_back, G, model):
         sizes[K, 1] += fresh[m]
         sizes[K, 2] += grads_back[m]
         sizes[K, 3] += _piece_us(moves[m, 3], model)
+    for k in range(K + 1):  # a part boundary inside a chunk splits it into one more piece
+        sizes[k, 3] += (_parts(sizes[k, 0], model) - 1) * model[0].piece_us
     return pairs[:K + 1], sizes[:K + 1]
 
 
@@ -502,21 +525,27 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
         out_free = np.maximum(out_free, forward * static)
     t = np.maximum(forward * static, plan_ready) + forward * later
     arrive = _copies(pairs, weights * wcopy + rows * rcopy, latency, out_free)
-    done = _serve(pairs, arrive, t, forward * cost)
+    fwd_cost = forward * cost
+    done = _serve(pairs, arrive, t, fwd_cost)
     out[0] = t
-    for k in range(pairs.shape[0]):  # the outputs go home
-        out[0, pairs[k, 0]] = max(out[0, pairs[k, 0]], done[k] + rows[k] * rcopy + latency)
+    for k in range(pairs.shape[0]):  # the outputs go home, part by part
+        parts = _parts(rows[k], model)
+        back = _returned(done[k] - fwd_cost[k], fwd_cost[k], parts, rows[k] / parts * rcopy, 0.0)
+        out[0, pairs[k, 0]] = max(out[0, pairs[k, 0]], back + latency)
 
     # backward: the output-gradients leave at once; a helper serves its homes after its own
     # experts' backward (the runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`)
     t = backward * (static + later)
     back_free = np.zeros(G)  # each rank's outgoing link: output-gradients, then weight-gradients, one at a time
     arrive = _copies(pairs, rows * rcopy, latency, back_free)
-    done = _serve(pairs, arrive, t, backward * cost)
+    bwd_cost = backward * cost
+    done = _serve(pairs, arrive, t, bwd_cost)
     out[1] = t
-    for k in range(pairs.shape[0]):  # a home's input-gradients, and weight-gradients not kept, in one message
+    for k in range(pairs.shape[0]):  # a home's input-gradients part by part, the last with the weight-gradients
         h, j = pairs[k, 0], pairs[k, 1]
-        back_free[j] = max(back_free[j], done[k]) + rows[k] * rcopy + grads[k] * gcopy
+        parts = _parts(rows[k], model)
+        back_free[j] = _returned(done[k] - bwd_cost[k], bwd_cost[k], parts, rows[k] / parts * rcopy,
+                                 back_free[j]) + grads[k] * gcopy
         out[1, h] = max(out[1, h], back_free[j] + latency)
     # the step's end: a helper sends its kept copies' gradients once its own helpers' results are in
     served = out[1].copy()

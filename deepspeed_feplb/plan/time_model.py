@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["FWD_BWD_GEMMS", "MODEL_DTYPE", "TimeModel"]
+__all__ = ["FWD_BWD_GEMMS", "MODEL_DTYPE", "TimeModel", "serve_parts"]
 
 # fwd + bwd GEMMs of a row: the forward, the input-gradient and the weight-gradient GEMM
 FWD_BWD_GEMMS = 3
@@ -35,7 +35,10 @@ class TimeModel:
     piece_floor_us:  the least one piece costs (forward + backward), whatever its rows (a measured
                      profile's `cost.GemmProfile.floor_us`; 0: none);
     forward_share:   the forward's share of a piece's cost (1 / `FWD_BWD_GEMMS` for GEMMs alone; the
-                     runtime's `expert_costs.StageFactor` measures its stage's).
+                     runtime's `expert_costs.StageFactor` measures its stage's);
+    serve_parts, serve_part_rows: a helper computes one home's chunks in `serve_parts` parts (at
+                     most ``serve_parts``, each of at least ``serve_part_rows`` rows) and each part's
+                     results go home as soon as it is computed.
     """
 
     tile_rows: int
@@ -49,6 +52,8 @@ class TimeModel:
     sends_after_static: bool = False
     piece_floor_us: float = 0.0
     forward_share: float = 1.0 / FWD_BWD_GEMMS
+    serve_parts: int = 1
+    serve_part_rows: int = 1
 
     @classmethod
     def of(cls, shape, profile) -> "TimeModel":
@@ -85,6 +90,13 @@ class TimeModel:
     @property
     def finite(self) -> bool:
         return all(math.isfinite(v) and v >= 0 for v in astuple(self))
+
+
+def serve_parts(rows: int, max_parts: int, part_rows: int) -> int:
+    """How many parts a helper computes one home's ``rows`` rows in: as many as fit parts of at
+    least ``part_rows`` rows, at most ``max_parts``, at least 1 (plain arithmetic, so that the
+    compiled passes call it too: `passes`)."""
+    return max(1, min(max_parts, rows // max(part_rows, 1)))
 
 
 # The time model as one record of float64 fields named as `TimeModel`'s: the planner's compiled

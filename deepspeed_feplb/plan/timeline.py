@@ -22,8 +22,11 @@ Forward, from the stage's start:
   ``sends_after_static`` (a grouped static call on CPU ranks, which leaves no point to send from)
   not before its home computed its static experts;
 * a helper computes a home's chunks once it has finished its own rows and their whole message has
-  arrived, homes in ascending order (the runtime's blocking receives); their outputs go home in
-  one message (``n * row_copy_us``).
+  arrived, homes in ascending order (the runtime's blocking receives), in `serve_parts` parts
+  (``time_model.serve_parts``: up to ``serve_parts`` of at least ``serve_part_rows`` rows; each
+  part after the first adds one piece's ``piece_us``); each part's outputs go home as soon as it
+  is computed (its rows' ``row_copy_us``), one part at a time, so only the last part's copy
+  follows the helper's compute.
 
 Backward, from the backward stage's start (`phase2.DynamicExperts`, then the static experts, then
 `phase2.Phase2Anchor`):
@@ -32,10 +35,11 @@ Backward, from the backward stage's start (`phase2.DynamicExperts`, then the sta
   row_copy_us``, one copy at a time per link) and computes its own rows' backward, the dynamic
   experts' and the static ones';
 * a helper computes a home's chunks' backward once its own rows' backward is done and their
-  gradients arrived, homes in ascending order; the rows' input-gradients (``n * row_copy_us``) go
-  home in one message with the weight-gradients of the copies it does not keep for later
-  micro-batches of the step (``grad_copy_us`` each), one message at a time on the helper's
-  outgoing link; the home finishes when they are back. At the step's last micro-batch, once a
+  gradients arrived, homes in ascending order, in the forward's parts; each part's input-gradients
+  (its rows' ``row_copy_us``) go home as soon as it is computed, the last part with the
+  weight-gradients of the copies it does not keep for later micro-batches of the step
+  (``grad_copy_us`` each), one message at a time on the helper's outgoing link; the home
+  finishes when they are back. At the step's last micro-batch, once a
   helper has its own helpers' results, every weight copy it kept sends its accumulated gradients
   home the same way (``flush``).
 

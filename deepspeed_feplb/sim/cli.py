@@ -47,6 +47,7 @@ stdlib_moe_ep8_4k.npz and stdlib_moe_ep8_32k.npz (8 source ranks, 64 experts) 1,
 
 
 _RUNTIME = FEPLBConfig()  # the runtime's defaults are the simulator's
+_SERVE_PARTS_MAX = next(m.le for m in FEPLBConfig.model_fields["serve_parts"].metadata if hasattr(m, "le"))
 _PLACEMENT_DEFAULT = {True: "on", False: "off", "auto": "auto"}[_RUNTIME.placement.enabled]
 
 def _budget(text: str):
@@ -135,6 +136,12 @@ def add_parser(subparsers) -> None:
                    help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
     p.add_argument("--chunk-align", type=whole_number(1), default=_RUNTIME.chunk_align_tokens, metavar="TOKENS",
                    help="token chunks moved to helpers are multiples of this many tokens (default: %(default)s)")
+    p.add_argument("--serve-parts", type=whole_number(1, _SERVE_PARTS_MAX), default=_RUNTIME.serve_parts,
+                   metavar="PARTS",
+                   help="a helper computes one home's chunks in up to PARTS parts and returns each part's results "
+                        "as it is done (feplb.serve_parts; 1: one part) (default: %(default)s)")
+    p.add_argument("--serve-part-rows", type=whole_number(1), default=_RUNTIME.serve_part_rows, metavar="ROWS",
+                   help="fewest rows of one such part (feplb.serve_part_rows) (default: %(default)s)")
     p.add_argument("--ce-budget", type=_budget, default="auto", metavar="BYTES",
                    help="hard cap on the expert-weight bytes a rank copies per micro-batch: auto or inf (no cap: "
                         "the time model keeps only copies that pay off) or bytes (default: %(default)s)")
@@ -333,7 +340,8 @@ def _setup(args, trace, D):
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
                     max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
                     max_rows_over_mean=args.max_rows_over_mean,
-                    redundant_per_rank=args.redundant_per_rank)
+                    redundant_per_rank=args.redundant_per_rank, serve_parts=args.serve_parts,
+                    serve_part_rows=args.serve_part_rows)
 
 
 def _compare_measured(args, trace, setup) -> dict:

@@ -55,6 +55,8 @@ class SimSetup:
                copy counting its weights and an fp32 weight-gradient, as a helper holds them.
     max_rows_over_mean: ``feplb``'s bound on rows before time (``feplb.max_rows_over_mean``; None:
                time alone), relative to the mean over all G x N ranks.
+    serve_parts, serve_part_rows: parts a helper computes one home's chunks in, each part's results
+               going home once computed (``feplb.serve_parts``, ``feplb.serve_part_rows``).
     redundant_per_rank: replica slots per rank of ``feplb``'s cross-node layer
                (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
                replicas on other nodes where they pay; each micro-batch splits a replicated
@@ -103,6 +105,8 @@ class SimSetup:
     resident_budget_mb: str | float = "auto"
     max_rows_over_mean: Optional[float] = None
     redundant_per_rank: int = 0
+    serve_parts: int = FEPLBConfig.model_fields["serve_parts"].default
+    serve_part_rows: int = FEPLBConfig.model_fields["serve_part_rows"].default
 
     @property
     def ranks(self) -> int:
@@ -115,12 +119,15 @@ class SimSetup:
         return FEPLBConfig(dynamic_experts_per_rank=self.dynamic_experts, max_helpers_per_expert=self.max_helpers,
                            chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps,
                            weight_residency=self.residency, max_resident_experts=self.max_resident,
-                           resident_budget_mb=self.resident_budget_mb, max_rows_over_mean=self.max_rows_over_mean)
+                           resident_budget_mb=self.resident_budget_mb, max_rows_over_mean=self.max_rows_over_mean,
+                           serve_parts=self.serve_parts, serve_part_rows=self.serve_part_rows)
 
     @cached_property
     def time_model(self) -> TimeModel:
         """The time model of the planner and of ``expert_time_us`` (`plan.timeline`)."""
-        return TimeModel.of(self.shape, self.profile)
+        config = self.feplb_config
+        return replace(TimeModel.of(self.shape, self.profile), serve_parts=config.serve_parts,
+                       serve_part_rows=config.serve_part_rows)
 
     def step_ends(self, step: int) -> bool:
         """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""

@@ -12,8 +12,9 @@ __all__ = ["add_parser", "run_trace"]
 KINDS = ("noaux", "zipf", "dirichlet", "biased", "lplb")
 
 
-def whole_number(low: int):
-    """argparse type: an int >= ``low`` (argparse prints the message and exits with status 2)."""
+def whole_number(low: int, high: int | None = None):
+    """argparse type: an int >= ``low`` (and <= ``high``) (argparse prints the message and exits
+    with status 2)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -21,6 +22,8 @@ def whole_number(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is above {high}")
         return value
     return parse
 
