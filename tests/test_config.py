@@ -86,7 +86,8 @@ def test_auto():
 
 SECTION = {
     "enabled": False, "dynamic_experts_per_rank": 4, "max_helpers_per_expert": 3, "chunk_align_tokens": 64,
-    "serve_parts": 2, "serve_part_rows": 512, "nvlink_domain_size": 8, "ep_backend": "deepep", "transport": "cuda_ce", "copy_engine_gbps": 300.0,
+    "serve_parts": 2, "serve_part_rows": 512, "nvlink_domain_size": 8, "ep_backend": "deepep", "transport": "cuda_ce",
+    "copy_engine_gbps": 300.0,
     "ce_budget": 2e9, "transport_slot_mb": 256.0, "weight_residency": "micro_batch", "max_resident_experts": 3,
     "resident_budget_mb": 4096.0, "max_rows_over_mean": 1.05,
     "fixed_costs": "ignore",

@@ -208,6 +208,7 @@ def test_a_place_that_does_not_fit_the_message_gets_a_tensor_of_its_own():
 
 def test_a_homes_chunks_are_cut_into_near_equal_parts_in_chunk_order():
     assert messages.served_parts([10], 1) == [[(0, 0, 10)]]
+    assert messages.served_parts([], 1) == []  # a helper that only returns kept copies' gradients
     # a chunk of no rows is a piece of the part where it would start
     assert messages.served_parts([10, 0, 6], 4) == [[(0, 0, 4)], [(0, 4, 4)], [(0, 8, 2), (1, 0, 0), (2, 0, 2)],
                                                     [(2, 2, 4)]]
@@ -287,3 +288,76 @@ def test_a_helper_sends_each_parts_results_before_it_computes_the_next():
                           ("vjp", 1), ("send", BWD_RESULTS, 2)], served
         calls = [e for e in helper["events"] if e[0] == "compute"]
         assert calls == ([("compute", 1)] * 3 if grouped else []), calls
+
+
+def _step_end_case(last_moves: bool) -> dict:
+    """Two micro-batches of one step with kept copies: in the first, home 0 moves 3 rows of expert
+    0 and 2 of expert 1 to helper 1, which keeps both copies; in the last, only expert 0 moves
+    (3 rows), or (``last_moves`` False) nothing. The helper sends the step gradients of the copies
+    no chunk uses as its backward starts, before it serves anything, and expert 0's with that
+    chunk's results; the home's gradients over the step equal the unbalanced computation's."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.experts import ExpertSpec
+    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FLUSH, Phase2MicroBatch, grad_experts
+    from deepspeed_feplb.migrate.resident import LayerResidency
+
+    rank = dist.get_rank()
+    transport = _shm_pair(f"step-end-{int(last_moves)}")
+    events = []
+    plain_send = transport.send
+
+    def send(dst, message_tag, tensors, after=None):
+        if message_tag & 0xF in (BWD_RESULTS, FLUSH):
+            events.append(("send", message_tag & 0xF, len(tensors)))
+        return plain_send(dst, message_tag, tensors, after)
+    transport.send = send
+    torch.manual_seed(0)
+    template = torch.nn.Linear(8, 8, bias=False)
+    weights = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
+    spec = ExpertSpec.of(template, None)
+    residency = LayerResidency.create(2, 2, FEPLBConfig(weight_residency="step", max_resident_experts=2))
+    plans = [(np.array([[0, 0, 1, 3], [0, 1, 1, 2]], np.int64), [0, 1], [5, 4], False),
+             (np.array([[0, 0, 1, 3]] if last_moves else [], np.int64).reshape(-1, 4), [0], [6], True)]
+    totals = [torch.zeros(8, 8) for _ in range(2)]
+    reference = [torch.zeros(8, 8) for _ in range(2)]
+    for seq, (moves, dynamic, counts, ends) in enumerate(plans, start=1):
+        dynamic, counts = (dynamic, counts) if rank == 0 else ([], [])
+        with_grads = grad_experts(residency, rank, dynamic, ends, True)
+        x = torch.randn(sum(counts), 8, generator=torch.Generator().manual_seed(seq))
+        step = Phase2MicroBatch(transport, seq, rank, moves, dynamic, counts, [template, template], spec, True,
+                                with_grads, residency=residency, step_ends=ends)
+        step._vjp = _logged(step._vjp, events, "vjp")
+        y = step.forward(x, [[weights[e]] for e in dynamic])
+        grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + seq))
+        grad_x, grads = step.backward_home(grad_y)
+        grad_x, grads = step.backward_rest(grad_x, grads)
+        for e, g in zip(with_grads, grads):
+            if g is not None:
+                totals[e] += g[0]
+        if rank == 0:
+            xr = x.clone().requires_grad_(True)
+            ref = torch.cat([x_e @ weights[e].t() for e, x_e in zip(dynamic, xr.split(counts))])
+            for e, g in zip(dynamic, torch.autograd.grad(ref, [weights[e] for e in dynamic], grad_y)):
+                reference[e] += g
+        events.append(("end", seq))
+    dist.barrier()
+    transport.close()
+    return {"events": events, "grads": [torch.allclose(t, r, atol=1e-5) for t, r in zip(totals, reference)]}
+
+
+def test_at_the_steps_end_an_unused_kept_copy_goes_home_as_the_backward_starts():
+    from deepspeed_feplb.migrate.phase2 import BWD_RESULTS, FLUSH
+    from deepspeed_feplb.testing import run_distributed
+
+    for last_moves, expected in ((True, [("send", FLUSH, 1), ("vjp", 1), ("send", BWD_RESULTS, 2)]),
+                                 (False, [("send", FLUSH, 2)])):
+        home, helper = run_distributed(_step_end_case, 2, last_moves, timeout=120)
+        assert home["grads"] == [True, True], home
+        last = helper["events"][helper["events"].index(("end", 1)) + 1:]
+        served = [e for e in last if e[0] == "send" or e[0] == "vjp" and e[1]]  # its own pieces: none
+        # the unused copies' gradients (a tensor each) before the served chunk's backward; expert 0's
+        # with its results (input-gradients and a weight-gradient)
+        assert served == expected, (last_moves, served)

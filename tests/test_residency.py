@@ -38,11 +38,11 @@ def test_finish_times_by_hand():
     # a helper that holds the weights starts at 4 µs: no copy; without gradients going home
     kept = rank_finish_us(counts, moves, hand, fresh=np.array([False]), grads_back=np.array([False]))
     assert kept.tolist() == [pytest.approx([80.0, 50.0]), pytest.approx([160.0, 100.0])]
-    # the step's end: the kept copy's gradient (70 µs here) leaves after the chunk's input-gradients
-    # (100 + 4 µs): at 174
+    # the step's end: the kept copy this move uses returns the step's gradient (70 µs here) with the
+    # chunk's input-gradients (100 + 4 µs): at 174
     home_bound = replace(hand, grad_copy_us=70.0)
-    flushed = rank_finish_us(counts, moves, home_bound, np.array([False]), np.array([False]), flush=np.array([[0, 1]]))
-    assert flushed[1].tolist() == pytest.approx([104.0 + 70.0, 100.0])
+    with_results = rank_finish_us(counts, moves, home_bound, np.array([False]), np.array([True]))
+    assert with_results[1].tolist() == pytest.approx([104.0 + 70.0, 100.0])
     # tiles: 1 row costs a whole tile
     tiled = TimeModel(4, 1.0, 2.0, 0.0, 0.0, 0.0)
     assert rank_finish_us(np.array([[1, 4, 5]]), np.zeros((0, 4)), tiled).sum(axis=0).tolist() == \
@@ -63,17 +63,16 @@ def test_a_helper_computes_a_homes_chunks_once_their_whole_message_is_there():
     assert finish.tolist() == [pytest.approx([92.0, 86.0]), pytest.approx([166.0, 140.0])]
 
 
-def test_a_kept_copy_flushes_once_its_helper_has_its_own_helpers_results():
-    """The runtime's backward (`Phase2MicroBatch.backward_rest`) serves other homes' chunks, then
-    waits for its own helpers' results, and only then sends its kept copies' gradients home. Rank 1
-    keeps a copy of rank 0's expert and has moved 100 rows to rank 2, whose backward of them ends
-    at 300 µs (its own 50 rows first): rank 1 has their results (10 µs of rows, 10 of weight-
-    gradients) at 320, so rank 0's flushed gradient leaves then and arrives at 330, not when rank
-    1's own compute ends (200 + 10)."""
-    counts = np.array([[10, 0], [200, 0], [50, 0]])
+def test_a_kept_copy_no_move_uses_flushes_as_the_backward_starts():
+    """At the step's end a kept copy that no chunk of the micro-batch uses holds its final gradient
+    already: its helper sends it home as its backward starts (`Phase2MicroBatch.backward_home`),
+    after its own output-gradients. Rank 1 keeps a copy of rank 0's expert and has moved 100 rows
+    to rank 2: their output-gradients leave rank 1 in 10 µs, the copy's gradient (10 µs) follows
+    and is home at 20 µs, not after rank 1 has its helper's results (320 µs)."""
+    counts = np.array([[1, 0], [200, 0], [50, 0]])
     hand = replace(MODEL, row_us=3.0)
     finish = rank_finish_us(counts, np.array([[1, 0, 2, 100]]), hand, flush=np.array([[0, 1]]))
-    assert finish[1].tolist() == pytest.approx([330.0, 320.0, 300.0])
+    assert finish[1].tolist() == pytest.approx([20.0, 320.0, 300.0])
 
 
 def test_message_latency_delays_arrivals_and_returns():
@@ -338,3 +337,13 @@ def test_weights_written_mid_step_through_data_or_load_state_dict_are_resent():
         assert case["traffic"]["resident_hits"] > 0, f"{write}: no copy was kept, the test shows nothing"
     worst = max(max(c["param_errors"].values()) for c in controls)
     assert worst > 100 * TOLERANCE, f"undeclared .data writes left no trace ({worst:.1e}): the test shows nothing"
+
+
+def test_at_the_steps_end_a_used_copy_returns_with_its_last_move_and_the_others_at_once():
+    from deepspeed_feplb.plan.residency import step_end_returns
+    entries = np.array([[0, 0, 1], [0, 1, 1], [2, 0, 1]])
+    moves = np.array([[0, 0, 1, 5], [0, 0, 1, 3], [0, 1, 2, 4], [2, 0, 1, 1]])
+    kept = np.array([True, True, False, False])  # (2, 0, 1) moved without its kept copy: a new one
+    with_results, early = step_end_returns(entries, moves, kept)
+    assert with_results.tolist() == [False, True, False, False]
+    assert early.tolist() == [[0, 1, 1], [2, 0, 1]]

@@ -116,7 +116,10 @@ def served_parts(sizes: Sequence[int], parts: int) -> list[list[tuple[int, int, 
     """How a helper computes one home's chunks of ``sizes`` rows in ``parts`` parts
     (`plan.time_model.serve_parts`), each part's results one message: the chunks' rows, back to
     back, cut into ``parts`` near-equal runs. Per part, its pieces ``(chunk, first row in the chunk,
-    rows)`` in chunk order; a chunk of no rows is a piece of the part where it would start."""
+    rows)`` in chunk order; a chunk of no rows is a piece of the part where it would start; no
+    chunks, no parts."""
+    if not sizes:
+        return []
     total = sum(sizes)
     bounds = [total * p // parts for p in range(parts + 1)]
     out: list = [[] for _ in range(parts)]

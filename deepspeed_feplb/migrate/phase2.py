@@ -17,10 +17,15 @@ Weight residency (`migrate.resident`, ``feplb.weight_residency: "step"``): a hel
 an expert's copy for the step gets the weights only with the first chunk (or again when the
 home's parameters changed: each chunk says whether it carries weights), and keeps that copy's
 weight-gradients; in the backward of the step's last micro-batch every helper sends the
-accumulated gradients of its copies home (message ``FLUSH``), where the autograd function
-returns them for the home's parameters, before DeepSpeed reduces gradients.
+accumulated gradients of its copies home, where the autograd function returns them for the
+home's parameters, before DeepSpeed reduces gradients: a copy that a chunk of that micro-batch
+uses with the chunk's results, every other one as the backward starts (message ``FLUSH``,
+`plan.residency.step_end_returns`).
 
-Every message of a step is tagged ``(seq, phase)``; every rank of the domain enters every step,
+A helper computes one home's chunks in parts (``feplb.serve_parts``) and sends each part's
+results as soon as it is computed (`messages.served_parts`).
+
+Every message of a step is tagged ``(seq, phase, part)``; every rank of the domain enters every step,
 so the exchange is deadlock-free (sends are asynchronous, receives follow a fixed order).
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from deepspeed_feplb.experts import ExpertSpec
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
+from deepspeed_feplb.plan.residency import step_end_returns
 from deepspeed_feplb.plan.time_model import serve_parts
 from deepspeed_feplb.stats import StageTimes
 
@@ -175,6 +181,9 @@ class Phase2MicroBatch:
         self.forgetting = (self.residency is not None and self.step_ends and not self.needs_grad
                            and not self.residency.pending)
         self.flush_entries, self.flush_held = np.zeros((0, 3), np.int64), {}
+        # at the step's end: which moves return their kept copy's step gradients with their results,
+        # and the kept copies no move uses, whose gradients go home at the backward's start
+        self.with_results, self.flush_early = np.zeros(M, np.bool_), np.zeros((0, 3), np.int64)
         self._sends: list = []  # backward: the futures `backward_home` leaves to `backward_rest`
 
     def _carries_weights(self, m: int, expert: int, helper: int, params: list[torch.Tensor]) -> bool:
@@ -244,6 +253,7 @@ class Phase2MicroBatch:
         self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
+            self.with_results, self.flush_early = step_end_returns(self.flush_entries, self.moves, self.copy_kept)
         elif self.forgetting:
             self.residency.end_step()
         for i, piece in enumerate(self.home_pieces):
@@ -410,6 +420,7 @@ class Phase2MicroBatch:
                      for i, offset, tokens, _ in chunks]
             payload = messages.output_grads_to_helper(len(chunks)).pack(grads)
             self._sends.append(self.transport.send(helper, tag(self.seq, BWD_GRADS), payload))
+        self._sends += self._flush_early()
 
         grad_x = torch.zeros((int(starts[-1]), self.row_width), dtype=grad_y.dtype, device=grad_y.device)
         grad_params = []
@@ -441,23 +452,31 @@ class Phase2MicroBatch:
                                           for c, first, rows in members])
                 parts, goes_home = [], []
                 for (c, first, rows), piece, (gx, *gp) in zip(members, pieces, vjps):
-                    if piece.held is not None:
-                        piece.held.accumulate(gp)  # goes home once, at the step's end
+                    last = first + rows == len(grads[c]["output_grads"][0])
+                    if piece.held is not None:  # goes home once, at the step's end
+                        piece.held.accumulate(gp)
+                        ends = last and bool(self.with_results[self.view.incoming[home][c][1]])
+                        weight_grads = piece.held.gradients() if ends else []
                     else:  # in fp32 over parts: one rounding at the end, as one call over the chunk has
                         summed[c] = gp if summed[c] is None else [a.float() + b for a, b in zip(summed[c], gp)]
-                    ends = piece.held is None and first + rows == len(grads[c]["output_grads"][0])
-                    parts.append({"input_grads": [gx],
-                                  "weight_grads": [a.to(b.dtype) for a, b in zip(summed[c], gp)] if ends else []})
+                        ends = last
+                        weight_grads = [a.to(b.dtype) for a, b in zip(summed[c], gp)] if ends else []
+                    parts.append({"input_grads": [gx], "weight_grads": weight_grads})
                     goes_home.append(ends)
                 layout = messages.grads_to_home(goes_home, n_params)
                 sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS, k), layout.pack(parts)))
 
-        grad_params = list(grad_params)
-        for helper, chunks in outgoing.items():
+        grad_params = list(grad_params) + [None] * (len(self.grad_experts) - len(grad_params))
+        early = [(e, j) for h, e, j in self.flush_early.tolist() if h == self.local_rank]
+        for helper in sorted({*outgoing, *(j for _, j in early)}):
+            self._receive_flushed(helper, [e for e, j in early if j == helper], grad_params)
+            chunks = outgoing.get(helper, [])
             for k, pieces in enumerate(self._parts([tokens for _, _, tokens, _ in chunks])):
                 # a chunk's weight-gradients come with its last piece, unless its helper keeps the copy
-                layout = messages.grads_to_home([not self.copy_kept[chunks[c][3]] and first + rows == chunks[c][2]
-                                                 for c, first, rows in pieces], n_params)
+                # (then, at the step's end, with the last move that uses it: the step's sum)
+                layout = messages.grads_to_home([(not self.copy_kept[chunks[c][3]] or self.with_results[chunks[c][3]])
+                                                 and first + rows == chunks[c][2] for c, first, rows in pieces],
+                                                n_params)
                 # their rows' gradients land in grad_x (no copy after the receive)
                 places = [[grad_x[starts[chunks[c][0]] + chunks[c][1] + first:][:rows]] for c, first, rows in pieces]
                 parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS, k), layout, "input_grads", places,
@@ -466,36 +485,34 @@ class Phase2MicroBatch:
                     if part["weight_grads"]:
                         i = chunks[c][0]
                         grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
-        grad_params += [None] * (len(self.grad_experts) - len(grad_params))
-        sends += self._flush(grad_params)
         self._settle(sends)
+        self.flush_held = {}
         self.served = {}
         self._report(" bwd", start)
         return grad_x, grad_params
 
-    def _flush(self, grad_params: list) -> list:
-        """The step's end: send the gradients of the copies this rank kept to their homes, and add
-        those of this rank's experts to ``grad_params`` (indexed like ``grad_experts``)."""
-        if not self.flushing:
-            return []
-        entries = self.flush_entries.tolist()
+    def _flush_early(self) -> list:
+        """The step's end, as the backward starts: send the gradients of the copies this rank kept
+        that no chunk of this micro-batch uses (final already) to their homes, one message per home."""
+        entries = [(h, e) for h, e, j in self.flush_early.tolist() if j == self.local_rank]
         sends = []
-        n_params = len(self.spec.param_names)
-        for home in sorted({h for h, _, j in entries if j == self.local_rank}):
-            copies = [{"weight_grads": self.flush_held[(h, e)].gradients()} for h, e, j in entries
-                      if h == home and j == self.local_rank]
-            payload = messages.flushed_to_home(len(copies), n_params).pack(copies)
+        for home in sorted({h for h, _ in entries}):
+            copies = [{"weight_grads": self.flush_held[(h, e)].gradients()} for h, e in entries if h == home]
+            payload = messages.flushed_to_home(len(copies), len(self.spec.param_names)).pack(copies)
             sends.append(self.transport.send(home, tag(self.seq, FLUSH), payload))
-        position = {e: k for k, e in enumerate(self.grad_experts)}
-        for helper in sorted({j for h, _, j in entries if h == self.local_rank}):
-            mine = [e for h, e, j in entries if h == self.local_rank and j == helper]
-            parts = messages.flushed_to_home(len(mine), n_params).unpack(
-                self._recv(helper, tag(self.seq, FLUSH)), "kept-copy gradients")
-            for e, part in zip(mine, parts):
-                k, gp = position[e], part["weight_grads"]
-                grad_params[k] = list(gp) if grad_params[k] is None else [a + b for a, b in zip(grad_params[k], gp)]
-        self.flush_held = {}
         return sends
+
+    def _receive_flushed(self, helper: int, experts: list[int], grad_params: list) -> None:
+        """Add the step's gradients of ``experts``' copies that ``helper`` kept and sent at the
+        backward's start (`_flush_early`) to ``grad_params`` (indexed like ``grad_experts``)."""
+        if not experts:
+            return
+        position = {e: k for k, e in enumerate(self.grad_experts)}
+        parts = messages.flushed_to_home(len(experts), len(self.spec.param_names)).unpack(
+            self._recv(helper, tag(self.seq, FLUSH)), "kept-copy gradients")
+        for e, part in zip(experts, parts):
+            k, gp = position[e], part["weight_grads"]
+            grad_params[k] = list(gp) if grad_params[k] is None else [a + b for a, b in zip(grad_params[k], gp)]
 
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:

@@ -490,8 +490,9 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     counts int64 [G, E]: rows per (rank, local expert) before the plan; moves int64 [M, 4] =
     (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
     weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
-    weight-gradients this micro-batch; flush int64 [F, 2] = (home, helper): kept weight copies
-    whose accumulated gradients go home at the end of this micro-batch; model: `MODEL`
+    weight-gradients this micro-batch (at a step's end also a kept copy's: the step's sum); flush
+    int64 [F, 2] = (home, helper): kept weight copies that no move uses, whose accumulated
+    gradients go home at the start of this micro-batch's backward (a step's end); model: `MODEL`
     (`timeline.TimeModel.record`); dynamic bool [G, E]: each rank's dynamic experts, computed
     once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
     the forward stage's start, row 1 from the backward stage's start. The model is described in
@@ -538,20 +539,21 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     t = backward * (static + later)
     back_free = np.zeros(G)  # each rank's outgoing link: output-gradients, then weight-gradients, one at a time
     arrive = _copies(pairs, rows * rcopy, latency, back_free)
+    # the step's end: a helper's kept copies that no chunk of this micro-batch uses hold their final
+    # gradients already, and go home once its output-gradients have left, before anything it serves
+    flushed = np.zeros(G)
+    for f in range(flush.shape[0]):
+        h, j = flush[f, 0], flush[f, 1]
+        back_free[j] += gcopy
+        flushed[h] = max(flushed[h], back_free[j] + latency)
     bwd_cost = backward * cost
     done = _serve(pairs, arrive, t, bwd_cost)
-    out[1] = t
+    out[1] = np.maximum(t, flushed)
     for k in range(pairs.shape[0]):  # a home's input-gradients part by part, the last with the weight-gradients
         h, j = pairs[k, 0], pairs[k, 1]
         parts = _parts(rows[k], model)
         back_free[j] = _returned(done[k] - bwd_cost[k], bwd_cost[k], parts, rows[k] / parts * rcopy,
                                  back_free[j]) + grads[k] * gcopy
-        out[1, h] = max(out[1, h], back_free[j] + latency)
-    # the step's end: a helper sends its kept copies' gradients once its own helpers' results are in
-    served = out[1].copy()
-    for f in range(flush.shape[0]):
-        h, j = flush[f, 0], flush[f, 1]
-        back_free[j] = max(back_free[j], served[j]) + gcopy
         out[1, h] = max(out[1, h], back_free[j] + latency)
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "AUTO_BUDGET_SHARE"]
+__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "step_end_returns", "AUTO_BUDGET_SHARE"]
 
 AUTO_BUDGET_SHARE = 0.1  # ``resident_budget_mb: "auto"``: this share of the smallest device's memory
 
@@ -31,6 +31,24 @@ def resident_budget_bytes(resident_budget_mb, device_bytes: list) -> float:
         return float(resident_budget_mb) * 2**20
     known = [b for b in device_bytes if b is not None and np.isfinite(b)]
     return AUTO_BUDGET_SHARE * min(known) if known else float("inf")
+
+
+def step_end_returns(entries: np.ndarray, moves: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How the kept copies' step gradients go home in the step's last micro-batch: a copy that a
+    move of its plan uses returns them with that move's results (its last move, where the plan
+    has more of one home expert for one helper), every other at the start of the backward.
+    entries int64 [K, 3] = (home, local_expert, helper) (`ResidencyTable.flush`); moves int64 [M, 4];
+    kept bool [M] (`ResidencyTable.admit`'s). Returns (with_results bool [M], early int64 [F, 3]:
+    the entries no move uses, in ``entries``' order)."""
+    moves = np.asarray(moves, np.int64).reshape(-1, 4)
+    last = {}
+    for m, (home, e, helper, _) in enumerate(moves.tolist()):
+        if kept[m]:
+            last[(home, e, helper)] = m
+    with_results = np.zeros(len(moves), np.bool_)
+    with_results[list(last.values())] = True
+    early = [row for row in np.asarray(entries, np.int64).reshape(-1, 3).tolist() if tuple(row) not in last]
+    return with_results, np.array(early, np.int64).reshape(-1, 3)
 
 
 class KeptBytes:

@@ -39,9 +39,10 @@ Backward, from the backward stage's start (`phase2.DynamicExperts`, then the sta
   (its rows' ``row_copy_us``) go home as soon as it is computed, the last part with the
   weight-gradients of the copies it does not keep for later micro-batches of the step
   (``grad_copy_us`` each), one message at a time on the helper's outgoing link; the home
-  finishes when they are back. At the step's last micro-batch, once a
-  helper has its own helpers' results, every weight copy it kept sends its accumulated gradients
-  home the same way (``flush``).
+  finishes when they are back. At the step's last micro-batch a kept copy that a chunk uses
+  returns the step's accumulated gradients with that chunk's results (``grads_back``), and every
+  other kept copy sends them home at the backward's start, after the helper's output-gradients
+  (``flush``), so none waits for the end of the backward.
 
 Every message (a chunk there, its outputs back, output-gradients there, gradients back) also
 arrives ``message_us`` after its copy ends: the transport's fixed latency per message, which does

@@ -33,7 +33,7 @@ from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_u
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.replicas import exchange_us, route
-from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable, resident_budget_bytes
+from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable, resident_budget_bytes, step_end_returns
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
 __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy", "pieces_us"]
@@ -498,8 +498,10 @@ class _NodePolicy:
         without them: `timeline.rank_finish_us`)."""
         model = self.setup.time_model
         fresh, kept = table.admit(moves, keep_new=not ends)
-        flush = table.flush()[:, [0, 2]] if ends else None
-        grads_back = ~kept
+        grads_back, flush = ~kept, None
+        if ends:  # the kept copies' gradients go home: with a move's results, or at the backward's start
+            with_results, early = step_end_returns(table.flush(), moves, kept)
+            grads_back, flush = grads_back | with_results, early[:, [0, 2]]
         finish = rank_finish_us(nc, moves, model, fresh, grads_back, flush)
         free = rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0, row_copy_us=0.0))
         w = self.setup.shape.weight_bytes
