@@ -229,13 +229,7 @@ def _parts_case(grouped: bool) -> dict:
     rank = dist.get_rank()
     transport = _shm_pair(f"parts-{int(grouped)}")
     events = []
-    plain_send = transport.send
-
-    def send(dst, message_tag, tensors, after=None):
-        if message_tag & 0xF in (FWD_RESULTS, BWD_RESULTS):
-            events.append(("send", message_tag & 0xF, (message_tag >> 4) & 0xF))
-        return plain_send(dst, message_tag, tensors, after)
-    transport.send = send
+    _log_sends(transport, events, (FWD_RESULTS, BWD_RESULTS), lambda message_tag, _: (message_tag >> 4) & 0xF)
     torch.manual_seed(0)
     template = torch.nn.Linear(8, 8, bias=False)
     weights = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
@@ -265,6 +259,17 @@ def _parts_case(grouped: bool) -> dict:
     dist.barrier()
     transport.close()
     return out
+
+
+def _log_sends(transport, events: list, phases: tuple, detail) -> None:
+    """Log ``("send", phase, detail(tag, tensors))`` to ``events`` for each message of ``phases``."""
+    plain_send = transport.send
+
+    def send(dst, message_tag, tensors, after=None):
+        if message_tag & 0xF in phases:
+            events.append(("send", message_tag & 0xF, detail(message_tag, tensors)))
+        return plain_send(dst, message_tag, tensors, after)
+    transport.send = send
 
 
 def _logged(method, events, name):
@@ -307,13 +312,7 @@ def _step_end_case(last_moves: bool) -> dict:
     rank = dist.get_rank()
     transport = _shm_pair(f"step-end-{int(last_moves)}")
     events = []
-    plain_send = transport.send
-
-    def send(dst, message_tag, tensors, after=None):
-        if message_tag & 0xF in (BWD_RESULTS, FLUSH):
-            events.append(("send", message_tag & 0xF, len(tensors)))
-        return plain_send(dst, message_tag, tensors, after)
-    transport.send = send
+    _log_sends(transport, events, (BWD_RESULTS, FLUSH), lambda _, tensors: len(tensors))
     torch.manual_seed(0)
     template = torch.nn.Linear(8, 8, bias=False)
     weights = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
