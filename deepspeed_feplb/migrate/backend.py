@@ -384,14 +384,19 @@ class HostBackend:
     that work finishes in orders a fast path would never show; ``poison_released`` asks the
     transport to fill memory it is done with (ring slots once read, staging buffers once copied
     out) with 0xFF bytes (NaN), so that a read after release shows in the data.
+
+    For timing on CPU: ``copy_gbps`` > 0 makes every copy take ``nbytes / copy_gbps`` (GB/s) on its
+    stream before it lands, as a copy engine's bandwidth would (the stream's thread sleeps: no CPU).
     """
 
     name = "host"
     _HEADER = 64  # bytes before the payload: the importers' pids (int64, 0: free entry)
 
     def __init__(self, prefix: str = "feplb-host", wait_timeout_s: float = 60.0, stream_memops: bool = True,
-                 executors: int = 0, jitter_s: float = 0.0, seed: int = 0, poison_released: bool = False):
+                 executors: int = 0, jitter_s: float = 0.0, seed: int = 0, poison_released: bool = False,
+                 copy_gbps: float = 0.0):
         self.prefix = prefix
+        self.copy_gbps = copy_gbps
         self.wait_timeout_s = wait_timeout_s
         self.stream_memops = stream_memops
         self.poison_released = poison_released
@@ -632,7 +637,10 @@ class HostBackend:
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:
-            self._on(stream, functools.partial(ctypes.memmove, dst, src, nbytes))
+            op = functools.partial(ctypes.memmove, dst, src, nbytes)
+            if self.copy_gbps > 0:
+                op = _after(functools.partial(time.sleep, nbytes / (self.copy_gbps * 1e9)), op)
+            self._on(stream, op)
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
