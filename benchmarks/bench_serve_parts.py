@@ -17,6 +17,10 @@ Variants, interleaved micro-batch by micro-batch: ``1 part`` (``feplb.serve_part
 parts`` (``serve_parts: 4``, ``serve_part_rows: 512``). Per micro-batch the slower rank's host time
 for forward + backward; medians over ``--reps`` micro-batches after warm-up, their ratio, and the
 load average around the run. A CPU measurement with an emulated copy engine, not a GPU figure.
+
+``--device cuda``: both ranks on GPU 0 through the real `CudaCETransport` (CUDA IPC between the two
+processes, copies on the copy engine; ``--copy-gbps`` does not apply), bf16 where the GPU runs
+its grouped GEMM natively; the device check's ``serve_parts`` stage runs it so.
 """
 from __future__ import annotations
 
@@ -51,7 +55,12 @@ def _worker(opts: dict) -> dict:
                              backend=HostBackend(prefix=f"{name}-mem", copy_gbps=opts["copy_gbps"]),
                              slot_bytes=slot_bytes)
 
-    expert_stage.transport_class = lambda config, expert_params: EmulatedCopyEngine
+    cuda = opts["device"] == "cuda"
+    dev, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        expert_stage.transport_class = lambda config, expert_params: EmulatedCopyEngine
     hidden, ffn, experts, tokens = opts["hidden"], opts["ffn"], opts["experts"], opts["tokens"]
     layers = {}
     for name, parts in VARIANTS.items():
@@ -59,25 +68,29 @@ def _worker(opts: dict) -> dict:
         expert = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
         feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 8,
                  "fixed_costs": "ignore", "scheduler": {"start_after_steps": 0}, "max_helpers_per_expert": 1,
-                 **parts}
+                 "transport": "cuda_ce" if cuda else "shm", **parts}
         layer = deepspeed_feplb.MoE(hidden_size=hidden, expert=expert, num_experts=experts, ep_size=2, k=opts["k"],
                                     min_capacity=0, drop_tokens=False, use_rts=False, feplb_config=feplb)
         with torch.no_grad():  # no auxiliary loss: the gate favours rank 0's experts
             layer.deepspeed_moe.gate.wg.weight[:experts // 2] += opts["skew"] / hidden
         layer.set_deepspeed_parallelism()
-        layers[name] = layer
+        layers[name] = layer.to(dev, dtype)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    batches = [(torch.randn(tokens, hidden, generator=g) + 1.0, torch.randn(tokens, hidden, generator=g))
-               for _ in range(4)]
+    batches = [((torch.randn(tokens, hidden, generator=g) + 1.0).to(dev, dtype),
+                torch.randn(tokens, hidden, generator=g).to(dev, dtype)) for _ in range(4)]
     times = {name: [] for name in layers}
     migrated = {}
     for rep in range(opts["warmup"] + opts["reps"]):
         for name, layer in layers.items():  # interleaved: noise hits both variants alike
             x, w = batches[rep % len(batches)]
+            if cuda:
+                torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
             out, l_aux, _ = layer(x.clone().requires_grad_(True))
             ((out * w).sum() + l_aux).backward()
+            if cuda:
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             if rep >= opts["warmup"]:
                 times[name].append(elapsed * 1e6)
@@ -94,7 +107,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--skew", type=float, default=3.0, help="gate skew towards rank 0's experts")
-    parser.add_argument("--copy-gbps", type=float, default=0.5, help="emulated copy bandwidth, GB/s")
+    parser.add_argument("--copy-gbps", type=float, default=0.5, help="emulated copy bandwidth, GB/s (CPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: both ranks on GPU 0, the real CE transport")
     parser.add_argument("--reps", type=int, default=30, help="timed micro-batches per variant")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
@@ -102,22 +117,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if ROOT not in sys.path:
         sys.path.append(ROOT)
-    from deepspeed_feplb.testing import run_distributed
 
     load = os.getloadavg()[0]
-    ranks = run_distributed(_worker, 2, vars(args), timeout=1800)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    result = {"commit": commit, "shape": {k: v for k, v in vars(args).items() if k != "json"},
-              "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
-              "migrated_rows_rank0": ranks[0]["migrated_rows"], "variants": {}}
-    for name in VARIANTS:
-        slower = [max(pair) for pair in zip(*(r["host_us"][name] for r in ranks))]
-        result["variants"][name] = {"median_us": round(statistics.median(slower), 1),
-                                    "p10_us": round(statistics.quantiles(slower, n=10)[0], 1),
-                                    "p90_us": round(statistics.quantiles(slower, n=10)[-1], 1)}
-    result["4 parts / 1 part"] = round(result["variants"]["4 parts"]["median_us"]
-                                       / result["variants"]["1 part"]["median_us"], 3)
+    result = measure(vars(args))
+    result["load_average_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     for name, v in result["variants"].items():
         print(f"{name:<8} forward + backward, slower rank: median {v['median_us']:>9.0f} µs "
               f"(p10 {v['p10_us']:.0f}, p90 {v['p90_us']:.0f})")
@@ -127,6 +130,26 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def measure(opts: dict) -> dict:
+    """Both variants on 2 ranks (`_worker`): medians, p10 and p90 of the slower rank's micro-batch
+    time, their ratio, the rows rank 0 moved, and the commit measured."""
+    from deepspeed_feplb.testing import run_distributed
+
+    ranks = run_distributed(_worker, 2, opts, timeout=1800)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    result = {"commit": commit, "shape": {k: v for k, v in opts.items() if k != "json"},
+              "migrated_rows_rank0": ranks[0]["migrated_rows"], "variants": {}}
+    for name in VARIANTS:
+        slower = [max(pair) for pair in zip(*(r["host_us"][name] for r in ranks))]
+        result["variants"][name] = {"median_us": round(statistics.median(slower), 1),
+                                    "p10_us": round(statistics.quantiles(slower, n=10)[0], 1),
+                                    "p90_us": round(statistics.quantiles(slower, n=10)[-1], 1)}
+    result["4 parts / 1 part"] = round(result["variants"]["4 parts"]["median_us"]
+                                       / result["variants"]["1 part"]["median_us"], 3)
+    return result
 
 
 if __name__ == "__main__":

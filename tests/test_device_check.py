@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "transport_speed", "layer", "deepep", "syncs",
-          "launches", "memory", "layer_speed", "launch_budget", "parity", "leaks", "gpu_tests")
+STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "transport_speed", "layer", "serve_parts", "deepep",
+          "syncs", "launches", "memory", "layer_speed", "launch_budget", "parity", "leaks", "gpu_tests")
 
 
 def test_device_check_dry_run(tmp_path):
@@ -22,6 +22,7 @@ def test_device_check_dry_run(tmp_path):
     assert result["stages"]["kernels"]["cases"] > 50
     assert result["stages"]["layer"]["migrated_tokens"] > 0
     assert len(result["stages"]["transport_speed"]["sizes"]) == 5
+    assert set(result["stages"]["serve_parts"]["variants"]) == {"1 part", "4 parts"}
 
 
 def test_a_gpu_run_without_cuda_fails_instead_of_skipping(tmp_path):

@@ -20,7 +20,11 @@ time-out still leaves data):
    ``transport_speed``: its ping-pong (`bench_transport.py`): one-way time and host CPU per message
    from 4 KiB to 64 MiB, and the 64 MiB message's bandwidth against the ``copy`` stage's.
 6. ``layer``: the FEPLB layer (transport ``cuda_ce``; ``shm`` in the dry run) against DeepSpeed's
-   MoE on 2 ranks, fp32 with TF32 off: outputs and gradients within 1e-5, tokens migrated > 0.
+   MoE on 2 ranks, fp32 with TF32 off: outputs and gradients within 1e-5, tokens migrated > 0;
+   helpers return results in parts of 2 rows or more, and a step's kept copies send their gradients
+   home early, as at scale.
+   ``serve_parts``: a balanced layer's micro-batch with results in one message and in 4 parts
+   (`benchmarks/bench_serve_parts.py`), median time of each and their ratio.
 7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
    dispatcher on the device.
 8. ``syncs``, ``launches``, ``memory``, ``layer_speed``, ``launch_budget``: the hot path (`hot_path.py`):
@@ -287,7 +291,7 @@ def _layer_worker(cpu: bool) -> dict:
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
-             "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0}}
+             "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0}, **moe_cases.IN_PARTS}
     reference, ours = moe_cases.build_pair(16, 2, 2, {**feplb, "max_helpers_per_expert": 4}, seed=2)
     reference, ours = reference.to(dev), ours.to(dev)
     x, w = moe_cases.rank_inputs(2)
@@ -321,6 +325,19 @@ def layer(check: Check) -> dict:
     hits = results[0]["resident_hits"]
     return {"ok": worst <= 1e-5 and migrated > 0 and hits > 0, "worst_relative_error": worst,
             "migrated_tokens": migrated, "resident_hits": hits, "transport": results[0]["transport"]}
+
+
+def serve_parts(check: Check) -> dict:
+    """A helper's results in one message against in parts (`benchmarks/bench_serve_parts.py`): on
+    the GPU both ranks on GPU 0 through the real CE transport, bf16, hidden 1024; in the dry run
+    the CE transport's code path with an emulated copy engine at the benchmark's shape."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serve_parts
+    opts = {"tokens": 4096, "hidden": 128 if check.cpu else 1024, "ffn": 256 if check.cpu else 2048, "experts": 16,
+            "k": 2, "skew": 3.0, "copy_gbps": 0.5, "device": "cpu" if check.cpu else "cuda",
+            "reps": 5 if check.cpu else 20, "warmup": 2 if check.cpu else 3}
+    result = bench_serve_parts.measure(opts)
+    return {"ok": min(result["migrated_rows_rank0"].values()) > 0, **result}
 
 
 # ------------------------------------------------------------------ 7. DeepEP adapter
@@ -392,7 +409,7 @@ def main(argv=None) -> int:
     import hot_path
     hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed")}
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport,
-              "transport_speed": transport_speed, "layer": layer,
+              "transport_speed": transport_speed, "layer": layer, "serve_parts": serve_parts,
               "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
               "launch_budget": lambda c: hot_path.launch_budget(c.cpu, c.out),
               "parity": lambda c: hot_path.parity(c.cpu),
