@@ -56,8 +56,7 @@ def _use_ce_on_host(calls: dict) -> None:
     (a dict, or None outside the counted micro-batch)."""
     from deepspeed_feplb import expert_stage
     from deepspeed_feplb.migrate.backend import HostBackend
-    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
-    from deepspeed_feplb.migrate.shm import ShmTransport
+    from deepspeed_feplb.migrate.cuda_ce import on_host
 
     def tallied(name):
         def call(self, *args, **kwargs):
@@ -67,16 +66,8 @@ def _use_ce_on_host(calls: dict) -> None:
         return call
 
     CountingBackend = type("CountingBackend", (HostBackend,), {name: tallied(name) for name in DEVICE_CALLS})
-
-    class HostCETransport(CudaCETransport):
-        device_id = ShmTransport.device_id
-        preflight = ShmTransport.preflight
-
-        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
-            super().__init__(name, local_rank, size, timeout_s, create, watch,
-                             backend=CountingBackend(prefix=f"{name}-mem"), slot_bytes=slot_bytes)
-
-    expert_stage.transport_class = lambda config, expert_params: HostCETransport
+    transport = on_host(lambda prefix, _: CountingBackend(prefix=prefix))
+    expert_stage.transport_class = lambda config, expert_params: transport
 
 
 def _worker(opts: dict) -> dict:

@@ -43,24 +43,15 @@ def _worker(opts: dict) -> dict:
     import deepspeed_feplb
     from deepspeed_feplb import expert_stage
     from deepspeed_feplb.migrate.backend import HostBackend
-    from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
-    from deepspeed_feplb.migrate.shm import ShmTransport
-
-    class EmulatedCopyEngine(CudaCETransport):
-        device_id = ShmTransport.device_id
-        preflight = ShmTransport.preflight
-
-        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
-            super().__init__(name, local_rank, size, timeout_s, create, watch,
-                             backend=HostBackend(prefix=f"{name}-mem", copy_gbps=opts["copy_gbps"]),
-                             slot_bytes=slot_bytes)
+    from deepspeed_feplb.migrate.cuda_ce import on_host
 
     cuda = opts["device"] == "cuda"
     dev, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     if cuda:
         torch.cuda.set_device(0)
     else:
-        expert_stage.transport_class = lambda config, expert_params: EmulatedCopyEngine
+        emulated = on_host(lambda prefix, _: HostBackend(prefix=prefix, copy_gbps=opts["copy_gbps"]))
+        expert_stage.transport_class = lambda config, expert_params: emulated
     hidden, ffn, experts, tokens = opts["hidden"], opts["ffn"], opts["experts"], opts["tokens"]
     layers = {}
     for name, parts in VARIANTS.items():

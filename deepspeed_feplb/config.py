@@ -119,6 +119,7 @@ def _takes_number(annotation) -> bool:
 # ring), so 1 KiB is the least ring a slot size gives: a smaller one is rounded up to it, and one
 # under a byte is 0 bytes, which no part fits. Not imported from `arena`, which loads torch.
 MIN_TRANSPORT_SLOT_MB = 4 * 256 / 2**20
+SERVE_PARTS_MAX = 16  # `serve_parts`' bound: a part's index travels in 4 bits of a phase-2 message's tag
 
 
 def _slot_size(value: float) -> float:
@@ -221,7 +222,7 @@ class FEPLBConfig(FEPLBConfigModel):
     chunk_align_tokens: int = Field(8, ge=1)
     """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment)."""
 
-    serve_parts: int = Field(4, ge=1, le=16)
+    serve_parts: int = Field(4, ge=1, le=SERVE_PARTS_MAX)
     """A helper computes the chunks it serves for one home in up to this many parts, each of at least serve_part_rows rows, and sends each part's results (outputs, in backward input-gradients) home as soon as it is computed, so that only the last part's return is not hidden behind the helper's compute. 1: one call and one return per home."""
 
     serve_part_rows: int = Field(1024, ge=1)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.migrate.backend import HostBackend
-from deepspeed_feplb.migrate.cuda_ce import CudaCETransport
+from deepspeed_feplb.migrate.cuda_ce import CudaCETransport, on_host
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.segments import PeerTimeoutError, leftover_segments
 from deepspeed_feplb.testing import run_distributed
@@ -419,17 +419,10 @@ def layer_through_ce_protocol() -> dict:
 
     import moe_cases
 
-    class HostCETransport(CudaCETransport):
-        """The CE transport on host memory, with slots smaller than the layer's messages (they travel in parts)."""
-        device_id = ShmTransport.device_id
-        preflight = ShmTransport.preflight
-
-        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
-            super().__init__(name, local_rank, size, timeout_s, create, watch,
-                             backend=HostBackend(prefix=f"{name}-mem"), slot_bytes=4096)
-
-    # what `migrate.transport_class` picks on a GPU
-    expert_stage.transport_class = lambda config, expert_params: HostCETransport
+    # the CE transport on host memory, with slots smaller than the layer's messages (they travel in
+    # parts): what `migrate.transport_class` picks on a GPU
+    transport = on_host(lambda prefix, _: HostBackend(prefix=prefix), slot_bytes=4096)
+    expert_stage.transport_class = lambda config, expert_params: transport
     results = {}
     for k in (1, 2):
         results[k] = moe_cases.equivalence_case(2, 2, k)
@@ -588,16 +581,9 @@ def ordering_stress(executors: int, steps: int) -> dict:
 
     import moe_cases
 
-    class StressedTransport(CudaCETransport):
-        device_id = ShmTransport.device_id
-        preflight = ShmTransport.preflight
-
-        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
-            backend = HostBackend(prefix=f"{name}-mem", executors=executors, jitter_s=3e-4, seed=local_rank,
-                                  poison_released=True)
-            super().__init__(name, local_rank, size, timeout_s, create, watch, backend=backend, slot_bytes=4096)
-
-    expert_stage.transport_class = lambda config, expert_params: StressedTransport
+    stressed = on_host(lambda prefix, local_rank: HostBackend(prefix=prefix, executors=executors, jitter_s=3e-4,
+                                                              seed=local_rank, poison_released=True), slot_bytes=4096)
+    expert_stage.transport_class = lambda config, expert_params: stressed
     return moe_cases.accumulation_case(0, "step", 2, gas=4, steps=steps)
 
 

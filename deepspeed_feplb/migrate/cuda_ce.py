@@ -853,3 +853,25 @@ class CudaCETransport:
     def capacities(self) -> dict[int, int]:
         """Bytes of each inbound ring, per source rank (device bytes held: their sum)."""
         return {src: RING_SLOTS * self._capacity for src in self._inbound}
+
+
+def on_host(backend: Callable[[str, int], object], slot_bytes: Optional[int] = None) -> type:
+    """This transport on host memory, as a layer's transport class (what
+    `expert_stage.transport_class` returns): ``backend(prefix, local_rank)`` makes each rank's
+    backend (a `backend.HostBackend`, its segments named from ``prefix``); ``slot_bytes`` fixes the
+    receive slots (None: as the layer sizes them). It opens as `shm.ShmTransport` does (no device,
+    nothing to preflight): the Copy-Engine protocol's code path on CPU, for tests and benchmarks."""
+    from deepspeed_feplb.migrate.shm import ShmTransport
+
+    fixed = slot_bytes
+
+    class HostCETransport(CudaCETransport):
+        device_id = ShmTransport.device_id
+        preflight = ShmTransport.preflight
+
+        def __init__(self, name, local_rank, size, timeout_s, create, watch=None, device=None, slot_bytes=0):
+            slots = slot_bytes if fixed is None else fixed
+            super().__init__(name, local_rank, size, timeout_s, create, watch,
+                             backend=backend(f"{name}-mem", local_rank), slot_bytes=slots)
+
+    return HostCETransport

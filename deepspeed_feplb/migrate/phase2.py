@@ -50,7 +50,8 @@ FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
 
 def tag(seq: int, phase: int, part: int = 0) -> int:
     """A message's tag: micro-batch (``seq``), ``phase`` and, for results sent part by part
-    (`messages.served_parts`, fewer than 16), the part."""
+    (`messages.served_parts`), the part (4 bits: `config.SERVE_PARTS_MAX` bounds
+    ``feplb.serve_parts``)."""
     return (seq << 8) | (part << 4) | phase
 
 
@@ -161,6 +162,7 @@ class Phase2MicroBatch:
 
     def __post_init__(self):
         self.view = RankView.of(self.moves, self.local_rank, self.dynamic, self.row_counts)
+        self.returns = {helper: self._returns(chunks) for helper, chunks in self.view.outgoing.items()}
         self._compute_s = 0.0
         self.wait_s = 0.0
         self._forward_sends: Optional[list] = None  # `send_forward`'s futures
@@ -227,7 +229,7 @@ class Phase2MicroBatch:
     def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
         start = time.perf_counter()
-        outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
+        home_rows, starts = self.view.home_rows, self.view.starts
         self.row_width = dyn_x.shape[1]  # the input-gradient's, also where no dynamic expert is here
         self.device = dyn_x.device  # where received messages land
         self.send_forward(dyn_x, params)
@@ -244,10 +246,10 @@ class Phase2MicroBatch:
         if self.home_pieces:
             first = self.home_pieces[0].y
             out = first.new_empty((int(starts[-1]), first.shape[1]))
-        for helper, chunks in outgoing.items():
-            for part, pieces in enumerate(self._parts([tokens for _, _, tokens, _ in chunks])):
-                places = [[out[starts[chunks[c][0]] + chunks[c][1] + first:][:rows]] for c, first, rows in pieces]
-                self._recv_into(helper, tag(self.seq, FWD_RESULTS, part), messages.outputs_to_home(len(pieces)),
+        for helper, parts in self.returns.items():
+            for k, pieces in enumerate(parts):
+                places = [[out[at:at + rows]] for _, at, rows, _, _ in pieces]
+                self._recv_into(helper, tag(self.seq, FWD_RESULTS, k), messages.outputs_to_home(len(pieces)),
                                 "outputs", places, out.device, "forward results")
         self._settle(sends)
         self.transport.release(self.ready)  # every send that waits for it is queued
@@ -264,6 +266,15 @@ class Phase2MicroBatch:
     def _parts(self, sizes: list[int]) -> list[list[tuple[int, int, int]]]:
         """The parts one home's chunks of ``sizes`` rows are served in (`messages.served_parts`)."""
         return messages.served_parts(sizes, serve_parts(sum(sizes), self.serve_parts, self.serve_part_rows))
+
+    def _returns(self, chunks: list) -> list[list[tuple]]:
+        """The parts a helper's results for this home's ``chunks`` (`RankView.outgoing`) come back in:
+        per piece (index into ``dynamic``, first row in ``dyn_x``, rows, the move, whether the piece
+        ends its chunk)."""
+        starts = self.view.starts
+        return [[(chunks[c][0], int(starts[chunks[c][0]]) + chunks[c][1] + first, rows, chunks[c][3],
+                  first + rows == chunks[c][2]) for c, first, rows in part]
+                for part in self._parts([tokens for _, _, tokens, _ in chunks])]
 
     def _recv_into(self, src: int, message_tag: int, layout: messages.MessageLayout, name: str, places: list,
                    device: torch.device, what: str) -> list[dict]:
@@ -439,7 +450,6 @@ class Phase2MicroBatch:
         results into ``grad_x`` (in place) and ``grad_params``, and the step's kept-copy gradients.
         Returns (grad of dyn_x, parameter grads per expert of ``grad_experts``, None: none)."""
         start = time.perf_counter()
-        outgoing, starts = self.view.outgoing, self.view.starts
         sends, self._sends = self._sends, []
         n_params = len(self.spec.param_names)
         for home, served in self.served.items():
@@ -468,22 +478,19 @@ class Phase2MicroBatch:
 
         grad_params = list(grad_params) + [None] * (len(self.grad_experts) - len(grad_params))
         early = [(e, j) for h, e, j in self.flush_early.tolist() if h == self.local_rank]
-        for helper in sorted({*outgoing, *(j for _, j in early)}):
+        for helper in sorted({*self.returns, *(j for _, j in early)}):
             self._receive_flushed(helper, [e for e, j in early if j == helper], grad_params)
-            chunks = outgoing.get(helper, [])
-            for k, pieces in enumerate(self._parts([tokens for _, _, tokens, _ in chunks])):
+            for k, pieces in enumerate(self.returns.get(helper, [])):
                 # a chunk's weight-gradients come with its last piece, unless its helper keeps the copy
                 # (then, at the step's end, with the last move that uses it: the step's sum)
-                layout = messages.grads_to_home([(not self.copy_kept[chunks[c][3]] or self.with_results[chunks[c][3]])
-                                                 and first + rows == chunks[c][2] for c, first, rows in pieces],
-                                                n_params)
+                layout = messages.grads_to_home([(not self.copy_kept[m] or self.with_results[m]) and ends
+                                                 for _, _, _, m, ends in pieces], n_params)
                 # their rows' gradients land in grad_x (no copy after the receive)
-                places = [[grad_x[starts[chunks[c][0]] + chunks[c][1] + first:][:rows]] for c, first, rows in pieces]
+                places = [[grad_x[at:at + rows]] for _, at, rows, _, _ in pieces]
                 parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS, k), layout, "input_grads", places,
                                         grad_x.device, "backward results")
-                for (c, _, _), part in zip(pieces, parts):
+                for (i, *_), part in zip(pieces, parts):
                     if part["weight_grads"]:
-                        i = chunks[c][0]
                         grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
         self._settle(sends)
         self.flush_held = {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deepspeed_feplb.config import FEPLBConfig
+from deepspeed_feplb.config import SERVE_PARTS_MAX, FEPLBConfig
 from deepspeed_feplb.exits import InputFileError, fail
 from deepspeed_feplb.plan.residency import AUTO_BUDGET_SHARE
 from deepspeed_feplb.trace.cli import whole_number
@@ -47,7 +47,6 @@ stdlib_moe_ep8_4k.npz and stdlib_moe_ep8_32k.npz (8 source ranks, 64 experts) 1,
 
 
 _RUNTIME = FEPLBConfig()  # the runtime's defaults are the simulator's
-_SERVE_PARTS_MAX = next(m.le for m in FEPLBConfig.model_fields["serve_parts"].metadata if hasattr(m, "le"))
 _PLACEMENT_DEFAULT = {True: "on", False: "off", "auto": "auto"}[_RUNTIME.placement.enabled]
 
 def _budget(text: str):
@@ -136,7 +135,7 @@ def add_parser(subparsers) -> None:
                    help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
     p.add_argument("--chunk-align", type=whole_number(1), default=_RUNTIME.chunk_align_tokens, metavar="TOKENS",
                    help="token chunks moved to helpers are multiples of this many tokens (default: %(default)s)")
-    p.add_argument("--serve-parts", type=whole_number(1, _SERVE_PARTS_MAX), default=_RUNTIME.serve_parts,
+    p.add_argument("--serve-parts", type=whole_number(1, SERVE_PARTS_MAX), default=_RUNTIME.serve_parts,
                    metavar="PARTS",
                    help="a helper computes one home's chunks in up to PARTS parts and returns each part's results "
                         "as it is done (feplb.serve_parts; 1: one part) (default: %(default)s)")

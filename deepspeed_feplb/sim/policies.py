@@ -125,9 +125,8 @@ class SimSetup:
     @cached_property
     def time_model(self) -> TimeModel:
         """The time model of the planner and of ``expert_time_us`` (`plan.timeline`)."""
-        config = self.feplb_config
-        return replace(TimeModel.of(self.shape, self.profile), serve_parts=config.serve_parts,
-                       serve_part_rows=config.serve_part_rows)
+        return replace(TimeModel.of(self.shape, self.profile), serve_parts=self.serve_parts,
+                       serve_part_rows=self.serve_part_rows)
 
     def step_ends(self, step: int) -> bool:
         """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""
