@@ -30,7 +30,7 @@ from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.experts import LocalExperts, on_graph, timed_pieces
 from deepspeed_feplb.migrate.phase2 import DynamicExperts, Phase2Anchor, Phase2MicroBatch, grad_experts
 from deepspeed_feplb.migrate.resident import LayerResidency
-from deepspeed_feplb.plan.hottest import dynamic_candidates
+from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
 from deepspeed_feplb.plan.policy import PlanConstraints
 from deepspeed_feplb.scheduler.client import DomainPlan
 from deepspeed_feplb.stats import MicroBatchStats, StageTimes, layer_stats, recomputing, residency_stats
@@ -52,7 +52,9 @@ class BalancedMicroBatch:
     rows ``[N, H]`` grouped by local expert, ``counts`` int64 ``[E_local]``; ``experts``: how the
     layer computes its experts; ``step_ends``: this micro-batch is the last of its optimizer step
     (weight residency); ``mean_rows``: rows per rank over the whole EP group, for
-    ``feplb.max_rows_over_mean`` (0: the domain's mean); ``record``: a dict that receives the
+    ``feplb.max_rows_over_mean`` (0: the domain's mean); ``domain_mean``: rows per rank over this
+    rank's domain, by which a rank at or below it chooses no dynamic experts where plans only move
+    rows to it (None: not known, the dispatcher tells no other rank's rows); ``record``: a dict that receives the
     plan's ``moves``, their ``fresh`` flags, the `Phase2MicroBatch` (``phase2``), how long the
     plan was waited for (``plan_wait_s``) and when it was in hand (``plan_in_hand``, host
     seconds), for `ExpertStage._measure`. A forward that activation checkpointing recomputes in
@@ -60,7 +62,8 @@ class BalancedMicroBatch:
     """
 
     def __init__(self, layer: BalancingLayer, rows: torch.Tensor, counts: np.ndarray, experts: LocalExperts,
-                 step_ends: bool = True, mean_rows: float = 0.0, record: Optional[dict] = None):
+                 step_ends: bool = True, mean_rows: float = 0.0, record: Optional[dict] = None,
+                 domain_mean: Optional[float] = None):
         self.recompute = recomputing()  # activation checkpointing re-runs this forward: not a new micro-batch
         self.config, self.domain, self.times, self.stage_times = (layer.config, layer.domain, layer.compute_times,
                                                                    layer.stage_times)
@@ -68,7 +71,7 @@ class BalancedMicroBatch:
         self.residency = None if self.recompute else layer.residency
         self.step_ends = True if self.recompute else step_ends
         self.rows, self.counts, self.experts = rows, counts, experts
-        self.mean_rows, self.record = mean_rows, record
+        self.mean_rows, self.domain_mean, self.record = mean_rows, domain_mean, record
         self.blocks = list(rows.split(counts.tolist()))
         self.outs: list = [None] * len(counts)
         self.pieces: list = []  # timed calls (`timed_pieces`)
@@ -97,7 +100,10 @@ class BalancedMicroBatch:
         domain's scheduler (under a new ``seq``)."""
         self.seq = self.domain.next_seq()
         constraints = self._constraints()
-        chosen = dynamic_candidates(self.counts[None], constraints.dynamic_experts)[0]
+        receives_only = self.domain_mean is not None and constraints.senders_only(self.domain.size)
+        chosen = dynamic_candidates(self.counts[None], constraints.dynamic_experts,
+                                    self.domain_mean if receives_only else None)[0]
+        chosen = chosen[chosen != NONE]
         self.dynamic = chosen.tolist()
         self.static = [e for e in range(len(self.counts)) if e not in self.dynamic]
         resident_row = self.residency.table.resident[self.domain.local_rank] if self.residency is not None else None

@@ -218,7 +218,8 @@ class ExpertStage:
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
             record["forward_share"] = self.compute_times.forward_share(balanced)
         if balanced:
-            micro_batch = BalancedMicroBatch(self, rows, counts, experts, step_ends, self._mean_rows(facts), record)
+            micro_batch = BalancedMicroBatch(self, rows, counts, experts, step_ends, self._mean_rows(facts), record,
+                                             self._domain_mean(facts))
             out, stats = micro_batch.run()
             if stats is not None:
                 self.stats = stats
@@ -321,6 +322,13 @@ class ExpertStage:
         """Rows per rank over the EP group (0: not known, with a dispatcher that tells no `GroupFacts`; the
         planner then takes its domain's mean)."""
         return float(facts.received.sum()) / self.ep_size if facts.received is not None else 0.0
+
+    def _domain_mean(self, facts: GroupFacts) -> Optional[float]:
+        """Rows per rank over this rank's domain (None: not known, as for `_mean_rows`)."""
+        if facts.received is None:
+            return None
+        first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size
+        return float(facts.received[first:first + self.domain_size].sum()) / self.domain_size
 
     def _local_stats(self, counts: np.ndarray, facts: GroupFacts) -> MicroBatchStats:
         """Stats of a micro-batch computed without balancing: over the domain when phase 1 told

@@ -91,15 +91,17 @@ def run_expert(expert: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def on_graph(x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+def on_graph(x: torch.Tensor, params: Sequence[torch.Tensor], always: bool = False) -> torch.Tensor:
     """``x`` (e.g. ``[0, H]``, the outputs of experts given no rows) on the autograd graph of
     ``params`` while gradients flow and ``x`` needs none. An all-to-all has a backward on a rank
     only if its input needs a gradient; where the layer's input needs none (the layers before it
     frozen), a rank whose experts got no rows would otherwise skip the backward all-to-all its peers
     wait in (they hung). The link adds zero to ``x`` and to one parameter's gradient, as computing
-    the experts on no rows does."""
+    the experts on no rows does. ``always``: link where ``x`` needs a gradient too (experts given no
+    rows, and no other call of this micro-batch that takes their parameters: the link is then what
+    gives them their zero gradients)."""
     trained = [p for p in params if p.requires_grad]
-    if torch.is_grad_enabled() and not x.requires_grad and trained:
+    if torch.is_grad_enabled() and (always or not x.requires_grad) and trained:
         return x + trained[0].reshape(-1)[:0].sum()
     return x
 

@@ -99,18 +99,39 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, dynamic: int = 2) -> dict:
-    """Forward+backward of both layers on this rank; returns errors and FEPLB stats."""
+@contextlib.contextmanager
+def published_dynamic():
+    """Yields a list that receives (rows, the domain's mean rows, dynamic experts) of every micro-
+    batch this rank balances, as it publishes them to its domain's scheduler."""
+    from deepspeed_feplb.balanced import BalancedMicroBatch
+    published, original = [], BalancedMicroBatch.publish
+
+    def publish(self):
+        original(self)
+        published.append((int(self.counts.sum()), self.domain_mean, list(self.dynamic)))
+
+    BalancedMicroBatch.publish = publish
+    try:
+        yield published
+    finally:
+        BalancedMicroBatch.publish = original
+
+
+def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, dynamic: int = 2,
+                     ce_budget="auto") -> dict:
+    """Forward+backward of both layers on this rank; returns errors, FEPLB stats and what the rank
+    published (`published_dynamic`)."""
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": dynamic, "chunk_align_tokens": 1,
-             "fixed_costs": "ignore", "max_helpers_per_expert": 4, **IN_PARTS}
+             "fixed_costs": "ignore", "max_helpers_per_expert": 4, "ce_budget": ce_budget, **IN_PARTS}
     reference, ours = build_pair(num_experts, ep_size, k, feplb, seed=k)
     x, w = rank_inputs(k)
     ref_out, ref_dx, ref_grads = run_layer(reference, x, w)
-    out, dx, grads = run_layer(ours, x, w)
+    with published_dynamic() as published:
+        out, dx, grads = run_layer(ours, x, w)
     assert set(grads) == set(ref_grads), (sorted(grads), sorted(ref_grads))
     errors = {"output": relative_error(out, ref_out), "input_grad": relative_error(dx, ref_dx)}
     errors.update({name: relative_error(grads[name], ref_grads[name]) for name in ref_grads})
-    return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats)}
+    return {"errors": errors, "stats": copy.deepcopy(ours.feplb_stats), "published": published}
 
 
 class TinyMoEModel(torch.nn.Module):

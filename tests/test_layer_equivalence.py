@@ -114,3 +114,34 @@ def test_a_rank_without_rows_trains_when_the_layer_input_is_frozen():
             assert ours == pytest.approx(ref, rel=TOLERANCE), f"rank {rank}, {case}: losses {ours} vs {ref}"
             worst = max(result["param_errors"].items(), key=lambda item: item[1])
             assert worst[1] <= TOLERANCE, f"rank {rank}, {case}: parameter {worst[0]} differs by {worst[1]:.2e}"
+
+
+def test_ranks_at_or_below_their_domains_mean_publish_no_dynamic_experts(four_rank_results):
+    """With 4 helpers per expert (every peer of these domains) and no copy cap, plans only move rows
+    to ranks at or below their domain's mean: those publish no dynamic experts and compute every
+    expert in their static call, the others their 2 hottest; the layer stays exact (above)."""
+    receivers = senders = 0
+    for results in four_rank_results:
+        for case in results.values():
+            for rows, domain_mean, dynamic in case["published"]:
+                assert len(dynamic) == (0 if rows <= domain_mean else 2), (rows, domain_mean, dynamic)
+                receivers, senders = receivers + (rows <= domain_mean), senders + (rows > domain_mean)
+    assert receivers and senders
+
+
+def capped_case():
+    H = moe_cases.HIDDEN
+    expert_bytes = (4 * H * H + 3 * H) * 4  # Linear(H, 2H)-GELU-Linear(2H, H), fp32
+    return moe_cases.equivalence_case(2, 2, 2, ce_budget=3 * expert_bytes)
+
+
+def test_where_copies_are_capped_every_rank_publishes_its_hottest_and_stays_exact():
+    """A copy cap may make the planner pass rows on through a rank below the mean (chaining its own
+    dynamic experts): then every rank publishes its 2 hottest experts."""
+    results = run_distributed(capped_case, 2, timeout=300)
+    for rank, case in enumerate(results):
+        worst = max(case["errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= TOLERANCE, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e} relative"
+        assert [len(dynamic) for _, _, dynamic in case["published"]] == [2], case["published"]
+    assert sum(case["stats"]["migrated_tokens"] for case in results) > 0
+

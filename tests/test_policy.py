@@ -41,7 +41,7 @@ def check_plan(counts, cons, plan):
     # sorted by (home, local_expert)
     keys = moves[:, 0] * (E + 1) + moves[:, 1]
     assert np.all(np.diff(keys) >= 0)
-    cand = dynamic_candidates(counts, cons.dynamic_experts)
+    cand = cons.chosen(counts)  # what the ranks publish
     copies_out = np.zeros(G, dtype=np.int64)
     copies_in = np.zeros(G, dtype=np.int64)
     offloaded = {}
@@ -225,6 +225,34 @@ def test_dynamic_candidates_ties_and_shapes():
     assert dynamic_candidates(counts, 9).shape == (3, 4)
     assert dynamic_candidates(counts, 0).shape == (3, 0)
     assert dynamic_candidates(counts, 2).dtype == np.int64
+
+
+def test_ranks_at_or_below_the_mean_choose_no_dynamic_experts_where_no_limit_binds():
+    """Where neither the helper nor the copy limits bind and no row bound caps a rank, plans only
+    move rows from ranks above the domain's mean to ranks at or below it: those choose no dynamic
+    experts (all their experts run in their static call, fewer operations) and the plan is as
+    good. Where a limit binds, every rank chooses its D hottest: the planner may chain through it."""
+    counts = np.array([[50, 40, 10], [5, 9, 1], [30, 30, 15], [3, 2, 1]])  # rows 100 15 75 6, mean 49
+    assert dynamic_candidates(counts, 2, 49.0).tolist() == [[0, 1], [-1, -1], [0, 1], [-1, -1]]
+    assert dynamic_candidates(counts, 2, 75.0)[2].tolist() == [-1, -1]  # at the mean: none either
+    free = PlanConstraints(dynamic_experts=2, max_helpers=3)
+    assert free.senders_only(4) and free.chosen(counts).tolist() == [[0, 1], [-1, -1], [0, 1], [-1, -1]]
+    for bound in (PlanConstraints(2, max_helpers=2), PlanConstraints(2, 3, ce_budget_bytes=5.0, expert_bytes=1),
+                  PlanConstraints(2, 3, max_rows_over_mean=1.05)):
+        assert not bound.senders_only(4)
+        assert bound.chosen(counts).tolist() == dynamic_candidates(counts, 2).tolist()
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        G, E = int(rng.integers(2, 9)), int(rng.integers(2, 17))
+        counts = rng.integers(0, 60, size=(G, E)) * rng.integers(1, 5, size=(G, 1))
+        D, align = int(rng.integers(1, E + 1)), int(rng.integers(1, 4))
+        cons = PlanConstraints(dynamic_experts=D, max_helpers=G - 1, chunk_align=align)
+        plan = plan_domain(counts, cons)
+        check_plan(counts, cons, plan)
+        senders = counts.sum(axis=1) * G > counts.sum()
+        assert senders[plan.moves[:, 0]].all()
+        everyone = plan_domain(counts, cons, dynamic=dynamic_candidates(counts, D))
+        assert plan.rank_rows.max() <= max(everyone.rank_rows.max(), lower_bound(counts, D) + align - 1)
 
 
 def test_degenerate_inputs_give_empty_plans():

@@ -219,7 +219,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             if len(blocks[e]):
                 outs.append(self._grouped([w.unsqueeze(0) for w in replicas[e - self.num_experts]], blocks[e],
                                           [len(blocks[e])]))
-        return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else on_graph(rows[:0], stacked)
+        return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else on_graph(rows[:0], stacked, always=True)
 
 
 class _StackedReplicaLink:

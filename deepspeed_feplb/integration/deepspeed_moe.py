@@ -193,7 +193,7 @@ class FEPLBMOELayer(MOELayer):
         members = static if zeroed else [e for e in static if len(blocks[e])]
         sizes = [len(blocks[e]) for e in members]
         if not sum(sizes):
-            return on_graph(rows[:0], [p for e in static for p in params[e]])
+            return on_graph(rows[:0], [p for e in static for p in params[e]], always=True)
         # all the rows: no copy; else one (whose backward hands each block a view, where a slice of
         # ``rows`` would zero-fill a full-size gradient)
         x = rows if sum(sizes) == len(rows) else torch.cat([blocks[e] for e in members])

@@ -99,6 +99,22 @@ class PlanConstraints:
             return math.inf
         return max(0, math.floor(self.ce_budget_bytes / self.expert_bytes))
 
+    def senders_only(self, G: int) -> bool:
+        """Whether plans for a domain of ``G`` ranks only ever move rows from ranks above its mean
+        to ranks at or below it, so that only the former need dynamic experts. A plan passes rows
+        on through a rank below the mean (chaining its own dynamic experts on) only where the
+        helper or copy limits bind, or where a row bound caps ranks below the domain's mean."""
+        return self.max_helpers >= G - 1 and math.isinf(self.copies_per_rank()) and not self.max_rows_over_mean
+
+    def chosen(self, counts: np.ndarray) -> np.ndarray:
+        """The dynamic experts the ranks of a domain choose, each from its own counts and the
+        domain's mean, as a rank does when it publishes: counts int64 [G, E_local] -> int64
+        [G, min(D, E_local)] (`hottest.NONE` where a rank chooses fewer)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        G = len(counts)
+        mean = float(counts.sum()) / G if G and self.senders_only(G) else None
+        return dynamic_candidates(counts, self.dynamic_experts, mean)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -180,8 +196,8 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
                   received for each of its local experts; negative counts raise ValueError.
     constraints:  :class:`PlanConstraints`.
     dynamic:      int64 [G, D']: the dynamic experts each rank chose and published (`hottest.NONE`
-                  pads a shorter row), the only experts whose rows move; None: each rank's
-                  ``dynamic_candidates(counts, D)`` (the simulator, which has no ranks).
+                  pads a shorter row), the only experts whose rows move; None: what the ranks
+                  would choose, ``constraints.chosen(counts)`` (the simulator, which has no ranks).
     resident:     int64 [G, E_local, ceil(G / 64)] bit masks, or None (no weights held anywhere):
                   bit ``j % 64`` of word ``j // 64`` of ``resident[r, e]`` says helper j holds a copy
                   of rank r's expert e (kept from an earlier micro-batch of this step,
@@ -215,7 +231,7 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
             raise ValueError("counts must be non-negative")
         return empty_plan(counts)  # without loading the compiled planner
     if dynamic is None:
-        dynamic = dynamic_candidates(counts, D)
+        dynamic = constraints.chosen(counts)
     dynamic = np.ascontiguousarray(dynamic, dtype=np.int64)
     if dynamic.ndim != 2 or dynamic.shape[0] != G:
         raise ValueError(f"dynamic must be [G={G}, D], got shape {dynamic.shape}")

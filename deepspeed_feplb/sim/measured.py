@@ -44,7 +44,9 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
     of a piece and of a row are the domain's recorded fits, the plan's latency the previous
     micro-batch's, and (``recorded_message_us``) the message latency the domain's transport
     measured where the trace holds it (module docstring); the rest is ``model``'s. ``dynamic_experts``: the run's D
-    (each rank's D hottest experts wait for the plan). A trace recorded before 2026-12-02 (5
+    (each rank's D hottest experts wait for the plan; where its ranks at or below their domain's mean
+    chose none, `PlanConstraints.senders_only`, those ranks ran every expert at once, which the
+    makespan does not see: its slowest rank is above the mean). A trace recorded before 2026-12-02 (5
     columns of ``stage_us``) has a probe's cost where the fitted piece cost is now and the planning
     time where the plan's arrival is: its pieces cost nothing and its plan latency is 0, as its
     planner had them. The ideal (`over_ideal`) is the domain's rows computed at home, spread evenly
