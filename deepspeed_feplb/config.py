@@ -254,7 +254,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """'step' residency: expert copies a rank keeps per MoE layer; each costs its weights plus an fp32 weight-gradient (docs/GPU.md has the memory formula)."""
 
     resident_budget_mb: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
-    """'step' residency: MiB of kept copies a rank holds over all its FEPLB layers (each copy counts its weights and its fp32 weight-gradient); a copy beyond it is used for its micro-batch only. 'auto': 10% of the smallest GPU's memory in the domain, no bound for CPU experts."""
+    """'step' residency: MiB of kept copies a rank holds over all its FEPLB layers (each copy counts its weights and its fp32 weight-gradient); a copy beyond it is used for its micro-batch only. 'auto': half the device memory a rank has free after deepspeed.initialize beside FEPLB's other buffers (the least over its domain; measured when the domain opens where deepspeed_feplb.initialize was not used), at most what max_resident_experts copies per layer take; no bound for CPU experts."""
 
     max_rows_over_mean: Optional[Annotated[float, Field(ge=1.0, allow_inf_nan=False)]] = None
     """Bound on any rank's rows, as a multiple of the EP group's mean rows per rank (e.g. to bound activation memory); the fastest plan within the bound wins; with placement.redundant_experts_per_rank, replicas are chosen to bring the busiest rank within it too, even where they cost time. null: minimise expert time alone, which at small micro-batches may leave rows unbalanced."""

@@ -18,13 +18,14 @@ import threading
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from deepspeed_feplb import exits
 from deepspeed_feplb.collectives import gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
+from deepspeed_feplb.memory import device_free_bytes, kept_budget_of
 from deepspeed_feplb.migrate import Transport
+from deepspeed_feplb.migrate.arena import inbound_bytes
 from deepspeed_feplb.migrate.latency import measure_message_us
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
@@ -102,13 +103,6 @@ def reclaim_leftovers(min_age_s: float = 10.0) -> list[str]:
     return names
 
 
-def device_memory(device) -> int | None:
-    """Total bytes of ``device``'s memory (None: host memory)."""
-    if device is None or torch.device(device).type != "cuda":
-        return None
-    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-
-
 class DomainRuntime:
     """This rank's view of its domain: ``local_rank`` in ``[0, size)``, ``ranks`` (global ranks),
     ``transport`` (a `migrate.Transport`), ``scheduler`` (a `scheduler.Scheduler`), ``watch``,
@@ -130,7 +124,7 @@ class DomainRuntime:
 
         # Agree on segment names and check that a domain never spans hosts.
         info = gather_small((secrets.token_hex(4), socket.gethostname(), os.getpid(),
-                             transport_cls.device_id(device), device_memory(device)), group=ep_group, device=device)
+                             transport_cls.device_id(device), device_free_bytes(device)), group=ep_group, device=device)
         hosts = {info[first + i][1] for i in range(self.size)}
         if len(hosts) > 1:
             raise FEPLBConfigError(f"feplb.nvlink_domain_size: domain of ranks {self.ranks} spans hosts "
@@ -143,8 +137,13 @@ class DomainRuntime:
             raise FEPLBConfigError(f"FEPLB cannot open the phase-2 transport ({transport_cls.__name__}) of its "
                                    "domains: " + "; ".join(problems))
         self.name = f"feplb-{info[first][0]}"
-        self.kept_bytes = KeptBytes(self.size, resident_budget_bytes(config.resident_budget_mb,
-                                                                      [info[first + i][4] for i in range(self.size)]))
+        budget = kept_budget_of(ep_ranks, self.size)  # known at `deepspeed_feplb.initialize`
+        if budget is None:  # a layer used without it: the same rule on what is free now, beside the slots
+            slots = (self.size - 1) * inbound_bytes(slot_bytes)
+            budget = resident_budget_bytes(config.resident_budget_mb,
+                                           [None if info[first + i][4] is None else info[first + i][4] - slots
+                                            for i in range(self.size)])
+        self.kept_bytes = KeptBytes(self.size, budget)
         if self.local_rank == 0 and not planner_cached():
             print("deepspeed_feplb: first use on this machine: numba compiles the planner once, in the scheduler "
                   "process (15-40 s on a slow 2-core machine; training goes on unbalanced meanwhile); later runs load "

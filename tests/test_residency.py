@@ -183,9 +183,9 @@ def test_simulator_reports_time_and_residency_cuts_weight_bytes():
 def test_the_simulator_keeps_copies_within_the_byte_budget_as_the_runtime_does():
     """``resident_budget_mb`` binds in the simulator as at runtime: a node's layers share one
     budget (weights and an fp32 gradient per copy), never exceeded; a tighter budget keeps fewer
-    copies, so more weights are copied (none kept: over 3 times as many); "auto" takes the
-    profile's device memory as the runtime takes its GPU's."""
-    from deepspeed_feplb.plan.residency import AUTO_BUDGET_SHARE
+    copies, so more weights are copied (none kept: over 3 times as many); "auto" takes half the
+    memory the profile has free at the start, as the runtime takes half of what its GPU has."""
+    from deepspeed_feplb.plan.residency import AUTO_FREE_SHARE
     from deepspeed_feplb.sim.policies import make_policy
     from deepspeed_feplb.trace.format import fold_sources
     trace = small_trace(4096)
@@ -207,7 +207,7 @@ def test_the_simulator_keeps_copies_within_the_byte_budget_as_the_runtime_does()
     assert most_held[0] == 0 and most_held[1] == copy and most_held[2] == 2 * copy
     # one or two kept copies: the planner's choices differ by the half copy per step either way
     assert copied[0] > 3 * max(copied[1], copied[2]) and min(copied[1], copied[2]) > copied[None]
-    assert base.profile.memory_bytes * AUTO_BUDGET_SHARE > most_held[None] > 2 * copy  # "auto" binds less
+    assert base.profile.free_at_start * AUTO_FREE_SHARE > most_held[None] > 2 * copy  # "auto" binds less
 
 
 def test_simulate_takes_the_byte_budget_and_refuses_one_that_cannot_be(tmp_path):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import start_planner_early, validate_domain_size
+from deepspeed_feplb.domain import domain_size, start_planner_early, validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
 from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph
 from deepspeed_feplb.integration import seams
@@ -40,6 +40,7 @@ from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_ex
 from deepspeed_feplb.integration.expert_state import StackedExperts
 from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, places, replica_slots_per_rank
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
+from deepspeed_feplb.memory import LayerMemoryFacts
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
 
@@ -115,6 +116,15 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
     def feplb_weights_changed(self) -> None:
         """`weight_watch.weights_changed` for this layer."""
         copies_stale(self.stage, getattr(self, "placement", None))
+
+    def memory_facts(self) -> Optional[LayerMemoryFacts]:
+        """What `memory.check_at_initialize` needs of this layer (None: FEPLB off, or one rank)."""
+        config = self.feplb_config
+        if not config.enabled or self.feplb_ep_size <= 1:
+            return None
+        slices = [self.w1[0], self.w2[0], self.w3[0]]
+        return LayerMemoryFacts(self.feplb_ep_group, self.feplb_ep_size, domain_size(config, self.feplb_ep_size),
+                                slices, slices[0].shape[1])
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order

@@ -34,6 +34,7 @@ from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_ex
 from deepspeed_feplb.integration.expert_state import ModuleExperts
 from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, places, replica_slots_per_rank
 from deepspeed_feplb.integration.replicas import with_sum
+from deepspeed_feplb.memory import LayerMemoryFacts
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -71,6 +72,14 @@ class FEPLBMOELayer(MOELayer):
     def feplb_weights_changed(self) -> None:
         """`weight_watch.weights_changed` for this layer."""
         copies_stale(self.stage, self.placement)
+
+    def memory_facts(self) -> Optional[LayerMemoryFacts]:
+        """What `memory.check_at_initialize` needs of this layer (None: FEPLB off, or no EP group yet)."""
+        config = self.feplb_config
+        if config is None or not config.enabled or self.ep_size <= 1 or getattr(self, "ep_group", None) is None:
+            return None
+        return LayerMemoryFacts(self.ep_group, self.ep_size, domain_size(config, self.ep_size),
+                                list(self.experts.deepspeed_experts[0].parameters()), self.gate.wg.in_features)
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:

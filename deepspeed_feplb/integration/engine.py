@@ -96,6 +96,8 @@ def initialize(*args, **kwargs):
         _prepare_pipeline(model, _as_dict(ds_config))
         with seams.pipeline_engine_class(FEPLBPipelineEngine):
             result = deepspeed.initialize(*bound.args, **bound.kwargs)
+        if config.enabled:
+            check_memory(result[0].module, config)
         if not config.stats.enabled:
             result[0].feplb_monitor.remove()
         return result
@@ -105,6 +107,8 @@ def initialize(*args, **kwargs):
         install_placement(result[0])
     from deepspeed_feplb.integration.autoep import install as install_autoep
     install_autoep(result[0].module, config, result[0])  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
+    if config.enabled:
+        check_memory(result[0].module, config)
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result
@@ -184,6 +188,16 @@ def check_consistency(model, config: FEPLBConfig) -> None:
         params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
         validate_transport(config, params)
         validate_dispatcher(config, module.ep_size, params, module.deepspeed_moe.gate.wg.in_features)
+
+
+def check_memory(model, config: FEPLBConfig) -> None:
+    """`memory.check_at_initialize` over the model's FEPLB layers of both kinds, once DeepSpeed has
+    put its weights, gradients and optimizer states on the devices (collective over each EP group)."""
+    from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts
+    from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
+    from deepspeed_feplb.memory import check_at_initialize
+    facts = [m.memory_facts() for m in model.modules() if isinstance(m, (FEPLBMOELayer, FEPLBGroupedExperts))]
+    check_at_initialize([f for f in facts if f is not None], config)
 
 
 def _as_dict(ds_config) -> dict:

@@ -43,8 +43,10 @@ class GemmProfile:
     bandwidth per GPU (GB/s); message_us: fixed latency of one phase-2 message (0: an ideal
     transport; `cuda_ce` measured 190-285 µs one way for a small message on an H200, docs/GPU.md); floor_us:
     the least one expert piece's forward costs, whatever its rows (module docstring); memory_bytes:
-    one device's memory (inf: host memory), from which ``feplb.resident_budget_mb: "auto"``
-    derives the kept copies' budget as the runtime does (`residency.resident_budget_bytes`)."""
+    one device's memory (inf: host memory), of which `free_at_start` bytes are left free once a
+    training run's weights, gradients and optimizer states are in place, as the simulator assumes:
+    ``feplb.resident_budget_mb: "auto"`` derives the kept copies' budget from it as the runtime
+    does from what it measures at initialize (`residency.resident_budget_bytes`)."""
 
     name: str
     tflops: float
@@ -55,6 +57,12 @@ class GemmProfile:
     message_us: float = 0.0
     floor_us: float = 0.0
     memory_bytes: float = math.inf
+
+    FREE_SHARE = 0.2  # of `memory_bytes`, free at the start: "auto" then keeps up to 10% of it
+
+    @property
+    def free_at_start(self) -> float:
+        return self.FREE_SHARE * self.memory_bytes
 
 
 PROFILES = {

@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "step_end_returns", "AUTO_BUDGET_SHARE"]
+__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "step_end_returns", "AUTO_FREE_SHARE"]
 
-AUTO_BUDGET_SHARE = 0.1  # ``resident_budget_mb: "auto"``: this share of the smallest device's memory
+AUTO_FREE_SHARE = 0.5  # ``resident_budget_mb: "auto"``: this share of the memory FEPLB's other buffers leave free
 
 
-def resident_budget_bytes(resident_budget_mb, device_bytes: list) -> float:
+def resident_budget_bytes(resident_budget_mb, free_bytes: list, most_bytes: float = float("inf")) -> float:
     """Bytes of kept copies each rank of a domain may hold over its layers: ``resident_budget_mb``
-    (``feplb.resident_budget_mb``) MiB, or for "auto" `AUTO_BUDGET_SHARE` of the smallest of the
-    domain's devices' memory (``device_bytes``; None or inf: host memory, no budget). The runtime
-    (`domain.DomainRuntime`) and the simulator (`sim.policies`, from its profile) use this one rule."""
+    (``feplb.resident_budget_mb``) MiB, or for "auto" the smaller of ``most_bytes`` (what they can
+    ever take: layers x ``max_resident_experts`` x a kept copy's bytes) and `AUTO_FREE_SHARE` of
+    the least device memory the domain's ranks have free beside FEPLB's other buffers
+    (``free_bytes``, one per rank; None or inf: host memory, no budget); the other half is left to
+    activations. The runtime (`memory.check_at_initialize`, else `domain.DomainRuntime` when it
+    opens) and the simulator (`sim.policies`, from its profile) use this one rule."""
     if resident_budget_mb != "auto":
         return float(resident_budget_mb) * 2**20
-    known = [b for b in device_bytes if b is not None and np.isfinite(b)]
-    return AUTO_BUDGET_SHARE * min(known) if known else float("inf")
+    known = [b for b in free_bytes if b is not None and np.isfinite(b)]
+    return min(float(most_bytes), AUTO_FREE_SHARE * max(0.0, min(known))) if known else float("inf")
 
 
 def step_end_returns(entries: np.ndarray, moves: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

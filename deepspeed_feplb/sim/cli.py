@@ -26,7 +26,8 @@ import numpy as np
 
 from deepspeed_feplb.config import SERVE_PARTS_MAX, FEPLBConfig
 from deepspeed_feplb.exits import InputFileError, fail
-from deepspeed_feplb.plan.residency import AUTO_BUDGET_SHARE
+from deepspeed_feplb.plan.cost import GemmProfile
+from deepspeed_feplb.plan.residency import AUTO_FREE_SHARE
 from deepspeed_feplb.trace.cli import whole_number
 
 __all__ = ["add_parser", "run_simulate"]
@@ -154,9 +155,9 @@ def add_parser(subparsers) -> None:
                    help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
     p.add_argument("--resident-budget-mb", type=_mib, default="auto", metavar="MIB",
                    help="feplb.resident_budget_mb: MiB of weight copies (weights and an fp32 gradient each) a "
-                        f"rank keeps over all layers with --residency step; auto: {AUTO_BUDGET_SHARE * 100:g}%% of the "
-                        "profile's device memory, as the runtime takes of its GPU's, none for the cpu profile "
-                        "(default: %(default)s)")
+                        f"rank keeps over all layers with --residency step; auto: {AUTO_FREE_SHARE * 100:g}%% of the "
+                        f"device memory left free at the start, taken as {GemmProfile.FREE_SHARE * 100:g}%% of the "
+                        "profile's (the runtime measures it), none for the cpu profile (default: %(default)s)")
     p.add_argument("--max-rows-over-mean", type=_ratio, default=None, metavar="RATIO",
                    help="feplb's bound on rows before time (feplb.max_rows_over_mean): no rank computes more than "
                         "RATIO x the mean rows per rank of all G x N ranks where the dynamic experts can reach "

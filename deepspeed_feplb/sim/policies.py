@@ -50,8 +50,8 @@ class SimSetup:
     residency: ``feplb``'s weight residency, "step" or "micro_batch" (``feplb.weight_residency``);
                max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``);
                resident_budget_mb: the bytes of copies a rank keeps over all layers
-               (``feplb.resident_budget_mb``; "auto": from ``profile.memory_bytes``, as the
-               runtime derives it from its device's, `plan.residency.resident_budget_bytes`), each
+               (``feplb.resident_budget_mb``; "auto": by the runtime's rule,
+               `plan.residency.resident_budget_bytes`, from ``profile.free_at_start``), each
                copy counting its weights and an fp32 weight-gradient, as a helper holds them.
     max_rows_over_mean: ``feplb``'s bound on rows before time (``feplb.max_rows_over_mean``; None:
                time alone), relative to the mean over all G x N ranks.
@@ -401,7 +401,7 @@ class _NodePolicy:
         keep = setup.max_resident if setup.residency == "step" and self.uses_residency else 0
         G, E = setup.ranks_per_node, setup.experts_per_rank + (setup.redundant_per_rank if self.placers else 0)
         # a node's kept copies share one byte budget over its layers, as a domain's do at runtime
-        budget = resident_budget_bytes(setup.resident_budget_mb, [setup.profile.memory_bytes])
+        budget = resident_budget_bytes(setup.resident_budget_mb, [setup.profile.free_at_start])
         self.kept_bytes = [KeptBytes(G, budget) for _ in range(setup.nodes)]
         copy_bytes = setup.shape.weight_bytes + setup.shape.grad_bytes
         self.residency = [[ResidencyTable(G, E, keep, self.kept_bytes[n], copy_bytes) for n in range(setup.nodes)]
