@@ -10,7 +10,8 @@ NVLink domain and ``D`` dynamic experts per rank (`GroupMemory`):
   plus a rank's mean rows, which only the first balanced micro-batch tells: that part is checked
   when the domain opens (`migrate.cuda_ce.preflight_problems`);
 * weight copies held from forward to backward: ``L · min(D · (G - 1) · P, ce_budget)``;
-* the DeepEP buffer of the group (``ep_backend: deepep``): DeepEP's NVLink size hint;
+* the DeepEP buffer of the group (``ep_backend: deepep``): DeepEP's NVLink size hint, plus its RDMA
+  size hint for a group that spans hosts;
 * kept copies (``weight_residency: "step"``): at most ``L · max_resident_experts · c``, and at
   most ``resident_budget_mb``; for "auto", `AUTO_FREE_SHARE` of what the rest leaves free
   (`plan.residency.resident_budget_bytes`), the least over the domain's ranks.
@@ -172,9 +173,10 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
             if dispatcher_kind(config, first.ep_size, first.expert_params, first.hidden)[0] == "deepep":
                 import deep_ep
 
-                from deepspeed_feplb.dispatch.deepep import nvl_bytes_hint
+                from deepspeed_feplb.dispatch.deepep import nvl_bytes_hint, rdma_bytes_hint
                 hidden_bytes = max(m.hidden for m in members) * max(first.expert_params[0].element_size(), 2)
-                deepep = nvl_bytes_hint(deep_ep, hidden_bytes, first.ep_size)
+                deepep = (nvl_bytes_hint(deep_ep, hidden_bytes, first.ep_size)
+                          + rdma_bytes_hint(deep_ep, hidden_bytes, first.ep_size))
             need = group_memory(config, first.ep_size, G, [ExpertSizes.of(m.expert_params, m.hidden) for m in members],
                                 transport_kind(config, first.expert_params) == "cuda_ce", deepep)
         problems = memory_problems(dist.get_rank(), free, need, config) if free is not None else []

@@ -145,7 +145,8 @@ def test_the_layers_of_a_process_share_one_deepep_buffer(monkeypatch):
     made = []
 
     class FakeBuffer:
-        def __init__(self, group, nvl_bytes):
+        def __init__(self, group, nvl_bytes, rdma_bytes):
+            assert rdma_bytes == 0  # one host: no RDMA buffer
             made.append(nvl_bytes)
 
     monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(Buffer=FakeBuffer))
@@ -159,3 +160,65 @@ def test_the_layers_of_a_process_share_one_deepep_buffer(monkeypatch):
     wider = layers[0]._buffer(torch.zeros(3, 128, dtype=torch.bfloat16))  # a layer with a larger hidden size
     assert made == [128_000, 256_000] and all(layer._buffer(rows) is wider for layer in layers)
     assert deepep.DeepEPDispatcher(object(), 2, 4)._buffer(rows) is not wider  # another EP group: its own
+
+
+class _Config:
+    """What DeepEP's ``Config`` tells: buffer-size hints (bytes per hidden byte, as a stand-in)."""
+
+    def __init__(self, num_ranks: int, nvshmem: bool = True):
+        self.num_ranks, self.nvshmem = num_ranks, nvshmem
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 1000 * hidden_bytes
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        if not self.nvshmem:
+            raise RuntimeError("Assertion failed: NVSHMEM is disable during compilation")
+        return 0 if num_ranks <= 8 else 3000 * hidden_bytes
+
+
+def _fake_deep_ep(made: list, nvshmem: bool = True):
+    import types
+
+    class FakeBuffer:
+        def __init__(self, group, nvl_bytes, rdma_bytes):
+            made.append((nvl_bytes, rdma_bytes))
+
+        get_dispatch_config = get_combine_config = staticmethod(lambda num_ranks: _Config(num_ranks, nvshmem))
+
+    return types.SimpleNamespace(Buffer=FakeBuffer)
+
+
+def test_a_group_across_hosts_gets_deepeps_rdma_buffer(monkeypatch):
+    """EP 16 (two hosts of 8): the group's one buffer holds DeepEP's NVLink and RDMA hints; EP 8
+    holds no RDMA memory. A deep_ep built without NVSHMEM raises where it sizes an RDMA buffer:
+    `internode_missing` says so before any buffer exists."""
+    import sys
+
+    from deepspeed_feplb.dispatch import deepep
+
+    made = []
+    monkeypatch.setitem(sys.modules, "deep_ep", _fake_deep_ep(made))
+    monkeypatch.setattr(deepep, "_SHARED", {})
+    rows = torch.zeros(3, 64, dtype=torch.bfloat16)
+    deepep.DeepEPDispatcher(object(), 16, 4)._buffer(rows)
+    deepep.DeepEPDispatcher(object(), 8, 4)._buffer(rows)
+    assert made == [(128_000, 384_000), (128_000, 0)]
+    assert deepep.internode_missing() is None
+    monkeypatch.setitem(sys.modules, "deep_ep", _fake_deep_ep(made, nvshmem=False))
+    assert "no internode kernels (RuntimeError: Assertion failed: NVSHMEM is disable" in deepep.internode_missing()
+
+
+def test_the_reference_layout_counts_a_token_once_per_host_across_hosts():
+    """DeepEP's internode layout: tokens per RDMA rank (a host of 8) count a token once per host
+    it goes to; within one host there is none."""
+    from deepspeed_feplb.dispatch.deepep import ReferenceBuffer
+
+    buffer = ReferenceBuffer()
+    buffer.group_size = 16  # 2 hosts of 8, 1 expert per rank; the layout needs no collective
+    topk = torch.tensor([[0, 3], [1, 9], [12, 15], [-1, 8]])
+    per_rank, per_host, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 16)
+    assert per_host.tolist() == [2, 3] and per_rank.sum() == 7 and in_rank.shape == (4, 16)
+    buffer.group_size = 8
+    assert buffer.get_dispatch_layout(topk.clamp(max=7), 8)[1] is None
+

@@ -48,11 +48,20 @@ def test_the_adapter_never_waits_on_a_synchronous_event():
 
 # ------------------------------------------------------------------ 2. where DeepEP is selected
 def test_deepep_is_only_offered_where_the_adapter_works():
+    """Within a host DeepEP's intranode kernels (EP 2, 4, 8); across hosts of 8 GPUs its internode
+    kernels (EP 16 ... 160) where the installed deep_ep has them (built with NVSHMEM)."""
     from deepspeed_feplb.dispatch import deepep_unsupported
+    has_internode, lacks_it = (lambda: None), (lambda: "the installed deep_ep has no internode kernels")
     assert deepep_unsupported(8, 4096, 8) is None
     assert "EP sizes" in deepep_unsupported(16, 4096, 16)
-    assert "spans hosts" in deepep_unsupported(8, 4096, 4)
+    assert "spans hosts of 4 ranks" in deepep_unsupported(8, 4096, 4)
     assert "multiple of 16 bytes" in deepep_unsupported(8, 100, 8)
+    for ep in (16, 32, 64, 128):
+        assert deepep_unsupported(ep, 4096, 8, has_internode) is None
+        assert deepep_unsupported(ep, 4096, 8, lacks_it) == "the installed deep_ep has no internode kernels"
+    assert "across hosts, not 24" in deepep_unsupported(24, 4096, 8, has_internode)
+    assert "take hosts of 8 GPUs" in deepep_unsupported(16, 4096, 4, has_internode)
+    assert "multiple of 16 bytes" in deepep_unsupported(16, 100, 8, has_internode)
 
 
 @pytest.fixture
@@ -70,7 +79,7 @@ def deepep_present(monkeypatch):
 def test_explicit_deepep_for_an_unsupported_group_is_a_config_error(deepep_present):
     config = load_config({"feplb": {"ep_backend": "deepep"}})
     with pytest.raises(FEPLBConfigError, match=r'feplb.ep_backend: "deepep": .*EP sizes'):
-        deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096)
+        deepep_present.make_dispatcher(config, None, 12, 4, [], hidden=4096)
     with pytest.raises(FEPLBConfigError, match="multiple of 16 bytes"):
         deepep_present.make_dispatcher(config, None, 8, 4, [], hidden=100)
     from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
@@ -82,11 +91,26 @@ def test_auto_falls_back_to_torch_with_one_warning(deepep_present):
     from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
     config = load_config({"feplb": {}})
     with pytest.warns(RuntimeWarning, match="not using DeepEP"):
-        assert isinstance(deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096), TorchDispatcher)
+        assert isinstance(deepep_present.make_dispatcher(config, None, 12, 4, [], hidden=4096), TorchDispatcher)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reason is said once
-        assert isinstance(deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096), TorchDispatcher)
+        assert isinstance(deepep_present.make_dispatcher(config, None, 12, 4, [], hidden=4096), TorchDispatcher)
     assert isinstance(deepep_present.make_dispatcher(config, None, 8, 4, [], hidden=4096), DeepEPDispatcher)
+
+
+def test_auto_takes_deepeps_internode_kernels_across_hosts_where_deep_ep_has_them(deepep_present, monkeypatch):
+    """EP 16 over hosts of 8: DeepEP where the installed deep_ep was built with NVSHMEM, else torch's
+    all-to-all with the reason said once; "deepep" chosen explicitly refuses with it."""
+    from deepspeed_feplb.dispatch import deepep
+    from deepspeed_feplb.dispatch.torch_a2a import TorchDispatcher
+    config = load_config({"feplb": {}})
+    monkeypatch.setattr(deepep, "internode_missing", lambda: None)
+    assert isinstance(deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096), deepep.DeepEPDispatcher)
+    monkeypatch.setattr(deepep, "internode_missing", lambda: "the installed deep_ep has no internode kernels")
+    with pytest.warns(RuntimeWarning, match="not using DeepEP .the installed deep_ep has no internode kernels"):
+        assert isinstance(deepep_present.make_dispatcher(config, None, 16, 4, [], hidden=4096), TorchDispatcher)
+    with pytest.raises(FEPLBConfigError, match="no internode kernels"):
+        deepep_present.make_dispatcher(load_config({"feplb": {"ep_backend": "deepep"}}), None, 16, 4, [], hidden=4096)
 
 
 # ------------------------------------------------------------------ 6. no -ftz=true from CuPy

@@ -1,8 +1,8 @@
 """Phase 1: every routed (token, expert) pair to its expert's home rank, and back.
 
 Two implementations of `Dispatcher`: `torch_a2a.TorchDispatcher` (``all_to_all_single`` with
-uneven splits; any backend, gloo included) and `deepep.DeepEPDispatcher` (DeepEP intranode
-buffers, bf16 on CUDA). `make_dispatcher` picks one from ``feplb.ep_backend``. To add a backend,
+uneven splits; any backend, gloo included) and `deepep.DeepEPDispatcher` (DeepEP's buffers,
+intranode or across hosts, bf16 on CUDA). `make_dispatcher` picks one from ``feplb.ep_backend``. To add a backend,
 implement the two methods below with the same row order and exactness, and select it there.
 """
 from __future__ import annotations
@@ -49,24 +49,30 @@ def _on_cuda_bf16(params) -> tuple[bool, bool]:
     return on_cuda, on_cuda and all(p.dtype == torch.bfloat16 for p in params)
 
 
-# What the adapter supports of DeepEP: its intranode (NVLink) kernels, whose configurations cover
-# these EP sizes, with bf16 token rows whose bytes are a multiple of 16.
-DEEPEP_EP_SIZES = (2, 4, 8)
-
-
-def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int) -> Optional[str]:
+def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int,
+                       internode_missing: Optional[Callable[[], Optional[str]]] = None) -> Optional[str]:
     """Why the DeepEP adapter cannot serve an EP group of ``ep_size`` ranks (``local_ranks`` per
-    host) with tokens of ``hidden`` bf16 values, or None when it can."""
-    if ep_size not in DEEPEP_EP_SIZES:
-        return f"the adapter runs DeepEP's intranode kernels, which support EP sizes {DEEPEP_EP_SIZES}, not {ep_size}"
+    host) with tokens of ``hidden`` bf16 values, or None when it can. ``internode_missing``: why the
+    installed ``deep_ep`` has no internode kernels, or None (default: `deepep.internode_missing`,
+    asked only for a group that spans hosts)."""
+    from deepspeed_feplb.dispatch.deepep import DEEPEP_EP_SIZES, DEEPEP_INTERNODE_EP_SIZES, DEEPEP_NVL_PEERS
+    if ep_size <= local_ranks and ep_size not in DEEPEP_EP_SIZES:
+        return f"DeepEP's intranode kernels support EP sizes {DEEPEP_EP_SIZES} within a host, not {ep_size}"
     if ep_size > local_ranks:
-        return (f"the EP group of {ep_size} ranks spans hosts ({local_ranks} ranks per host); the adapter supports "
-                "intranode EP only")
+        if local_ranks != DEEPEP_NVL_PEERS:
+            return (f"the EP group of {ep_size} ranks spans hosts of {local_ranks} ranks; DeepEP's internode kernels "
+                    f"take hosts of {DEEPEP_NVL_PEERS} GPUs")
+        if ep_size not in DEEPEP_INTERNODE_EP_SIZES:
+            return (f"DeepEP's internode kernels support EP sizes {DEEPEP_INTERNODE_EP_SIZES} across hosts, not "
+                    f"{ep_size}")
+        if internode_missing is None:
+            from deepspeed_feplb.dispatch.deepep import internode_missing
+        reason = internode_missing()
+        if reason:
+            return reason
     if hidden * 2 % 16:
         return f"DeepEP needs token rows of a multiple of 16 bytes; hidden {hidden} in bf16 is {hidden * 2} bytes"
     return None
-
-
 
 
 def dispatcher_kind(config: FEPLBConfig, ep_size: int, expert_params, hidden: int) -> tuple[str, Optional[str]]:

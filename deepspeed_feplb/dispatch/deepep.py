@@ -25,6 +25,7 @@ receive counts, unweighted combine summed over ranks in fp32, cached re-dispatch
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -33,6 +34,14 @@ import torch.distributed as dist
 from deepspeed_feplb.collectives import gather_counts
 from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
 from deepspeed_feplb.kernels import cuda as kernels
+
+# What the adapter supports of DeepEP (v1.2.1): its intranode (NVLink) kernels, whose configurations
+# cover EP groups of these sizes within a host; its internode (RDMA + NVLink) kernels, which take
+# hosts of `DEEPEP_NVL_PEERS` GPUs and have configurations and kernels for groups of these sizes
+# (`dispatch.deepep_unsupported`).
+DEEPEP_EP_SIZES = (2, 4, 8)
+DEEPEP_NVL_PEERS = 8
+DEEPEP_INTERNODE_EP_SIZES = (16, 32, 64, 128, 144, 160)
 
 
 class _EventOverlap:
@@ -48,7 +57,10 @@ class _EventOverlap:
 
 
 class ReferenceBuffer:
-    """CPU (any device) implementation of DeepEP's intranode ``Buffer`` contract over ``group``.
+    """CPU (any device) implementation of DeepEP's ``Buffer`` contract over ``group``: the intranode
+    one, and for a group over hosts of 8 ranks the internode layout's tokens per host (its receive
+    order, by global source rank then token, is the same; its handle differs, and the adapter
+    never looks into a handle).
 
     Handle (as DeepEP's intranode handle, 6 entries): ``(rank_prefix_matrix int32 [R, R],
     channel_prefix_matrix int32 [R, 1], recv_channel_prefix_matrix int32 [R, 1], recv_src_idx
@@ -84,8 +96,9 @@ class ReferenceBuffer:
     # -------------------------------------------------------------------- DeepEP API
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """topk_idx int64 ``[T, K]`` (-1: none) -> (tokens per rank int32 [R], None, tokens per expert
-        int32 [E], is_token_in_rank bool [T, R], event)."""
+        """topk_idx int64 ``[T, K]`` (-1: none) -> (tokens per rank int32 [R], tokens per host int32
+        [R / 8] for a group over hosts of 8 (None within one), tokens per expert int32 [E],
+        is_token_in_rank bool [T, R], event)."""
         experts_per_rank = num_experts // self.group_size
         valid = topk_idx >= 0
         per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
@@ -93,7 +106,10 @@ class ReferenceBuffer:
         in_rank = torch.zeros((topk_idx.shape[0], self.group_size), dtype=torch.bool, device=topk_idx.device)
         rows, cols = torch.nonzero(valid, as_tuple=True)
         in_rank[rows, dest[rows, cols]] = True
-        return in_rank.sum(0).to(torch.int32), None, per_expert, in_rank, _EventOverlap(async_finish)
+        per_host = None
+        if self.group_size > DEEPEP_NVL_PEERS:  # DeepEP's internode layout: a token counts once per host
+            per_host = in_rank.view(len(in_rank), -1, DEEPEP_NVL_PEERS).any(-1).sum(0).to(torch.int32)
+        return in_rank.sum(0).to(torch.int32), per_host, per_expert, in_rank, _EventOverlap(async_finish)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
@@ -240,6 +256,29 @@ class DeepEPHandle:
         self.k, self.num_tokens, self.buffer = k, num_tokens, buffer
 
 
+def rdma_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
+    """RDMA buffer bytes DeepEP asks for (its own config hints) for a group of ``num_ranks`` that
+    spans hosts; 0 within one host, where its intranode kernels need none."""
+    if num_ranks <= DEEPEP_NVL_PEERS:
+        return 0
+    buffer_cls = deep_ep_module.Buffer
+    return int(max(config(num_ranks).get_rdma_buffer_size_hint(hidden_bytes, num_ranks)
+                   for config in (buffer_cls.get_dispatch_config, buffer_cls.get_combine_config)))
+
+
+def internode_missing() -> Optional[str]:
+    """Why the installed ``deep_ep`` has no internode kernels, or None. A build without NVSHMEM
+    raises where its configs size an RDMA buffer: asked here once, before any buffer exists, so
+    every rank of a group (one install) decides alike."""
+    import deep_ep
+    try:
+        rdma_bytes_hint(deep_ep, 4096, DEEPEP_INTERNODE_EP_SIZES[0])
+    except Exception as error:  # noqa: BLE001 - DeepEP's host assertions raise RuntimeError
+        return (f"the installed deep_ep has no internode kernels ({type(error).__name__}: {error}); build it with "
+                "NVSHMEM (docs/GPU.md)")
+    return None
+
+
 def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
     """NVLink buffer bytes DeepEP asks for (its own config hints), or ``FEPLB_DEEPEP_NVL_BYTES``."""
     if os.environ.get("FEPLB_DEEPEP_NVL_BYTES"):
@@ -250,18 +289,20 @@ def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
     return int(max(hints))
 
 
-_SHARED: dict = {}  # EP group -> (its DeepEP buffer, NVLink bytes)
+_SHARED: dict = {}  # EP group -> (its DeepEP buffer, (NVLink bytes, RDMA bytes))
 
 
-def shared_buffer(group, nvl_bytes: int):
+def shared_buffer(group, nvl_bytes: int, rdma_bytes: int = 0):
     """The process's one DeepEP buffer for ``group``, shared by every layer that dispatches over it
-    (each buffer holds its own NVLink memory, a few hundred MB): created at the first request,
-    replaced by a larger one only when a layer asks for more bytes than it has."""
-    buffer, held = _SHARED.get(group, (None, 0))
-    if buffer is None or held < nvl_bytes:
+    (each buffer holds its own NVLink memory, a few hundred MB, and across hosts its RDMA memory):
+    created at the first request, replaced by a larger one only when a layer asks for more bytes
+    than it has."""
+    buffer, (nvl_held, rdma_held) = _SHARED.get(group, (None, (0, 0)))
+    if buffer is None or nvl_held < nvl_bytes or rdma_held < rdma_bytes:
         import deep_ep
-        buffer = deep_ep.Buffer(group, nvl_bytes)
-        _SHARED[group] = (buffer, nvl_bytes)
+        nvl_bytes, rdma_bytes = max(nvl_bytes, nvl_held), max(rdma_bytes, rdma_held)
+        buffer = deep_ep.Buffer(group, nvl_bytes, rdma_bytes)
+        _SHARED[group] = (buffer, (nvl_bytes, rdma_bytes))
     return buffer
 
 
@@ -270,7 +311,8 @@ class DeepEPDispatcher:
 
     Args:
         buffer: a ``deep_ep.Buffer`` (or `ReferenceBuffer`); default: the group's `shared_buffer`,
-            sized at the first dispatch by DeepEP's NVLink buffer-size hint for the hidden size seen.
+            sized at the first dispatch by DeepEP's NVLink (and, across hosts, RDMA) buffer-size
+            hints for the hidden size seen.
     """
 
     def __init__(self, group, ep_size: int, num_local_experts: int, buffer=None):
@@ -282,7 +324,8 @@ class DeepEPDispatcher:
         if buffer is None:
             import deep_ep
             hidden_bytes = x.shape[1] * max(x.element_size(), 2)
-            buffer = shared_buffer(self.group, nvl_bytes_hint(deep_ep, hidden_bytes, self.ep_size))
+            buffer = shared_buffer(self.group, nvl_bytes_hint(deep_ep, hidden_bytes, self.ep_size),
+                                   rdma_bytes_hint(deep_ep, hidden_bytes, self.ep_size))
         if not isinstance(buffer, ReferenceBuffer) and x.dtype != torch.bfloat16:
             raise TypeError(f"DeepEP dispatches bf16 tokens; got {x.dtype} (use ep_backend \"torch\" for other dtypes)")
         return buffer
