@@ -44,11 +44,12 @@ test: install
 clean-shm: install
 	$(BIN)/python -m deepspeed_feplb cleanup
 
-# Wheels the lent GPU machine lacks (its image has torch, CuPy and numba, not pydantic or DeepSpeed),
+# Wheels the lent GPU machine lacks (its image has torch, CuPy and numba, not pydantic, DeepSpeed or
+# cuda-bindings for its CUDA 13),
 # into .whl/ (ignored by git): carry .whl to the device and run tests/gpu/run_device_checks.sh.
 DEVICE_PIP = --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 device-wheels: install
 	$(BIN)/pip download --quiet $(DEVICE_PIP) -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
-		annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0
+		annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1
 	$(BIN)/pip wheel --quiet --no-deps deepspeed==0.19.8 -w .whl

@@ -15,11 +15,14 @@ setup(
     extras_require={
         # transformers: AutoEP needs 5.x's fused expert weights; >= 5.23 breaks DeepSpeed's presets (docs/AUTOEP.md)
         # ruff: `make test` lints first (ruff.toml); a new minor version may add checks, so it is held to one
-        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23", "ruff>=0.17.6,<0.18"],
+        # cuda-bindings: its API, not a GPU, is what a test checks the typed driver calls against
+        "test": ["pytest>=8", "hypothesis>=6", "highspy>=1.7", "transformers>=5.0,<5.23", "ruff>=0.17.6,<0.18",
+                 "cuda-bindings>=12.6"],
         "hf": ["transformers>=5.0,<5.23"],
         # one CuPy for torch's CUDA major version; install none if the environment already imports cupy
-        "gpu": ["cupy-cuda12x>=13"],
-        "gpu-cuda13": ["cupy-cuda13x>=13.6"],
+        # cuda-bindings: the driver's stream memory operations through NVIDIA's typed bindings
+        "gpu": ["cupy-cuda12x>=13", "cuda-bindings>=12.6,<13"],
+        "gpu-cuda13": ["cupy-cuda13x>=13.6", "cuda-bindings>=13"],
         "plot": ["matplotlib>=3.7", "tqdm>=4.60"],
     },
     entry_points={

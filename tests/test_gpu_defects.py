@@ -557,3 +557,105 @@ def test_the_flag_probe_writes_and_waits_on_device_and_page_locked_host_words():
             assert calls[-1] == "unregister", "the host page stays registered after a failed probe"
     backend.stream_memops, backend._driver = False, Driver()  # forced host flags (the device check's fallback run)
     assert "stream_memops=False" in backend.probe_flags() and backend._driver.calls == []
+
+
+# ------------------------------------------------------------------ 7. driver calls through cuda.bindings
+def _bindings_stand_in(fail: str = ""):
+    """``cuda.bindings.driver`` as far as `_TypedDriver` uses it: every call returns ``(CUresult,
+    *values)`` and is recorded; ``fail`` names a call that returns CUDA_ERROR_NOT_SUPPORTED."""
+    import enum
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NOT_SUPPORTED = 801
+
+    calls = []
+
+    def call(name, *values):
+        def run(*args):
+            calls.append((name, args))
+            return (CUresult.CUDA_ERROR_NOT_SUPPORTED,) if name == fail else (CUresult.CUDA_SUCCESS, *values)
+        return run
+
+    driver = types.SimpleNamespace(
+        CUresult=CUresult, CUstream=lambda s: ("stream", s), CUdeviceptr=lambda p: ("ptr", p),
+        CUstreamWaitValue_flags=types.SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ=0),
+        CUstreamWriteValue_flags=types.SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT=0),
+        CU_MEMHOSTREGISTER_PORTABLE=1, CU_MEMHOSTREGISTER_DEVICEMAP=2,
+        cuGetErrorName=lambda result: (CUresult.CUDA_SUCCESS, result.name.encode()),
+        cuStreamWaitValue32=call("cuStreamWaitValue32"), cuStreamWriteValue32=call("cuStreamWriteValue32"),
+        cuMemHostRegister=call("cuMemHostRegister"),
+        cuMemHostGetDevicePointer=call("cuMemHostGetDevicePointer", 0xD000),
+        cuMemHostUnregister=call("cuMemHostUnregister"))
+    return driver, calls
+
+
+def test_stream_memory_operations_go_through_the_typed_bindings_with_the_flags_value_and_types():
+    """The typed driver passes a stream and a device pointer as the bindings' types, the flag value
+    cut to 32 bits, the cyclic >= wait and the plain write, page-locks host memory portable and
+    mapped, and raises naming the call and the driver's error."""
+    from deepspeed_feplb.migrate.backend import _TypedDriver
+    driver, calls = _bindings_stand_in()
+    typed = _TypedDriver(driver)
+    typed.wait(7, 0x1000, 2**32 + 5)
+    typed.write(7, 0x2000, 9)
+    assert typed.register(0x3000, 4096) == 0xD000
+    typed.unregister(0x3000)
+    assert calls == [("cuStreamWaitValue32", (("stream", 7), ("ptr", 0x1000), 5, 0)),
+                     ("cuStreamWriteValue32", (("stream", 7), ("ptr", 0x2000), 9, 0)),
+                     ("cuMemHostRegister", (0x3000, 4096, 3)), ("cuMemHostGetDevicePointer", (0x3000, 0)),
+                     ("cuMemHostUnregister", (0x3000,))]
+    with pytest.raises(RuntimeError, match=r"cuStreamWaitValue32 failed: CUDA_ERROR_NOT_SUPPORTED \(801\)"):
+        _TypedDriver(_bindings_stand_in("cuStreamWaitValue32")[0]).wait(7, 0x1000, 1)
+
+
+def test_the_typed_bindings_are_taken_where_installed_and_ctypes_where_they_fail_the_probe(monkeypatch):
+    """`driver_calls` takes ``cuda.bindings`` where it imports; a probe that fails through them (say,
+    bindings for another CUDA major version than the driver's) is retried through ctypes, and only
+    a failure of both is a reason to carry the flags on the host."""
+    from deepspeed_feplb.migrate import backend as backend_module
+    driver, _ = _bindings_stand_in()
+    monkeypatch.setitem(sys.modules, "cuda", types.SimpleNamespace(bindings=types.SimpleNamespace(driver=driver)))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", sys.modules["cuda"].bindings)
+    assert isinstance(backend_module.driver_calls(), backend_module._TypedDriver)
+
+    class Ctypes:  # stands in for `_Driver` (libcuda.so.1 is not on this machine)
+        def __init__(self):
+            self.calls = []
+
+        def wait(self, *args):
+            self.calls.append("wait")
+
+        def write(self, *args):
+            self.calls.append("write")
+
+        def register(self, ptr, nbytes):
+            return ptr
+
+        def unregister(self, ptr):
+            pass
+
+    monkeypatch.setattr(backend_module, "_Driver", Ctypes)
+    runtime = types.SimpleNamespace(malloc=lambda n: 4096, free=lambda p: None, streamNonBlocking=1,
+                                    streamCreateWithFlags=lambda f: 11, streamDestroy=lambda s: None,
+                                    streamSynchronize=lambda s: None)
+    backend = object.__new__(backend_module.CudaBackend)
+    backend._rt, backend.stream_memops = runtime, True
+    backend._driver = backend_module._TypedDriver(_bindings_stand_in("cuStreamWriteValue32")[0])
+    assert backend.probe_flags() == "" and isinstance(backend._driver, Ctypes)
+    assert backend._driver.calls == ["write", "wait", "write", "wait"]
+
+
+def test_the_typed_driver_uses_only_names_the_installed_bindings_have():
+    """Against NVIDIA's own package (the test extra installs it; it imports without a GPU): every
+    call, type and constant `_TypedDriver` takes exists, and the bindings' pointer and stream types
+    hold our ints."""
+    driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings not installed (the test extra has it)")
+    from deepspeed_feplb.migrate.backend import _TypedDriver
+    typed = _TypedDriver(driver)
+    assert typed.HOST_PORTABLE_DEVICEMAP == 3 and int(typed.WAIT_GEQ) == 0 and int(typed.WRITE_DEFAULT) == 0
+    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32", "cuMemHostRegister", "cuMemHostGetDevicePointer",
+                 "cuMemHostUnregister", "cuGetErrorName"):
+        assert callable(getattr(driver, name)), name
+    assert int(driver.CUstream(7)) == 7 and int(driver.CUdeviceptr(2**40 + 8)) == 2**40 + 8
+    assert driver.CUresult(801) == driver.CUresult.CUDA_ERROR_NOT_SUPPORTED

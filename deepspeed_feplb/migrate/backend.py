@@ -2,8 +2,9 @@
 
 `CudaBackend` maps them one to one onto CUDA calls: the runtime through CuPy (plain ``cudaMalloc``,
 legacy IPC memory handles, events, ``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on non-blocking
-streams; docs/GPU.md) and the driver's stream memory operations (``cuStreamWaitValue32_v2`` /
-``cuStreamWriteValue32_v2``) through ctypes. `HostBackend` implements the *same* semantics on host
+streams; docs/GPU.md) and the driver's stream memory operations (``cuStreamWaitValue32`` /
+``cuStreamWriteValue32``, V2) through NVIDIA's typed ``cuda.bindings`` where installed, else
+through ctypes. `HostBackend` implements the *same* semantics on host
 shared memory: a stream is a thread that runs its operations in order, after the caller queued
 them (so a copy really happens later than its call, and a stream really waits on a flag word); an
 IPC handle names a ``/dev/shm`` segment. The transport's protocol (ring slots, flags, credits,
@@ -95,6 +96,53 @@ class _Driver:
 
     def unregister(self, ptr: int) -> None:
         self.check(self._unregister(ptr), "cuMemHostUnregister")
+
+
+class _TypedDriver:
+    """The same calls as `_Driver` through NVIDIA's typed bindings (``cuda.bindings.driver``, the
+    ``cuda-bindings`` package of the ``gpu`` extras), which find each entry point of the installed
+    driver themselves (no versioned symbol names here) and check argument types. ``driver``: that
+    module (a test passes a stand-in). Each call returns ``(CUresult, *values)``."""
+
+    def __init__(self, driver):
+        self._cu = driver
+        self.WAIT_GEQ = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self.WRITE_DEFAULT = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self.HOST_PORTABLE_DEVICEMAP = (int(driver.CU_MEMHOSTREGISTER_PORTABLE)
+                                        | int(driver.CU_MEMHOSTREGISTER_DEVICEMAP))
+
+    def _call(self, name: str, *args) -> list:
+        result, *values = getattr(self._cu, name)(*args)
+        if result != self._cu.CUresult.CUDA_SUCCESS:
+            _, text = self._cu.cuGetErrorName(result)
+            raise RuntimeError(f"{name} failed: {(text or b'?').decode()} ({int(result)})")
+        return values
+
+    def wait(self, stream: int, ptr: int, value: int) -> None:
+        self._call("cuStreamWaitValue32", self._cu.CUstream(stream), self._cu.CUdeviceptr(ptr), value & FLAG_MASK,
+                   self.WAIT_GEQ)
+
+    def write(self, stream: int, ptr: int, value: int) -> None:
+        self._call("cuStreamWriteValue32", self._cu.CUstream(stream), self._cu.CUdeviceptr(ptr), value & FLAG_MASK,
+                   self.WRITE_DEFAULT)
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        self._call("cuMemHostRegister", ptr, nbytes, self.HOST_PORTABLE_DEVICEMAP)
+        device, = self._call("cuMemHostGetDevicePointer", ptr, 0)
+        return int(device)
+
+    def unregister(self, ptr: int) -> None:
+        self._call("cuMemHostUnregister", ptr)
+
+
+def driver_calls() -> _TypedDriver | _Driver:
+    """The driver calls of the transport's flags: through ``cuda.bindings`` where it is installed,
+    else through ctypes on ``libcuda.so.1``."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return _Driver()
+    return _TypedDriver(driver)
 
 
 class CudaBackend:
@@ -207,16 +255,26 @@ class CudaBackend:
     def unregister_host(self, ptr: int) -> None:
         self._flags().unregister(ptr)
 
-    def _flags(self) -> _Driver:
+    def _flags(self) -> _TypedDriver | _Driver:
         if self._driver is None:
-            self._driver = _Driver()
+            self._driver = driver_calls()
         return self._driver
 
     def probe_flags(self) -> str:
         """Why stream flags cannot be used here ("" when they can): a write and a wait on a word of
-        device memory and on one of page-locked host memory, as the transport's flags are."""
+        device memory and on one of page-locked host memory, as the transport's flags are; through
+        ``cuda.bindings`` first, then (where those fail, e.g. bindings for another CUDA major
+        version than the driver's) through ctypes."""
         if not self.stream_memops:
             return _memops_off(self)
+        reason = self._probe()
+        if reason and isinstance(self._driver, _TypedDriver):
+            self._driver = _Driver()
+            through_ctypes = self._probe()
+            reason = f"{reason}; through ctypes: {through_ctypes}" if through_ctypes else ""
+        return reason
+
+    def _probe(self) -> str:
         import mmap
         try:
             page = mmap.mmap(-1, mmap.PAGESIZE)

@@ -245,9 +245,11 @@ def _transport_worker(cpu: bool, rounds: int, stream_memops: bool = True) -> dic
         ok &= torch.equal(got[0].cpu(), x2 * 2 + 1) and torch.equal(got[1].cpu(), x2.to(torch.bfloat16))
         future.result(timeout=60)
     capacities, parts, stream_flags = t.capacities(), t.extra_parts, t.stream_flags
+    driver = type(getattr(t.backend, "_driver", None)).__name__  # which driver calls the probe kept
     dist.barrier()
     t.close()
-    return {"ok": bool(ok), "capacities": capacities, "extra_parts": parts, "stream_flags": stream_flags}
+    return {"ok": bool(ok), "capacities": capacities, "extra_parts": parts, "stream_flags": stream_flags,
+            "driver_calls": {"_TypedDriver": "cuda.bindings", "_Driver": "ctypes"}.get(driver)}
 
 
 def transport(check: Check) -> dict:
@@ -259,7 +261,7 @@ def transport(check: Check) -> dict:
     return {"ok": all(r["ok"] and r["stream_flags"] for r in results)
             and all(r["ok"] and not r["stream_flags"] for r in fallback),
             "slot_bytes": [r["capacities"] for r in results], "extra_parts": [r["extra_parts"] for r in results],
-            "host_flags_ok": all(r["ok"] for r in fallback)}
+            "driver_calls": [r["driver_calls"] for r in results], "host_flags_ok": all(r["ok"] for r in fallback)}
 
 
 def transport_speed(check: Check) -> dict:
