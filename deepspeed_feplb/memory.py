@@ -170,7 +170,7 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
         need = GroupMemory()
         if free is not None:
             deepep = 0
-            if dispatcher_kind(config, first.ep_size, first.expert_params, first.hidden)[0] == "deepep":
+            if dispatcher_kind(config, first.ep_size, first.expert_params, first.hidden, ranks)[0] == "deepep":
                 import deep_ep
 
                 from deepspeed_feplb.dispatch.deepep import nvl_bytes_hint, rdma_bytes_hint

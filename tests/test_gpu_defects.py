@@ -62,6 +62,11 @@ def test_deepep_is_only_offered_where_the_adapter_works():
     assert "across hosts, not 24" in deepep_unsupported(24, 4096, 8, has_internode)
     assert "take hosts of 8 GPUs" in deepep_unsupported(16, 4096, 4, has_internode)
     assert "multiple of 16 bytes" in deepep_unsupported(16, 100, 8, has_internode)
+    # DeepEP takes each 8 ranks of the group, in order, as one host
+    assert deepep_unsupported(16, 4096, 8, has_internode, group_ranks=range(16, 32)) is None
+    strided = list(range(0, 64, 4))  # a group taking every 4th rank: its first 8 lie on 4 hosts
+    assert "ranks [0, 4, 8, 12, 16, 20, 24, 28] are one host to DeepEP's internode kernels" in \
+        deepep_unsupported(16, 4096, 8, has_internode, group_ranks=strided)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.dispatch.dispatched import Dispatched, GroupFacts
@@ -50,11 +51,15 @@ def _on_cuda_bf16(params) -> tuple[bool, bool]:
 
 
 def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int,
-                       internode_missing: Optional[Callable[[], Optional[str]]] = None) -> Optional[str]:
+                       internode_missing: Optional[Callable[[], Optional[str]]] = None,
+                       group_ranks: Optional[Sequence[int]] = None) -> Optional[str]:
     """Why the DeepEP adapter cannot serve an EP group of ``ep_size`` ranks (``local_ranks`` per
     host) with tokens of ``hidden`` bf16 values, or None when it can. ``internode_missing``: why the
     installed ``deep_ep`` has no internode kernels, or None (default: `deepep.internode_missing`,
-    asked only for a group that spans hosts)."""
+    asked only for a group that spans hosts). ``group_ranks``: the group's global ranks, where
+    known: across hosts DeepEP takes its ranks ``8 i .. 8 i + 7`` as one host, and ranks lie host
+    by host (`domain.learn_ranks_per_host` refuses another placement), so global rank //
+    ``local_ranks`` is a rank's host."""
     from deepspeed_feplb.dispatch.deepep import DEEPEP_EP_SIZES, DEEPEP_INTERNODE_EP_SIZES, DEEPEP_NVL_PEERS
     if ep_size <= local_ranks and ep_size not in DEEPEP_EP_SIZES:
         return f"DeepEP's intranode kernels support EP sizes {DEEPEP_EP_SIZES} within a host, not {ep_size}"
@@ -70,17 +75,24 @@ def deepep_unsupported(ep_size: int, hidden: int, local_ranks: int,
         reason = internode_missing()
         if reason:
             return reason
+        blocks = [group_ranks[i:i + DEEPEP_NVL_PEERS] for i in range(0, len(group_ranks or ()), DEEPEP_NVL_PEERS)]
+        split = next((block for block in blocks if len({r // local_ranks for r in block}) > 1), None)
+        if split is not None:
+            return (f"the EP group's ranks {list(split)} are one host to DeepEP's internode kernels (each "
+                    f"{DEEPEP_NVL_PEERS} ranks of the group in order) but lie on several hosts")
     if hidden * 2 % 16:
         return f"DeepEP needs token rows of a multiple of 16 bytes; hidden {hidden} in bf16 is {hidden * 2} bytes"
     return None
 
 
-def dispatcher_kind(config: FEPLBConfig, ep_size: int, expert_params, hidden: int) -> tuple[str, Optional[str]]:
-    """Which dispatcher ``feplb.ep_backend`` gives this EP group of ``ep_size`` ranks and these
-    experts: ("torch" or "deepep", why "auto" passed DeepEP over for a reason worth a warning, or
-    None). ``deepep``: `FEPLBConfigError` if ``deep_ep`` does not import, the experts are not bf16 on
-    CUDA, or the adapter does not support this group and ``hidden`` (`deepep_unsupported`);
-    ``auto``: DeepEP when all of that holds and ``ep_size > 1``, else torch."""
+def dispatcher_kind(config: FEPLBConfig, ep_size: int, expert_params, hidden: int,
+                    group_ranks: Optional[Sequence[int]] = None) -> tuple[str, Optional[str]]:
+    """Which dispatcher ``feplb.ep_backend`` gives this EP group of ``ep_size`` ranks (global
+    ``group_ranks``, where known) and these experts: ("torch" or "deepep", why "auto" passed
+    DeepEP over for a reason worth a warning, or None). ``deepep``: `FEPLBConfigError` if
+    ``deep_ep`` does not import, the experts are not bf16 on CUDA, or the adapter does not support
+    this group and ``hidden`` (`deepep_unsupported`); ``auto``: DeepEP when all of that holds and
+    ``ep_size > 1``, else torch."""
     _, bf16 = _on_cuda_bf16(expert_params)
     local_ranks = ranks_per_host(ep_size)
     if config.ep_backend == "deepep":
@@ -90,12 +102,12 @@ def dispatcher_kind(config: FEPLBConfig, ep_size: int, expert_params, hidden: in
         if not bf16:
             raise FEPLBConfigError("feplb.ep_backend: \"deepep\" dispatches bf16 tokens on CUDA; the experts are not "
                                    "bf16 on CUDA; use \"auto\" or \"torch\"")
-        reason = deepep_unsupported(ep_size, hidden, local_ranks) if ep_size > 1 else None
+        reason = None if ep_size <= 1 else deepep_unsupported(ep_size, hidden, local_ranks, group_ranks=group_ranks)
         if reason:
             raise FEPLBConfigError(f"feplb.ep_backend: \"deepep\": {reason}; use \"auto\" or \"torch\"")
         return "deepep", None
     if config.ep_backend == "auto" and bf16 and ep_size > 1 and deepep_available():
-        reason = deepep_unsupported(ep_size, hidden, local_ranks)
+        reason = deepep_unsupported(ep_size, hidden, local_ranks, group_ranks=group_ranks)
         return ("deepep", None) if reason is None else ("torch", reason)
     return "torch", None
 
@@ -110,7 +122,8 @@ def make_dispatcher(config: FEPLBConfig, group, ep_size: int, num_local_experts:
     """The dispatcher of `dispatcher_kind` (one warning when "auto" passed DeepEP over).
     ``on_error`` runs when a collective fails (it raises naming a dead peer, if it knows one);
     ``stage_times`` (a `stats.StageTimes`) receives the host time of backward's all-to-alls."""
-    kind, passed_over = dispatcher_kind(config, ep_size, expert_params, hidden)
+    ranks = dist.get_process_group_ranks(group) if group is not None and dist.is_initialized() else None
+    kind, passed_over = dispatcher_kind(config, ep_size, expert_params, hidden, ranks)
     if kind == "deepep":
         from deepspeed_feplb.dispatch.deepep import DeepEPDispatcher
         return DeepEPDispatcher(group, ep_size, num_local_experts)
