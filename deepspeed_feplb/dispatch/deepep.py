@@ -24,7 +24,6 @@ receive counts, unweighted combine summed over ranks in fp32, cached re-dispatch
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -280,9 +279,7 @@ def internode_missing() -> Optional[str]:
 
 
 def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
-    """NVLink buffer bytes DeepEP asks for (its own config hints), or ``FEPLB_DEEPEP_NVL_BYTES``."""
-    if os.environ.get("FEPLB_DEEPEP_NVL_BYTES"):
-        return int(os.environ["FEPLB_DEEPEP_NVL_BYTES"])
+    """NVLink buffer bytes DeepEP asks for (its own config hints)."""
     buffer_cls = deep_ep_module.Buffer
     hints = [buffer_cls.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
              buffer_cls.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks)]
