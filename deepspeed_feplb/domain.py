@@ -25,7 +25,7 @@ from deepspeed_feplb.collectives import gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.memory import device_free_bytes, kept_budget_of
 from deepspeed_feplb.migrate import Transport
-from deepspeed_feplb.migrate.arena import inbound_bytes
+from deepspeed_feplb.migrate.arena import transport_bytes_per_rank
 from deepspeed_feplb.migrate.latency import measure_message_us
 from deepspeed_feplb.migrate.shm import ShmTransport
 from deepspeed_feplb.plan.cache import planner_cached
@@ -139,7 +139,7 @@ class DomainRuntime:
         self.name = f"feplb-{info[first][0]}"
         budget = kept_budget_of(ep_ranks, self.size)  # known at `deepspeed_feplb.initialize`
         if budget is None:  # a layer used without it: the same rule on what is free now, beside the slots
-            slots = (self.size - 1) * inbound_bytes(slot_bytes)
+            slots = transport_bytes_per_rank(self.size, slot_bytes)
             budget = resident_budget_bytes(config.resident_budget_mb,
                                            [None if info[first + i][4] is None else info[first + i][4] - slots
                                             for i in range(self.size)])

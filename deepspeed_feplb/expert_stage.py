@@ -36,9 +36,9 @@ from deepspeed_feplb.dispatch import GroupFacts
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.experts import ExpertCall, LocalExperts, StaticFn, timed_pieces
+from deepspeed_feplb.memory import ExpertSizes
 from deepspeed_feplb.migrate import transport_class
-from deepspeed_feplb.migrate.arena import slot_bytes
-from deepspeed_feplb.migrate.resident import LayerResidency, copy_bytes
+from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.policy import balancing_may_pay, rows_bound
 from deepspeed_feplb.stats import MicroBatchStats, StageTimes, recomputing, unbalanced_stats
 
@@ -83,10 +83,10 @@ class ExpertStage:
         self.config, self.ep_group, self.ep_size, self.num_local_experts = config, ep_group, ep_size, num_local_experts
         self.domain_size = domain_size(config, ep_size)
         self.balances = ep_size > 1 and config.dynamic_experts_per_rank > 0 and self.domain_size > 1
-        self.expert_bytes = sum(p.numel() * p.element_size() for p in expert_params)
-        self.expert_tensors = len(expert_params)
-        self.copy_bytes = copy_bytes(expert_params)  # one kept copy: weights and fp32 weight-gradient
-        self.row_bytes = hidden * expert_params[0].element_size()  # one row (time model)
+        self.sizes = ExpertSizes.of(expert_params, hidden)
+        self.expert_bytes = self.sizes.expert_bytes
+        self.copy_bytes = self.sizes.copy_bytes  # one kept copy: weights and fp32 weight-gradient
+        self.row_bytes = self.sizes.row_bytes  # one row (time model)
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
         self.device = expert_params[0].device  # the transport's, not torch's current device
         self.compute_times = ComputeTimes()
@@ -177,14 +177,8 @@ class ExpertStage:
     def _open_domain(self, facts: GroupFacts) -> None:
         """Set up the domain runtime (collective over the EP group: every rank calls it at the same
         forward), its receive slots sized for this layer's shapes and this micro-batch's rows."""
-        slot = self.config.transport_slot_mb
-        if slot == "auto":
-            # per chunk: the parameters, a buffer or two, the rows (a bound: `messages.rows_to_helper`)
-            rows = self._mean_rows(facts) or self._rows_here  # a backend that tells no other rank's rows
-            slot = slot_bytes(self.config.dynamic_experts_per_rank, self.expert_bytes, self.expert_tensors + 2, rows,
-                              self.row_bytes)
-        else:
-            slot = int(slot * 2**20)
+        rows = self._mean_rows(facts) or self._rows_here  # a backend that tells no other rank's rows
+        slot = self.sizes.receive_slot(self.config, rows)
         self.domain = get_runtime(self.ep_group, self.config, self.transport_cls, self.device, slot)
         self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config,
                                                self.domain.kept_bytes, self.copy_bytes)
@@ -323,11 +317,15 @@ class ExpertStage:
         planner then takes its domain's mean)."""
         return float(facts.received.sum()) / self.ep_size if facts.received is not None else 0.0
 
+    def _domain_first(self) -> int:
+        """The EP-group rank of this rank's domain's first rank (domains are runs of ``domain_size``)."""
+        return dist.get_rank(self.ep_group) // self.domain_size * self.domain_size
+
     def _domain_mean(self, facts: GroupFacts) -> Optional[float]:
         """Rows per rank over this rank's domain (None: not known, as for `_mean_rows`)."""
         if facts.received is None:
             return None
-        first = dist.get_rank(self.ep_group) // self.domain_size * self.domain_size
+        first = self._domain_first()
         return float(facts.received[first:first + self.domain_size].sum()) / self.domain_size
 
     def _local_stats(self, counts: np.ndarray, facts: GroupFacts) -> MicroBatchStats:
@@ -335,8 +333,7 @@ class ExpertStage:
         every rank's counts, else over this rank."""
         if not self.balances or facts.received is None:
             return unbalanced_stats(counts[None], [dist.get_rank() if dist.is_initialized() else 0])
-        G = self.domain_size
-        first = dist.get_rank(self.ep_group) // G * G
+        G, first = self.domain_size, self._domain_first()
         ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
         return unbalanced_stats(facts.received[first:first + G], ranks)
 

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
-from deepspeed_feplb.migrate.arena import inbound_bytes, slot_bytes
+from deepspeed_feplb.migrate.arena import slot_bytes, transport_bytes_per_rank
 from deepspeed_feplb.plan.residency import resident_budget_bytes
 
 __all__ = ["ExpertSizes", "GroupMemory", "LayerMemoryFacts", "group_memory", "memory_problems", "check_at_initialize",
@@ -55,6 +55,15 @@ class ExpertSizes:
         from deepspeed_feplb.migrate.resident import copy_bytes
         return cls(sum(p.numel() * p.element_size() for p in expert_params), len(expert_params),
                    copy_bytes(expert_params), hidden * expert_params[0].element_size())
+
+    def receive_slot(self, config: FEPLBConfig, rows: float) -> int:
+        """Bytes of the receive slot a domain opens with for these experts: ``transport_slot_mb``,
+        or for "auto" one forward message to a helper in one part, D chunks with their parameters
+        and a buffer or two each, plus ``rows`` (a rank's mean rows; a bound:
+        `messages.rows_to_helper`)."""
+        if config.transport_slot_mb != "auto":
+            return int(config.transport_slot_mb * MiB)
+        return slot_bytes(config.dynamic_experts_per_rank, self.expert_bytes, self.tensors + 2, rows, self.row_bytes)
 
 
 @dataclass(frozen=True)
@@ -84,13 +93,9 @@ def group_memory(config: FEPLBConfig, ep_size: int, domain: int, layers: Sequenc
     peers = domain - 1
     ce_budget = math.inf if config.ce_budget == "auto" else float(config.ce_budget)
     in_flight = sum(int(min(D * peers * layer.expert_bytes, ce_budget)) for layer in layers)
-    slots = 0
-    if ce_transport:
-        if config.transport_slot_mb == "auto":  # the weights' share; the rows' is checked when the domain opens
-            slot = max(slot_bytes(D, layer.expert_bytes, layer.tensors + 2, 0, layer.row_bytes) for layer in layers)
-        else:
-            slot = int(config.transport_slot_mb * MiB)
-        slots = peers * inbound_bytes(slot)
+    # with an "auto" slot, its weights' share: the rows' share is checked when the domain opens
+    slots = transport_bytes_per_rank(domain, max(layer.receive_slot(config, 0) for layer in layers)) \
+        if ce_transport else 0
     keep = config.max_resident_experts if config.weight_residency == "step" else 0
     kept_most = len(layers) * keep * max(layer.copy_bytes for layer in layers)
     return GroupMemory(slots, in_flight, deepep_bytes, kept_most)
@@ -173,10 +178,9 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
             if dispatcher_kind(config, first.ep_size, first.expert_params, first.hidden, ranks)[0] == "deepep":
                 import deep_ep
 
-                from deepspeed_feplb.dispatch.deepep import nvl_bytes_hint, rdma_bytes_hint
-                hidden_bytes = max(m.hidden for m in members) * max(first.expert_params[0].element_size(), 2)
-                deepep = (nvl_bytes_hint(deep_ep, hidden_bytes, first.ep_size)
-                          + rdma_bytes_hint(deep_ep, hidden_bytes, first.ep_size))
+                from deepspeed_feplb.dispatch.deepep import buffer_bytes
+                deepep = sum(buffer_bytes(deep_ep, max(m.hidden for m in members),
+                                          first.expert_params[0].element_size(), first.ep_size))
             need = group_memory(config, first.ep_size, G, [ExpertSizes.of(m.expert_params, m.hidden) for m in members],
                                 transport_kind(config, first.expert_params) == "cuda_ce", deepep)
         problems = memory_problems(dist.get_rank(), free, need, config) if free is not None else []

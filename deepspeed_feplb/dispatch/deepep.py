@@ -255,14 +255,19 @@ class DeepEPHandle:
         self.k, self.num_tokens, self.buffer = k, num_tokens, buffer
 
 
+def _config_hint(deep_ep_module, hint: str, hidden_bytes: int, num_ranks: int) -> int:
+    """The larger of DeepEP's dispatch and combine configs' ``hint`` (a buffer-size hint method)."""
+    buffer_cls = deep_ep_module.Buffer
+    return int(max(getattr(config(num_ranks), hint)(hidden_bytes, num_ranks)
+                   for config in (buffer_cls.get_dispatch_config, buffer_cls.get_combine_config)))
+
+
 def rdma_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
     """RDMA buffer bytes DeepEP asks for (its own config hints) for a group of ``num_ranks`` that
     spans hosts; 0 within one host, where its intranode kernels need none."""
     if num_ranks <= DEEPEP_NVL_PEERS:
         return 0
-    buffer_cls = deep_ep_module.Buffer
-    return int(max(config(num_ranks).get_rdma_buffer_size_hint(hidden_bytes, num_ranks)
-                   for config in (buffer_cls.get_dispatch_config, buffer_cls.get_combine_config)))
+    return _config_hint(deep_ep_module, "get_rdma_buffer_size_hint", hidden_bytes, num_ranks)
 
 
 def internode_missing() -> Optional[str]:
@@ -280,10 +285,15 @@ def internode_missing() -> Optional[str]:
 
 def nvl_bytes_hint(deep_ep_module, hidden_bytes: int, num_ranks: int) -> int:
     """NVLink buffer bytes DeepEP asks for (its own config hints)."""
-    buffer_cls = deep_ep_module.Buffer
-    hints = [buffer_cls.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-             buffer_cls.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks)]
-    return int(max(hints))
+    return _config_hint(deep_ep_module, "get_nvl_buffer_size_hint", hidden_bytes, num_ranks)
+
+
+def buffer_bytes(deep_ep_module, hidden: int, element_size: int, num_ranks: int) -> tuple[int, int]:
+    """(NVLink bytes, RDMA bytes) of the DeepEP buffer of a group of ``num_ranks`` whose tokens
+    hold ``hidden`` values of ``element_size`` bytes (DeepEP sizes for at least 2 bytes each)."""
+    hidden_bytes = hidden * max(element_size, 2)
+    return (nvl_bytes_hint(deep_ep_module, hidden_bytes, num_ranks),
+            rdma_bytes_hint(deep_ep_module, hidden_bytes, num_ranks))
 
 
 _SHARED: dict = {}  # EP group -> (its DeepEP buffer, (NVLink bytes, RDMA bytes))
@@ -320,9 +330,7 @@ class DeepEPDispatcher:
         buffer = self.buffer
         if buffer is None:
             import deep_ep
-            hidden_bytes = x.shape[1] * max(x.element_size(), 2)
-            buffer = shared_buffer(self.group, nvl_bytes_hint(deep_ep, hidden_bytes, self.ep_size),
-                                   rdma_bytes_hint(deep_ep, hidden_bytes, self.ep_size))
+            buffer = shared_buffer(self.group, *buffer_bytes(deep_ep, x.shape[1], x.element_size(), self.ep_size))
         if not isinstance(buffer, ReferenceBuffer) and x.dtype != torch.bfloat16:
             raise TypeError(f"DeepEP dispatches bf16 tokens; got {x.dtype} (use ep_backend \"torch\" for other dtypes)")
         return buffer
