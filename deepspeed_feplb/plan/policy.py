@@ -90,6 +90,8 @@ class PlanConstraints:
         """The most rows a rank should compute (``max_rows_over_mean`` x the mean rows per rank,
         rounded down), 0 without a bound. counts int64 [G, E_local]: the domain, whose own mean
         serves when ``mean_rows`` is 0."""
+        if not self.max_rows_over_mean:
+            return 0
         mean = self.mean_rows if self.mean_rows > 0 else float(np.asarray(counts).sum()) / max(1, len(counts))
         return rows_bound(self.max_rows_over_mean, mean)
 
@@ -176,10 +178,10 @@ def balancing_may_pay(counts: np.ndarray, piece_us: float, row_us: float, messag
 
 def rows_bound(max_rows_over_mean: float, mean_rows: float) -> int:
     """The row cap: ``max_rows_over_mean`` x ``mean_rows`` rounded down (at most `_NO_CAP`, which no
-    count reaches); 0 (none) when the ratio is 0 or None."""
+    count reaches; at least 1, since 0 means none); 0 (none) when the ratio is 0 or None."""
     if not max_rows_over_mean:
         return 0
-    return int(min(math.floor(max_rows_over_mean * mean_rows), _NO_CAP))
+    return int(min(max(1, math.floor(max_rows_over_mean * mean_rows)), _NO_CAP))
 
 
 def no_residents(G: int, E: int) -> np.ndarray:
@@ -209,8 +211,10 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     Without a time model the largest per-rank load is the lower bound (or the row cap, where
     that is higher) plus at most
     ``chunk_align - 1`` whenever the helper and Copy-Engine limits allow it. With one
-    (``constraints.model``), the row plans for the cap and for fewer copies per rank, and no
-    moves at all, are judged by their makespan (`timeline`), and the fastest is returned; with
+    (``constraints.model``), the row plans for the cap, for fewer copies per rank and for floors
+    a little above the level the first plan reached (a home that keeps a few more rows waits less
+    for its helpers' results), and no moves at all, are judged by their makespan (`timeline`),
+    and the fastest is returned; with
     ``constraints.max_rows_over_mean`` only those that keep within its row cap are candidates.
 
     Cost: one compiled call: the row sums, the published dynamic experts ordered by rows, one
@@ -239,14 +243,25 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     copies = G * dynamic.shape[1] * max_helpers if copies == math.inf else int(copies)
     resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
     model = constraints.model.record if constraints.model is not None else _NO_MODEL
-    from deepspeed_feplb.plan.passes import plan_timed
-    out = plan_timed(counts, dynamic, max_helpers, max(1, int(constraints.chunk_align)), copies, resident, model,
-                     bool(constraints.keep_copies), constraints.row_cap(counts))
+    out = _compiled_planner()(counts, dynamic, max_helpers, max(1, int(constraints.chunk_align)), copies, resident,
+                              model, bool(constraints.keep_copies), constraints.row_cap(counts))
     if out.shape[0] < G:
         raise ValueError(f"counts must be non-negative and dynamic experts local ids below {E} (or {NONE}); got "
                          f"counts {counts.tolist()}, dynamic {dynamic.tolist()}")
     return Plan(out[G:].reshape(-1, 4), out[:G])
 
 
+def _compiled_planner():
+    """`passes.plan_timed`, imported on the first plan that needs it (loading the compiled passes
+    takes a while; a plan that moves nothing never pays it) and kept: an import statement per plan
+    costs about a microsecond."""
+    global _PLAN_TIMED
+    if _PLAN_TIMED is None:
+        from deepspeed_feplb.plan.passes import plan_timed
+        _PLAN_TIMED = plan_timed
+    return _PLAN_TIMED
+
+
+_PLAN_TIMED = None
 _NO_MODEL = np.zeros(0, MODEL_DTYPE)
 _NO_CAP = 1 << 60  # a row cap that no domain reaches (and that int64 arithmetic on it cannot overflow)
