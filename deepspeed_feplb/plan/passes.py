@@ -30,9 +30,6 @@ _PICK, _ROOMIEST = -1, -2
 # A plan with fewer weight copies per rank replaces a faster one if its makespan is at most this
 # much longer (copies cost memory bandwidth and energy that the time model does not see).
 _FEWER_COPIES_SLACK = 0.005
-# Floors the time model also judges, as shares above the busiest rank's rows in the fully balanced
-# plan: a home that keeps a few more rows than its helpers waits less for their results' return.
-_FLOOR_STEPS = (0.01, 0.02, 0.04)
 # When a chunk that no receiver takes whole makes a receiver make room: never; only the last
 # chunk the helper or send limit allows; any such chunk (a whole expert then moves as one chunk,
 # which saves weight copies when the Copy-Engine budget binds).
@@ -606,11 +603,8 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
     (``model``: `MODEL`; length 0: rows only, one pass); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
-    slower. Stops once fewer copies cost more than that. Then floors a little above the busiest
-    rank of the first pass (`_FLOOR_STEPS`: each home keeps a few more rows and waits less for
-    its helpers' results), the lowest first, while each is faster than the best so far.
-    ``keep``: weight copies stay on their helpers for the rest of the step (gradients return at
-    its end, not with this micro-batch).
+    slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
+    helpers for the rest of the step (gradients return at its end, not with this micro-batch).
     ``row_cap`` > 0 bounds rows before time: a plan is a candidate only if its busiest rank stays
     within the cap (up to ``align - 1`` rows over it, as the row plan's receivers may end), or
     within what the first, row-balancing pass reached where the cap is out of reach; the pass
@@ -627,7 +621,6 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
     none = np.zeros((0, 4), np.int64)
-    top_load, reached = counts.sum(axis=1).max(), best[:G].max()
     after_plan = dynamic_mask(counts, dynamic)
     no_moves = makespan(finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_),
                                   np.zeros((0, 2), np.int64), model, after_plan))
@@ -648,18 +641,7 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
         best, best_t = cand, min(t, best_t)
-    for step in _FLOOR_STEPS:  # the time model also chooses how far down to balance: floors above the level reached
-        floor = reached + max(align, int(reached * step))
-        if floor >= top_load:
-            break
-        cand = plan_pass(counts, dynamic, max_helpers, align, copies, resident, False, floor)
-        if cand.shape[0] == G or cand[:G].max() > limit:
-            break
-        t = _makespan(counts, cand, resident, keep, model, after_plan)
-        if t >= best_t:
-            break  # a higher floor keeps even more rows home
-        best, best_t = cand, t
-    if no_moves <= best_t and top_load <= limit:
+    if no_moves <= best_t and counts.sum(axis=1).max() <= limit:
         out = np.empty(G, np.int64)
         for r in range(G):
             out[r] = counts[r].sum()

@@ -211,10 +211,8 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     Without a time model the largest per-rank load is the lower bound (or the row cap, where
     that is higher) plus at most
     ``chunk_align - 1`` whenever the helper and Copy-Engine limits allow it. With one
-    (``constraints.model``), the row plans for the cap, for fewer copies per rank and for floors
-    a little above the level the first plan reached (a home that keeps a few more rows waits less
-    for its helpers' results), and no moves at all, are judged by their makespan (`timeline`),
-    and the fastest is returned; with
+    (``constraints.model``), the row plans for the cap and for fewer copies per rank, and no
+    moves at all, are judged by their makespan (`timeline`), and the fastest is returned; with
     ``constraints.max_rows_over_mean`` only those that keep within its row cap are candidates.
 
     Cost: one compiled call: the row sums, the published dynamic experts ordered by rows, one
