@@ -144,6 +144,17 @@ def test_a_row_bound_holds_wherever_the_token_plan_reaches_it(inst, ratio, group
     assert np.array_equal(loose.moves, timed.moves)
 
 
+def test_a_row_bound_is_at_least_one_row():
+    """A cap of 0 rows means no bound: a set ratio over a mean below one row still bounds."""
+    assert rows_bound(0.0, 100.0) == 0 and rows_bound(None, 100.0) == 0
+    assert rows_bound(1.05, 100.0) == 105
+    assert rows_bound(1.0, 0.5) == 1
+    counts = np.array([[0, 5], [0, 0], [0, 0]], np.int64)
+    cons = PlanConstraints(dynamic_experts=1, max_helpers=2, model=COSTLY_COPIES, max_rows_over_mean=1.0)
+    assert cons.row_cap(counts) == 1
+    assert replace(cons, max_rows_over_mean=0.0).row_cap(counts) == 0
+
+
 def test_a_row_bound_moves_rows_that_time_alone_keeps():
     counts = np.array([[300, 200, 100], [100, 100, 100], [100, 100, 0], [50, 50, 50]], np.int64)
     cons = PlanConstraints(dynamic_experts=2, max_helpers=2, chunk_align=8, expert_bytes=10**6, model=COSTLY_COPIES)
