@@ -359,9 +359,9 @@ def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floo
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
         # the last allowed chunk, or for any chunk that fits no receiver whole), and bisect the
         # level between the lower bound and the best result so far, keeping the plan with the
-        # smallest maximum.
+        # smallest maximum, to within one chunk (whose alignment the plans' maxima carry anyway).
         lo, hi = level, best_max - 1
-        while lo <= hi:
+        while lo <= hi and (lo == level or hi - lo >= align):
             mid = (lo + hi) // 2 if lo > level else level
             for chain in (_CHAIN_LAST, _CHAIN_ANY):
                 m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident)
@@ -370,8 +370,8 @@ def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floo
                     moves, final, best_max = m, f, fmax
                 if best_max <= mid + slack:
                     break  # this level is reached: the bisection goes lower
-            if best_max <= mid + slack:
-                hi = mid - 1
+            if best_max <= mid + slack:  # a lower level must aim below the best maximum so far
+                hi = min(mid, best_max - slack) - 1
             else:
                 lo = mid + 1
     if moves.shape[0] == 0 or best_max >= top_load:
