@@ -24,6 +24,7 @@ Token plans are then judged by the time model (`plan_timed`): the fastest is the
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -249,17 +250,14 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     return Plan(out[G:].reshape(-1, 4), out[:G])
 
 
+@functools.cache
 def _compiled_planner():
     """`passes.plan_timed`, imported on the first plan that needs it (loading the compiled passes
     takes a while; a plan that moves nothing never pays it) and kept: an import statement per plan
     costs about a microsecond."""
-    global _PLAN_TIMED
-    if _PLAN_TIMED is None:
-        from deepspeed_feplb.plan.passes import plan_timed
-        _PLAN_TIMED = plan_timed
-    return _PLAN_TIMED
+    from deepspeed_feplb.plan.passes import plan_timed
+    return plan_timed
 
 
-_PLAN_TIMED = None
 _NO_MODEL = np.zeros(0, MODEL_DTYPE)
 _NO_CAP = 1 << 60  # a row cap that no domain reaches (and that int64 arithmetic on it cannot overflow)
