@@ -205,8 +205,9 @@ def test_the_simulator_keeps_copies_within_the_byte_budget_as_the_runtime_does()
         most_held[copies] = held
         copied[copies] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]["weight_bytes_per_step"]
     assert most_held[0] == 0 and most_held[1] == copy and most_held[2] == 2 * copy
-    # one or two kept copies: the planner's choices differ by the half copy per step either way
-    assert copied[0] > 3 * max(copied[1], copied[2]) and min(copied[1], copied[2]) > copied[None]
+    # where the budget keeps copies, far fewer weights travel; "auto" (room for more) copies less than
+    # one kept copy per rank does (two against "auto" is the planner's call: a few copies either way)
+    assert copied[0] > 3 * max(copied[1], copied[2]) and copied[1] > copied[None]
     assert base.profile.free_at_start * AUTO_FREE_SHARE > most_held[None] > 2 * copy  # "auto" binds less
 
 
