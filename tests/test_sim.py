@@ -427,6 +427,29 @@ def test_the_recorded_message_latency_is_priced_where_the_trace_holds_it():
     assert rows[0, 3] < slow_messages
 
 
+def test_with_its_own_plan_latency_a_micro_batch_waits_for_its_plan_as_it_did():
+    """The planner's view prices a micro-batch's plan at the previous one's latency; the check of the
+    model's composition alone takes the micro-batch's own."""
+    from deepspeed_feplb.plan.timeline import TimeModel, makespan_us, rank_finish_us
+    from deepspeed_feplb.sim.measured import predicted_and_measured
+
+    model = TimeModel(1, 3.0, 0.0, 5.0, 5.0, 0.1)
+    trace = _recorded_trace(1.0)
+    stage = np.concatenate([trace.stage_us, np.full(trace.stage_us.shape[:-1] + (2, ), np.nan)], axis=-1)
+    stage[1:, 0, :, 3] = 0.0  # a current record: column 3 is the fitted piece cost
+    stage[1, 0, :, 2], stage[2, 0, :, 2] = 5.0, 400.0  # micro-batch 2's plan came late
+    trace = replace(trace, stage_us=stage)
+
+    def expect(plan_us):  # the run's 3 µs per row, its move of 10 rows, the plan there at plan_us
+        return makespan_us(rank_finish_us(trace.counts[2, 0].sum(axis=0).reshape(2, 2), np.array([[0, 0, 1, 10]]),
+                                          replace(model, plan_us=plan_us)))
+
+    planner = predicted_and_measured(trace, model, ranks_per_node=2, recorded_costs=True)
+    own = predicted_and_measured(trace, model, ranks_per_node=2, recorded_costs=True, own_plan_latency=True)
+    assert planner[1, 3] == pytest.approx(expect(5.0)) and own[0, 3] == pytest.approx(expect(5.0))
+    assert own[1, 3] == pytest.approx(expect(400.0)) and own[1, 3] > planner[1, 3] + 300
+
+
 def test_the_cpu_share_says_whether_the_ranks_had_a_core_each():
     from deepspeed_feplb.sim.measured import cpu_share
 

@@ -36,14 +36,18 @@ MESSAGE_US, FORWARD_SHARE = 6, 7  # columns of a recorded trace's ``stage_us`` (
 
 def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
                            recorded_costs: bool = False, sends_after_static: bool = False,
-                           dynamic_experts: int = 0, recorded_message_us: bool = True) -> np.ndarray:
+                           dynamic_experts: int = 0, recorded_message_us: bool = True,
+                           own_plan_latency: bool = False) -> np.ndarray:
     """float64 [K, 7] = (micro_batch, layer, domain, predicted µs, measured µs, ideal µs, measured mean
     µs) for every domain of every
     measured micro-batch after the first ``skip_steps`` (whose stages pay first calls and
     allocations). ``ranks_per_node``: the recorded run's domain size; ``recorded_costs``: the costs
     of a piece and of a row are the domain's recorded fits, the plan's latency the previous
     micro-batch's, and (``recorded_message_us``) the message latency the domain's transport
-    measured where the trace holds it (module docstring); the rest is ``model``'s. ``dynamic_experts``: the run's D
+    measured where the trace holds it (module docstring); the rest is ``model``'s;
+    ``own_plan_latency``: the plan arrives when it did in that micro-batch, not when the previous
+    one's did (the planner's view): this leaves out how far one micro-batch's plan latency foretells
+    the next one's, so that only the model's composition is checked. ``dynamic_experts``: the run's D
     (each rank's D hottest experts wait for the plan; where its ranks at or below their domain's mean
     chose none, `PlanConstraints.senders_only`, those ranks ran every expert at once, which the
     makespan does not see: its slowest rank is above the mean). A trace recorded before 2026-12-02 (5
@@ -80,8 +84,9 @@ def predicted_and_measured(trace: Trace, model: TimeModel, ranks_per_node: int, 
                     piece_us = piece_us if current else 0.0
                     if not np.isfinite(row_us) or not np.isfinite(piece_us):
                         continue
-                    plan_us = np.median(trace.stage_us[step - 1, layer, ranks_here, 2]) \
-                        if step and current else 0
+                    plan_step = step if own_plan_latency else step - 1
+                    plan_us = np.median(trace.stage_us[plan_step, layer, ranks_here, 2]) \
+                        if plan_step >= 0 and current else 0
                     here_model = replace(model, tile_rows=1, piece_us=float(piece_us), row_us=float(row_us),
                                          piece_floor_us=0.0,  # the runtime's fit has none
                                          plan_us=float(plan_us) if np.isfinite(plan_us) else 0.0)
@@ -121,12 +126,13 @@ def over_ideal(rows: np.ndarray) -> dict:
 
 def compare_measured(trace: Trace, model: TimeModel, ranks_per_node: int, skip_steps: int = 1,
                      recorded_costs: bool = False, sends_after_static: bool = False, dynamic_experts: int = 0,
-                     recorded_message_us: bool = True) -> dict:
+                     recorded_message_us: bool = True, own_plan_latency: bool = False) -> dict:
     """``{"median_abs_rel_error", "p90_abs_rel_error", "median_rel_error", "micro_batches"}`` of the
     predicted against the measured makespan (`predicted_and_measured`); the signed median says
     whether the model runs fast (< 0) or slow."""
     return errors(predicted_and_measured(trace, model, ranks_per_node, skip_steps, recorded_costs,
-                                         sends_after_static, dynamic_experts, recorded_message_us))
+                                         sends_after_static, dynamic_experts, recorded_message_us,
+                                         own_plan_latency))
 
 
 def errors(rows: np.ndarray) -> dict:
