@@ -11,7 +11,8 @@ The compute costs come from the cost profile (what the simulator uses for other 
 with ``recorded_costs``, from the domain's own fits as its planner had them at that micro-batch
 (`expert_costs.ComputeTimes.fitted_us`: the costs of a piece and of a row, forward and backward,
 fitted from earlier micro-batches; the medians over the domain's ranks), the plan's latency of
-the micro-batch before (what the runtime knew then), the message latency the domain's transport
+the micro-batch before (what the runtime knew then; with ``own_plan_latency`` its own), the
+message latency the domain's transport
 measured (traces with a 7th column) and the forward's share of the stage its planner had measured
 (an 8th): the check then tests how the model composes them.
 ``sends_after_static``: the run's homes sent their chunks only after their static experts
