@@ -10,7 +10,9 @@ runtime's), GLM-5-like experts (hidden 6144, ffn 2048), 8 micro-batches per step
   more with the cross-node placement layer on (``--placement on``: opt-in in the runtime);
 * generated traces nobody tuned for (``trace --kind noaux``, its default skew, seed 7, 48
   micro-batches, 256 experts top-8): EP 16 as 2 nodes of 8 at 2,048 and 16,384 rows per rank, EP 64
-  as 8 nodes of 8 at 4,096 and 32,768.
+  as 8 nodes of 8 at 4,096 and 32,768, the EP 64 cases once more with the placement layer and one
+  replica slot per rank (``--placement on --redundant-per-rank 1``: the best configuration across
+  nodes we know, opt-in in the runtime).
 
 Per policy it keeps the token max/mean, the expert time, the ideal (vanilla's compute spread evenly
 over the EP group, no transfers), their ratio and the excess split into extra pieces, imbalance
@@ -30,18 +32,23 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = ("python -m deepspeed_feplb simulate --trace TRACE --ranks-per-node G --nodes N --hidden 6144 "
-           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on] "
-           "(every other option at its default; feplb_one_part: the feplb row of the same with --serve-parts 1); "
+           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on "
+           "[--redundant-per-rank 1]] (every other option at its default; feplb_one_part: the feplb row of the same "
+           "with --serve-parts 1); "
            "generated TRACE: python -m deepspeed_feplb trace --out T.npz --kind noaux --ranks R --experts 256 "
            "--tokens-per-rank ROWS --micro-batches 48 --layers 1 --top-k 8 --seed 7")
-# name: (trace: a shipped file or (ranks, rows per rank) generated, ranks per node, nodes, placement)
-CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, False), "ep8_32k": ("stdlib_moe_ep8_32k.npz", 8, 1, False),
-         "ep8_2nodes_4k": ("stdlib_moe_ep8_4k.npz", 4, 2, False),
-         "ep8_2nodes_32k": ("stdlib_moe_ep8_32k.npz", 4, 2, False),
-         "ep8_2nodes_4k_placement": ("stdlib_moe_ep8_4k.npz", 4, 2, True),
-         "ep8_2nodes_32k_placement": ("stdlib_moe_ep8_32k.npz", 4, 2, True),
-         "generated_ep16_2k": ((16, 2048), 8, 2, False), "generated_ep16_16k": ((16, 16384), 8, 2, False),
-         "generated_ep64_4k": ((64, 4096), 8, 8, False), "generated_ep64_32k": ((64, 32768), 8, 8, False)}
+PLACEMENT = ("--placement", "on")  # the cross-node layer, opt-in in the runtime
+REPLICA = (*PLACEMENT, "--redundant-per-rank", "1")  # and one replica slot per rank
+# name: (trace: a shipped file or (ranks, rows per rank) generated, ranks per node, nodes, options beyond the defaults)
+CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_ep8_32k.npz", 8, 1, ()),
+         "ep8_2nodes_4k": ("stdlib_moe_ep8_4k.npz", 4, 2, ()),
+         "ep8_2nodes_32k": ("stdlib_moe_ep8_32k.npz", 4, 2, ()),
+         "ep8_2nodes_4k_placement": ("stdlib_moe_ep8_4k.npz", 4, 2, PLACEMENT),
+         "ep8_2nodes_32k_placement": ("stdlib_moe_ep8_32k.npz", 4, 2, PLACEMENT),
+         "generated_ep16_2k": ((16, 2048), 8, 2, ()), "generated_ep16_16k": ((16, 16384), 8, 2, ()),
+         "generated_ep64_4k": ((64, 4096), 8, 8, ()), "generated_ep64_32k": ((64, 32768), 8, 8, ()),
+         "generated_ep64_4k_replica": ((64, 4096), 8, 8, REPLICA),
+         "generated_ep64_32k_replica": ((64, 32768), 8, 8, REPLICA)}
 KEYS = ("token_max_over_mean", "expert_time_us", "ideal_time_us", "time_over_ideal", "excess_pieces_us",
         "excess_imbalance_us", "copy_exposed_us", "excess_other_us")
 
@@ -64,23 +71,24 @@ def _trace(trace, tmp: str) -> str:
     return path
 
 
-def _simulate(path: str, ranks_per_node: int, nodes: int, placement: bool, tmp: str, *extra: str) -> dict:
+def _simulate(path: str, ranks_per_node: int, nodes: int, options: tuple, tmp: str, *extra: str) -> dict:
     out = os.path.join(tmp, "out.json")
     _cli(["simulate", "--trace", path, "--ranks-per-node", str(ranks_per_node), "--nodes", str(nodes), "--hidden",
           "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--policies", "feplb,eplb", "--json", out,
-          "--no-progress", *(["--placement", "on"] if placement else []), *extra])
+          "--no-progress", *options, *extra])
     with open(out) as f:
         return {name: {k: round(float(p[k]), 4) for k in KEYS} for name, p in json.load(f)["policies"].items()}
 
 
-def run_case(trace, ranks_per_node: int, nodes: int, placement: bool) -> dict:
+def run_case(trace, ranks_per_node: int, nodes: int, options: tuple) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = _trace(trace, tmp)
-        policies = _simulate(path, ranks_per_node, nodes, placement, tmp)
-        policies["feplb_one_part"] = _simulate(path, ranks_per_node, nodes, placement, tmp, "--serve-parts",
+        policies = _simulate(path, ranks_per_node, nodes, options, tmp)
+        policies["feplb_one_part"] = _simulate(path, ranks_per_node, nodes, options, tmp, "--serve-parts",
                                                "1")["feplb"]
     return {"trace": trace if isinstance(trace, str) else f"generated noaux, {trace[0]} ranks, {trace[1]} rows",
-            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": placement, "policies": policies}
+            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": "--placement" in options,
+            "options": " ".join(options), "policies": policies}
 
 
 def main(argv=None) -> int:
