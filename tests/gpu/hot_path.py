@@ -390,6 +390,9 @@ def parity(cpu: bool) -> dict:
     figures = compare_measured(trace, model, ranks_per_node=2, skip_steps=PARITY_SKIP, recorded_costs=True,
                                dynamic_experts=2)
     figures["moves"] = int(len(trace.plan_moves))
+    # each micro-batch's plan when it came: the model's composition alone (PLANNER.md, "How far to trust")
+    figures["own_plan_latency"] = compare_measured(trace, model, ranks_per_node=2, skip_steps=PARITY_SKIP,
+                                                   recorded_costs=True, dynamic_experts=2, own_plan_latency=True)
     if cpu:
         return {**figures, "note": "CPU dry run: the path runs; the figures are a GPU's only on CUDA"}
     return {"ok": figures["median_abs_rel_error"] <= 0.15 and figures["p90_abs_rel_error"] <= 0.30, **figures}
