@@ -359,9 +359,10 @@ def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floo
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
         # the last allowed chunk, or for any chunk that fits no receiver whole), and bisect the
         # level between the lower bound and the best result so far, keeping the plan with the
-        # smallest maximum, to within one chunk (whose alignment the plans' maxima carry anyway).
+        # smallest maximum, to within the slack of one chunk that the plans' maxima carry anyway
+        # (exactly with chunks of one row).
         lo, hi = level, best_max - 1
-        while lo <= hi and (lo == level or hi - lo >= align):
+        while lo <= hi and (lo == level or hi - lo >= slack):
             mid = (lo + hi) // 2 if lo > level else level
             for chain in (_CHAIN_LAST, _CHAIN_ANY):
                 m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident)
