@@ -83,10 +83,8 @@ class ExpertStage:
         self.config, self.ep_group, self.ep_size, self.num_local_experts = config, ep_group, ep_size, num_local_experts
         self.domain_size = domain_size(config, ep_size)
         self.balances = ep_size > 1 and config.dynamic_experts_per_rank > 0 and self.domain_size > 1
-        self.sizes = ExpertSizes.of(expert_params, hidden)
-        self.expert_bytes = self.sizes.expert_bytes
-        self.copy_bytes = self.sizes.copy_bytes  # one kept copy: weights and fp32 weight-gradient
-        self.row_bytes = self.sizes.row_bytes  # one row (time model)
+        self.sizes = ExpertSizes.of(expert_params, hidden)  # weights, a kept copy, a row
+        self.expert_bytes = self.sizes.expert_bytes  # what a balanced micro-batch reads (`balanced.BalancingLayer`)
         self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
         self.device = expert_params[0].device  # the transport's, not torch's current device
         self.compute_times = ComputeTimes()
@@ -181,7 +179,7 @@ class ExpertStage:
         slot = self.sizes.receive_slot(self.config, rows)
         self.domain = get_runtime(self.ep_group, self.config, self.transport_cls, self.device, slot)
         self.residency = LayerResidency.create(self.domain.size, self.num_local_experts, self.config,
-                                               self.domain.kept_bytes, self.copy_bytes)
+                                               self.domain.kept_bytes, self.sizes.copy_bytes)
 
     def check_peers(self) -> None:
         """After a failed collective: raise naming a dead domain peer, if one is known."""

@@ -119,7 +119,7 @@ class FEPLBPipelineEngine(PipelineEngine):
             if previous is None or len(previous.stats["ranks"]) < 2:  # no domain-wide counts to plan ahead on
                 continue
             counts = np.asarray(previous.stats["domain_counts"])
-            model = stage.compute_times.model(stage.config, stage.expert_bytes, stage.row_bytes,
+            model = stage.compute_times.model(stage.config, stage.expert_bytes, stage.sizes.row_bytes,
                                               domain.transport.message_us)
             constraints = PlanConstraints.from_config(stage.config, stage.expert_bytes, model)
             jobs.append((name, counts, constraints))

@@ -20,7 +20,8 @@ their hottest candidates to ranks below it ("receivers"), best fit first, so tha
 (and weight copies) are made; chunks are multiples of ``chunk_align`` rows, a donor keeping its
 remainder. Where the helper or copy limits leave a donor above ``W``, receivers make room by
 chaining their own dynamic experts on, and ``W`` is raised by bisection until every donor fits
-(to within one chunk: levels closer than ``chunk_align`` rows give the same plans up to that slack).
+(to within ``chunk_align - 1`` rows, the slack a plan's maximum carries anyway; exactly with chunks
+of one row).
 Token plans are then judged by the time model (`plan_timed`): the fastest is the plan.
 """
 from __future__ import annotations
@@ -218,9 +219,9 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     ``constraints.max_rows_over_mean`` only those that keep within its row cap are candidates.
 
     Cost: one compiled call: the row sums, the published dynamic experts ordered by rows, one
-    water-filling pass, and a bisection over chaining passes (to within one chunk) only when the
-    helper or Copy-Engine limits bind; with a time model, an evaluation per pass and further passes only while the
-    copies cost more than they save. The first call in a process loads the compiled code from
+    water-filling pass, and a bisection over chaining passes (to within a chunk's slack) only when
+    the helper or Copy-Engine limits bind; with a time model, an evaluation per pass and further
+    passes only while the copies cost more than they save. The first call in a process loads the compiled code from
     numba's cache (or compiles it once, a few seconds, into that cache).
     """
     counts = np.asarray(counts, dtype=np.int64)
