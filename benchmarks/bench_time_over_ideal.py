@@ -11,8 +11,10 @@ runtime's), GLM-5-like experts (hidden 6144, ffn 2048), 8 micro-batches per step
 * generated traces nobody tuned for (``trace --kind noaux``, its default skew, seed 7, 48
   micro-batches, 256 experts top-8): EP 16 as 2 nodes of 8 at 2,048 and 16,384 rows per rank, EP 64
   as 8 nodes of 8 at 4,096 and 32,768, the EP 64 cases once more with the placement layer and one
-  replica slot per rank (``--placement on --redundant-per-rank 1``: the best configuration across
-  nodes we know, opt-in in the runtime).
+  replica slot per rank (``--placement on --redundant-per-rank 1``);
+* every case that spans nodes once more with one replica slot per rank and every expert kept at
+  its home (``--placement off --redundant-per-rank 1``, ``_replicas_alone``: the best
+  configuration across nodes we know, opt-in in the runtime for its memory).
 
 Per policy it keeps the token max/mean, the expert time, the ideal (vanilla's compute spread evenly
 over the EP group, no transfers), their ratio and the excess split into extra pieces, imbalance
@@ -32,13 +34,14 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = ("python -m deepspeed_feplb simulate --trace TRACE --ranks-per-node G --nodes N --hidden 6144 "
-           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on "
+           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on|off "
            "[--redundant-per-rank 1]] (every other option at its default; feplb_one_part: the feplb row of the same "
            "with --serve-parts 1); "
            "generated TRACE: python -m deepspeed_feplb trace --out T.npz --kind noaux --ranks R --experts 256 "
            "--tokens-per-rank ROWS --micro-batches 48 --layers 1 --top-k 8 --seed 7")
 PLACEMENT = ("--placement", "on")  # the cross-node layer, opt-in in the runtime
 REPLICA = (*PLACEMENT, "--redundant-per-rank", "1")  # and one replica slot per rank
+REPLICAS_ALONE = ("--placement", "off", "--redundant-per-rank", "1")  # one replica slot per rank, every home kept
 # name: (trace: a shipped file or (ranks, rows per rank) generated, ranks per node, nodes, options beyond the defaults)
 CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_ep8_32k.npz", 8, 1, ()),
          "ep8_2nodes_4k": ("stdlib_moe_ep8_4k.npz", 4, 2, ()),
@@ -48,7 +51,13 @@ CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_
          "generated_ep16_2k": ((16, 2048), 8, 2, ()), "generated_ep16_16k": ((16, 16384), 8, 2, ()),
          "generated_ep64_4k": ((64, 4096), 8, 8, ()), "generated_ep64_32k": ((64, 32768), 8, 8, ()),
          "generated_ep64_4k_replica": ((64, 4096), 8, 8, REPLICA),
-         "generated_ep64_32k_replica": ((64, 32768), 8, 8, REPLICA)}
+         "generated_ep64_32k_replica": ((64, 32768), 8, 8, REPLICA),
+         "ep8_2nodes_4k_replicas_alone": ("stdlib_moe_ep8_4k.npz", 4, 2, REPLICAS_ALONE),
+         "ep8_2nodes_32k_replicas_alone": ("stdlib_moe_ep8_32k.npz", 4, 2, REPLICAS_ALONE),
+         "generated_ep16_2k_replicas_alone": ((16, 2048), 8, 2, REPLICAS_ALONE),
+         "generated_ep16_16k_replicas_alone": ((16, 16384), 8, 2, REPLICAS_ALONE),
+         "generated_ep64_4k_replicas_alone": ((64, 4096), 8, 8, REPLICAS_ALONE),
+         "generated_ep64_32k_replicas_alone": ((64, 32768), 8, 8, REPLICAS_ALONE)}
 KEYS = ("token_max_over_mean", "expert_time_us", "ideal_time_us", "time_over_ideal", "excess_pieces_us",
         "excess_imbalance_us", "copy_exposed_us", "excess_other_us")
 
@@ -87,7 +96,7 @@ def run_case(trace, ranks_per_node: int, nodes: int, options: tuple) -> dict:
         policies["feplb_one_part"] = _simulate(path, ranks_per_node, nodes, options, tmp, "--serve-parts",
                                                "1")["feplb"]
     return {"trace": trace if isinstance(trace, str) else f"generated noaux, {trace[0]} ranks, {trace[1]} rows",
-            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": "--placement" in options,
+            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": tuple(options[:2]) == PLACEMENT,
             "options": " ".join(options), "policies": policies}
 
 

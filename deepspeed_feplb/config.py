@@ -192,7 +192,7 @@ class PlacementConfig(FEPLBConfigModel):
     """Cross-node expert placement: which rank is each expert's home, re-decided at optimizer steps from the load history."""
 
     enabled: Union[bool, Literal["auto"]] = False
-    """Re-place each MoE layer's experts over its EP group every interval_steps optimizer steps, balancing the nodes' loads; an expert moves with its optimizer state, only when the expected gain exceeds the move's time (the contents of expert slots move: per-parameter state kept outside the optimizer, such as an EMA copy of the weights, must be taken inside deepspeed_feplb.canonical_experts). Checkpoints keep DeepSpeed's layout. "auto": on when an MoE layer's EP group spans more than one NVLink domain (nodes) and the run supports placement (ZeRO stage 0 to 2 without fp16/bf16 at stage 0, no pipeline), decided at deepspeed_feplb.initialize (or when DeepSpeed's engine configures the layers); one line says why where such a group stays without it; a layer used without an engine has none."""
+    """Re-place each MoE layer's experts over its EP group every interval_steps optimizer steps, balancing the nodes' loads; an expert moves with its optimizer state, only when the expected gain exceeds the move's time (the contents of expert slots move: per-parameter state kept outside the optimizer, such as an EMA copy of the weights, must be taken inside deepspeed_feplb.canonical_experts). Checkpoints keep DeepSpeed's layout. false: every expert keeps its home; replica slots (redundant_experts_per_rank) still work, and move no slot's contents. "auto": on when an MoE layer's EP group spans more than one NVLink domain (nodes) and the run supports placement (ZeRO stage 0 to 2 without fp16/bf16 at stage 0, no pipeline), decided at deepspeed_feplb.initialize (or when DeepSpeed's engine configures the layers); one line says why where such a group stays without it; a layer used without an engine has none."""
 
     interval_steps: int = Field(50, ge=1)
     """Optimizer steps between placement decisions."""
@@ -201,7 +201,7 @@ class PlacementConfig(FEPLBConfigModel):
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
     redundant_experts_per_rank: int = Field(0, ge=0)
-    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), and each micro-batch splits their rows between the nodes. A replica holds weights only (no optimizer state); its gradient is summed into the expert's before the optimizer step. A node holds one copy of an expert at most, so a layer of E experts over R ranks in N nodes fills at most E * (N - 1) / R slots per rank (more is refused when the layer is built); an EP group within one node has no replicas."""
+    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch), with placement enabled or not (then every expert keeps its home and only replicas are chosen): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), each micro-batch splits their rows between the nodes, and at every other optimizer step the replicas are dropped once they no longer pay on the last micro-batches. A replica holds weights only (no optimizer state; each slot one expert's weights, and an fp32 sum of its gradient while a step accumulates, counted at deepspeed_feplb.initialize); its gradient is summed into the expert's before the optimizer step. A node holds one copy of an expert at most, so a layer of E experts over R ranks in N nodes fills at most E * (N - 1) / R slots per rank (more is refused when the layer is built); an EP group within one node has no replicas."""
 
     network_gbps: float = Field(50.0, gt=0)
     """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""
@@ -275,10 +275,12 @@ _MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "serve_parts", "se
 _IDLE_RULES = (
     ("feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler)",
      lambda c: c.dynamic_experts_per_rank == 0, _MIGRATION),
-    ("feplb.placement.enabled is false",
-     lambda c: c.placement.enabled is False,
-     ("placement.redundant_experts_per_rank", "placement.interval_steps", "placement.history_decay",
-      "placement.network_gbps")),
+    ("feplb.placement.enabled is false and feplb.placement.redundant_experts_per_rank 0: no cross-node layer",
+     lambda c: c.placement.enabled is False and c.placement.redundant_experts_per_rank == 0,
+     ("placement.interval_steps", "placement.history_decay", "placement.network_gbps")),
+    ("feplb.placement.enabled is false: every expert keeps its home and replicas are chosen from the last "
+     "micro-batches, not the load history",
+     lambda c: c.placement.enabled is False, ("placement.history_decay", )),
     ("feplb.weight_residency is \"micro_batch\": no copy is kept past its micro-batch",
      lambda c: c.weight_residency == "micro_batch", ("max_resident_experts", "resident_budget_mb")),
     ("feplb.max_resident_experts is 0: no copy is kept past its micro-batch",

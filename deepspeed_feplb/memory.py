@@ -14,7 +14,12 @@ NVLink domain and ``D`` dynamic experts per rank (`GroupMemory`):
   size hint for a group that spans hosts;
 * kept copies (``weight_residency: "step"``): at most ``L · max_resident_experts · c``, and at
   most ``resident_budget_mb``; for "auto", `AUTO_FREE_SHARE` of what the rest leaves free
-  (`plan.residency.resident_budget_bytes`), the least over the domain's ranks.
+  (`plan.residency.resident_budget_bytes`), the least over the domain's ranks;
+* replica slots (``placement.redundant_experts_per_rank`` ``r`` on an EP group that spans
+  domains): ``L · r · c``, each slot's weights (allocated when the layer is built: at its first
+  forward for a DeepSpeed MoE layer, at install for an AutoEP one) and the fp32 sum of its
+  gradient while a step accumulates; what a layer has allocated already is not counted again
+  (`replica_bytes`).
 
 `check_at_initialize` measures each rank's free memory once DeepSpeed has built the engine (its
 weights, gradients and optimizer states are then in place), refuses on every rank of an EP group
@@ -36,7 +41,7 @@ from deepspeed_feplb.migrate.arena import slot_bytes, transport_bytes_per_rank
 from deepspeed_feplb.plan.residency import resident_budget_bytes
 
 __all__ = ["ExpertSizes", "GroupMemory", "LayerMemoryFacts", "group_memory", "memory_problems", "check_at_initialize",
-           "device_free_bytes", "kept_budget_of"]
+           "device_free_bytes", "kept_budget_of", "replica_bytes"]
 
 MiB = 2**20
 
@@ -66,30 +71,40 @@ class ExpertSizes:
         return slot_bytes(config.dynamic_experts_per_rank, self.expert_bytes, self.tensors + 2, rows, self.row_bytes)
 
 
+def replica_bytes(expert_params: Sequence[torch.Tensor], slots: int, allocated: bool) -> int:
+    """Device bytes ``slots`` replica slots of one layer still add (experts of ``expert_params``):
+    each slot's weights, unless ``allocated`` already, and the fp32 sum of its gradient."""
+    weights = 0 if allocated else sum(p.numel() * p.element_size() for p in expert_params)
+    return slots * (weights + sum(p.numel() * 4 for p in expert_params))
+
+
 @dataclass(frozen=True)
 class GroupMemory:
     """Device bytes the FEPLB layers of one EP group add on one rank (module docstring):
-    ``slots``, ``in_flight`` (copies held forward to backward), ``deepep``, and ``kept_most``
-    (the most kept copies can take: L x max_resident_experts x c)."""
+    ``slots``, ``in_flight`` (copies held forward to backward), ``deepep``, ``replicas`` (replica
+    slots not allocated yet and their gradient sums) and ``kept_most`` (the most kept copies can
+    take: L x max_resident_experts x c)."""
     slots: int = 0
     in_flight: int = 0
     deepep: int = 0
     kept_most: int = 0
+    replicas: int = 0
 
     @property
     def fixed(self) -> int:
         """What the rank must hold whatever the kept copies' budget."""
-        return self.slots + self.in_flight + self.deepep
+        return self.slots + self.in_flight + self.deepep + self.replicas
 
 
 def group_memory(config: FEPLBConfig, ep_size: int, domain: int, layers: Sequence[ExpertSizes], ce_transport: bool,
-                 deepep_bytes: int = 0) -> GroupMemory:
+                 deepep_bytes: int = 0, replica_slots_bytes: int = 0) -> GroupMemory:
     """`GroupMemory` of ``layers`` (this rank's FEPLB layers of one EP group of ``ep_size`` ranks,
     ``domain`` per NVLink domain); ``ce_transport``: phase 2 on the CUDA CE transport (its slots
-    are device memory); ``deepep_bytes``: the group's DeepEP buffer (0: torch dispatch)."""
+    are device memory); ``deepep_bytes``: the group's DeepEP buffer (0: torch dispatch);
+    ``replica_slots_bytes``: what the layers' replica slots still add (`replica_bytes`)."""
     D = config.dynamic_experts_per_rank
     if not layers or ep_size <= 1 or domain <= 1 or D <= 0:
-        return GroupMemory(deepep=deepep_bytes)
+        return GroupMemory(deepep=deepep_bytes, replicas=replica_slots_bytes)
     peers = domain - 1
     ce_budget = math.inf if config.ce_budget == "auto" else float(config.ce_budget)
     in_flight = sum(int(min(D * peers * layer.expert_bytes, ce_budget)) for layer in layers)
@@ -98,7 +113,7 @@ def group_memory(config: FEPLBConfig, ep_size: int, domain: int, layers: Sequenc
         if ce_transport else 0
     keep = config.max_resident_experts if config.weight_residency == "step" else 0
     kept_most = len(layers) * keep * max(layer.copy_bytes for layer in layers)
-    return GroupMemory(slots, in_flight, deepep_bytes, kept_most)
+    return GroupMemory(slots, in_flight, deepep_bytes, kept_most, replica_slots_bytes)
 
 
 def memory_problems(rank: int, free_bytes: int, need: GroupMemory, config: FEPLBConfig) -> list[str]:
@@ -113,6 +128,7 @@ def memory_problems(rank: int, free_bytes: int, need: GroupMemory, config: FEPLB
               (need.in_flight, "weight copies held from forward to backward",
                "feplb.ce_budget, dynamic_experts_per_rank"),
               (need.deepep, "the DeepEP buffer", "feplb.ep_backend \"torch\""),
+              (need.replicas, "replica slots", "feplb.placement.redundant_experts_per_rank"),
               (kept, "kept weight copies", "feplb.resident_budget_mb, max_resident_experts")]
     said = "; ".join(f"{what} {nbytes / MiB:,.0f} MiB ({keys})" for nbytes, what, keys in shares if nbytes)
     return [f"rank {rank} has {free_bytes / MiB:,.0f} MiB of device memory free after deepspeed.initialize and its "
@@ -140,12 +156,14 @@ def kept_budget_of(ep_ranks: Sequence[int], domain: int) -> Optional[float]:
 @dataclass
 class LayerMemoryFacts:
     """What a FEPLB layer tells `check_at_initialize`: its EP group and size, ranks per NVLink
-    domain (`domain.domain_size`), one expert's parameters and the hidden size."""
+    domain (`domain.domain_size`), one expert's parameters, the hidden size and what its replica
+    slots still add (`replica_bytes`)."""
     ep_group: object
     ep_size: int
     domain_size: int
     expert_params: list
     hidden: int
+    replica_bytes: int = 0
 
 
 def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
@@ -182,7 +200,8 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
                 deepep = sum(buffer_bytes(deep_ep, max(m.hidden for m in members),
                                           first.expert_params[0].element_size(), first.ep_size))
             need = group_memory(config, first.ep_size, G, [ExpertSizes.of(m.expert_params, m.hidden) for m in members],
-                                transport_kind(config, first.expert_params) == "cuda_ce", deepep)
+                                transport_kind(config, first.expert_params) == "cuda_ce", deepep,
+                                sum(m.replica_bytes for m in members))
         problems = memory_problems(dist.get_rank(), free, need, config) if free is not None else []
         mine = (free, need.fixed, need.kept_most, problems)
         everyone = gather_small(mine, group=first.ep_group, device=device)

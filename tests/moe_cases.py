@@ -758,8 +758,9 @@ def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, lear
 
 
 def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1,
-                       learn_router: bool = False, recompute: bool = False) -> dict:
-    """feplb.placement with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
+                       learn_router: bool = False, recompute: bool = False, enabled: bool = True) -> dict:
+    """feplb.placement (``enabled``: homes may move; false: replicas alone, every expert keeping its
+    home) with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
     with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``, the layer
     recomputed in the backward if ``recompute``), ``gas`` micro-batches per step: FEPLB and
     DeepSpeed's MoE trained side by side. Returns both loss curves, the parameter errors (FEPLB's
@@ -773,8 +774,8 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "copy_engine_gbps": 1e6,
-             "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5, "network_gbps": 1e6,
-                           "redundant_experts_per_rank": redundant}}
+             "placement": {"enabled": enabled, "interval_steps": 2, "network_gbps": 1e6,
+                           "redundant_experts_per_rank": redundant, **({"history_decay": 0.5} if enabled else {})}}
     config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
     models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router, recompute=recompute)
               for name in ("reference", "feplb")}
@@ -804,6 +805,7 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
             "refreshes": placement.replicas.refreshes if placement.replicas else 0,
             "forwards": len(forwards),
             "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
+            "expert_at": placement.expert_at.tolist(), "moved_experts": placement.moved_experts,
             "state_dict_keys": names, "reference_keys": sorted(engines["reference"].module.state_dict())}
 
 

@@ -339,8 +339,13 @@ def _with(**section):
     ({}, []),
     ({"placement": {"redundant_experts_per_rank": 0}}, []),  # at its default: changes nothing either way
     ({"placement": {"enabled": True, "redundant_experts_per_rank": 2}}, []),
-    ({"placement": {"enabled": False, "redundant_experts_per_rank": 2}},
-     ["feplb.placement.enabled is false, so feplb.placement.redundant_experts_per_rank has no effect"]),
+    ({"placement": {"enabled": False, "redundant_experts_per_rank": 2}}, []),  # replicas, every home kept
+    ({"placement": {"enabled": False, "interval_steps": 3, "history_decay": 0.5}},
+     ["feplb.placement.enabled is false and feplb.placement.redundant_experts_per_rank 0: no cross-node layer, so "
+      "feplb.placement.interval_steps, feplb.placement.history_decay have no effect"]),
+    ({"placement": {"enabled": False, "redundant_experts_per_rank": 1, "interval_steps": 3, "history_decay": 0.5}},
+     ["feplb.placement.enabled is false: every expert keeps its home and replicas are chosen from the last "
+      "micro-batches, not the load history, so feplb.placement.history_decay has no effect"]),
     ({"placement": {"enabled": "auto", "redundant_experts_per_rank": 2}}, []),  # on where an EP group spans nodes
     ({"weight_residency": "micro_batch", "max_resident_experts": 3, "resident_budget_mb": 100},
      ['feplb.weight_residency is "micro_batch": no copy is kept past its micro-batch, so '
@@ -369,13 +374,13 @@ def test_keys_without_effect_are_named(section, lines):
 def test_keys_without_effect_are_said_once_per_job(capsys):
     from deepspeed_feplb.integration.engine import say_idle_keys
 
-    config = _with(placement={"enabled": False, "redundant_experts_per_rank": 1})
+    config = _with(placement={"enabled": False, "interval_steps": 3})
     [line] = idle_keys(config)
     forget(("idle keys", line))
     try:
         say_idle_keys(config)
         # another initialize of the job
-        say_idle_keys(_with(placement={"enabled": False, "redundant_experts_per_rank": 1}))
+        say_idle_keys(_with(placement={"enabled": False, "interval_steps": 3}))
         assert capsys.readouterr().out == f"deepspeed_feplb: {line}\n"
     finally:
         forget(("idle keys", line))

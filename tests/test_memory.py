@@ -1,7 +1,7 @@
 """FEPLB's device memory, known at `deepspeed_feplb.initialize` (deepspeed_feplb/memory.py)."""
 
 from deepspeed_feplb.config import FEPLBConfig
-from deepspeed_feplb.memory import ExpertSizes, GroupMemory, group_memory, memory_problems
+from deepspeed_feplb.memory import ExpertSizes, GroupMemory, group_memory, memory_problems, replica_bytes
 from deepspeed_feplb.migrate.arena import inbound_bytes
 from deepspeed_feplb.plan.residency import resident_budget_bytes
 from deepspeed_feplb.testing import run_distributed
@@ -58,6 +58,24 @@ def test_a_rank_that_cannot_hold_the_buffers_is_named_with_the_figures_and_keys(
     assert memory_problems(3, 8 * GiB, need, budget) and "kept weight copies 4,096 MiB (feplb.resident_budget_mb" in \
         memory_problems(3, 8 * GiB, need, budget)[0]
     assert memory_problems(3, 12 * GiB, need, budget) == []
+
+
+def test_replica_slots_count_what_their_layers_have_not_allocated_yet():
+    """A replica slot holds one expert's weights (allocated with the layer) and, while a step
+    accumulates, the fp32 sum of its gradient; a layer that has allocated its slots counts the
+    sums alone, and the share is named with its key."""
+    import torch
+
+    params = [torch.zeros(2048, 6144, dtype=torch.bfloat16) for _ in range(3)]  # one GLM-5-like expert
+    assert replica_bytes(params, 1, allocated=False) == 72 * MiB + 144 * MiB
+    assert replica_bytes(params, 2, allocated=True) == 2 * 144 * MiB
+    assert replica_bytes(params, 0, allocated=False) == 0
+    need = group_memory(FEPLBConfig(), 16, 8, [GLM] * 4, True, replica_slots_bytes=4 * 216 * MiB)
+    assert need.replicas == 864 * MiB and need.fixed == need.slots + need.in_flight + need.replicas
+    assert group_memory(FEPLBConfig(dynamic_experts_per_rank=0), 16, 8, [GLM] * 4, True, 0, 5) == \
+        GroupMemory(replicas=5)  # replicas need no phase 2
+    (problem,) = memory_problems(0, 4 * GiB, need, FEPLBConfig())
+    assert "replica slots 864 MiB (feplb.placement.redundant_experts_per_rank)" in problem
 
 
 FREE = {0: 20 * GiB, 1: 12 * GiB}

@@ -148,7 +148,7 @@ def test_placement_refuses_what_it_cannot_move(ds_config, problem):
     model = torch.nn.Linear(2, 2)
     if problem == "pipeline parallelism":
         model = PipelineModule.__new__(PipelineModule)  # only its type matters here
-    with pytest.raises(FEPLBConfigError, match=f"feplb.placement.enabled: not supported with {problem}"):
+    with pytest.raises(FEPLBConfigError, match=f"feplb.placement: not supported with {problem}"):
         check_config(model, ds_config)
     for fine in ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 0}}):
         check_config(torch.nn.Linear(2, 2), fine)
@@ -168,7 +168,8 @@ def test_auto_placement_is_on_where_an_ep_group_spans_domains_and_the_run_suppor
     assert replica_slots_per_rank(resolve_auto(auto, None, zero1, [4]), 4) == 1
     assert resolve_auto(auto, None, zero1, [2, 2]).placement.enabled is False
     assert capsys.readouterr().out == ""
-    assert resolve_auto(auto, None, {"zero_optimization": {"stage": 3}}, [4]).placement.enabled is False
+    refused = resolve_auto(auto, None, {"zero_optimization": {"stage": 3}}, [4])
+    assert refused.placement.enabled is False and replica_slots_per_rank(refused, 4) == 0
     said = capsys.readouterr().out.splitlines()
     assert said == ['deepspeed_feplb: feplb.placement.enabled is "auto": the expert-parallel group of 4 ranks spans '
                     "NVLink domains, but placement stays off: it is not supported with ZeRO stage 3"], said

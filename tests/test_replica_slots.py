@@ -26,23 +26,29 @@ def _node_rows(results: list, ranks_per_node: int = 2) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("world,zero_stage,redundant,steps,learn,recompute",
-                         [(4, 0, 1, 8, False, False), (4, 1, 1, 8, False, False), (4, 2, 1, 8, False, False),
-                          (4, 2, 0, 8, False, False), (8, 2, 1, 6, False, False), (4, 1, 1, 30, True, False),
-                          (4, 2, 1, 6, False, True)],
+@pytest.mark.parametrize("world,zero_stage,redundant,steps,learn,recompute,moves",
+                         [(4, 0, 1, 8, False, False, True), (4, 1, 1, 8, False, False, True),
+                          (4, 2, 1, 8, False, False, True), (4, 2, 0, 8, False, False, True),
+                          (8, 2, 1, 6, False, False, True), (4, 1, 1, 30, True, False, True),
+                          (4, 2, 1, 6, False, True, True), (4, 1, 1, 8, False, False, False)],
                          ids=["zero0", "zero1", "zero2", "zero2-no-replicas", "zero2-4-nodes", "zero1-learning-30",
-                              "zero2-recomputed"])
-def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage, redundant, steps, learn, recompute):
+                              "zero2-recomputed", "zero1-homes-kept"])
+def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage, redundant, steps, learn, recompute,
+                                                              moves):
     """2 nodes of 2 ranks, and 4 nodes of 2 (where the hot expert needs a replica on every other
     node: `replicas.choose` may give an expert several). With a frozen router every micro-batch
     after the first decision is balanced; a learning one (30 steps) spreads its rows as it learns,
     so the replicas change with it and follow up to a decision (2 steps) behind. ``recompute``:
     the layer runs again in each backward (activation checkpointing), on the replica weights of
-    its first forward and with its split."""
+    its first forward and with its split. ``moves`` false: ``feplb.placement.enabled`` false,
+    replicas alone; no slot's contents change."""
     gas = 2
     results = run_distributed(moe_cases.replica_slots_case, world, zero_stage, steps, gas, redundant, learn,
-                              recompute, timeout=900)
+                              recompute, moves, timeout=900)
     r = results[0]
+    if not moves:
+        assert all(x["expert_at"] == list(range(len(x["expert_at"]))) and x["moved_experts"] == 0
+                   for x in results), "an expert left its home with placement.enabled false"
     assert r["forwards"] == steps * gas * (2 if recompute else 1)
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
     nodes = _node_rows(results)[gas:]  # after the first decision (at the first optimizer step)

@@ -129,6 +129,31 @@ def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
     assert (rp.choose(drifting, e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args).replica_at < 0).all()
 
 
+def test_held_replicas_go_at_the_first_step_where_they_no_longer_pay():
+    """Between decisions the placer judges its replicas at every optimizer step: held while the hot
+    expert stays hot, dropped (no transfer: the exchange just stops) once it cools, and never under
+    a row bound (rows first)."""
+    def placer(**extra):
+        p = CrossNodePlacer(E, N, G, interval=10_000, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
+                            dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8, warmup=8,
+                            move_experts=False, **extra)
+        for loads in _skewed_samples(400.0):
+            p.observe(loads, refresh=False)
+        assert p.due and p.refresh() and (p.replica_at >= 0).any()
+        return p
+
+    hot = placer()
+    for loads in _skewed_samples(400.0):
+        hot.observe(loads, refresh=False)
+    assert not hot.due and not hot.review_replicas() and (hot.replica_at >= 0).any()
+    for cooled in (hot, bound := placer(max_rows_over_mean=1.01)):
+        for _ in range(16):
+            cooled.observe(np.full(E, 100.0), refresh=False)
+    assert hot.review_replicas() and (hot.replica_at < 0).all() and hot.replica_drops == 1
+    assert not hot.review_replicas()  # nothing left to drop
+    assert not bound.review_replicas() and (bound.replica_at >= 0).any()
+
+
 def test_a_row_bound_puts_rows_before_time():
     """``feplb.max_rows_over_mean``: a replica whose exchange costs more than it saves is still made
     where it brings the busiest rank toward the bound; where the bound holds without one, none is,
@@ -178,12 +203,47 @@ def test_the_simulator_replicates_hot_experts_across_nodes_where_it_pays():
     assert runs[1]["expert_time_us"] < runs[0]["expert_time_us"]
 
 
-def test_replica_slots_without_the_cross_node_layer_are_refused():
+def test_replica_slots_on_one_node_are_refused():
     from deepspeed_feplb.sim.policies import SimSetup
 
-    with pytest.raises(ValueError, match="1 replica slots per rank need feplb's cross-node placement layer"):
+    with pytest.raises(ValueError, match="1 replica slots per rank need more than one node"):
         SimSetup(ranks_per_node=8, nodes=1, experts=64, redundant_per_rank=1).check()
-    SimSetup(ranks_per_node=8, nodes=2, experts=64, redundant_per_rank=1).check()
+    for placement in ("auto", "on", "off"):
+        SimSetup(ranks_per_node=8, nodes=2, experts=64, redundant_per_rank=1, placement=placement).check()
+
+
+def test_replicas_alone_keep_every_home_and_still_balance_the_nodes():
+    """``feplb.placement.enabled`` false with a replica slot per rank (the simulator's
+    ``placement="off"``): no expert gets another home, hot experts still get replicas on the other
+    node, and the token max/mean falls against no replica slot (the same EP 16 trace as above)."""
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.sim.policies import SimSetup
+    from deepspeed_feplb.sim.simulate import simulate
+    from deepspeed_feplb.trace.generators import skewed_trace
+
+    trace = skewed_trace(48, 1, 16, 64, tokens_per_rank=4096, top_k=8, skew=1.2, drift=0.5, memory=0.5, seed=4)
+    shape = ExpertShape(hidden=6144, ffn_hidden=2048)
+    runs = {}
+    for redundant in (0, 1):
+        setup = SimSetup(ranks_per_node=8, nodes=2, experts=64, shape=shape, micro_batches_per_step=8,
+                         redundant_per_rank=redundant, placement="off")
+        runs[redundant] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]
+    assert "placement_decisions" not in runs[0], "no replica slot, no placement: the cross-node layer ran"
+    assert runs[1]["placement_decisions"] > 0 and runs[1]["placement_migrated_experts"] == 0
+    assert runs[1]["replicas"] > 0
+    assert runs[1]["token_max_over_mean"] < runs[0]["token_max_over_mean"]
+
+
+def test_a_placer_that_keeps_homes_chooses_replicas_only():
+    placer = CrossNodePlacer(E, N, G, interval=8, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
+                             dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8,
+                             move_experts=False)
+    before = placer.expert_to_rank.copy()
+    for loads in _skewed_samples(400.0):
+        placer.observe(loads, refresh=False)
+    assert placer.due and placer.refresh()
+    assert (placer.replica_at >= 0).any()
+    assert np.array_equal(placer.expert_to_rank, before) and placer.migrated_experts == 0
 
 
 def test_two_holders_on_one_node_share_its_part():

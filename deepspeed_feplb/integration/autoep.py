@@ -38,9 +38,15 @@ from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
 from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
 from deepspeed_feplb.integration.expert_state import StackedExperts
-from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, places, replica_slots_per_rank
+from deepspeed_feplb.integration.placement import (
+    ExpertPlacement,
+    copies_stale,
+    places,
+    replica_slots_per_rank,
+    say_if_replicas_idle,
+)
 from deepspeed_feplb.integration.replicas import ReplicaSlots, with_sum
-from deepspeed_feplb.memory import LayerMemoryFacts
+from deepspeed_feplb.memory import LayerMemoryFacts, replica_bytes
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing, unbalanced_stats
 
@@ -123,8 +129,10 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         if not config.enabled or self.feplb_ep_size <= 1:
             return None
         slices = [self.w1[0], self.w2[0], self.w3[0]]
+        placement = getattr(self, "placement", None)  # made at install, its replica slots with it
+        held = placement.redundant if placement is not None else 0
         return LayerMemoryFacts(self.feplb_ep_group, self.feplb_ep_size, domain_size(config, self.feplb_ep_size),
-                                slices, slices[0].shape[1])
+                                slices, slices[0].shape[1], replica_bytes(slices, held, allocated=True))
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order
@@ -305,6 +313,7 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
                  "feplb.placement": config.placement.model_dump()}
         experts.feplb_setup(config, layer.ep_group, layer.ep_size, facts,
                             seams.step_ends(engine) if engine is not None else None)
+        say_if_replicas_idle(config, layer.ep_size)
         if places(config, layer.ep_size):
             _place(name, layer, experts, config)
         installed[name] = experts

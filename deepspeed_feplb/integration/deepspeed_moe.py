@@ -32,9 +32,15 @@ from deepspeed_feplb.grouped_mlp import StackedMLP, empty_groups_zeroed
 from deepspeed_feplb.integration import seams
 from deepspeed_feplb.integration.expert_order import adopt_loaded_order, keep_expert_order
 from deepspeed_feplb.integration.expert_state import ModuleExperts
-from deepspeed_feplb.integration.placement import ExpertPlacement, copies_stale, places, replica_slots_per_rank
+from deepspeed_feplb.integration.placement import (
+    ExpertPlacement,
+    copies_stale,
+    places,
+    replica_slots_per_rank,
+    say_if_replicas_idle,
+)
 from deepspeed_feplb.integration.replicas import with_sum
-from deepspeed_feplb.memory import LayerMemoryFacts
+from deepspeed_feplb.memory import LayerMemoryFacts, replica_bytes
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -78,8 +84,12 @@ class FEPLBMOELayer(MOELayer):
         config = self.feplb_config
         if config is None or not config.enabled or self.ep_size <= 1 or getattr(self, "ep_group", None) is None:
             return None
-        return LayerMemoryFacts(self.ep_group, self.ep_size, domain_size(config, self.ep_size),
-                                list(self.experts.deepspeed_experts[0].parameters()), self.gate.wg.in_features)
+        params = list(self.experts.deepspeed_experts[0].parameters())
+        placement = getattr(self, "placement", None)  # made at the first forward
+        return LayerMemoryFacts(self.ep_group, self.ep_size, domain_size(config, self.ep_size), params,
+                                self.gate.wg.in_features,
+                                replica_bytes(params, replica_slots_per_rank(config, self.ep_size),
+                                              allocated=placement is not None and placement.replicas is not None))
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:
@@ -98,6 +108,7 @@ class FEPLBMOELayer(MOELayer):
             return
         placed = places(config, self.ep_size)
         redundant = replica_slots_per_rank(config, self.ep_size)
+        say_if_replicas_idle(config, self.ep_size)
         local_slots = self.num_local_experts + redundant  # the primary slots, then the replica slots
         self.stage = ExpertStage(config, self.ep_group if self.ep_size > 1 else None, self.ep_size, local_slots,
                                  expert_params, hidden)
@@ -389,12 +400,12 @@ class MoE(ds_layer.MoE):
         if self.deepspeed_moe.feplb_config is None and engine is not None:
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
         config = self.deepspeed_moe.feplb_config
-        if engine is not None and config.enabled and config.placement.enabled:
+        if engine is not None and config.enabled:
+            from deepspeed_feplb.integration.placement_engine import cross_node_layer, resolve_auto
             from deepspeed_feplb.integration.placement_engine import install as install_placement
-            from deepspeed_feplb.integration.placement_engine import resolve_auto
             config = self.deepspeed_moe.feplb_config = resolve_auto(config, getattr(engine, "module", None),
                                                                     engine.config, [self.ep_size])
-            if config.placement.enabled:
+            if cross_node_layer(config, [self.ep_size]):
                 install_placement(engine)
         if config is not None and self.ep_size > 1:
             start_planner_early(config, self.deepspeed_moe.ep_group)

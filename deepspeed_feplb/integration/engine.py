@@ -81,16 +81,21 @@ def initialize(*args, **kwargs):
         say_idle_keys(config)
         from deepspeed_feplb.integration.placement_engine import moe_ep_sizes, resolve_auto
         ds_dict = _as_dict(ds_config)  # a path is read once
-        config = resolve_auto(config, model, ds_dict, moe_ep_sizes(model, ds_dict))
+        ep_sizes = moe_ep_sizes(model, ds_dict)
+        config = resolve_auto(config, model, ds_dict, ep_sizes)
     convert(model, config)
     check_consistency(model, config)
     bound = _cpu_adam(bound, ds_config)
 
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from deepspeed.runtime.pipe.module import PipelineModule
-    if config.enabled and config.placement.enabled:
+    placed = False
+    if config.enabled:
         from deepspeed_feplb.integration.placement_engine import check_config as check_placement
-        check_placement(model, _as_dict(ds_config))
+        from deepspeed_feplb.integration.placement_engine import cross_node_layer
+        placed = cross_node_layer(config, ep_sizes)
+        if placed:
+            check_placement(model, ds_dict)
     if isinstance(model, PipelineModule) and not isinstance(model, DualPipeVModule):
         from deepspeed_feplb.integration.pipeline import FEPLBPipelineEngine
         _prepare_pipeline(model, _as_dict(ds_config))
@@ -102,7 +107,7 @@ def initialize(*args, **kwargs):
             result[0].feplb_monitor.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
-    if config.enabled and config.placement.enabled:
+    if placed:
         from deepspeed_feplb.integration.placement_engine import install as install_placement
         install_placement(result[0])
     from deepspeed_feplb.integration.autoep import install as install_autoep

@@ -73,12 +73,15 @@ class ExpertPlacement:
             step and its fp32 gradient sum goes home).
         max_rows_over_mean: ``feplb.max_rows_over_mean`` (0: none): replicas are chosen to bring the
             busiest rank within it before time (`plan.replicas.choose`).
+        move_experts: whether decisions may give experts other homes (``feplb.placement.enabled``);
+            False: every expert keeps its home slot (the table stays the identity, no slot's
+            contents change) and decisions choose replicas only.
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
                  decay: float, network_gbps: float, expert_params: list[torch.Tensor], dynamic_experts: int = 0,
                  intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
-                 redundant: int = 0, max_rows_over_mean: float = 0.0):
+                 redundant: int = 0, max_rows_over_mean: float = 0.0, move_experts: bool = True):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         most = replicas.most_replica_slots(num_experts, ep_size, ranks_per_node)
@@ -101,7 +104,7 @@ class ExpertPlacement:
                                       warmup=1, redundant=redundant,
                                       weight_bytes=float(sum(p.numel() * p.element_size() for p in expert_params)),
                                       grad_bytes=float(sum(p.numel() * 4 for p in expert_params)),
-                                      max_rows_over_mean=max_rows_over_mean)
+                                      max_rows_over_mean=max_rows_over_mean, move_experts=move_experts)
         self.redundant = redundant
         self.local_slots = self.per_rank + redundant  # the layer's local experts: primaries, then replica slots
         self.replicas = ReplicaSlots(self, expert_params, redundant) if redundant else None
@@ -126,16 +129,13 @@ class ExpertPlacement:
         """The placement an `FEPLBConfig` asks for over an EP group (nodes of its NVLink domain size,
         its expert-data-parallel group from DeepSpeed)."""
         placement = config.placement
-        if placement.redundant_experts_per_rank and not redundant and ep_size <= domain_size(config, ep_size) \
-                and first_time("one-node replica slots") and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"deepspeed_feplb: feplb.placement.redundant_experts_per_rank={placement.redundant_experts_per_rank} "
-                  f"has no effect: the expert-parallel group ({ep_size} ranks) is one NVLink domain "
-                  "(feplb.nvlink_domain_size), so there is no other node to hold replicas", flush=True)
+        say_if_replicas_idle(config, ep_size)
         return cls(num_experts, ep_group, ep_size, domain_size(config, ep_size), placement.interval_steps,
                    placement.history_decay, placement.network_gbps, expert_params,
                    dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
                    dp_group=seams.expert_data_parallel_group(ep_size), device=device, redundant=redundant,
-                   max_rows_over_mean=config.max_rows_over_mean or 0.0)
+                   max_rows_over_mean=config.max_rows_over_mean or 0.0,
+                   move_experts=config.placement.enabled is True)
 
     def route(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids (any shape; -1 = no route; out-of-range ids stay out of range for the
@@ -272,8 +272,9 @@ class ExpertPlacement:
     def end_step(self, experts, us_per_token: float) -> bool:
         """Collective over the ranks that hold the layer, after the optimizer step: agree on the
         step's loads, feed them to the policy and, every ``interval_steps`` steps, re-place (moving
-        the experts' parameters and optimizer state; ``experts``: the layer's `ModuleExperts` or
-        `StackedExperts`). Returns whether the placement changed."""
+        the experts' parameters and optimizer state, unless every expert keeps its home; ``experts``:
+        the layer's `ModuleExperts` or `StackedExperts`) and choose replicas. Returns whether the
+        placement changed."""
         self._replicas_stale()  # the step changed the experts' weights
         if self.replicas is not None:
             self.replicas.end_step()
@@ -303,12 +304,13 @@ class ExpertPlacement:
         self.steps += 1
         self.placer.us_per_token = float(both[0, -1]) / ranks
         if not self.placer.due:
-            return False
+            return self.placer.review_replicas()  # replicas that stopped paying go before their next exchange
         changed = self.placer.refresh()
         self._say_what_the_bound_costs(loads)
         if not changed:
             return False
-        moved = self._move_to(self.placer.expert_to_rank, experts)
+        # replicas alone (every home kept) read no expert's state: under ZeRO 1/2 that read is collective
+        moved = self._move_to(self.placer.expert_to_rank, experts) if self.placer.move_experts else 0
         self.refreshes += 1
         self._report["placement_refreshes"] += 1
         self._report["placement_moved_experts"] += moved
@@ -465,18 +467,33 @@ class ExpertPlacement:
 
 
 def places(config, ep_size: int) -> bool:
-    """Whether a layer over ``ep_size`` ranks places its experts: ``feplb.placement.enabled`` true
-    and more than one rank (``"auto"`` still undecided, as for a layer used without an engine, is
-    off: `placement_engine.resolve_auto` decides it)."""
-    return config.placement.enabled is True and ep_size > 1
+    """Whether a layer over ``ep_size`` ranks has an `ExpertPlacement`: more than one rank, and
+    ``feplb.placement.enabled`` true (``"auto"`` still undecided, as for a layer used without an
+    engine, is off: `placement_engine.resolve_auto` decides it) or replica slots
+    (`replica_slots_per_rank`; with placement off, every expert keeps its home)."""
+    return ep_size > 1 and (config.placement.enabled is True or replica_slots_per_rank(config, ep_size) > 0)
 
 
 def replica_slots_per_rank(config, ep_size: int) -> int:
     """Replica slots per rank of a layer over ``ep_size`` ranks: ``feplb.placement.
-    redundant_experts_per_rank`` where placement is on and the EP group spans domains (inside one
-    domain, phase 2 does their work), else 0."""
+    redundant_experts_per_rank`` where the EP group spans domains (inside one domain, phase 2 does
+    their work) and ``feplb.placement.enabled`` is decided (`placement_engine.resolve_auto`), else
+    0; with it false they are the cross-node layer's only work."""
+    if config.placement.enabled == "auto":  # undecided, as for a layer used without an engine: none
+        return 0
     spans = ep_size > domain_size(config, ep_size)
-    return config.placement.redundant_experts_per_rank if places(config, ep_size) and spans else 0
+    return config.placement.redundant_experts_per_rank if spans else 0
+
+
+def say_if_replicas_idle(config, ep_size: int) -> None:
+    """Once per job (rank 0): ``feplb.placement.redundant_experts_per_rank`` set on a layer whose EP
+    group of ``ep_size`` ranks is one NVLink domain, where it has no effect."""
+    asked = config.placement.redundant_experts_per_rank
+    if asked and ep_size > 1 and not replica_slots_per_rank(config, ep_size) and first_time("one-node replica slots") \
+            and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"deepspeed_feplb: feplb.placement.redundant_experts_per_rank={asked} has no effect: the expert-parallel "
+              f"group ({ep_size} ranks) is one NVLink domain (feplb.nvlink_domain_size), so there is no other node to "
+              "hold replicas", flush=True)
 
 
 def copies_stale(stage, placement: Optional["ExpertPlacement"]) -> None:

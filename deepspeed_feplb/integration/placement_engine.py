@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.domain import domain_size
 from deepspeed_feplb.integration import seams
-from deepspeed_feplb.integration.placement import ExpertPlacement
+from deepspeed_feplb.integration.placement import ExpertPlacement, replica_slots_per_rank
 from deepspeed_feplb.once import first_time
 
 
@@ -49,20 +49,29 @@ def unsupported(model, ds_config: dict) -> Optional[tuple[str, str]]:
     return None
 
 
+def cross_node_layer(config: FEPLBConfig, ep_sizes: list[int]) -> bool:
+    """Whether MoE layers over EP groups of ``ep_sizes`` run the cross-node layer (an
+    `ExpertPlacement`, driven at the optimizer steps): ``feplb.placement.enabled`` true (decided:
+    `resolve_auto`), or replica slots on a group that spans NVLink domains, every expert then
+    keeping its home (`placement.replica_slots_per_rank`)."""
+    return config.placement.enabled is True or any(replica_slots_per_rank(config, size) for size in ep_sizes)
+
+
 def check_config(model, ds_config: dict) -> None:
-    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under (`unsupported`)."""
+    """Raise `FEPLBConfigError` for what placement cannot move an expert's state under (`unsupported`),
+    and what replica slots cannot sum their gradients under (the same runs)."""
     found = unsupported(model, ds_config)
     if found is not None:
         what, fix = found
-        raise FEPLBConfigError(f"feplb.placement.enabled: not supported with {what}; {fix + ', or ' if fix else ''}"
-                               "set feplb.placement.enabled to false")
+        raise FEPLBConfigError(f"feplb.placement: not supported with {what}; {fix + ', or ' if fix else ''}"
+                               "set feplb.placement.enabled to false and redundant_experts_per_rank to 0")
 
 
 def resolve_auto(config: FEPLBConfig, model, ds_config: dict, ep_sizes: list[int]) -> FEPLBConfig:
     """``config`` with ``feplb.placement.enabled: "auto"`` decided for the job: true where an MoE
     layer's EP group (of ``ep_sizes``) spans more than one NVLink domain and the run supports
     placement (`unsupported`), else false, said in one line (EP rank 0) where such a group stays
-    without it. Any other setting is returned as it is."""
+    without it (with no replica slots either). Any other setting is returned as it is."""
     if config.placement.enabled != "auto":
         return config
     spans = [size for size in ep_sizes if size > domain_size(config, size)]
@@ -71,7 +80,10 @@ def resolve_auto(config: FEPLBConfig, model, ds_config: dict, ep_sizes: list[int
     if reason is not None and rank == 0 and first_time("placement auto off"):
         print(f'deepspeed_feplb: feplb.placement.enabled is "auto": the expert-parallel group of {spans[0]} ranks '
               f"spans NVLink domains, but placement stays off: it is not supported with {reason[0]}", flush=True)
-    placement = config.placement.model_copy(update={"enabled": bool(spans) and reason is None})
+    update = {"enabled": bool(spans) and reason is None}
+    if reason is not None:  # replica slots alone are refused under the same runs
+        update["redundant_experts_per_rank"] = 0
+    placement = config.placement.model_copy(update=update)
     return config.model_copy(update={"placement": placement})
 
 

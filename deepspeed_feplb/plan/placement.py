@@ -443,6 +443,9 @@ class CrossNodePlacer:
     max_rows_over_mean: the bound on rows before time (``feplb.max_rows_over_mean``; 0: none):
                      the replicas chosen are those that bring the predicted busiest rank closest
                      to it, the fastest among equals (`replicas.choose`).
+    move_experts:    whether a decision may give an expert another home (False: every expert
+                     keeps its home slot and decisions choose replicas only, so no slot's contents
+                     ever change: ``feplb.placement.enabled`` false with replica slots).
 
     A decision (`refresh`) takes the candidate of `improve_placement` with the largest
     ``gain - cost`` (none when nothing pays); ``last_cost_us`` is the transfer time of the last
@@ -476,6 +479,7 @@ class CrossNodePlacer:
     grad_bytes: Optional[float] = None
     micro_batches_per_step: int = 1
     max_rows_over_mean: float = 0.0
+    move_experts: bool = True
     expert_to_rank: np.ndarray = field(init=False)
     replica_at: np.ndarray = field(init=False)
     ema: Optional[np.ndarray] = field(init=False, default=None)
@@ -485,6 +489,7 @@ class CrossNodePlacer:
     refreshes: int = field(init=False, default=0)
     decisions: int = field(init=False, default=0)
     last_cost_us: float = field(init=False, default=0.0)
+    replica_drops: int = field(init=False, default=0)  # `review_replicas` that dropped the replicas
     retention: Optional[float] = field(init=False, default=None)
     _decided_at: int = field(init=False, default=0, repr=False)
     _probe: Optional[tuple] = field(init=False, default=None, repr=False)
@@ -539,11 +544,12 @@ class CrossNodePlacer:
             return False
         self.decisions += 1
         self._decided_at = self.seen
-        self._measure_retention()
-        horizon = self.effective_horizon
-        new, gain_us, cost_us = improve_placement(
-            self.ema, self.expert_to_rank, self.num_nodes, self.ranks_per_node, self.dynamic_experts,
-            self.us_per_token, horizon, self.expert_state_bytes, self.net_gbps, self.intra_gbps)
+        new, cost_us = self.expert_to_rank, 0.0
+        if self.move_experts:
+            self._measure_retention()
+            new, _, cost_us = improve_placement(
+                self.ema, self.expert_to_rank, self.num_nodes, self.ranks_per_node, self.dynamic_experts,
+                self.us_per_token, self.effective_horizon, self.expert_state_bytes, self.net_gbps, self.intra_gbps)
         moved = not np.array_equal(new, self.expert_to_rank)
         if moved:
             self.migrated_experts += int(np.sum(new != self.expert_to_rank))
@@ -554,6 +560,23 @@ class CrossNodePlacer:
         self.migration_us += cost_us
         self.last_cost_us += cost_us
         self.refreshes += 1
+        return True
+
+    def review_replicas(self) -> bool:
+        """At an optimizer step between decisions: drop every replica if the held set no longer
+        pays on the recent micro-batches (`replicas.still_pays`): its exchange is paid at every
+        step, a drop costs nothing, and new replicas come at decisions only. With
+        ``max_rows_over_mean`` set rows come first, and nothing is dropped. Returns whether the
+        replicas were dropped."""
+        if not self.redundant or self.max_rows_over_mean > 0 or not (self.replica_at >= 0).any() or not self._recent:
+            return False
+        if replicas.still_pays(np.array(self._recent), self.expert_to_rank, self.replica_at, self.ranks_per_node,
+                               self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
+                               self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
+                               intra_gbps=self.intra_gbps):
+            return False
+        self.replica_at = np.full_like(self.replica_at, -1)
+        self.replica_drops += 1
         return True
 
     def _choose_replicas(self) -> bool:

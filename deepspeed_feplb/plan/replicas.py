@@ -367,11 +367,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
     the step's exchange (`exchange_us` / ``micro_batches_per_step``: a new replica's first weights
     come with the exchange that follows the decision, as every step's do); none when no prefix
-    pays. A replica holds the expert's weights only (``weight_bytes``; its gradient sum
-    travels as ``grad_bytes``, default ``weight_bytes``): the sum joins the expert's gradient
-    before the optimizer step, and the stepped weights reach it with the exchange's return half,
-    both relayed over every link of the two nodes (``net_gbps`` between nodes, ``intra_gbps``
-    inside one).
+    pays (between decisions, `still_pays` judges the held set at every optimizer step). A replica
+    holds the expert's weights only (``weight_bytes``; its gradient sum travels as ``grad_bytes``,
+    default ``weight_bytes``): the sum joins the expert's gradient before the optimizer step, and
+    the stepped weights reach it with the exchange's return half, both relayed over every link of
+    the two nodes (``net_gbps`` between nodes, ``intra_gbps`` inside one).
 
     ``max_rows_over_mean`` (``feplb.max_rows_over_mean``; 0: none) puts rows before time, as the
     intra-node planner does: the prefix whose predicted busiest rank exceeds that multiple of the
@@ -419,6 +419,25 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
 
 ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
+
+
+def still_pays(samples: np.ndarray, expert_to_rank: np.ndarray, replica_at: np.ndarray, ranks_per_node: int,
+               dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
+               net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf) -> bool:
+    """Whether the held replicas ``replica_at`` int64 [R, redundant] still pay on ``samples`` float
+    [K, E] (recent micro-batches' per-expert loads): `choose`'s rule, their mean gain over holding
+    none, on every sample (the set was not fitted to these), against their exchange per
+    micro-batch, which is paid at every step while a drop costs nothing."""
+    samples = np.atleast_2d(np.asarray(samples, np.float64))
+    e2r = np.asarray(expert_to_rank, np.int64)
+    E, R, G = samples.shape[1], len(replica_at), ranks_per_node
+    none = slot_experts(e2r, np.full_like(replica_at, -1))
+    held = slot_experts(e2r, replica_at)
+    saved = np.mean([predicted_rows(w, none, G, dynamic_experts) - predicted_rows(w, held, G, dynamic_experts)
+                     for w in samples])
+    grad = weight_bytes if grad_bytes is None else grad_bytes
+    cost = exchange_us(held, E // R, G, weight_bytes, grad, net_gbps, intra_gbps) / micro_batches_per_step
+    return float(saved) * us_per_row > cost
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:

@@ -183,8 +183,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--eplb-interval", type=whole_number(1), default=20, metavar="MICRO_BATCHES",
                    help="micro-batches between EPLB re-placements (default: %(default)s)")
     p.add_argument("--placement", default=_PLACEMENT_DEFAULT, choices=("auto", "on", "off"),
-                   help="feplb's cross-node expert placement layer (feplb.placement.enabled; auto: on when "
-                        "nodes > 1) (default: %(default)s, the runtime's)")
+                   help="feplb's cross-node expert placement layer, which moves experts' homes between nodes "
+                        "(feplb.placement.enabled; auto: on when nodes > 1) (default: %(default)s, the runtime's)")
     p.add_argument("--placement-interval", type=whole_number(1), metavar="MICRO_BATCHES",
                    help="micro-batches between re-placements of experts across nodes by feplb's placement layer "
                         "(default: the runtime's feplb.placement.interval_steps "
@@ -197,12 +197,15 @@ def add_parser(subparsers) -> None:
                    help="micro-batches before the first re-placement decision of EPLB and of feplb's placement "
                         "layer, taken at the end of the optimizer step that reaches it (default: one step, "
                         "--micro-batches-per-step)")
-    p.add_argument("--redundant-per-rank", type=whole_number(0), default=0, metavar="SLOTS",
-                   help="replica slots per rank of feplb's placement layer: hot experts get replicas on other nodes "
+    p.add_argument("--redundant-per-rank", type=whole_number(0), default=_RUNTIME.placement.redundant_experts_per_rank,
+                   metavar="SLOTS",
+                   help="replica slots per rank of feplb's cross-node layer (feplb.placement."
+                        "redundant_experts_per_rank; with --placement off every expert keeps its home and only "
+                        "replicas are chosen): hot experts get replicas on other nodes "
                         "where the gain pays for sending their gradients home and the stepped weights back at every "
                         "optimizer step (over the profile's inter-node bandwidth, counted in the expert time) and "
-                        "their creation; each "
-                        "micro-batch splits a replicated expert's rows between the nodes (default: %(default)s)")
+                        "their creation; each micro-batch splits a replicated expert's rows between the nodes "
+                        "(default: %(default)s, the runtime's)")
     p.add_argument("--sweep-d", type=_d_list, metavar="LIST",
                    help="comma list of D for the token-straggler-vs-D figure and the d_sweep of OUT.json "
                         "(default with --plot: 0, 1, 2, 4, ... up to the experts per rank)")

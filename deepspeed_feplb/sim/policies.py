@@ -45,7 +45,9 @@ class SimSetup:
 
     ce_budget: hard cap on weight bytes per rank and micro-batch: "auto" / "inf" (none: the
                planner's time model decides), or bytes.
-    placement: cross-node layer for ``feplb``: "auto" (on when nodes > 1), "on", "off".
+    placement: cross-node layer for ``feplb``: "auto" (on when nodes > 1), "on", "off"; whether
+               it moves experts' homes (``feplb.placement.enabled``); with it off, replica slots
+               on more than one node still run it, every expert keeping its home (`moves_homes`).
     micro_batches_per_step: M: consecutive micro-batches of the trace form one optimizer step.
     residency: ``feplb``'s weight residency, "step" or "micro_batch" (``feplb.weight_residency``);
                max_resident: copies a rank keeps per layer (``feplb.max_resident_experts``);
@@ -64,7 +66,8 @@ class SimSetup:
                sends their gradient sums (fp32) home and the stepped weights to the replicas its
                decision left, relayed over every link of the two nodes (`replicas.exchange_us`),
                **added to the expert time of
-               the micro-batch that ends the step** (``replica_exchange_us``).
+               the micro-batch that ends the step** (``replica_exchange_us``). Without
+               ``placement`` every expert keeps its home and decisions choose replicas only.
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
     a runtime does them: at the end of the first step that is at least ``placement_warmup``
@@ -133,6 +136,16 @@ class SimSetup:
         return (step + 1) % self.micro_batches_per_step == 0
 
     @property
+    def moves_homes(self) -> bool:
+        """Whether ``feplb``'s cross-node layer may give experts other homes (``placement``)."""
+        return self.placement == "on" or (self.placement == "auto" and self.nodes > 1)
+
+    @property
+    def cross_node_layer(self) -> bool:
+        """Whether ``feplb`` runs its cross-node layer: to move homes, or for replica slots alone."""
+        return self.moves_homes or (self.redundant_per_rank > 0 and self.nodes > 1)
+
+    @property
     def warmup(self) -> int:
         """Micro-batches before the first re-placement decision."""
         return self.micro_batches_per_step if self.placement_warmup is None else self.placement_warmup
@@ -164,10 +177,9 @@ class SimSetup:
             raise ValueError(f"residency must be 'step' or 'micro_batch', got {self.residency!r}")
         if self.redundant_per_rank < 0:
             raise ValueError(f"redundant replica slots per rank must be >= 0, got {self.redundant_per_rank}")
-        if self.redundant_per_rank and not (self.placement == "on" or (self.placement == "auto" and self.nodes > 1)):
-            raise ValueError(f"{self.redundant_per_rank} replica slots per rank need feplb's cross-node placement "
-                             f"layer, which is off here (placement {self.placement!r}, {self.nodes} node(s)): replicas "
-                             "go to other nodes")
+        if self.redundant_per_rank and self.nodes == 1:
+            raise ValueError(f"{self.redundant_per_rank} replica slots per rank need more than one node: replicas go "
+                             "to other nodes (inside one, phase 2 does their work)")
 
 
 @dataclass
@@ -382,9 +394,8 @@ class _NodePolicy:
     def __init__(self, setup: SimSetup, layers: int):
         self.setup = setup
         self.layers = layers
-        use = setup.placement == "on" or (setup.placement == "auto" and setup.nodes > 1)
         self.placers = None
-        if use and self.uses_placement:
+        if setup.cross_node_layer and self.uses_placement:
             us_tok = 3 * setup.shape.flops_per_row / (setup.profile.tflops * 1e6)  # fwd + bwd per row
             self.placers = [CrossNodePlacer(setup.experts, setup.nodes, setup.ranks_per_node,
                                             setup.placement_interval, setup.eplb_decay, setup.state_bytes,
@@ -394,7 +405,8 @@ class _NodePolicy:
                                             weight_bytes=setup.shape.weight_bytes,
                                             grad_bytes=setup.shape.grad_bytes,
                                             micro_batches_per_step=setup.micro_batches_per_step,
-                                            max_rows_over_mean=setup.max_rows_over_mean or 0.0)
+                                            max_rows_over_mean=setup.max_rows_over_mean or 0.0,
+                                            move_experts=setup.moves_homes)
                             for _ in range(layers)]
         self.budget_copies = []
         self.replica_exchange_us = 0.0
@@ -479,6 +491,8 @@ class _NodePolicy:
                 placer.refresh()
                 timing["expert_us"] += placer.last_cost_us
                 timing["placement_us"] = placer.last_cost_us
+            elif ends:  # replicas that stopped paying go before their next exchange
+                placer.review_replicas()
         if replicated and ends:
             # the step's replicas send their gradient sums home; the stepped weights go to the
             # replicas of the table the step's decision left (a new replica's first weights)
@@ -517,6 +531,7 @@ class _NodePolicy:
                "placement_migration_us": sum(p.migration_us for p in self.placers)}
         if self.setup.redundant_per_rank:
             out.update(replicas=sum(int((p.replica_at >= 0).sum()) for p in self.placers),
+                       replica_drops=sum(p.replica_drops for p in self.placers),
                        replica_exchange_us=self.replica_exchange_us)
         return out
 
