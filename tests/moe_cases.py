@@ -953,9 +953,10 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
 
 def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, decay: float = 0.3,
                           redundant: int = 0, max_rows_over_mean: float | None = None,
-                          network_gbps: float = 1e6) -> dict:
-    """Replay a routing trace (exact counts) through FEPLB with feplb.placement (``redundant`` replica
-    slots per rank, ``network_gbps``), ``gas`` micro-batches per step, ``feplb.max_rows_over_mean``.
+                          network_gbps: float = 1e6, enabled: bool = True) -> dict:
+    """Replay a routing trace (exact counts) through FEPLB with feplb.placement (``enabled``: homes
+    may move; ``redundant`` replica slots per rank, ``network_gbps``), ``gas`` micro-batches per
+    step, ``feplb.max_rows_over_mean``.
     Returns, per micro-batch, the rows each rank
     received per local expert before balancing (this rank's domain: ``ranks``, ``tokens_before``),
     and after each optimizer step the placement (expert -> rank) and the replica table, the bytes
@@ -968,7 +969,7 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     trace = routing.trace
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
              "copy_engine_gbps": 1e6, "max_rows_over_mean": max_rows_over_mean,
-             "placement": {"enabled": True, "interval_steps": interval, "history_decay": decay,
+             "placement": {"enabled": enabled, "interval_steps": interval, "history_decay": decay,
                            "network_gbps": network_gbps, "redundant_experts_per_rank": redundant}}
     config = {**ds_config(0, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
     torch.manual_seed(3)
@@ -994,7 +995,8 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
     return {"said": [line for line in printed.getvalue().splitlines() if "max_rows_over_mean" in line],
             "micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
             "refreshes": placement.refreshes, "us_per_token": us_per_token, "replica_at": replica_at,
-            "weight_bytes": placement.placer.weight_bytes, "grad_bytes": placement.placer.grad_bytes}
+            "weight_bytes": placement.placer.weight_bytes, "grad_bytes": placement.placer.grad_bytes,
+            "replica_drops": placement.placer.replica_drops}
 
 
 class PacedExpert(torch.nn.Module):

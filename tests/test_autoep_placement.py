@@ -16,7 +16,7 @@ from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 
 def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 1, redundant: int = 0,
-            ep: int = 4, bf16: bool = False) -> dict:
+            ep: int = 4, bf16: bool = False, moves: bool = True) -> dict:
     # eps 1e-6 (as `moe_cases.ds_config`): re-placed experts sum in another order, and with eps 1e-8
     # Adam turns the fp32 rounding of a gradient entry near 1e-9 (here: the attention's q and k)
     # into a 1e-4 relative weight difference
@@ -28,14 +28,15 @@ def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 
         "feplb": {"enabled": feplb, "nvlink_domain_size": 2, "dynamic_experts_per_rank": dynamic,
                   "fixed_costs": "ignore",
                   "copy_engine_gbps": 1e6,
-                  "placement": {"enabled": True, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6,
+                  "placement": {"enabled": moves, "interval_steps": 1, "history_decay": 0.5, "network_gbps": 1e6,
                                 "redundant_experts_per_rank": redundant}},
     }
 
 
 def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, checkpoint: str = "",
-                   dynamic: int = 1, redundant: int = 0, bf16: bool = False) -> dict:
-    """FEPLB with placement (``dynamic`` dynamic experts and ``redundant`` replica slots per rank)
+                   dynamic: int = 1, redundant: int = 0, bf16: bool = False, moves: bool = True) -> dict:
+    """FEPLB with placement (``dynamic`` dynamic experts and ``redundant`` replica slots per rank;
+    ``moves`` false: ``feplb.placement.enabled`` false, replicas alone)
     and plain AutoEP trained side by side (in bf16 if ``bf16``); with ``checkpoint``, FEPLB's engine saves there after
     ``steps`` steps and a fresh plain AutoEP engine loads it: both then train 2 more steps. With
     replica slots the routers send nearly every token to one expert (top-1), which placement alone
@@ -54,7 +55,7 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     reference = copy.deepcopy(model)
     pristine = copy.deepcopy(model)
     ours = deepspeed_feplb.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(True, zero, gas, clip, dynamic, redundant, ep, bf16))[0]
+                                      config=_config(True, zero, gas, clip, dynamic, redundant, ep, bf16, moves))[0]
     ref = deepspeed_feplb.initialize(model=reference, model_parameters=reference.parameters(),
                                      config=_config(False, zero, gas, clip, ep=ep, bf16=bf16))[0]
     layers = [m for m in ours.module.modules() if isinstance(m, FEPLBGroupedExperts)]
@@ -174,17 +175,22 @@ def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
         assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
 
 
-@pytest.mark.parametrize("world,zero,steps,bf16", [(4, 0, 5, False), (4, 1, 30, False), (4, 2, 5, False),
-                                                   (8, 2, 5, False), (4, 1, 4, True)],
-                         ids=["zero0", "zero1-30-steps", "zero2", "zero2-4-nodes", "zero1-bf16"])
-def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps, bf16):
+@pytest.mark.parametrize("world,zero,steps,bf16,moves", [(4, 0, 5, False, True), (4, 1, 30, False, True),
+                                                         (4, 2, 5, False, True), (8, 2, 5, False, True),
+                                                         (4, 1, 4, True, True), (4, 2, 5, False, False)],
+                         ids=["zero0", "zero1-30-steps", "zero2", "zero2-4-nodes", "zero1-bf16", "zero2-homes-kept"])
+def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps, bf16, moves):
     """One replica slot per rank; the routers send nearly every token to expert 0 (top-1), so one
     node has most routes whatever the placement. After the first decision (at the first optimizer
     step) expert 0 has a replica on every other node (2 nodes of 2 ranks, or 4) and every
     micro-batch's routes are split evenly between the nodes; the replicas' gradients reach expert
-    0 before each step, so training equals plain AutoEP; no replica joins the state dict."""
+    0 before each step, so training equals plain AutoEP; no replica joins the state dict. ``moves``
+    false: replicas alone, no expert leaves its slot."""
     gas = 2
-    results = run_distributed(placement_case, world, zero, steps, gas, 0.0, "", 1, 1, bf16, timeout=900)
+    results = run_distributed(placement_case, world, zero, steps, gas, 0.0, "", 1, 1, bf16, moves, timeout=900)
+    if not moves:  # ``feplb.placement.enabled`` false: every expert stays in its own slot
+        assert results[0]["moved"] == 0 and all(order == sorted(order) for step in results[0]["orders"]
+                                                for order in step), results[0]["orders"]
     if bf16:
         # the replica's and the home's bf16 weight-gradients are rounded apart (plain AutoEP rounds
         # one GEMM's): losses within 4e-5, and Adam (lr 1e-2) turns gradient entries near 0 that

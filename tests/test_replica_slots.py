@@ -82,30 +82,38 @@ def test_checkpoints_hold_no_replica_and_load_both_ways(tmp_path):
                                                                                         r["continued"])
 
 
-@pytest.mark.parametrize("bound", [None, 1.02], ids=["time", "row_bound"])
-def test_runtime_replicas_equal_the_simulators(tmp_path, bound):
+@pytest.mark.parametrize("bound,moves", [(None, True), (1.02, True), (None, False)],
+                         ids=["time", "row_bound", "homes_kept"])
+def test_runtime_replicas_equal_the_simulators(tmp_path, bound, moves):
     """Simulator parity with replica slots: replaying a trace, the runtime chooses the simulator's
     replicas at the same optimizer steps and every rank receives the rows the simulator's split
     gives it, micro-batch by micro-batch. ``row_bound``: over a network so slow that no replica
-    pays in time, ``feplb.max_rows_over_mean`` makes them (rows before time) alike on both."""
+    pays in time, ``feplb.max_rows_over_mean`` makes them (rows before time) alike on both.
+    ``homes_kept``: ``feplb.placement.enabled`` false, replicas alone, dropped alike where they
+    stop paying between decisions."""
     from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, scaled
     from deepspeed_feplb.plan.replicas import route
     from deepspeed_feplb.sim.policies import FEPLB, SimSetup
     from deepspeed_feplb.trace.format import fold_sources, save_trace
     from deepspeed_feplb.trace.generators import skewed_trace
-    trace = skewed_trace(micro_batches=24, layers=1, ranks=4, experts=16, tokens_per_rank=48, top_k=2, skew=1.6,
-                         drift=0.3, memory=0.8, seed=4)
+    trace = skewed_trace(micro_batches=24 if moves else 36, layers=1, ranks=4, experts=16, tokens_per_rank=48,
+                         top_k=2, skew=1.6, drift=0.3, memory=0.8, seed=4)
+    gas, interval, decay = 2, 2, 0.3
+    if not moves:  # one decision, then the hot experts change nodes: the replicas stop paying and go
+        counts = trace.counts.copy()
+        counts[8:] = np.roll(counts[8:], trace.experts // 2, axis=-1)
+        trace, interval = replace(trace, counts=counts), 100
     path = tmp_path / "trace.npz"
     save_trace(path, trace)
-    gas, interval, decay = 2, 2, 0.3
     network_gbps = 1e6 if bound is None else 1e-6
     results = run_distributed(moe_cases.placement_replay_case, 4, str(path), gas, interval, decay, 1, bound,
-                              network_gbps, timeout=600)
+                              network_gbps, moves, timeout=600)
     r = results[0]
     assert all(x["replica_at"] == r["replica_at"] for x in results)
     setup = SimSetup(ranks_per_node=2, nodes=2, experts=trace.experts, dynamic_experts=1, chunk_align=1,
                      shape=ExpertShape(hidden=16, ffn_hidden=32, mats=2, dtype_bytes=4),
-                     profile=scaled(PROFILES["h100"], net_gbps=network_gbps, ce_gbps=1e6), placement="on",
+                     profile=scaled(PROFILES["h100"], net_gbps=network_gbps, ce_gbps=1e6),
+                     placement="on" if moves else "off",
                      placement_interval=interval * gas, eplb_decay=decay, expert_state_bytes=r["state_bytes"],
                      micro_batches_per_step=gas, redundant_per_rank=1, max_rows_over_mean=bound)
 
@@ -122,9 +130,14 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound):
             policy.step(step, 0, src)
             if setup.step_ends(step):
                 replica_at.append(placer.replica_at.tolist())
-        return rows, replica_at
+        return rows, replica_at, placer.replica_drops
 
-    rows, replica_at = replay(setup)
+    rows, replica_at, drops = replay(setup)
+    assert drops == r["replica_drops"], (drops, r["replica_drops"])
+    if not moves:
+        assert drops >= 1 and replica_at[-1] == [[-1]] * 4, "the replicas outlived their gain"
+    if not moves:
+        assert all(x["placements"][-1] == sorted(x["placements"][-1]) for x in results), "a home moved"
     assert any(q >= 0 for step in replica_at for row in step for q in row), "no replica: parity shows nothing"
     if bound is not None:  # the bound made them: by time alone none pays, and rank 0 says what they cost
         assert not any(q >= 0 for step in replay(replace(setup, max_rows_over_mean=None))[1] for row in step
