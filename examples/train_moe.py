@@ -280,8 +280,8 @@ def summarize(history: list[dict], tokens_per_step: int, feplb: bool = True, bas
         print(f"  rows per rank of the domain (ranks {list(range(tokens_before.shape[1]))}) before: "
               f"{tokens_before.mean(0).round(1).tolist()}   after: {tokens_after.mean(0).round(1).tolist()}   "
               f"max/mean: {ratio_before:.3f} -> {ratio_after:.3f}")
-    print(f"  token straggler (max-mean): {before:.1f} -> {after:.1f}   "
-          f"reduction: {100 * (1 - after / max(before, 1e-9)):.1f}%")
+    reduction = f"{100 * (1 - after / before):.1f}%" if before > 0 else "none to make (no straggler in the domain)"
+    print(f"  token straggler (max-mean): {before:.1f} -> {after:.1f}   reduction: {reduction}")
     if "scheduler_cpu_percent" in history[-1]:
         print(f"  scheduler process (feplb-sched) CPU: {history[-1]['scheduler_cpu_percent']:.1f}% of one core "
               "(from the step it was up to the end)")

@@ -74,8 +74,9 @@ class ExpertPlacement:
         max_rows_over_mean: ``feplb.max_rows_over_mean`` (0: none): replicas are chosen to bring the
             busiest rank within it before time (`plan.replicas.choose`).
         move_experts: whether decisions may give experts other homes (``feplb.placement.enabled``);
-            False: every expert keeps its home slot (the table stays the identity, no slot's
-            contents change) and decisions choose replicas only.
+            False: every expert keeps its home slot (the table stays as it is: the identity, unless
+            a state dict in placement order was loaded; no slot's contents change) and decisions
+            choose replicas only.
     """
 
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
