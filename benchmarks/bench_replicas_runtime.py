@@ -82,7 +82,8 @@ def main(argv=None) -> int:
                 run = run_once(configs[name], args.steps, feplb is not None, args.port)
                 result["variants"][name].append(run)
                 print(name, run, flush=True)
-    medians = {name: statistics.median(r["step_ms_median"] for r in runs) for name, runs in result["variants"].items()}
+    medians = {name: round(statistics.median(r["step_ms_median"] for r in runs), 2)
+               for name, runs in result["variants"].items()}
     result["median_step_ms"] = medians
     result["replicas_over_no_replica"] = round(medians["replicas"] / medians["no replica"], 3)
     result["replicas_over_deepspeed"] = round(medians["replicas"] / medians["DeepSpeed"], 3)
