@@ -563,14 +563,15 @@ class CrossNodePlacer:
         return True
 
     def review_replicas(self) -> bool:
-        """At an optimizer step between decisions: drop every replica if the held set no longer
-        pays on the recent micro-batches (`replicas.still_pays`): its exchange is paid at every
-        step, a drop costs nothing, and new replicas come at decisions only. With
+        """At an optimizer step between decisions: drop every replica if the held set did not pay
+        over the step's micro-batches (`replicas.still_pays`): its exchange is paid at every step,
+        a drop costs nothing, and new replicas come at decisions only. With
         ``max_rows_over_mean`` set rows come first, and nothing is dropped. Returns whether the
         replicas were dropped."""
         if not self.redundant or self.max_rows_over_mean > 0 or not (self.replica_at >= 0).any() or not self._recent:
             return False
-        if replicas.still_pays(np.array(self._recent), self.expert_to_rank, self.replica_at, self.ranks_per_node,
+        step = np.array(self._recent)[-self.micro_batches_per_step:]
+        if replicas.still_pays(step, self.expert_to_rank, self.replica_at, self.ranks_per_node,
                                self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
                                self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
                                intra_gbps=self.intra_gbps):

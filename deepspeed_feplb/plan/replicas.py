@@ -425,8 +425,8 @@ def still_pays(samples: np.ndarray, expert_to_rank: np.ndarray, replica_at: np.n
                dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
                net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf) -> bool:
     """Whether the held replicas ``replica_at`` int64 [R, redundant] still pay on ``samples`` float
-    [K, E] (recent micro-batches' per-expert loads): `choose`'s rule, their mean gain over holding
-    none, on every sample (the set was not fitted to these), against their exchange per
+    [K, E] (per-expert loads of a step's micro-batches): `choose`'s rule, their mean gain over
+    holding none, on every sample (the set was not fitted to these), against their exchange per
     micro-batch, which is paid at every step while a drop costs nothing."""
     samples = np.atleast_2d(np.asarray(samples, np.float64))
     e2r = np.asarray(expert_to_rank, np.int64)
