@@ -61,9 +61,12 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
             f"node rows per micro-batch after the first decision: {nodes.tolist()}"
         if learn:
             assert len({str(step) for step in r["replica_at"]}) > 2, "the replicas did not follow the router"
-        # every step's replica gradients went home (each holder once per step), and fresh weights came back
-        assert sum(x["grad_sends"] for x in results) >= len(r["replica_at"]) - 1
-        assert r["refreshes"] >= len(r["replica_at"]) - 1
+        # every step's replica gradients went home (each holder once per step), and fresh weights came back;
+        # a step holds the replicas of the table the step before left (the review may drop them)
+        held = [sum(q >= 0 for row in step for q in row) for step in r["replica_at"][:-1]]
+        assert sum(x["grad_sends"] for x in results) >= sum(held)
+        assert r["refreshes"] >= sum(n > 0 for n in held)
+        assert learn or all(held), f"a frozen router's replicas were dropped: {r['replica_at']}"
     else:  # the control: placement alone cannot split the hot expert
         assert ratio.min() > 1.3, f"the case is balanced without replicas, so it shows nothing: {nodes.tolist()}"
     reference, ours = np.array(r["losses"]["reference"]), np.array(r["losses"]["feplb"])
