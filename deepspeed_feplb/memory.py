@@ -73,9 +73,11 @@ class ExpertSizes:
 
 def replica_bytes(expert_params: Sequence[torch.Tensor], slots: int, allocated: bool) -> int:
     """Device bytes ``slots`` replica slots of one layer still add (experts of ``expert_params``):
-    each slot's weights, unless ``allocated`` already, and the fp32 sum of its gradient."""
-    weights = 0 if allocated else sum(p.numel() * p.element_size() for p in expert_params)
-    return slots * (weights + sum(p.numel() * 4 for p in expert_params))
+    each slot holds what a kept copy does (`migrate.resident.copy_bytes`: the weights and an fp32
+    gradient sum), less its weights where ``allocated`` already."""
+    from deepspeed_feplb.migrate.resident import copy_bytes
+    weights = sum(p.numel() * p.element_size() for p in expert_params) if allocated else 0
+    return slots * (copy_bytes(expert_params) - weights)
 
 
 @dataclass(frozen=True)

@@ -571,22 +571,24 @@ class CrossNodePlacer:
         if not self.redundant or self.max_rows_over_mean > 0 or not (self.replica_at >= 0).any() or not self._recent:
             return False
         step = np.array(self._recent)[-self.micro_batches_per_step:]
-        if replicas.still_pays(step, self.expert_to_rank, self.replica_at, self.ranks_per_node,
-                               self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
-                               self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
-                               intra_gbps=self.intra_gbps):
+        if replicas.still_pays(step, self.expert_to_rank, self.replica_at, self.ranks_per_node, **self._replica_prices):
             return False
         self.replica_at = np.full_like(self.replica_at, -1)
         self.replica_drops += 1
         return True
 
+    @property
+    def _replica_prices(self) -> dict:
+        """What `replicas.choose` and `replicas.still_pays` weigh replicas with, alike."""
+        return dict(dynamic_experts=self.dynamic_experts, us_per_row=self.us_per_token,
+                    micro_batches_per_step=self.micro_batches_per_step, weight_bytes=self.weight_bytes,
+                    net_gbps=self.net_gbps, grad_bytes=self.grad_bytes, intra_gbps=self.intra_gbps)
+
     def _choose_replicas(self) -> bool:
         """The replicas for the (new) primaries (`replicas.choose`; their first weights come with the
         step's exchange, which the caller prices). Returns whether they changed."""
         choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
-                                 self.dynamic_experts, self.us_per_token, self.micro_batches_per_step,
-                                 self.weight_bytes, self.net_gbps, grad_bytes=self.grad_bytes,
-                                 intra_gbps=self.intra_gbps, max_rows_over_mean=self.max_rows_over_mean)
+                                 max_rows_over_mean=self.max_rows_over_mean, **self._replica_prices)
         self.replica_choice = choice
         if np.array_equal(choice.replica_at, self.replica_at):
             return False

@@ -386,7 +386,6 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     none = np.full((R, redundant), -1, np.int64)
     if redundant <= 0 or N <= 1:
         return Choice(none, 0.0, 0.0)
-    grad = weight_bytes if grad_bytes is None else grad_bytes
     half = len(samples) // 2
     fit, judge = (samples[:half], samples[half:]) if half else (samples, samples)
 
@@ -399,8 +398,8 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         return float(rows.mean()), float(np.maximum(rows - caps, 0.0).mean())
 
     def cost(replicas: np.ndarray) -> float:
-        slots = slot_experts(e2r, replicas)
-        return exchange_us(slots, E // R, G, weight_bytes, grad, net_gbps, intra_gbps) / micro_batches_per_step
+        return _exchange_per_micro_batch(slot_experts(e2r, replicas), E // R, G, micro_batches_per_step,
+                                         weight_bytes, grad_bytes, net_gbps, intra_gbps)
 
     expected = fit.mean(axis=0)
     base, over = judged_rows(none)
@@ -435,9 +434,18 @@ def still_pays(samples: np.ndarray, expert_to_rank: np.ndarray, replica_at: np.n
     held = slot_experts(e2r, replica_at)
     saved = np.mean([predicted_rows(w, none, G, dynamic_experts) - predicted_rows(w, held, G, dynamic_experts)
                      for w in samples])
+    return float(saved) * us_per_row > _exchange_per_micro_batch(held, E // R, G, micro_batches_per_step, weight_bytes,
+                                                                 grad_bytes, net_gbps, intra_gbps)
+
+
+def _exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
+                              weight_bytes: float, grad_bytes: float | None, net_gbps: float,
+                              intra_gbps: float) -> float:
+    """What the replicas of ``slots`` add to each micro-batch (µs): their step's `exchange_us`
+    (gradient sums of ``grad_bytes``, default ``weight_bytes``) spread over the step."""
     grad = weight_bytes if grad_bytes is None else grad_bytes
-    cost = exchange_us(held, E // R, G, weight_bytes, grad, net_gbps, intra_gbps) / micro_batches_per_step
-    return float(saved) * us_per_row > cost
+    return exchange_us(slots, primaries, ranks_per_node, weight_bytes, grad, net_gbps,
+                       intra_gbps) / micro_batches_per_step
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:
