@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape
-from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
+from deepspeed_feplb.plan.policy import PlanConstraints, lower_bound, plan_domain
 from deepspeed_feplb.plan.residency import ResidencyTable
 from deepspeed_feplb.plan.timeline import TimeModel
 from deepspeed_feplb.sim.policies import SimSetup
@@ -76,19 +76,24 @@ SCALES = {"32k": 4096, "4k": 512}  # rows per rank per micro-batch -> tokens per
 
 
 def latency_constraints():
-    """What the runtime plans with: the time model (h100, GLM-5-like experts), residency "step"."""
+    """What the runtime plans with: the time model (h100, GLM-5-like experts), residency "step",
+    a micro-batch that does not end its step (its plans are judged over the later ones too)."""
     return PlanConstraints(dynamic_experts=4, max_helpers=2, chunk_align=8, expert_bytes=EXPERT_BYTES,
-                           model=TimeModel.of(ExpertShape(), PROFILES["h100"]), keep_copies=True)
+                           model=TimeModel.of(ExpertShape(), PROFILES["h100"]), keep_copies=True,
+                           later_micro_batches=1)
 
 
 def with_step_residency(xs, cons, micro_batches=8):
-    """(counts, residency masks) pairs as the planner sees them in steps of ``micro_batches``."""
+    """(counts, residency masks, constraints) as the planner sees them in steps of ``micro_batches``."""
+    from dataclasses import replace
+
     table, out = ResidencyTable(8, xs[0].shape[1], 8), []
     for i, x in enumerate(xs):
         if i % micro_batches == 0:
             table.flush()
-        out.append((x, table.resident.copy()))
-        table.admit(plan_domain(x, cons, table.resident).moves, keep_new=(i + 1) % micro_batches != 0)
+        here = replace(cons, later_micro_batches=micro_batches - 1 - i % micro_batches)
+        out.append((x, table.resident.copy(), here))
+        table.admit(plan_domain(x, here, table.resident).moves, keep_new=(i + 1) % micro_batches != 0)
     return out
 
 
@@ -107,10 +112,10 @@ def bench_latency(args):
             plan_domain(x, cons, None, dyn)
         out[f"128x8_{scale}"] = timed(lambda p: plan_domain(p[0], cons, None, p[1]), xs, args.repeat)
         out[f"128x8_{scale}_2_copies"] = timed(lambda p: plan_domain(p[0], tight, None, p[1]), xs, args.repeat)
-        triples = [(x, resident, dyn) for (x, resident), (_, dyn) in zip(with_step_residency([x for x, _ in xs], cons),
-                                                                          xs)]
-        out[f"128x8_{scale}_resident"] = timed(lambda p: plan_domain(p[0], cons, p[1], p[2]), triples, args.repeat)
-        out[f"128x8_{scale}_resident_2_copies"] = timed(lambda p: plan_domain(p[0], tight, p[1], p[2]), triples,
+        steps = [(x, resident, dyn, here, replace(here, ce_budget_bytes=tight.ce_budget_bytes))
+                 for (x, resident, here), (_, dyn) in zip(with_step_residency([x for x, _ in xs], cons), xs)]
+        out[f"128x8_{scale}_resident"] = timed(lambda p: plan_domain(p[0], p[3], p[1], p[2]), steps, args.repeat)
+        out[f"128x8_{scale}_resident_2_copies"] = timed(lambda p: plan_domain(p[0], p[4], p[1], p[2]), steps,
                                                         args.repeat)
     t64 = no_aux_trace(max(10, args.steps // 8), 2, ranks=64, experts=256, tokens_per_rank=4096, seed=12)
     nodes = [(x, published(x, cons)) for x in node_counts(t64, 64, 8)]  # [S*L*8] of [8, 4]
@@ -121,8 +126,9 @@ def bench_latency(args):
 
 
 def published(counts: np.ndarray, cons: PlanConstraints) -> np.ndarray:
-    """The dynamic experts every rank of a domain publishes with its counts (each its own row)."""
-    return dynamic_candidates(counts, cons.dynamic_experts)
+    """The dynamic experts every rank of a domain publishes with its counts (each its own row,
+    knowing its domain's mean, as with the torch dispatcher)."""
+    return cons.chosen(counts)
 
 
 def bench_time(args):

@@ -16,6 +16,9 @@ runtime's), GLM-5-like experts (hidden 6144, ffn 2048), 8 micro-batches per step
   its home (``--placement off --redundant-per-rank 1``, ``_replicas_alone``: the best
   configuration across nodes we know, opt-in in the runtime for its memory).
 
+``--extra '--dynamic-experts 3'`` (any `simulate` options) runs every case with them added: a variant
+of the defaults, side by side with a run without.
+
 Per policy it keeps the token max/mean, the expert time, the ideal (vanilla's compute spread evenly
 over the EP group, no transfers), their ratio and the excess split into extra pieces, imbalance
 left, exposed copies and the rest (`simulate`'s JSON); ``feplb_one_part`` is FEPLB with
@@ -58,6 +61,7 @@ CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_
          "generated_ep16_16k_replicas_alone": ((16, 16384), 8, 2, REPLICAS_ALONE),
          "generated_ep64_4k_replicas_alone": ((64, 4096), 8, 8, REPLICAS_ALONE),
          "generated_ep64_32k_replicas_alone": ((64, 32768), 8, 8, REPLICAS_ALONE)}
+EXTRA: list = []  # --extra: options added to every case (a variant of the defaults)
 KEYS = ("token_max_over_mean", "expert_time_us", "ideal_time_us", "time_over_ideal", "excess_pieces_us",
         "excess_imbalance_us", "copy_exposed_us", "excess_other_us")
 
@@ -84,7 +88,7 @@ def _simulate(path: str, ranks_per_node: int, nodes: int, options: tuple, tmp: s
     out = os.path.join(tmp, "out.json")
     _cli(["simulate", "--trace", path, "--ranks-per-node", str(ranks_per_node), "--nodes", str(nodes), "--hidden",
           "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--policies", "feplb,eplb", "--json", out,
-          "--no-progress", *options, *extra])
+          "--no-progress", *options, *EXTRA, *extra])
     with open(out) as f:
         return {name: {k: round(float(p[k]), 4) for k in KEYS} for name, p in json.load(f)["policies"].items()}
 
@@ -104,7 +108,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
     parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--extra", default="", help="simulate options added to every case, e.g. "
+                        "'--dynamic-experts 3' (default: none: the defaults)")
     args = parser.parse_args(argv)
+    EXTRA[:] = args.extra.split()
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

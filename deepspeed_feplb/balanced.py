@@ -51,7 +51,8 @@ class BalancedMicroBatch:
 
     rows ``[N, H]`` grouped by local expert, ``counts`` int64 ``[E_local]``; ``experts``: how the
     layer computes its experts; ``step_ends``: this micro-batch is the last of its optimizer step
-    (weight residency); ``mean_rows``: rows per rank over the whole EP group, for
+    (weight residency); ``later``: how many micro-batches of the step follow it (a copy kept for
+    the step serves them: the planner's price of it); ``mean_rows``: rows per rank over the whole EP group, for
     ``feplb.max_rows_over_mean`` (0: the domain's mean); ``domain_mean``: rows per rank over this
     rank's domain, by which a rank at or below it chooses no dynamic experts where plans only move
     rows to it (None: not known, the dispatcher tells no other rank's rows); ``record``: a dict that receives the
@@ -63,13 +64,14 @@ class BalancedMicroBatch:
 
     def __init__(self, layer: BalancingLayer, rows: torch.Tensor, counts: np.ndarray, experts: LocalExperts,
                  step_ends: bool = True, mean_rows: float = 0.0, record: Optional[dict] = None,
-                 domain_mean: Optional[float] = None):
+                 domain_mean: Optional[float] = None, later: int = 0):
         self.recompute = recomputing()  # activation checkpointing re-runs this forward: not a new micro-batch
         self.config, self.domain, self.times, self.stage_times = (layer.config, layer.domain, layer.compute_times,
                                                                    layer.stage_times)
         self.expert_bytes = layer.expert_bytes
         self.residency = None if self.recompute else layer.residency
         self.step_ends = True if self.recompute else step_ends
+        self.later = 0 if self.step_ends else max(1, int(later))
         self.rows, self.counts, self.experts = rows, counts, experts
         self.mean_rows, self.domain_mean, self.record = mean_rows, domain_mean, record
         self.blocks = list(rows.split(counts.tolist()))
@@ -100,9 +102,8 @@ class BalancedMicroBatch:
         domain's scheduler (under a new ``seq``)."""
         self.seq = self.domain.next_seq()
         constraints = self._constraints()
-        receives_only = self.domain_mean is not None and constraints.senders_only(self.domain.size)
-        chosen = dynamic_candidates(self.counts[None], constraints.dynamic_experts,
-                                    self.domain_mean if receives_only else None)[0]
+        chosen = dynamic_candidates(self.counts[None], constraints.dynamic_experts, self.domain_mean,
+                                    constraints.senders_only(self.domain.size))[0]
         chosen = chosen[chosen != NONE]
         self.dynamic = chosen.tolist()
         self.static = [e for e in range(len(self.counts)) if e not in self.dynamic]
@@ -119,7 +120,7 @@ class BalancedMicroBatch:
                                  self.domain.transport.message_us,
                                  sends_after_static=self.static_fn is not None and rows.device.type != "cuda")
         constraints = replace(PlanConstraints.from_config(config, self.expert_bytes, model),
-                              mean_rows=float(self.mean_rows))
+                              mean_rows=float(self.mean_rows), later_micro_batches=self.later)
         if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
             constraints = replace(constraints, dynamic_experts=0)
         return constraints

@@ -188,9 +188,10 @@ class ExpertStage:
 
     # ------------------------------------------------------------------ one micro-batch
     def run(self, rows: torch.Tensor, counts: np.ndarray, experts: LocalExperts, facts: GroupFacts,
-            step_ends: bool = True) -> torch.Tensor:
+            step_ends: bool = True, later: int = 0) -> torch.Tensor:
         """rows ``[N, H]`` grouped by local expert, counts ``int64 [E_local]`` -> outputs ``[N, H]``;
-        ``step_ends``: this micro-batch is the last of its optimizer step (weight residency)."""
+        ``step_ends``: this micro-batch is the last of its optimizer step (weight residency);
+        ``later``: the micro-batches of the step after it (`seams.later_micro_batches`)."""
         self._rows_here = int(counts.sum())
         self.exchanged(facts.exchange_seconds)
         config = self.config
@@ -211,7 +212,7 @@ class ExpertStage:
             record["forward_share"] = self.compute_times.forward_share(balanced)
         if balanced:
             micro_batch = BalancedMicroBatch(self, rows, counts, experts, step_ends, self._mean_rows(facts), record,
-                                             self._domain_mean(facts))
+                                             self._domain_mean(facts), later)
             out, stats = micro_batch.run()
             if stats is not None:
                 self.stats = stats

@@ -244,8 +244,11 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     ``evaluate``, each step is followed by an evaluation forward on other weights swapped in and out
     through ``p.data`` (a kept copy of them must not outlive it). Returns
     the losses, the parameter errors, FEPLB's weight traffic summed over every micro-batch (its
-    stats, domain-wide) and the most kept-copy bytes any rank held after a micro-batch."""
+    stats, domain-wide), the most kept-copy bytes any rank held after a micro-batch and, per
+    balanced micro-batch, (its index in the step, the later micro-batches its plan was priced for)."""
     import deepspeed
+
+    from deepspeed_feplb.balanced import BalancedMicroBatch
 
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
@@ -293,8 +296,18 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     losses = {name: [] for name in engines}
     traffic = {"weight_copies": 0, "resident_hits": 0, "flushed_copies": 0, "moves": 0}
     most_kept = 0
+    priced, now = [], {}
+    constraints = BalancedMicroBatch._constraints
+
+    def seen(self):
+        out = constraints(self)
+        priced.append((now["micro"], out.later_micro_batches))
+        return out
+
+    BalancedMicroBatch._constraints = seen
     for step in range(steps):
         for micro in range(gas):
+            now["micro"] = micro
             x, target = rank_inputs(100 + step * gas + micro)
             if step == 1 and micro == 2:
                 perturb(0.97, write)  # inside a step: kept copies of the changed experts are stale now
@@ -317,11 +330,13 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
                     engine(rank_inputs(999)[0])
                 for p, kept in zip(experts, saved):
                     p.data.copy_(kept)
+    BalancedMicroBatch._constraints = constraints
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
     domain = ours.module.moe.deepspeed_moe.stage.domain
     return {"losses": losses, "param_errors": params, "traffic": traffic, "most_kept_bytes": most_kept,
-            "copy_bytes": one_copy, "message_us": domain.transport.message_us if domain is not None else None}
+            "copy_bytes": one_copy, "message_us": domain.transport.message_us if domain is not None else None,
+            "priced": priced}
 
 
 def contiguous_expert_inputs(experts) -> None:

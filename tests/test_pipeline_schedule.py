@@ -103,10 +103,11 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
     bare.micro_batches = micro_batches
     handlers = {k: v for k, v in FEPLBPipelineEngine._INSTRUCTION_MAP.items()
                 if k in (schedule.ForwardPass, schedule.BackwardPass, schedule.ReduceGrads, PlanMicroBatch)}
-    ends = []  # what the layers would read during each forward (weight residency's step end)
+    ends, later = [], []  # what the layers would read during each forward (weight residency's step end)
     monkeypatch.setattr(PipelineEngine, "_exec_forward_pass",
                         lambda self, buffer_id: (self.log.append(("F", buffer_id)),
-                                                 ends.append(self.feplb_step_ends())))
+                                                 ends.append(self.feplb_step_ends()),
+                                                 later.append(self.feplb_later_micro_batches())))
     peak = 0
     for cmd in flat(sched):
         if type(cmd) in handlers:
@@ -119,6 +120,7 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
     assert [k for k, _ in bare.log].count("F") == micro_batches and bare.log[-1] == ("R", None)
     # only the last forward ends the step
     assert ends == [False] * (micro_batches - 1) + [True] and bare.feplb_step_ends()
+    assert later == list(range(micro_batches - 1, -1, -1))
     assert bare.feplb_monitor.last["step"] == 1
 
 

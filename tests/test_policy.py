@@ -63,8 +63,8 @@ def check_plan(counts, cons, plan):
         for h in helpers:
             copies_in[h] += 1
         offloaded.setdefault(home, set()).add(e)
-    for es in offloaded.values():
-        assert len(es) <= min(cons.dynamic_experts, E)
+    for home, es in offloaded.items():  # more than D only where the rows outside the D hottest exceed the mean
+        assert len(es) <= int((cand[home] >= 0).sum())
     budget = cons.copies_per_rank()
     if not math.isinf(budget):
         assert copies_out.max() <= budget and copies_in.max() <= budget
@@ -221,7 +221,7 @@ def test_the_planner_moves_only_the_experts_each_rank_published():
         for home, expert, _, _ in plan.moves:
             assert expert in chosen[home], (chosen, plan.moves)
         assert plan.rank_rows.sum() == counts.sum()
-        assert plan_domain(counts, cons, dynamic=dynamic_candidates(counts, D)).moves.tolist() == \
+        assert plan_domain(counts, cons, dynamic=cons.chosen(counts)).moves.tolist() == \
             plan_domain(counts, cons).moves.tolist()
     hot = np.array([[90, 80, 10], [5, 5, 5]])
     assert plan_domain(hot, PlanConstraints(1, 2), dynamic=np.array([[-1], [-1]])).moves.shape == (0, 4)
@@ -244,14 +244,14 @@ def test_ranks_at_or_below_the_mean_choose_no_dynamic_experts_where_no_limit_bin
     experts (all their experts run in their static call, fewer operations) and the plan is as
     good. Where a limit binds, every rank chooses its D hottest: the planner may chain through it."""
     counts = np.array([[50, 40, 10], [5, 9, 1], [30, 30, 15], [3, 2, 1]])  # rows 100 15 75 6, mean 49
-    assert dynamic_candidates(counts, 2, 49.0).tolist() == [[0, 1], [-1, -1], [0, 1], [-1, -1]]
-    assert dynamic_candidates(counts, 2, 75.0)[2].tolist() == [-1, -1]  # at the mean: none either
+    assert dynamic_candidates(counts, 2, 49.0, senders_only=True).tolist() == [[0, 1], [-1, -1], [0, 1], [-1, -1]]
+    assert dynamic_candidates(counts, 2, 75.0, senders_only=True)[2].tolist() == [-1, -1]  # at the mean: none either
     free = PlanConstraints(dynamic_experts=2, max_helpers=3)
     assert free.senders_only(4) and free.chosen(counts).tolist() == [[0, 1], [-1, -1], [0, 1], [-1, -1]]
     for bound in (PlanConstraints(2, max_helpers=2), PlanConstraints(2, 3, ce_budget_bytes=5.0, expert_bytes=1),
                   PlanConstraints(2, 3, max_rows_over_mean=1.05)):
         assert not bound.senders_only(4)
-        assert bound.chosen(counts).tolist() == dynamic_candidates(counts, 2).tolist()
+        assert bound.chosen(counts).tolist() == dynamic_candidates(counts, 2, 49.0).tolist()
     rng = np.random.default_rng(3)
     for _ in range(300):
         G, E = int(rng.integers(2, 9)), int(rng.integers(2, 17))
@@ -281,9 +281,13 @@ def test_degenerate_inputs_give_empty_plans():
 def test_small_example_by_hand():
     # rank 0 holds 100 + 60 + 40 = 200, rank 1 holds 20, rank 2 holds 20: mean 80.
     counts = np.array([[100, 60, 40], [10, 10, 0], [20, 0, 0]])
-    plan = plan_domain(counts, PlanConstraints(dynamic_experts=1, max_helpers=2))
-    # only expert 0 (the hottest) may move; static part of rank 0 = 100, so the bound is 100
-    assert lower_bound(counts, 1) == 100
+    # with D = 1, rank 0's rows outside its hottest expert (100) exceed the mean: it also chooses
+    # its next hottest, and the plan reaches the mean
+    assert dynamic_candidates(counts, 1, 80.0).tolist() == [[0, 1], [0, -1], [0, -1]]
+    assert lower_bound(counts, 1) == 80
+    assert plan_domain(counts, PlanConstraints(dynamic_experts=1, max_helpers=2)).rank_rows.max() == 80
+    # where rank 0 publishes only expert 0, its static part (100) is what no plan can go below
+    plan = plan_domain(counts, PlanConstraints(dynamic_experts=1, max_helpers=2), dynamic=np.array([[0], [-1], [-1]]))
     assert plan.rank_rows.tolist() == [100, 70, 70] or plan.rank_rows.max() == 100
     assert plan.moves[:, :2].tolist() == [[0, 0]] * len(plan.moves)
     assert plan.moves[:, 3].sum() == 100
@@ -367,3 +371,46 @@ def test_chain_through_a_rank_above_the_level():
     check_plan(counts, cons, plan)
     assert plan.rank_rows.tolist() == [400, 400, 400, 400]
     assert (plan.moves[:, 2] == 0).sum() == 2  # rank 0 received two copies, no more
+
+
+def test_a_rank_over_the_mean_outside_its_d_hottest_chooses_more():
+    """A rank whose rows outside its D hottest experts still exceed its domain's mean would stay
+    above the mean whatever the plan: it also chooses its next hottest, one at a time, until they
+    do not; without the mean (a backend that tells no other rank's rows) it chooses its D hottest."""
+    counts = np.array([[40, 30, 20, 10], [30, 30, 30, 30], [5, 5, 0, 0], [1, 0, 0, 0]])  # rows 100 120 10 1
+    mean = counts.sum() / 4  # 57.75
+    assert dynamic_candidates(counts, 1).tolist() == [[0], [0], [0], [0]]
+    # rank 0: 60 rows outside its hottest > 57.75, 30 outside its two hottest; rank 1: 90, 60, then 30
+    assert dynamic_candidates(counts, 1, mean).tolist() == [[0, 1, -1], [0, 1, 2], [0, -1, -1], [0, -1, -1]]
+    assert dynamic_candidates(counts, 1, mean, senders_only=True).tolist() == [[0, 1, -1], [0, 1, 2], [-1, -1, -1],
+                                                                                [-1, -1, -1]]
+    assert dynamic_candidates(counts, 0, mean).shape == (4, 0)  # D = 0: no migration at all
+    assert lower_bound(counts, 1) == 58  # every rank can reach the mean
+    cons = PlanConstraints(dynamic_experts=1, max_helpers=3)
+    plan = plan_domain(counts, cons)
+    assert plan.rank_rows.max() <= 58 and {tuple(m) for m in plan.moves[:, :2].tolist()} >= {(1, 1), (1, 2)}
+    check_plan(counts, cons, plan)
+
+
+def test_a_copy_kept_for_the_step_is_priced_over_its_later_micro_batches():
+    """With kept copies, a weight copy that costs more than it saves in its own micro-batch pays
+    when later micro-batches of the step find it held; at the step's end a held copy that takes
+    rows returns the step's gradients after them, which the plan weighs against sending them
+    home at the backward's start."""
+    counts = np.array([[600, 400], [0, 0]])
+    model = TimeModel(tile_rows=1, row_us=1.0, piece_us=0.0, weight_copy_us=700.0, grad_copy_us=700.0,
+                      row_copy_us=0.0)
+
+    def plan(later, resident=None, keep=True):
+        cons = PlanConstraints(1, 1, model=model, keep_copies=keep, later_micro_batches=later)
+        return plan_domain(counts, cons, resident).moves.tolist()
+
+    # no move: 1000 µs; the copy: 1200 µs now (it arrives at 700), 500 µs held
+    assert plan(0) == [] and plan(0, keep=False) == []
+    assert plan(1) == plan(7) == [[0, 0, 1, 500]]
+    held = no_residents(2, 2)
+    held[0, 0, 0] = 1 << 1  # helper 1 holds rank 0's expert 0
+    assert plan(1, held) == [[0, 0, 1, 500]]  # free, and its gradients wait for the step's end
+    # at the step's end: unused, its gradients go home at the backward's start (1033 µs); used,
+    # after the helper's backward of the 500 rows (1200 µs)
+    assert plan(0, held) == []

@@ -275,6 +275,15 @@ def test_two_ranks_with_accumulation_match_deepspeed_and_copy_less(two_ranks):
     check_residency_cuts_copies(two_ranks, (0, 1, 2))
 
 
+def test_each_plan_is_priced_for_the_micro_batches_left_in_its_step(two_ranks):
+    """The engine tells the planner how many micro-batches of the optimizer step follow the
+    balanced one (`seams.later_micro_batches`): a kept copy serves them."""
+    for cases in two_ranks:
+        for key, case in cases.items():
+            assert len(case["priced"]) >= 8, key  # most of the 3 steps' 12 micro-batches balance
+            assert all(later == 3 - micro for micro, later in case["priced"]), (key, case["priced"])
+
+
 def test_four_ranks_with_accumulation_match_deepspeed_and_copy_less(four_ranks):
     check_exact(four_ranks)
     check_residency_cuts_copies(four_ranks, (1, ))

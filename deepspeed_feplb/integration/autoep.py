@@ -93,10 +93,12 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         state)."""
         return StackedExperts([self.w1, self.w2, self.w3], optimizer)
 
-    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int, layer_facts: dict, step_ends=None) -> None:
+    def feplb_setup(self, config: FEPLBConfig, ep_group, ep_size: int, layer_facts: dict, step_ends=None,
+                    later=None) -> None:
         """``layer_facts``: what every rank of the EP group must have built alike (top-k, hidden
         size, experts); ``step_ends`` says whether the current micro-batch ends the optimizer step
-        (`seams.step_ends`; default: every one does)."""
+        (`seams.step_ends`; default: every one does), ``later`` how many micro-batches of the step
+        follow it (`seams.later_micro_batches`; default: none)."""
         self.feplb_config = config
         # cross-node placement, set by `install` (feplb.placement); a second install keeps it
         self.placement: Optional[ExpertPlacement] = getattr(self, "placement", None)
@@ -110,6 +112,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         self._plain_stats: dict = {}
         self._feplb_ready = False
         self.step_ends = step_ends if step_ends is not None else (lambda: True)
+        self.later_micro_batches = later if later is not None else (lambda: 0)
         # this forward's stacked weights [w1, w2, w3] and replica slots' weights [S][3]: the
         # parameters and `ReplicaSlots.weights`, or their aliases through `ExpertGradOrder`
         self._weights: Optional[tuple[list[torch.Tensor], list[list[torch.Tensor]]]] = None
@@ -167,7 +170,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             counts, facts = stage.exchange(num_tokens_per_expert.detach())  # the one copy to the host
             rows = int(counts.sum())
             x = self._link_weights(x)
-            out = stage.run(x[:rows], counts, self._local_experts, facts, self.step_ends())
+            out = stage.run(x[:rows], counts, self._local_experts, facts, self.step_ends(), self.later_micro_batches())
         except RuntimeError:
             stage.check_peers()  # a collective failed: a dead peer is the likely cause, name it
             raise
@@ -312,7 +315,8 @@ def install(model: torch.nn.Module, config: FEPLBConfig, engine=None) -> dict:
         facts = {"num_experts": layer.num_experts, "top-k": layer.top_k, "hidden size": layer.hidden_size,
                  "feplb.placement": config.placement.model_dump()}
         experts.feplb_setup(config, layer.ep_group, layer.ep_size, facts,
-                            seams.step_ends(engine) if engine is not None else None)
+                            seams.step_ends(engine) if engine is not None else None,
+                            seams.later_micro_batches(engine) if engine is not None else None)
         say_if_replicas_idle(config, layer.ep_size)
         if places(config, layer.ep_size):
             _place(name, layer, experts, config)

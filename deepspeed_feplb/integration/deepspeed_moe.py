@@ -69,6 +69,8 @@ class FEPLBMOELayer(MOELayer):
         keep_expert_order(self)  # feplb_setup may run twice (MoE, then convert)
         if not hasattr(self, "step_ends"):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
+        if not hasattr(self, "later_micro_batches"):
+            self.later_micro_batches = _none_later  # likewise, `seams.later_micro_batches`
 
     @property
     def feplb_stats(self) -> dict:
@@ -186,7 +188,8 @@ class FEPLBMOELayer(MOELayer):
             rows, counts_by_source, handle, facts = self.dispatcher.dispatch(x, expert_ids, self.stage.announce())
         if replicas is not None:
             rows = self._link_replicas(rows, replicas)
-        out = self.stage.run(rows, counts_by_source.sum(0), self.local_experts, facts, self.step_ends())
+        out = self.stage.run(rows, counts_by_source.sum(0), self.local_experts, facts, self.step_ends(),
+                             self.later_micro_batches())
         with timed("combine"):
             return self.dispatcher.combine(out, gates, handle).reshape(input[0].shape)
 
@@ -311,6 +314,11 @@ def _every_micro_batch() -> bool:
     return True
 
 
+def _none_later() -> int:
+    """Without an engine that says otherwise, no micro-batch of the step follows (`_every_micro_batch`)."""
+    return 0
+
+
 def _warn_dropless_once() -> None:
     if not first_time("dropless"):
         return
@@ -397,6 +405,7 @@ class MoE(ds_layer.MoE):
         engine = seams.configuring_engine()
         if engine is not None:
             self.deepspeed_moe.step_ends = seams.step_ends(engine)
+            self.deepspeed_moe.later_micro_batches = seams.later_micro_batches(engine)
         if self.deepspeed_moe.feplb_config is None and engine is not None:
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
         config = self.deepspeed_moe.feplb_config

@@ -29,7 +29,7 @@ after a plan timeout inside it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -102,6 +102,11 @@ class FEPLBPipelineEngine(PipelineEngine):
         its backward, the last of the batch under 1F1B, runs before ``ReduceGrads``."""
         return self._feplb_last_micro_batch
 
+    def feplb_later_micro_batches(self) -> int:
+        """How many micro-batches of ``train_batch`` follow the one being forwarded
+        (`seams.later_micro_batches`)."""
+        return self.micro_batches - 1 - self.feplb_monitor.micro_batch
+
     def _train_schedule(self):
         return FEPLBTrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
@@ -121,7 +126,8 @@ class FEPLBPipelineEngine(PipelineEngine):
             counts = np.asarray(previous.stats["domain_counts"])
             model = stage.compute_times.model(stage.config, stage.expert_bytes, stage.sizes.row_bytes,
                                               domain.transport.message_us)
-            constraints = PlanConstraints.from_config(stage.config, stage.expert_bytes, model)
+            constraints = replace(PlanConstraints.from_config(stage.config, stage.expert_bytes, model),
+                                  later_micro_batches=self.micro_batches - 1 - micro_batch_id)
             jobs.append((name, counts, constraints))
         if jobs:
             def warm_start():

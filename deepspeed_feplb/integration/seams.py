@@ -7,6 +7,8 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
 * `configuring_engine` / `engine_feplb_section`: a layer under a plain ``deepspeed.initialize``
   finds the engine and its ``"feplb"`` section while the engine configures it (DeepSpeed passes
   no config to modules).
+* `later_micro_batches`: how many micro-batches of the step follow the current one (the
+  planner's price of a kept weight copy).
 * `step_ends`: whether the engine's current micro-batch ends the optimizer step (weight
   residency returns gradients then; DeepSpeed tells modules nothing about accumulation).
 * `become`: turn an existing module into a FEPLB subclass in place (DeepSpeed builds its MoE and
@@ -106,6 +108,27 @@ def step_ends(engine) -> Callable[[], bool]:
             return True
         return bool(e.is_gradient_accumulation_boundary())
     return ends
+
+
+def later_micro_batches(engine) -> Callable[[], int]:
+    """A function that says, during a forward, how many micro-batches of ``engine``'s optimizer
+    step follow the current one: 0 where `step_ends` says it is the last, else
+    ``gradient_accumulation_steps - 1 - micro_steps % gradient_accumulation_steps`` (at least 1),
+    or what the engine says itself (``feplb_later_micro_batches``). The planner prices a weight
+    copy kept for the step over them. Holds the engine weakly."""
+    ends = step_ends(engine)
+    ref = weakref.ref(engine)
+
+    def later() -> int:
+        e = ref()
+        if e is None or ends():
+            return 0
+        own = getattr(e, "feplb_later_micro_batches", None)
+        if own is not None:
+            return max(1, int(own()))
+        steps = max(1, int(e.gradient_accumulation_steps()))
+        return max(1, steps - 1 - int(e.micro_steps) % steps)
+    return later
 
 
 def _track_forward(engine) -> None:

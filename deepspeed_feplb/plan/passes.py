@@ -483,27 +483,12 @@ def _serve(pairs, arrive, t, cost):
     return done
 
 
-@njit(nt.float64[:, ::1](nt.int64[:, ::1], nt.int64[:, ::1], nt.boolean[::1], nt.boolean[::1], nt.int64[:, ::1], MODEL,
-                        nt.boolean[:, ::1]), cache=True)
-def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
-    """Each rank's forward and backward finish time (µs) under the model.
-
-    counts int64 [G, E]: rows per (rank, local expert) before the plan; moves int64 [M, 4] =
-    (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
-    weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
-    weight-gradients this micro-batch (at a step's end also a kept copy's: the step's sum); flush
-    int64 [F, 2] = (home, helper): kept weight copies that no move uses, whose accumulated
-    gradients go home at the start of this micro-batch's backward (a step's end); model: `MODEL`
-    (`timeline.TimeModel.record`); dynamic bool [G, E]: each rank's dynamic experts, computed
-    once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
-    the forward stage's start, row 1 from the backward stage's start. The model is described in
-    `timeline`."""
+@njit(nt.UniTuple(nt.float64[::1], 2)(nt.int64[:, ::1], nt.int64[:, ::1], MODEL, nt.boolean[:, ::1]), cache=True)
+def _own_us(counts, moves, model, dynamic):
+    """What each rank computes of its own rows after the plan ``moves`` (µs, forward + backward):
+    (static experts float64 [G], the experts computed once the plan is there float64 [G])."""
     G, E = counts.shape
     M = moves.shape[0]
-    tm = model[0]
-    wcopy, gcopy, rcopy = tm.weight_copy_us, tm.grad_copy_us, tm.row_copy_us
-    latency, plan_ready = tm.message_us, tm.plan_us
-    forward, backward = tm.forward_share, 1.0 - tm.forward_share
     home_rows = counts.copy()
     after_plan = dynamic.copy()
     for m in range(M):
@@ -517,8 +502,19 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
                 later[r] += _piece_us(home_rows[r, e], model)
             else:
                 static[r] += _piece_us(home_rows[r, e], model)
+    return static, later
+
+
+@njit(nt.float64[:, ::1](nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], nt.int64[:, ::1],
+                        MODEL), cache=True)
+def _timeline(static, later, pairs, sizes, flush, model):
+    """`finish_us` from the ranks' own work (`_own_us`) and the plan's messages (`_messages`)."""
+    G = static.shape[0]
+    tm = model[0]
+    wcopy, gcopy, rcopy = tm.weight_copy_us, tm.grad_copy_us, tm.row_copy_us
+    latency, plan_ready = tm.message_us, tm.plan_us
+    forward, backward = tm.forward_share, 1.0 - tm.forward_share
     out = np.empty((2, G))
-    pairs, sizes = _messages(moves, fresh, grads_back, G, model)
     rows, weights, grads, cost = sizes[:, 0], sizes[:, 1], sizes[:, 2], sizes[:, 3]
 
     # forward: the messages leave once the plan is there; a helper serves them after its own rows
@@ -559,6 +555,26 @@ def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
     return out
 
 
+@njit(nt.float64[:, ::1](nt.int64[:, ::1], nt.int64[:, ::1], nt.boolean[::1], nt.boolean[::1], nt.int64[:, ::1], MODEL,
+                        nt.boolean[:, ::1]), cache=True)
+def finish_us(counts, moves, fresh, grads_back, flush, model, dynamic):
+    """Each rank's forward and backward finish time (µs) under the model.
+
+    counts int64 [G, E]: rows per (rank, local expert) before the plan; moves int64 [M, 4] =
+    (home, local_expert, helper, rows), plan order; fresh bool [M]: the move carries the expert's
+    weights (the helper holds no copy); grads_back bool [M]: the helper returns the chunk's
+    weight-gradients this micro-batch (at a step's end also a kept copy's: the step's sum); flush
+    int64 [F, 2] = (home, helper): kept weight copies that no move uses, whose accumulated
+    gradients go home at the start of this micro-batch's backward (a step's end); model: `MODEL`
+    (`timeline.TimeModel.record`); dynamic bool [G, E]: each rank's dynamic experts, computed
+    once the plan is there (an expert with moves always is). Returns float64 [2, G]: row 0 from
+    the forward stage's start, row 1 from the backward stage's start. The model is described in
+    `timeline`."""
+    static, later = _own_us(counts, moves, model, dynamic)
+    pairs, sizes = _messages(moves, fresh, grads_back, counts.shape[0], model)
+    return _timeline(static, later, pairs, sizes, flush, model)
+
+
 @njit("float64(float64[:, ::1])", cache=True)
 def makespan(finish):
     """The stage's time of `finish_us`'s ``[2, G]``: the slowest rank's forward plus the slowest
@@ -566,20 +582,63 @@ def makespan(finish):
     return finish[0].max() + finish[1].max()
 
 
-@njit(nt.float64(nt.int64[:, ::1], nt.int64[::1], nt.int64[:, :, ::1], nt.boolean, MODEL, nt.boolean[:, ::1]),
-      cache=True)
-def _makespan(counts, flat, resident, keep, model, dynamic):
-    """The makespan (µs, `makespan`: the slowest forward plus the slowest backward of `finish_us`)
-    of a `plan_pass` result ``flat``."""
+@njit(nt.int64[:, ::1](nt.int64[:, ::1], nt.int64[:, :, ::1]), cache=True)
+def _unused_copies(moves, resident):
+    """int64 [F, 2] = (home, helper): the held copies (``resident``) that no move (int64 [M, 4])
+    uses, which send their step's gradients home at the backward's start of its last micro-batch."""
+    G, E = resident.shape[0], resident.shape[1]
+    out = np.empty((G * E * G, 2), np.int64)
+    F = 0
+    for h in range(G):
+        for e in range(E):
+            if not _any_holder(resident, h, e):
+                continue
+            for j in range(G):
+                if not holds(resident, h, e, j):
+                    continue
+                used = False
+                for m in range(moves.shape[0]):
+                    if moves[m, 0] == h and moves[m, 1] == e and moves[m, 2] == j:
+                        used = True
+                        break
+                if not used:
+                    out[F, 0], out[F, 1] = h, j
+                    F += 1
+    return out[:F]
+
+
+@njit(nt.float64(nt.int64[:, ::1], nt.int64[::1], nt.int64[:, :, ::1], nt.boolean, nt.int64, MODEL,
+                 nt.boolean[:, ::1]), cache=True)
+def _makespan(counts, flat, resident, keep, later, model, dynamic):
+    """What a `plan_pass` result ``flat`` costs (µs): its makespan (`makespan`: the slowest forward
+    plus the slowest backward of `finish_us`), where copies are kept (``keep``) plus, for the
+    ``later`` micro-batches of the step still to come, the makespan of the same moves with every
+    copy already held (a copy made now serves them: the rows seldom change much from one
+    micro-batch to the next). At the step's end (``keep`` and ``later`` 0) every move returns
+    weight-gradients (a held copy the step's sum) and the held copies that no move uses send theirs
+    at the backward's start, as the runtime does."""
     G = counts.shape[0]
-    moves = flat[G:].reshape(-1, 4)
+    moves = np.ascontiguousarray(flat[G:].reshape(-1, 4))
     M = moves.shape[0]
     fresh = np.empty(M, np.bool_)
     for m in range(M):
         fresh[m] = not holds(resident, moves[m, 0], moves[m, 1], moves[m, 2])
-    grads_back = fresh & (not keep)
-    return makespan(finish_us(counts, np.ascontiguousarray(moves), fresh, grads_back, np.zeros((0, 2), np.int64),
-                              model, dynamic))
+    no_flush = np.zeros((0, 2), np.int64)
+    if not keep:
+        t = makespan(finish_us(counts, moves, fresh, fresh, no_flush, model, dynamic))
+    elif later == 0:
+        t = makespan(finish_us(counts, moves, fresh, np.ones(M, np.bool_), _unused_copies(moves, resident), model,
+                               dynamic))
+    else:  # one evaluation of the ranks' own work for both timelines
+        static, own_later = _own_us(counts, moves, model, dynamic)
+        pairs, sizes = _messages(moves, fresh, np.zeros(M, np.bool_), G, model)
+        t = makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
+        if fresh.any():
+            sizes[:, 1] = 0.0  # every copy held: no weights travel
+            t += later * makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
+        else:
+            t *= 1.0 + later
+    return t
 
 
 @njit("int64(int64[:, ::1], int64[::1], int64[:, :, ::1])", cache=True)
@@ -597,15 +656,17 @@ def _most_copies(counts, flat, resident):
 
 
 @njit(nt.int64[::1](nt.int64[:, ::1], nt.int64[:, ::1], nt.int64, nt.int64, nt.int64, nt.int64[:, :, ::1], MODEL,
-                   nt.boolean, nt.int64), cache=True)
-def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, keep, row_cap):
+                   nt.boolean, nt.int64, nt.int64), cache=True)
+def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, keep, later, row_cap):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
     (``model``: `MODEL`; length 0: rows only, one pass); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
     slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
-    helpers for the rest of the step (gradients return at its end, not with this micro-batch).
+    helpers for the rest of the step (gradients return at its end, not with this micro-batch);
+    ``later``: the step's micro-batches after this one, which a copy kept now also serves (0: this
+    one ends the step), both priced by `_makespan`.
     ``row_cap`` > 0 bounds rows before time: a plan is a candidate only if its busiest rank stays
     within the cap (up to ``align - 1`` rows over it, as the row plan's receivers may end), or
     within what the first, row-balancing pass reached where the cap is out of reach; the pass
@@ -621,15 +682,16 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
-    none = np.zeros((0, 4), np.int64)
     after_plan = dynamic_mask(counts, dynamic)
-    no_moves = makespan(finish_us(counts, none, np.zeros(0, np.bool_), np.zeros(0, np.bool_),
-                                  np.zeros((0, 2), np.int64), model, after_plan))
-    best_t = _makespan(counts, best, resident, keep, model, after_plan)
+    stay = np.empty(G, np.int64)
+    for r in range(G):
+        stay[r] = counts[r].sum()
+    no_moves = _makespan(counts, stay, resident, keep, later, model, after_plan)
+    best_t = _makespan(counts, best, resident, keep, later, model, after_plan)
     if row_cap > 0:
         capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap)
         if capped.shape[0] > G and capped[:G].max() <= limit:
-            t = _makespan(counts, capped, resident, keep, model, after_plan)
+            t = _makespan(counts, capped, resident, keep, later, model, after_plan)
             if t <= best_t:
                 best, best_t = capped, t
     k = _most_copies(counts, best, resident)
@@ -638,13 +700,10 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
         cand = plan_pass(counts, dynamic, max_helpers, align, k, resident, False, 0)
         if cand[:G].max() > limit:
             continue
-        t = _makespan(counts, cand, resident, keep, model, after_plan)
+        t = _makespan(counts, cand, resident, keep, later, model, after_plan)
         if t > best_t * (1 + _FEWER_COPIES_SLACK):
             break
         best, best_t = cand, min(t, best_t)
-    if no_moves <= best_t and counts.sum(axis=1).max() <= limit:
-        out = np.empty(G, np.int64)
-        for r in range(G):
-            out[r] = counts[r].sum()
-        return out
+    if no_moves <= best_t and stay.max() <= limit:
+        return stay
     return best

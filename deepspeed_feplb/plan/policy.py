@@ -7,12 +7,14 @@ the same plan.
 
 Problem (docs/ARCHITECTURE.md, "Metrics"). A domain (a "node" in the simulator) has ``G`` ranks;
 rank ``r`` received ``counts[r, e]`` rows (token-expert
-pairs) for its local expert ``e``. Each rank may offload up to ``D`` of its hottest local experts
-("dynamic candidates", :func:`dynamic_candidates`); the rows of an offloaded expert may be
+pairs) for its local expert ``e``. Each rank may offload its ``D`` hottest local experts, and more
+of its next hottest while the rows outside them exceed the domain's mean ("dynamic candidates",
+:func:`dynamic_candidates`); the rows of an offloaded expert may be
 split between its home and up to ``max_helpers`` helper ranks of the same domain, which receive
 one copy of the expert's weights each. Goal: minimise the largest per-rank row count. No plan
 can beat the lower bound ``max(ceil(domain mean), max_r(static_r))`` where ``static_r`` is what
-rank ``r`` holds outside its ``D`` hottest experts (:func:`lower_bound`).
+rank ``r`` holds outside its dynamic experts (:func:`lower_bound`): the domain's mean, unless a
+rank chooses its dynamic experts without knowing it.
 
 Algorithm (the passes in `passes`, compiled by numba): water-filling toward a level ``W`` that
 starts at the lower bound. Ranks above ``W`` ("donors", largest excess first) push chunks of
@@ -44,7 +46,8 @@ __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan
 class PlanConstraints:
     """Limits every plan obeys, and the time model that judges plans.
 
-    dynamic_experts:  D: at most D experts per rank may be offloaded (its D hottest).
+    dynamic_experts:  D: each rank may offload its D hottest experts (and more, hottest first, while
+                      the rows outside them exceed its domain's mean: `hottest.dynamic_candidates`).
     max_helpers:      at most this many helper ranks per offloaded expert.
     chunk_align:      every moved chunk is a multiple of this many rows, except a chunk that
                       ends the expert's rows (one that leaves the home with none of its rows).
@@ -58,6 +61,11 @@ class PlanConstraints:
     keep_copies:      weight copies stay on their helpers until the optimizer step
                       (``feplb.weight_residency: "step"``), so a copy's gradients go home once
                       per step, not with this micro-batch.
+    later_micro_batches:  with ``keep_copies``, the micro-batches of the optimizer step after this
+                      one: a copy made now also serves them (the planner weighs what it saves there
+                      against its cost now); 0: this micro-batch ends the step, so every move returns
+                      weight-gradients (a kept copy the step's sum) and the kept copies that no move
+                      uses send theirs home at the backward's start.
     max_rows_over_mean:  a bound on rows before time (``feplb.max_rows_over_mean``; 0: none):
                       plans balance rows down to ``row_cap`` (this ratio x ``mean_rows``), and
                       the time model picks the fastest plan only among those that keep every rank
@@ -74,6 +82,7 @@ class PlanConstraints:
     expert_bytes: int = 0
     model: Optional[TimeModel] = None
     keep_copies: bool = False
+    later_micro_batches: int = 0
     max_rows_over_mean: float = 0.0
     mean_rows: float = 0.0
 
@@ -113,12 +122,13 @@ class PlanConstraints:
 
     def chosen(self, counts: np.ndarray) -> np.ndarray:
         """The dynamic experts the ranks of a domain choose, each from its own counts and the
-        domain's mean, as a rank does when it publishes: counts int64 [G, E_local] -> int64
-        [G, min(D, E_local)] (`hottest.NONE` where a rank chooses fewer)."""
+        domain's mean, as a rank does when it publishes (`hottest.dynamic_candidates`): counts int64
+        [G, E_local] -> int64 [G, W] (`hottest.NONE` where a rank chooses fewer)."""
         counts = np.asarray(counts, dtype=np.int64)
         G = len(counts)
-        mean = float(counts.sum()) / G if G and self.senders_only(G) else None
-        return dynamic_candidates(counts, self.dynamic_experts, mean)
+        if not G:
+            return dynamic_candidates(counts, self.dynamic_experts)
+        return dynamic_candidates(counts, self.dynamic_experts, float(counts.sum()) / G, self.senders_only(G))
 
 
 @dataclass(frozen=True)
@@ -140,15 +150,16 @@ def empty_plan(counts: np.ndarray) -> Plan:
 
 
 def lower_bound(counts: np.ndarray, D: int) -> int:
-    """counts int64 [G, E_local] -> lower bound on the largest per-rank load of any
-    plan that offloads at most D experts per rank: max(ceil(mean), max_r static_r)."""
+    """counts int64 [G, E_local] -> lower bound on the largest per-rank load of any plan that
+    moves rows of the dynamic experts the ranks choose with D (`hottest.dynamic_candidates`, given
+    the domain's mean): max(ceil(mean), max_r static_r)."""
     counts = np.asarray(counts, dtype=np.int64)
     G = counts.shape[0]
     if G == 0:
         return 0
     loads = counts.sum(axis=1)
-    cand = dynamic_candidates(counts, D)
-    static = loads - np.take_along_axis(counts, cand, axis=1).sum(axis=1)
+    cand = dynamic_candidates(counts, D, float(loads.sum()) / G)
+    static = loads - (np.take_along_axis(counts, np.maximum(cand, 0), axis=1) * (cand != NONE)).sum(axis=1)
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 
@@ -245,7 +256,8 @@ def plan_domain(counts: np.ndarray, constraints: PlanConstraints, resident: Opti
     resident = no_residents(G, E) if resident is None else np.ascontiguousarray(resident, dtype=np.int64)
     model = constraints.model.record if constraints.model is not None else _NO_MODEL
     out = _compiled_planner()(counts, dynamic, max_helpers, max(1, int(constraints.chunk_align)), copies, resident,
-                              model, bool(constraints.keep_copies), constraints.row_cap(counts))
+                              model, bool(constraints.keep_copies), max(0, int(constraints.later_micro_batches)),
+                              constraints.row_cap(counts))
     if out.shape[0] < G:
         raise ValueError(f"counts must be non-negative and dynamic experts local ids below {E} (or {NONE}); got "
                          f"counts {counts.tolist()}, dynamic {dynamic.tolist()}")

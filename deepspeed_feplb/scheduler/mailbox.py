@@ -39,7 +39,8 @@ SHUTDOWN, PID, HEARTBEAT, STARTING, COUNTS_BELL, PLAN_BELL, SERVED = range(7)  #
 # What a rank publishes besides its counts: its `PlanConstraints`, field by field.
 CONSTRAINTS_DTYPE = np.dtype([
     ("experts", np.int64), ("dynamic_experts", np.int64), ("max_helpers", np.int64), ("chunk_align", np.int64),
-    ("expert_bytes", np.int64), ("ce_budget_bytes", np.float64), ("keep_copies", np.int64), ("has_model", np.int64),
+    ("expert_bytes", np.int64), ("ce_budget_bytes", np.float64), ("keep_copies", np.int64),
+    ("later_micro_batches", np.int64), ("has_model", np.int64),
     ("model", MODEL_DTYPE),  # `TimeModel.record`
     ("max_rows_over_mean", np.float64), ("mean_rows", np.float64)])
 
@@ -47,7 +48,7 @@ CONSTRAINTS_DTYPE = np.dtype([
 def slot_dtype(ranks: int) -> np.dtype:
     """One rank's slot of one ring entry, in a domain of ``ranks``: seqlock words, constraints,
     counts ``[E_MAX]`` (the first ``experts`` used), the dynamic experts the rank chose
-    ``[E_MAX]`` (the first ``dynamic_experts`` used, `hottest.NONE` after its own) and its row
+    ``[E_MAX]`` (the first ``experts`` used, `hottest.NONE` after its own) and its row
     of the residency masks ``[E_MAX, W]``, W = ceil(ranks / 64)."""
     return np.dtype([("begin", np.int64), ("end", np.int64), ("constraints", CONSTRAINTS_DTYPE),
                      ("counts", np.int64, (E_MAX, )), ("dynamic", np.int64, (E_MAX, )),
@@ -59,7 +60,8 @@ class DomainCounts:
     """What every rank of a domain published for one micro-batch: what the planner plans from.
 
     counts:       int64 [G, E_local] rows per rank and local expert;
-    dynamic:      int64 [G, D] the dynamic experts each rank chose (`hottest.NONE` pads);
+    dynamic:      int64 [G, W] the dynamic experts each rank chose (`hottest.NONE` pads; W: the most
+                  any rank chose, at least D);
     constraints:  the domain's first rank's `PlanConstraints`;
     resident:     int64 [G, E_local, W] the residency masks (`plan.residency`)."""
     counts: np.ndarray
@@ -114,7 +116,7 @@ class Mailbox:
                 resident: np.ndarray | None = None, dynamic: Optional[np.ndarray] = None) -> None:
         """Rank ``rank`` publishes its counts ``int64 [E_local]`` for micro-batch ``seq``, the
         constraints of its plan, its row of the residency masks (int64 [E_local, W]; None: none)
-        and the dynamic experts it chose (int64 [<= D]; None: ``dynamic_candidates`` of its counts)."""
+        and the dynamic experts it chose (int64 [<= E_local]; None: its D hottest)."""
         E = counts.shape[0]
         if E > E_MAX:
             raise ValueError(f"FEPLB supports at most {E_MAX} local experts per rank, got {E}")
@@ -123,14 +125,15 @@ class Mailbox:
         model = constraints.model
         slot["constraints"][rank, i] = (
             E, constraints.dynamic_experts, constraints.max_helpers, constraints.chunk_align, constraints.expert_bytes,
-            constraints.ce_budget_bytes, int(constraints.keep_copies), int(model is not None),
+            constraints.ce_budget_bytes, int(constraints.keep_copies), int(constraints.later_micro_batches),
+            int(model is not None),
             model.record[0] if model is not None else _NO_MODEL, constraints.max_rows_over_mean, constraints.mean_rows)
         slot["counts"][rank, i, :E] = counts
         if dynamic is None:
             dynamic = dynamic_candidates(counts[None], constraints.dynamic_experts)[0]
         chosen = slot["dynamic"][rank, i]
         chosen[:len(dynamic)] = dynamic
-        chosen[len(dynamic):constraints.dynamic_experts] = NONE
+        chosen[len(dynamic):E] = NONE
         slot["resident"][rank, i, :E] = 0 if resident is None else np.asarray(resident, np.int64).reshape(E, -1)
         slot["end"][rank, i] = seq
         slot["begin"][rank, i] = seq
@@ -145,7 +148,7 @@ class Mailbox:
         meta = slot["constraints"][0, i].copy()
         E, D = int(meta["experts"]), int(meta["dynamic_experts"])
         counts = slot["counts"][:, i, :E].copy()
-        dynamic = slot["dynamic"][:, i, :min(D, E)].copy()
+        dynamic = slot["dynamic"][:, i, :E].copy()
         resident = slot["resident"][:, i, :E].copy()
         if not self._complete(seq):
             return None  # overwritten while we copied
@@ -157,9 +160,10 @@ class Mailbox:
             self._constraints = PlanConstraints(
                 int(meta["dynamic_experts"]), int(meta["max_helpers"]), int(meta["chunk_align"]),
                 float(meta["ce_budget_bytes"]), int(meta["expert_bytes"]), model, bool(meta["keep_copies"]),
-                float(meta["max_rows_over_mean"]), float(meta["mean_rows"]))
+                int(meta["later_micro_batches"]), float(meta["max_rows_over_mean"]), float(meta["mean_rows"]))
             self._meta = key
-        return DomainCounts(counts, dynamic, self._constraints, resident)
+        width = max(min(D, E), int((dynamic != NONE).sum(axis=1).max(initial=0)))  # a rank may choose more than D
+        return DomainCounts(counts, np.ascontiguousarray(dynamic[:, :width]), self._constraints, resident)
 
     def _complete(self, seq: int) -> bool:
         i = seq % RING

@@ -135,6 +135,10 @@ class SimSetup:
         """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""
         return (step + 1) % self.micro_batches_per_step == 0
 
+    def later_micro_batches(self, step: int) -> int:
+        """The micro-batches of ``step``'s optimizer step after it (0: it ends the step)."""
+        return self.micro_batches_per_step - 1 - step % self.micro_batches_per_step
+
     @property
     def moves_homes(self) -> bool:
         """Whether ``feplb``'s cross-node layer may give experts other homes (``placement``)."""
@@ -430,9 +434,11 @@ class _NodePolicy:
             return np.arange(s.experts, dtype=np.int64).reshape(s.ranks, s.experts_per_rank)
         return self.placers[layer].slots
 
-    def constraints(self, node_counts: np.ndarray, mean_rows: float = 0.0) -> tuple[PlanConstraints, np.ndarray]:
+    def constraints(self, node_counts: np.ndarray, mean_rows: float = 0.0,
+                    later: int = 0) -> tuple[PlanConstraints, np.ndarray]:
         """The plan's constraints for one node and its ranks' static GEMM time float64 [G];
-        ``mean_rows``: rows per rank over the whole group (for the row bound)."""
+        ``mean_rows``: rows per rank over the whole group (for the row bound); ``later``: the
+        micro-batches of the optimizer step after this one."""
         s = self.setup
         D = min(s.dynamic_experts, node_counts.shape[1])
         cand = dynamic_candidates(node_counts, D)
@@ -440,7 +446,7 @@ class _NodePolicy:
         static_us = t.sum(axis=1) - np.take_along_axis(t, cand, axis=1).sum(axis=1)
         # the runtime's rule with the modelled instead of the measured time model
         cons = PlanConstraints.from_config(s.feplb_config, s.shape.weight_bytes, s.time_model)
-        return replace(cons, mean_rows=float(mean_rows)), static_us
+        return replace(cons, mean_rows=float(mean_rows), later_micro_batches=later), static_us
 
     def plan(self, node_counts: np.ndarray, cons: PlanConstraints, resident: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -462,7 +468,7 @@ class _NodePolicy:
         finish, free = np.zeros(2), np.zeros(2)
         for n in range(s.nodes):
             nc = counts[n * G:(n + 1) * G]
-            cons, static_us = self.constraints(nc, counts.sum() / s.ranks)
+            cons, static_us = self.constraints(nc, counts.sum() / s.ranks, s.later_micro_batches(step))
             table = self.residency[layer][n]
             moves = self.plan(nc, cons, table.resident.copy())
             fresh, node_finish, node_free = self._time(nc, moves, table, ends, timing)
@@ -552,8 +558,8 @@ class FEPLBPaper(_NodePolicy):
 
     name = "feplb-paper"
 
-    def constraints(self, node_counts, mean_rows=0.0):
-        cons, static_us = super().constraints(node_counts, mean_rows)
+    def constraints(self, node_counts, mean_rows=0.0, later=0):
+        cons, static_us = super().constraints(node_counts, mean_rows, later)
         s = self.setup
         window_us = float(static_us.mean()) or 0.5 * float(gemm_us(node_counts, s.shape, s.profile).sum(axis=1).mean())
         budget = cons.ce_budget_bytes
