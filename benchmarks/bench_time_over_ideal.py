@@ -21,8 +21,9 @@ of the defaults, side by side with a run without.
 
 Per policy it keeps the token max/mean, the expert time, the ideal (vanilla's compute spread evenly
 over the EP group, no transfers), their ratio and the excess split into extra pieces, imbalance
-left, exposed copies and the rest (`simulate`'s JSON); ``feplb_one_part`` is FEPLB with
-``--serve-parts 1`` (each helper returns a home's results in one message, as before 2026-12-06).
+left, exposed copies and the rest, and the ratio by position in the optimizer step (`simulate`'s
+JSON); ``feplb_one_part`` is FEPLB with ``--serve-parts 1`` (each helper returns a home's results in
+one message, as before 2026-12-06).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_
          "generated_ep64_32k_replicas_alone": ((64, 32768), 8, 8, REPLICAS_ALONE)}
 EXTRA: list = []  # --extra: options added to every case (a variant of the defaults)
 KEYS = ("token_max_over_mean", "expert_time_us", "ideal_time_us", "time_over_ideal", "excess_pieces_us",
-        "excess_imbalance_us", "copy_exposed_us", "excess_other_us")
+        "excess_imbalance_us", "copy_exposed_us", "excess_other_us", "time_over_ideal_by_step_position")
 
 
 def _cli(argv: list) -> None:
@@ -90,7 +91,11 @@ def _simulate(path: str, ranks_per_node: int, nodes: int, options: tuple, tmp: s
           "6144", "--ffn-hidden", "2048", "--micro-batches-per-step", "8", "--policies", "feplb,eplb", "--json", out,
           "--no-progress", *options, *EXTRA, *extra])
     with open(out) as f:
-        return {name: {k: round(float(p[k]), 4) for k in KEYS} for name, p in json.load(f)["policies"].items()}
+        return {name: {k: _rounded(p[k]) for k in KEYS if k in p} for name, p in json.load(f)["policies"].items()}
+
+
+def _rounded(value):
+    return [round(float(v), 4) for v in value] if isinstance(value, list) else round(float(value), 4)
 
 
 def run_case(trace, ranks_per_node: int, nodes: int, options: tuple) -> dict:

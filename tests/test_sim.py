@@ -197,6 +197,21 @@ def test_the_ideal_and_where_each_policys_time_over_it_goes():
     assert m["feplb"]["time_over_ideal"] < vanilla["time_over_ideal"]
     even = Trace(np.full((2, 1, 8, 32), 16, np.int64))
     assert simulate(even, setup, []).metrics()["vanilla"]["time_over_ideal"] == pytest.approx(1.0)
+    assert "time_over_ideal_by_step_position" not in m["feplb"]  # one micro-batch per step
+
+
+def test_time_over_ideal_by_position_in_the_step():
+    """With several micro-batches per step, the ratio per position in the step: each is its
+    position's expert time over its ideal, and they average to the whole (every position has as
+    many micro-batches and, on this trace, the same ideal)."""
+    trace = Trace(np.tile(no_aux_trace(1, 1, ranks=8, experts=32, tokens_per_rank=512, seed=2).counts, (8, 1, 1, 1)))
+    setup = SimSetup(8, 1, 32, dynamic_experts=2, micro_batches_per_step=4)
+    run = simulate(trace, setup, ["feplb"]).runs["feplb"]
+    by = run.metrics(None)["time_over_ideal_by_step_position"]
+    assert len(by) == 4
+    assert by == pytest.approx([run.expert_us[p::4].mean() / run.ideal_us[p::4].mean() for p in range(4)])
+    assert np.mean(by) == pytest.approx(run.metrics(None)["time_over_ideal"])
+    assert by[1] <= by[0]  # the step's first micro-batch makes the copies the next ones hold
 
 
 def test_the_figure_shows_each_policys_time_over_the_ideal_split_as_the_json_has_it():

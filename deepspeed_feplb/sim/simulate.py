@@ -22,6 +22,9 @@ balanced perfectly with no transfer. ``time_over_ideal`` is ``expert_time_us / i
 added), ``excess_imbalance_us`` (its slowest rank's compute less the mean: imbalance left),
 ``copy_exposed_us`` (copies the compute does not hide) and ``excess_other_us`` (the rest: message
 latency, gradient returns, forward and backward slowest on different ranks, re-placements).
+With more than one micro-batch per step, ``time_over_ideal_by_step_position`` is the same ratio
+for each position in the optimizer step (the first makes the step's weight copies; at the last
+the kept copies return their gradients).
 
 Averages: every "mean" is over all (micro-batch, layer) pairs; ``reduction_vs_vanilla`` is
 ``1 - mean straggler(policy) / mean straggler(vanilla)`` (ratio of the means), for tokens and
@@ -76,11 +79,18 @@ class PolicyRun:
         if self.expert_us is None or self.ideal_us is None or self.compute_us is None:
             return {}
         ideal, slowest, mean = self.ideal_us.mean(), self.compute_us.max(axis=-1), self.compute_us.mean(axis=-1)
-        return {"ideal_time_us": float(ideal),
-                "time_over_ideal": float(self.expert_us.mean() / ideal) if ideal > 0 else math.nan,
-                "excess_pieces_us": float((mean - self.ideal_us).mean()),
-                "excess_imbalance_us": float((slowest - mean).mean()),
-                "excess_other_us": float((self.expert_us - slowest - self.copy_exposed_us).mean())}
+        out = {"ideal_time_us": float(ideal),
+               "time_over_ideal": float(self.expert_us.mean() / ideal) if ideal > 0 else math.nan,
+               "excess_pieces_us": float((mean - self.ideal_us).mean()),
+               "excess_imbalance_us": float((slowest - mean).mean()),
+               "excess_other_us": float((self.expert_us - slowest - self.copy_exposed_us).mean())}
+        M = self.micro_batches_per_step
+        position = np.arange(self.expert_us.shape[0]) % M
+        if M > 1 and ideal > 0:  # a step's first micro-batch makes its copies, its last returns their gradients
+            out["time_over_ideal_by_step_position"] = [
+                float(self.expert_us[position == p].mean() / self.ideal_us[position == p].mean())
+                for p in range(min(M, self.expert_us.shape[0]))]
+        return out
 
     @property
     def token_straggler(self) -> np.ndarray:
