@@ -121,6 +121,7 @@ def test_state_per_micro_batch_is_freed_by_its_backward(bare, micro_batches, sta
     # only the last forward ends the step
     assert ends == [False] * (micro_batches - 1) + [True] and bare.feplb_step_ends()
     assert later == list(range(micro_batches - 1, -1, -1))
+    assert bare.feplb_later_micro_batches() == 0  # no training forward running
     assert bare.feplb_monitor.last["step"] == 1
 
 

@@ -104,8 +104,9 @@ class FEPLBPipelineEngine(PipelineEngine):
 
     def feplb_later_micro_batches(self) -> int:
         """How many micro-batches of ``train_batch`` follow the one being forwarded
-        (`seams.later_micro_batches`)."""
-        return self.micro_batches - 1 - self.feplb_monitor.micro_batch
+        (`seams.later_micro_batches`; 0 outside a training forward: ``eval_batch``'s)."""
+        current = self.feplb_monitor.micro_batch
+        return 0 if current is None else self.micro_batches - 1 - current
 
     def _train_schedule(self):
         return FEPLBTrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
