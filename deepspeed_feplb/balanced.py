@@ -2,9 +2,10 @@
 
 `BalancedMicroBatch.run` on this rank's rows of one layer:
 
-1. `publish`: the rows per local expert, the dynamic experts this rank chose (its D hottest:
-   `plan.hottest`) and the plan's constraints (the time model as last measured, the residency)
-   go to the domain's scheduler, which plans from what every rank published.
+1. `publish`: the rows per local expert, the dynamic experts this rank chose (its D hottest, and
+   up to D more while the rest exceed its domain's mean: `plan.hottest`) and the plan's
+   constraints (the time model as last measured, the residency, the micro-batches left in the
+   step) go to the domain's scheduler, which plans from what every rank published.
 2. `static_experts`: every other expert computes at once; between its calls the rank looks for
    the plan, and once it is there takes it (3.), so its chunks leave while the rest compute.
 3. `take_plan`: the plan (waited for, where the static experts finished first) becomes the

@@ -214,7 +214,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """Balance MoE layers with FEPLB, which computes every routed token (dropless; a layer built with drop_tokens=True, DeepSpeed's default, warns once that it drops none). false: the layers run DeepSpeed's own MoE unchanged, including its token dropping."""
 
     dynamic_experts_per_rank: int = Field(2, ge=0)
-    """D: each rank's D hottest local experts of a micro-batch may be moved to helper ranks (and its next hottest, one at a time, while the rows of the others exceed its domain's mean); the others are static and start computing at once. 0 disables migration."""
+    """D: each rank's D hottest local experts of a micro-batch may be moved to helper ranks (and up to D more of its next hottest, one at a time, while the rows of the others exceed its domain's mean); the others are static and start computing at once. 0 disables migration."""
 
     max_helpers_per_expert: int = Field(7, ge=1)
     """Most helper ranks that the tokens of one dynamic expert are split over (each helper also receives the expert's weights); the planner uses as many as its time model says pay. 7: every other GPU of an 8-GPU node (more than a domain's other ranks means all of them)."""

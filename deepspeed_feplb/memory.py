@@ -9,7 +9,8 @@ NVLink domain and ``D`` dynamic experts per rank (`GroupMemory`):
   ``transport_slot_mb``, or for "auto" D chunks with their weights, ``D · (P + 256 · (n_t + 2))``,
   plus a rank's mean rows, which only the first balanced micro-batch tells: that part is checked
   when the domain opens (`migrate.cuda_ce.preflight_problems`);
-* weight copies held from forward to backward: ``L · min(D · (G - 1) · P, ce_budget)``;
+* weight copies held from forward to backward: ``L · min(2D · (G - 1) · P, ce_budget)`` (a rank
+  over its domain's mean chooses up to 2D dynamic experts: `plan.hottest`);
 * the DeepEP buffer of the group (``ep_backend: deepep``): DeepEP's NVLink size hint, plus its RDMA
   size hint for a group that spans hosts;
 * kept copies (``weight_residency: "step"``): at most ``L · max_resident_experts · c``, and at
@@ -109,7 +110,7 @@ def group_memory(config: FEPLBConfig, ep_size: int, domain: int, layers: Sequenc
         return GroupMemory(deepep=deepep_bytes, replicas=replica_slots_bytes)
     peers = domain - 1
     ce_budget = math.inf if config.ce_budget == "auto" else float(config.ce_budget)
-    in_flight = sum(int(min(D * peers * layer.expert_bytes, ce_budget)) for layer in layers)
+    in_flight = sum(int(min(2 * D * peers * layer.expert_bytes, ce_budget)) for layer in layers)
     # with an "auto" slot, its weights' share: the rows' share is checked when the domain opens
     slots = transport_bytes_per_rank(domain, max(layer.receive_slot(config, 0) for layer in layers)) \
         if ce_transport else 0

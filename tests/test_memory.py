@@ -16,7 +16,7 @@ GLM = ExpertSizes(expert_bytes=2 * PARAMS, tensors=3, copy_bytes=2 * PARAMS + 4 
 def test_the_worked_example_of_gpu_md():
     need = group_memory(FEPLBConfig(), ep_size=8, domain=8, layers=[GLM] * 4, ce_transport=True)
     assert GLM.expert_bytes == 72 * MiB and GLM.copy_bytes == 216 * MiB
-    assert need.in_flight == 4 * 2 * 7 * 72 * MiB  # 3.9 GiB
+    assert need.in_flight == 4 * (2 * 2) * 7 * 72 * MiB  # 7.9 GiB: up to 2D dynamic experts per rank
     assert need.kept_most == 4 * 8 * 216 * MiB  # 6.75 GiB
     # "auto" slots: the weights' share of a slot (2 chunks with their weights), the rows' share when
     # the domain opens
@@ -35,7 +35,7 @@ def test_the_worked_example_of_gpu_md():
 
 def test_auto_keeps_half_of_what_the_rest_leaves_free_and_at_most_what_copies_take():
     need = group_memory(FEPLBConfig(), 8, 8, [GLM] * 4, ce_transport=True)
-    roomy, tight = 20 * GiB, 12 * GiB
+    roomy, tight = 24 * GiB, 12 * GiB
     assert resident_budget_bytes("auto", [roomy - need.fixed], need.kept_most) == need.kept_most
     assert resident_budget_bytes("auto", [roomy - need.fixed, tight - need.fixed], need.kept_most) == \
         0.5 * (tight - need.fixed)  # the least of the domain's ranks
@@ -46,18 +46,18 @@ def test_auto_keeps_half_of_what_the_rest_leaves_free_and_at_most_what_copies_ta
 
 def test_a_rank_that_cannot_hold_the_buffers_is_named_with_the_figures_and_keys():
     need = group_memory(FEPLBConfig(), 8, 8, [GLM] * 4, ce_transport=True, deepep_bytes=300 * MiB)
-    assert memory_problems(3, 8 * GiB, need, FEPLBConfig()) == []
+    assert memory_problems(3, 10 * GiB, need, FEPLBConfig()) == []
     (problem,) = memory_problems(3, 4 * GiB, need, FEPLBConfig())
     assert problem.startswith("rank 3 has 4,096 MiB of device memory free after deepspeed.initialize and its FEPLB "
                               f"layers need {need.fixed / MiB:,.0f} MiB")
-    for said in ("phase-2 receive slots 1,008 MiB (feplb.transport_slot_mb", "held from forward to backward 4,032 MiB "
+    for said in ("phase-2 receive slots 1,008 MiB (feplb.transport_slot_mb", "held from forward to backward 8,064 MiB "
                  "(feplb.ce_budget", "the DeepEP buffer 300 MiB"):
         assert said in problem
     assert "kept" not in problem  # "auto" takes what is left
     budget = FEPLBConfig(resident_budget_mb=4096)
     assert memory_problems(3, 8 * GiB, need, budget) and "kept weight copies 4,096 MiB (feplb.resident_budget_mb" in \
         memory_problems(3, 8 * GiB, need, budget)[0]
-    assert memory_problems(3, 12 * GiB, need, budget) == []
+    assert memory_problems(3, 14 * GiB, need, budget) == []
 
 
 def test_replica_slots_count_what_their_layers_have_not_allocated_yet():

@@ -65,6 +65,8 @@ def check_plan(counts, cons, plan):
         offloaded.setdefault(home, set()).add(e)
     for home, es in offloaded.items():  # more than D only where the rows outside the D hottest exceed the mean
         assert len(es) <= int((cand[home] >= 0).sum())
+    # copies in flight stay within the memory check's bound: 2D from each peer (`memory.group_memory`)
+    assert copies_in.max() <= 2 * min(cons.dynamic_experts, E) * (G - 1)
     budget = cons.copies_per_rank()
     if not math.isinf(budget):
         assert copies_out.max() <= budget and copies_in.max() <= budget
@@ -376,20 +378,23 @@ def test_chain_through_a_rank_above_the_level():
 def test_a_rank_over_the_mean_outside_its_d_hottest_chooses_more():
     """A rank whose rows outside its D hottest experts still exceed its domain's mean would stay
     above the mean whatever the plan: it also chooses its next hottest, one at a time, until they
-    do not; without the mean (a backend that tells no other rank's rows) it chooses its D hottest."""
+    do not or it has chosen 2D; without the mean (a backend that tells no other rank's rows) it
+    chooses its D hottest."""
     counts = np.array([[40, 30, 20, 10], [30, 30, 30, 30], [5, 5, 0, 0], [1, 0, 0, 0]])  # rows 100 120 10 1
     mean = counts.sum() / 4  # 57.75
     assert dynamic_candidates(counts, 1).tolist() == [[0], [0], [0], [0]]
-    # rank 0: 60 rows outside its hottest > 57.75, 30 outside its two hottest; rank 1: 90, 60, then 30
-    assert dynamic_candidates(counts, 1, mean).tolist() == [[0, 1, -1], [0, 1, 2], [0, -1, -1], [0, -1, -1]]
-    assert dynamic_candidates(counts, 1, mean, senders_only=True).tolist() == [[0, 1, -1], [0, 1, 2], [-1, -1, -1],
-                                                                                [-1, -1, -1]]
+    # rank 0: 60 rows outside its hottest > 57.75, 30 outside its two hottest; rank 1: 90, then 60
+    # outside its two hottest, where 2D stops it
+    assert dynamic_candidates(counts, 1, mean).tolist() == [[0, 1], [0, 1], [0, -1], [0, -1]]
+    assert dynamic_candidates(counts, 2, mean).tolist() == [[0, 1, -1], [0, 1, 2], [0, 1, -1], [0, 1, -1]]
+    assert dynamic_candidates(counts, 1, mean, senders_only=True).tolist() == [[0, 1], [0, 1], [-1, -1], [-1, -1]]
     assert dynamic_candidates(counts, 0, mean).shape == (4, 0)  # D = 0: no migration at all
-    assert lower_bound(counts, 1) == 58  # every rank can reach the mean
-    cons = PlanConstraints(dynamic_experts=1, max_helpers=3)
-    plan = plan_domain(counts, cons)
-    assert plan.rank_rows.max() <= 58 and {tuple(m) for m in plan.moves[:, :2].tolist()} >= {(1, 1), (1, 2)}
-    check_plan(counts, cons, plan)
+    assert lower_bound(counts, 1) == 60 and lower_bound(counts, 2) == 58  # rank 1's 60 static rows, else the mean
+    for D, bound in ((1, 60), (2, 58)):
+        cons = PlanConstraints(dynamic_experts=D, max_helpers=3)
+        plan = plan_domain(counts, cons)
+        assert plan.rank_rows.max() == bound and (1, 1) in {tuple(m) for m in plan.moves[:, :2].tolist()}
+        check_plan(counts, cons, plan)
 
 
 def test_a_copy_kept_for_the_step_is_priced_over_its_later_micro_batches():
@@ -405,9 +410,11 @@ def test_a_copy_kept_for_the_step_is_priced_over_its_later_micro_batches():
         cons = PlanConstraints(1, 1, model=model, keep_copies=keep, later_micro_batches=later)
         return plan_domain(counts, cons, resident).moves.tolist()
 
-    # no move: 1000 µs; the copy: 1200 µs now (it arrives at 700), 500 µs held
+    # no move: 1000 µs a micro-batch; the copy: 1200 µs now (it arrives at 700), 500 µs held, 1200
+    # µs at the step's end (the step's gradients leave after the helper's backward)
     assert plan(0) == [] and plan(0, keep=False) == []
-    assert plan(1) == plan(7) == [[0, 0, 1, 500]]
+    assert plan(1) == []  # 1200 + 1200 against 2000
+    assert plan(2) == plan(7) == [[0, 0, 1, 500]]  # 1200 + 500 + 1200 against 3000
     held = no_residents(2, 2)
     held[0, 0, 0] = 1 << 1  # helper 1 holds rank 0's expert 0
     assert plan(1, held) == [[0, 0, 1, 500]]  # free, and its gradients wait for the step's end

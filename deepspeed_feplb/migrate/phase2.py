@@ -1,7 +1,7 @@
 """Phase 2: compute the dynamic experts of one micro-batch where the plan says, exactly.
 
 For one layer and micro-batch, `DynamicExperts` takes the rows of this rank's dynamic experts
-(the D hottest local experts) and the parameters of those experts, and returns their outputs.
+(the hottest local experts, `plan.hottest`) and the parameters of those experts, and returns their outputs.
 Following the plan, the home keeps the first rows of each dynamic expert and ships the rest in
 chunks, together with a copy of the expert's weights, to helper ranks of its NVLink domain;
 at the same time it serves as a helper for other homes. Helpers compute with a functional copy

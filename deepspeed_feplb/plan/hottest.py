@@ -1,5 +1,5 @@
 """The one rule for a rank's dynamic experts: its D hottest local experts, ties to the lower id,
-and more of its next hottest while the rows outside them are still above its domain's mean; none
+and up to D more of its next hottest while the rows outside them exceed its domain's mean; none
 for a rank at or below that mean where plans only move rows to such ranks.
 
 A rank applies it to its own counts each balanced micro-batch and publishes the result with them;
@@ -23,10 +23,11 @@ def dynamic_candidates(counts: np.ndarray, D: int, mean_rows: float | None = Non
 
     Each rank chooses its D hottest. Given ``mean_rows``, the domain's rows per rank, a rank whose
     rows outside those D are still above it also chooses its next hottest, one at a time, until
-    they are not: its static experts alone would keep it above the mean whatever the plan (with D
-    = 0, no rank chooses any). ``senders_only``: plans only ever move rows to a rank at or below
-    the mean (`policy.PlanConstraints.senders_only`), so such a rank chooses none (a row of
-    `NONE`) and all its experts run in its static call."""
+    they are not or it has chosen 2D: its static experts alone would keep it above the mean
+    whatever the plan (with D = 0, no rank chooses any; 2D bounds the weight copies a helper can
+    receive from one home, which the memory check at initialize counts). ``senders_only``: plans
+    only ever move rows to a rank at or below the mean (`policy.PlanConstraints.senders_only`), so
+    such a rank chooses none (a row of `NONE`) and all its experts run in its static call."""
     counts = np.asarray(counts, dtype=np.int64)
     E = counts.shape[1]
     d = max(0, min(int(D), E))
@@ -37,7 +38,7 @@ def dynamic_candidates(counts: np.ndarray, D: int, mean_rows: float | None = Non
         hottest_first = np.take_along_axis(counts, order, axis=1)
         outside = counts.sum(axis=1, keepdims=True) - np.cumsum(hottest_first, axis=1)  # rows outside the k + 1 hottest
         wanted = np.maximum(d, 1 + (outside > mean_rows).sum(axis=1))  # cumsum is monotone: a count is the first k
-        wanted = np.minimum(wanted, E)
+        wanted = np.minimum(wanted, min(2 * d, E))
         chosen = np.where(np.arange(E) < wanted[:, None], order, NONE)[:, :max(d, int(wanted.max()))]
         chosen = np.ascontiguousarray(chosen, dtype=np.int64)
     if senders_only and mean_rows is not None:

@@ -614,9 +614,12 @@ def _makespan(counts, flat, resident, keep, later, model, dynamic):
     plus the slowest backward of `finish_us`), where copies are kept (``keep``) plus, for the
     ``later`` micro-batches of the step still to come, the makespan of the same moves with every
     copy already held (a copy made now serves them: the rows seldom change much from one
-    micro-batch to the next). At the step's end (``keep`` and ``later`` 0) every move returns
-    weight-gradients (a held copy the step's sum) and the held copies that no move uses send theirs
-    at the backward's start, as the runtime does."""
+    micro-batch to the next), the last of them returning the step's gradients. At the step's end
+    (``keep`` and ``later`` 0) every move returns weight-gradients (a held copy the step's sum) and
+    the held copies that no move uses send theirs at the backward's start, as the runtime does.
+    Not seen: a helper that can keep no more copies (``max_resident_experts``, the kept-copy
+    budget) returns a new copy's gradients at once and needs it copied again; the plan is priced
+    as if it kept it."""
     G = counts.shape[0]
     moves = np.ascontiguousarray(flat[G:].reshape(-1, 4))
     M = moves.shape[0]
@@ -629,15 +632,18 @@ def _makespan(counts, flat, resident, keep, later, model, dynamic):
     elif later == 0:
         t = makespan(finish_us(counts, moves, fresh, np.ones(M, np.bool_), _unused_copies(moves, resident), model,
                                dynamic))
-    else:  # one evaluation of the ranks' own work for both timelines
+    else:  # one evaluation of the ranks' own work for every timeline
         static, own_later = _own_us(counts, moves, model, dynamic)
-        pairs, sizes = _messages(moves, fresh, np.zeros(M, np.bool_), G, model)
+        pairs, sizes = _messages(moves, fresh, np.ones(M, np.bool_), G, model)
+        chunks = sizes[:, 2].copy()
+        sizes[:, 2] = 0.0  # until the step's end the copies keep their gradients
         t = makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
+        t_held = t
         if fresh.any():
             sizes[:, 1] = 0.0  # every copy held: no weights travel
-            t += later * makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
-        else:
-            t *= 1.0 + later
+            t_held = makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
+        sizes[:, 1], sizes[:, 2] = 0.0, chunks  # the step's last: every chunk returns the step's gradients
+        t += (later - 1) * t_held + makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
     return t
 
 

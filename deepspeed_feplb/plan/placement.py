@@ -299,9 +299,12 @@ def _rank_terms(w: np.ndarray, expert_to_rank: np.ndarray, ranks: int, dynamic_e
 def placement_rows(w: np.ndarray, expert_to_rank: np.ndarray, num_nodes: int, ranks_per_node: int,
                    dynamic_experts: int = 0) -> float:
     """The predicted busiest rank's rows of one micro-batch under placement ``expert_to_rank``
-    int64 [E] and expected loads ``w`` float [E]: the lower bound of intra-node balancing
-    (`plan.policy.lower_bound`) taken over the nodes, ``max_n max(mean rank load of node n,
-    max_{r in n} (load_r - its D largest expert loads))``. D = 0: node mean only."""
+    int64 [E] and expected loads ``w`` float [E]: the lower bound of intra-node balancing taken
+    over the nodes, ``max_n max(mean rank load of node n, max_{r in n} (load_r - its D largest
+    expert loads))``. D = 0: node mean only. Each rank's D hottest, as where ranks do not know
+    their domain's mean; where they do (the torch dispatcher) a rank may choose up to 2D
+    (`plan.hottest`, `plan.policy.lower_bound`) and intra-node balancing reaches lower than this
+    predicts."""
     w = np.asarray(w, dtype=np.float64)
     R = num_nodes * ranks_per_node
     node = node_loads(w, expert_to_rank, num_nodes, ranks_per_node).max() / ranks_per_node

@@ -272,7 +272,7 @@ def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynami
     """The predicted busiest rank's rows of one micro-batch with expected loads ``w`` float [E]:
     `expected_counts`, then the lower bound of intra-node balancing over the nodes,
     ``max_n max(mean rank rows of node n, max_{r in n} (rows_r - its D largest slots))`` (as
-    `plan.placement.placement_rows` without replicas)."""
+    `plan.placement.placement_rows` without replicas, and like it with each rank's D hottest)."""
     return _bound(expected_counts(w, slots, ranks_per_node), ranks_per_node, dynamic_experts)
 
 

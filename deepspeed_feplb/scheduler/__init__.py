@@ -30,7 +30,7 @@ class Scheduler(Protocol):
                 resident: np.ndarray | None = None, dynamic: np.ndarray | None = None) -> None:
         """This rank's counts ``int64 [E_local]`` for micro-batch ``seq`` (balanced micro-batches
         count up from 0), its row of the residency masks (int64 [E_local, W], `plan.residency`;
-        None: none) and the dynamic experts it chose (int64 [<= D]; None: `plan.hottest`'s rule)."""
+        None: none) and the dynamic experts it chose (int64 [<= 2D]; None: its D hottest)."""
 
     def plan(self, seq: int) -> DomainPlan:
         """The domain's plan for ``seq``: the same on every rank; never hangs past the configured timeouts."""

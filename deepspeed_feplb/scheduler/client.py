@@ -66,7 +66,7 @@ class InlineScheduler:
                 resident: np.ndarray | None = None, dynamic: np.ndarray | None = None) -> None:
         """This rank's counts ``int64 [E_local]`` for micro-batch ``seq``, the constraints of its
         plan, its row of the layer's residency masks (int64 [E_local, W], `plan.residency`; None:
-        none) and the dynamic experts it chose (int64 [<= D]; None: `plan.hottest`'s rule)."""
+        none) and the dynamic experts it chose (int64 [<= 2D]; None: its D hottest)."""
         self.mailbox.publish(self.local_rank, seq, counts, constraints, resident, dynamic)
 
     def plan(self, seq: int) -> DomainPlan:
