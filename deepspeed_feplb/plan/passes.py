@@ -632,6 +632,8 @@ def _makespan(counts, flat, resident, keep, later, model, dynamic):
     elif later == 0:
         t = makespan(finish_us(counts, moves, fresh, np.ones(M, np.bool_), _unused_copies(moves, resident), model,
                                dynamic))
+    elif M == 0:  # no moves: every micro-batch of the step alike
+        t = (1.0 + later) * makespan(finish_us(counts, moves, fresh, fresh, no_flush, model, dynamic))
     else:  # one evaluation of the ranks' own work for every timeline
         static, own_later = _own_us(counts, moves, model, dynamic)
         pairs, sizes = _messages(moves, fresh, np.ones(M, np.bool_), G, model)
