@@ -455,34 +455,6 @@ def _messages(moves, fresh, grads_back, G, model):
     return pairs[:K + 1], sizes[:K + 1]
 
 
-@njit("float64[::1](int64[:, ::1], float64[::1], float64, float64[::1])", cache=True)
-def _copies(pairs, length, latency, out_free):
-    """When each message (``pairs`` [K, 2], ``length`` µs of copying each) arrives: one copy at a
-    time per outgoing and incoming link, in message order, none before ``out_free[home]`` (updated)."""
-    in_free = np.zeros(out_free.shape[0])
-    arrive = np.empty(pairs.shape[0])
-    for k in range(pairs.shape[0]):
-        h, j = pairs[k, 0], pairs[k, 1]
-        start = max(out_free[h], in_free[j])
-        end = start + length[k]
-        out_free[h] = end
-        in_free[j] = end
-        arrive[k] = end + latency
-    return arrive
-
-
-@njit("float64[::1](int64[:, ::1], float64[::1], float64[::1], float64[::1])", cache=True)
-def _serve(pairs, arrive, t, cost):
-    """Each message's end on its helper, which computes a home's chunks (``cost`` µs) once it is
-    free (``t``, updated) and the whole message arrived, homes in ascending order (message order)."""
-    done = np.empty(pairs.shape[0])
-    for k in range(pairs.shape[0]):
-        j = pairs[k, 1]
-        t[j] = max(t[j], arrive[k]) + cost[k]
-        done[k] = t[j]
-    return done
-
-
 @njit(nt.UniTuple(nt.float64[::1], 2)(nt.int64[:, ::1], nt.int64[:, ::1], MODEL, nt.boolean[:, ::1]), cache=True)
 def _own_us(counts, moves, model, dynamic):
     """What each rank computes of its own rows after the plan ``moves`` (µs, forward + backward):
@@ -508,50 +480,74 @@ def _own_us(counts, moves, model, dynamic):
 @njit(nt.float64[:, ::1](nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], nt.int64[:, ::1],
                         MODEL), cache=True)
 def _timeline(static, later, pairs, sizes, flush, model):
-    """`finish_us` from the ranks' own work (`_own_us`) and the plan's messages (`_messages`)."""
-    G = static.shape[0]
+    """`finish_us` from the ranks' own work (`_own_us`) and the plan's messages (`_messages`).
+    Plain loops over ranks and messages: a plan is timed several times, and array temporaries
+    cost more than the arithmetic here."""
+    G, K = static.shape[0], pairs.shape[0]
     tm = model[0]
     wcopy, gcopy, rcopy = tm.weight_copy_us, tm.grad_copy_us, tm.row_copy_us
     latency, plan_ready = tm.message_us, tm.plan_us
     forward, backward = tm.forward_share, 1.0 - tm.forward_share
     out = np.empty((2, G))
-    rows, weights, grads, cost = sizes[:, 0], sizes[:, 1], sizes[:, 2], sizes[:, 3]
+    t = np.empty(G)  # when each rank is free to compute
+    link_out = np.empty(G)  # each rank's outgoing copy-engine link, free from
+    link_in = np.zeros(G)  # each rank's incoming link, free from
+    back = np.empty(K)  # when each message's results are home
 
-    # forward: the messages leave once the plan is there; a helper serves them after its own rows
-    out_free = np.full(G, plan_ready)
-    if tm.sends_after_static > 0:  # a grouped static call on the CPU: a home's sends follow its static experts
-        out_free = np.maximum(out_free, forward * static)
-    t = np.maximum(forward * static, plan_ready) + forward * later
-    arrive = _copies(pairs, weights * wcopy + rows * rcopy, latency, out_free)
-    fwd_cost = forward * cost
-    done = _serve(pairs, arrive, t, fwd_cost)
-    out[0] = t
-    for k in range(pairs.shape[0]):  # the outputs go home, part by part
-        parts = _parts(rows[k], model)
-        back = _returned(done[k] - fwd_cost[k], fwd_cost[k], parts, rows[k] / parts * rcopy, 0.0)
-        out[0, pairs[k, 0]] = max(out[0, pairs[k, 0]], back + latency)
+    # forward: the messages leave once the plan is there (with `sends_after_static`, a grouped
+    # static call on the CPU, once the home computed its static experts); a helper serves them
+    # after its own rows, homes in message order
+    for r in range(G):
+        link_out[r] = plan_ready
+        if tm.sends_after_static > 0:
+            link_out[r] = max(plan_ready, forward * static[r])
+        t[r] = max(forward * static[r], plan_ready) + forward * later[r]
+    for k in range(K):
+        h, j = pairs[k, 0], pairs[k, 1]
+        start = max(link_out[h], link_in[j])
+        end = start + (sizes[k, 1] * wcopy + sizes[k, 0] * rcopy)
+        link_out[h], link_in[j] = end, end
+        cost = forward * sizes[k, 3]
+        t[j] = max(t[j], end + latency) + cost
+        parts = _parts(sizes[k, 0], model)  # the outputs go home, part by part
+        back[k] = _returned(t[j] - cost, cost, parts, sizes[k, 0] / parts * rcopy, 0.0) + latency
+    for r in range(G):
+        out[0, r] = t[r]
+    for k in range(K):
+        out[0, pairs[k, 0]] = max(out[0, pairs[k, 0]], back[k])
 
-    # backward: the output-gradients leave at once; a helper serves its homes after its own
-    # experts' backward (the runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`)
-    t = backward * (static + later)
-    back_free = np.zeros(G)  # each rank's outgoing link: output-gradients, then weight-gradients, one at a time
-    arrive = _copies(pairs, rows * rcopy, latency, back_free)
+    # backward: the output-gradients leave at once, one copy at a time per link; a helper serves
+    # its homes after its own experts' backward (the runtime's order: `DynamicExperts`, the static
+    # experts, `Phase2Anchor`)
+    for r in range(G):
+        t[r] = backward * (static[r] + later[r])
+        link_out[r], link_in[r] = 0.0, 0.0
+    arrive = np.empty(K)
+    for k in range(K):
+        h, j = pairs[k, 0], pairs[k, 1]
+        start = max(link_out[h], link_in[j])
+        end = start + sizes[k, 0] * rcopy
+        link_out[h], link_in[j] = end, end
+        arrive[k] = end + latency
     # the step's end: a helper's kept copies that no chunk of this micro-batch uses hold their final
     # gradients already, and go home once its output-gradients have left, before anything it serves
     flushed = np.zeros(G)
     for f in range(flush.shape[0]):
         h, j = flush[f, 0], flush[f, 1]
-        back_free[j] += gcopy
-        flushed[h] = max(flushed[h], back_free[j] + latency)
-    bwd_cost = backward * cost
-    done = _serve(pairs, arrive, t, bwd_cost)
-    out[1] = np.maximum(t, flushed)
-    for k in range(pairs.shape[0]):  # a home's input-gradients part by part, the last with the weight-gradients
+        link_out[j] += gcopy
+        flushed[h] = max(flushed[h], link_out[j] + latency)
+    for k in range(K):  # a home's input-gradients part by part, the last with the weight-gradients
         h, j = pairs[k, 0], pairs[k, 1]
-        parts = _parts(rows[k], model)
-        back_free[j] = _returned(done[k] - bwd_cost[k], bwd_cost[k], parts, rows[k] / parts * rcopy,
-                                 back_free[j]) + grads[k] * gcopy
-        out[1, h] = max(out[1, h], back_free[j] + latency)
+        cost = backward * sizes[k, 3]
+        t[j] = max(t[j], arrive[k]) + cost
+        parts = _parts(sizes[k, 0], model)
+        link_out[j] = _returned(t[j] - cost, cost, parts, sizes[k, 0] / parts * rcopy, link_out[j]) + \
+            sizes[k, 2] * gcopy
+        back[k] = link_out[j] + latency
+    for r in range(G):
+        out[1, r] = max(t[r], flushed[r])
+    for k in range(K):
+        out[1, pairs[k, 0]] = max(out[1, pairs[k, 0]], back[k])
     return out
 
 
