@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["dynamic_candidates", "NONE"]
+__all__ = ["chosen_rows", "dynamic_candidates", "NONE"]
 
 NONE = -1  # pads a rank's row of dynamic experts where it has fewer than the others
 
@@ -39,8 +39,14 @@ def dynamic_candidates(counts: np.ndarray, D: int, mean_rows: float | None = Non
         outside = counts.sum(axis=1, keepdims=True) - np.cumsum(hottest_first, axis=1)  # rows outside the k + 1 hottest
         wanted = np.maximum(d, 1 + (outside > mean_rows).sum(axis=1))  # cumsum is monotone: a count is the first k
         wanted = np.minimum(wanted, min(2 * d, E))
-        chosen = np.where(np.arange(E) < wanted[:, None], order, NONE)[:, :max(d, int(wanted.max()))]
+        chosen = np.where(np.arange(E) < wanted[:, None], order, NONE)[:, :int(wanted.max(initial=d))]
         chosen = np.ascontiguousarray(chosen, dtype=np.int64)
     if senders_only and mean_rows is not None:
         chosen[counts.sum(axis=1) <= mean_rows] = NONE
     return chosen
+
+
+def chosen_rows(counts: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """The rows of each rank's chosen experts: counts int64 [G, E_local], chosen int64 [G, W]
+    (`dynamic_candidates`) -> int64 [G, W], 0 where `NONE`."""
+    return np.take_along_axis(counts, np.maximum(chosen, 0), axis=1) * (chosen != NONE)

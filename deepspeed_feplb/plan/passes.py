@@ -477,6 +477,15 @@ def _own_us(counts, moves, model, dynamic):
     return static, later
 
 
+@njit(nt.float64(nt.float64[::1], nt.float64[::1], nt.int64, nt.int64, nt.float64), cache=True)
+def _link_copy(link_out, link_in, h, j, length):
+    """One copy of ``length`` µs from rank h to rank j, each link one copy at a time (``link_out``,
+    ``link_in``: when each rank's outgoing and incoming links are free, updated); returns its end."""
+    end = max(link_out[h], link_in[j]) + length
+    link_out[h], link_in[j] = end, end
+    return end
+
+
 @njit(nt.float64[:, ::1](nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], nt.int64[:, ::1],
                         MODEL), cache=True)
 def _timeline(static, later, pairs, sizes, flush, model):
@@ -504,9 +513,7 @@ def _timeline(static, later, pairs, sizes, flush, model):
         t[r] = max(forward * static[r], plan_ready) + forward * later[r]
     for k in range(K):
         h, j = pairs[k, 0], pairs[k, 1]
-        start = max(link_out[h], link_in[j])
-        end = start + (sizes[k, 1] * wcopy + sizes[k, 0] * rcopy)
-        link_out[h], link_in[j] = end, end
+        end = _link_copy(link_out, link_in, h, j, sizes[k, 1] * wcopy + sizes[k, 0] * rcopy)
         cost = forward * sizes[k, 3]
         t[j] = max(t[j], end + latency) + cost
         parts = _parts(sizes[k, 0], model)  # the outputs go home, part by part
@@ -524,11 +531,7 @@ def _timeline(static, later, pairs, sizes, flush, model):
         link_out[r], link_in[r] = 0.0, 0.0
     arrive = np.empty(K)
     for k in range(K):
-        h, j = pairs[k, 0], pairs[k, 1]
-        start = max(link_out[h], link_in[j])
-        end = start + sizes[k, 0] * rcopy
-        link_out[h], link_in[j] = end, end
-        arrive[k] = end + latency
+        arrive[k] = _link_copy(link_out, link_in, pairs[k, 0], pairs[k, 1], sizes[k, 0] * rcopy) + latency
     # the step's end: a helper's kept copies that no chunk of this micro-batch uses hold their final
     # gradients already, and go home once its output-gradients have left, before anything it serves
     flushed = np.zeros(G)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
+from deepspeed_feplb.plan.hottest import NONE, chosen_rows, dynamic_candidates
 from deepspeed_feplb.plan.time_model import MODEL_DTYPE, TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
@@ -159,7 +159,7 @@ def lower_bound(counts: np.ndarray, D: int) -> int:
         return 0
     loads = counts.sum(axis=1)
     cand = dynamic_candidates(counts, D, float(loads.sum()) / G)
-    static = loads - (np.take_along_axis(counts, np.maximum(cand, 0), axis=1) * (cand != NONE)).sum(axis=1)
+    static = loads - chosen_rows(counts, cand).sum(axis=1)
     return int(max(-(-int(loads.sum()) // G), int(static.max())))
 
 

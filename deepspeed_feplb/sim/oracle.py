@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepspeed_feplb.plan.hottest import chosen_rows
 from deepspeed_feplb.plan.policy import PlanConstraints
 
 __all__ = ["OracleResult", "optimal_max_load", "require_highspy"]
@@ -59,7 +60,7 @@ def optimal_max_load(counts: np.ndarray, constraints: PlanConstraints, time_limi
         top = float(loads.max()) if G else 0.0
         return OracleResult(top, top, True)
     cand = constraints.chosen(counts)  # what the ranks publish: their D hottest, more above the mean
-    c = (np.take_along_axis(counts, np.maximum(cand, 0), axis=1) * (cand >= 0)).astype(np.float64)
+    c = chosen_rows(counts, cand).astype(np.float64)
     pairs = [(r, d, j) for r in range(G) for d in range(cand.shape[1]) for j in range(G) if j != r and c[r, d] > 0]
     P = len(pairs)
     n_col = 2 * P + 1  # x[0..P), y[P..2P), t

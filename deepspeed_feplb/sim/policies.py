@@ -133,7 +133,7 @@ class SimSetup:
 
     def step_ends(self, step: int) -> bool:
         """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""
-        return (step + 1) % self.micro_batches_per_step == 0
+        return self.later_micro_batches(step) == 0
 
     def later_micro_batches(self, step: int) -> int:
         """The micro-batches of ``step``'s optimizer step after it (0: it ends the step)."""
