@@ -11,7 +11,11 @@ up to 7 helpers per expert (the default since 2026-12-03; JSONs of earlier commi
 (inter-node 50 GB/s per rank, 370 GB/s inside a node); the replicas' exchange (fp32 gradient
 sums home, weights back, relayed over every link of the two nodes) is in the expert time. The
 simulator is deterministic: the figures do not depend on the machine's load, only its wall time.
-Then `scale`: how long a replica decision and one micro-batch's split take at EP 64 and EP 256.
+Then `scale`: how long a replica decision and one micro-batch's split take at EP 16, 64 and 256;
+``--scale-only`` runs that part alone (a decision is made at every optimizer step, per layer):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_replicas.py --scale-only \
+        --out benchmarks/data/cpu_replica_decision.json
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--slots", default="0,1,2", help="replica slots per rank to compare (default: %(default)s)")
+    parser.add_argument("--scale-only", action="store_true", help="time a decision and a split only (no simulation)")
     parser.add_argument("--max-rows-over-mean", default=None, metavar="RATIO",
                         help="feplb's bound on rows before time (`feplb.max_rows_over_mean`), passed to every "
                              "simulate command (default: none, time alone)")
@@ -58,7 +63,7 @@ def main() -> int:
     results: dict = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (source, G, N) in CASES.items():
+        for name, (source, G, N) in ({} if args.scale_only else CASES).items():
             extra = []
             if isinstance(source, str):
                 trace, extra = os.path.join(SHIPPED, source), ["--merge-sources"]
@@ -82,8 +87,9 @@ def main() -> int:
                                                            "replicas", "replica_exchange_us")}}
     timing = scale()
     print(f"\n{time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}\n")
-    print("| case | slots | feplb max/mean | straggler vs EPLB | expert time µs | vs EPLB | replicas at end |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    if results:
+        print("| case | slots | feplb max/mean | straggler vs EPLB | expert time µs | vs EPLB | replicas at end |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
     for name, per in results.items():
         for r, res in per.items():
             e, f = res["eplb"], res["feplb"]
@@ -97,16 +103,18 @@ def main() -> int:
 
 
 def scale() -> dict:
-    """Wall time of a replica decision (`replicas.choose`, on 16 micro-batches) and of one
-    micro-batch's split (`replicas.route`) at EP 64 (256 experts) and EP 256 (512 experts), nodes of
-    8, one replica slot per rank, 32k rows per rank of Zipf(1.3) popularity that drifts per
-    micro-batch (median of 5 splits)."""
+    """Wall time of a replica decision (`replicas.choose`, on 16 micro-batches; median of 3) and of
+    one micro-batch's split (`replicas.route`; median of 5) at EP 16 (128 experts), EP 64 (256)
+    and EP 256 (512), nodes of 8, one replica slot per rank, 32k rows per rank of Zipf(1.3)
+    popularity that drifts per micro-batch; the compiled calls loaded first (`load_split`), as a
+    layer with replica slots does when it attaches."""
     import numpy as np
 
     from deepspeed_feplb.plan import replicas
 
+    replicas.load_split()
     out = {}
-    for G, N, E in ((8, 8, 256), (8, 32, 512)):
+    for G, N, E in ((8, 2, 128), (8, 8, 256), (8, 32, 512)):
         R = G * N
         rng = np.random.default_rng(0)
         popularity = rng.zipf(1.3, E).astype(float)
@@ -114,10 +122,13 @@ def scale() -> dict:
         samples = np.stack([rng.multinomial(R * 32768, rng.dirichlet(popularity * 200 + 1e-3))
                             for _ in range(16)]).astype(float)
         expert_to_rank = np.arange(E) // (E // R)
-        start = time.perf_counter()
-        choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 75.5e6, 50.0, grad_bytes=151e6,
-                                 intra_gbps=370.0)
-        decide_s = time.perf_counter() - start
+        decisions = []
+        for _ in range(3):
+            start = time.perf_counter()
+            choice = replicas.choose(samples, expert_to_rank, G, 1, 4, 0.5, 8, 75.5e6, 50.0, grad_bytes=151e6,
+                                     intra_gbps=370.0)
+            decisions.append(time.perf_counter() - start)
+        decide_s = float(np.median(decisions))
         slots = replicas.slot_experts(expert_to_rank, choice.replica_at)
         src = rng.multinomial(32768, popularity, size=R)
         splits = []
@@ -127,7 +138,7 @@ def scale() -> dict:
             splits.append(time.perf_counter() - start)
         out[f"EP{R}"] = {"experts": E, "decision_s": decide_s, "replicas": int((choice.replica_at >= 0).sum()),
                          "route_ms": float(np.median(splits)) * 1e3}
-        print(f"EP {R}, {E} experts: decision {decide_s:.2f} s ({out[f'EP{R}']['replicas']} replicas), "
+        print(f"EP {R}, {E} experts: decision {decide_s:.3f} s ({out[f'EP{R}']['replicas']} replicas), "
               f"one micro-batch's split {out[f'EP{R}']['route_ms']:.1f} ms", flush=True)
     return out
 

@@ -1011,7 +1011,7 @@ def placement_replay_case(trace_path: str, gas: int = 2, interval: int = 2, deca
             "micro": micro, "placements": placements, "state_bytes": placement.placer.expert_state_bytes,
             "refreshes": placement.refreshes, "us_per_token": us_per_token, "replica_at": replica_at,
             "weight_bytes": placement.placer.weight_bytes, "grad_bytes": placement.placer.grad_bytes,
-            "replica_drops": placement.placer.replica_drops}
+            "replica_drops": placement.placer.replica_drops, "replica_changes": placement.placer.replica_changes}
 
 
 class PacedExpert(torch.nn.Module):

@@ -129,29 +129,38 @@ def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
     assert (rp.choose(drifting, e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args).replica_at < 0).all()
 
 
-def test_held_replicas_go_at_the_first_step_where_they_no_longer_pay():
-    """Between decisions the placer judges its replicas at every optimizer step: held while the hot
-    expert stays hot, dropped (no transfer: the exchange just stops) once it cools, and never under
-    a row bound (rows first)."""
-    def placer(**extra):
+def test_replicas_are_chosen_again_at_every_step_between_decisions():
+    """Between decisions the placer chooses its replicas again at every optimizer step: held while
+    the hot expert stays hot (a new set must do better, not as well), dropped (no transfer: the
+    exchange just stops) once it cools, under a row bound too once the bound holds without them,
+    and made for an expert that turns hot after a decision without waiting for the next one."""
+    def placer(samples, **extra):
         p = CrossNodePlacer(E, N, G, interval=10_000, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
                             dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8, warmup=8,
                             move_experts=False, **extra)
-        for loads in _skewed_samples(400.0):
+        for loads in samples:
             p.observe(loads, refresh=False)
-        assert p.due and p.refresh() and (p.replica_at >= 0).any()
+        assert p.due
+        p.refresh()
         return p
 
-    hot = placer()
-    for loads in _skewed_samples(400.0):
+    hot = placer(_skewed_samples(400.0))
+    held = hot.replica_at.copy()
+    assert (held >= 0).any()
+    for loads in _skewed_samples(400.0)[::-1]:  # the same skew, other noise
         hot.observe(loads, refresh=False)
-    assert not hot.due and not hot.review_replicas() and (hot.replica_at >= 0).any()
-    for cooled in (hot, bound := placer(max_rows_over_mean=1.01)):
+    assert not hot.due and not hot.review_replicas() and np.array_equal(hot.replica_at, held)
+    bound = placer(_skewed_samples(400.0), max_rows_over_mean=1.01)
+    for cooled in (hot, bound):
         for _ in range(16):
             cooled.observe(np.full(E, 100.0), refresh=False)
-    assert hot.review_replicas() and (hot.replica_at < 0).all() and hot.replica_drops == 1
-    assert not hot.review_replicas()  # nothing left to drop
-    assert not bound.review_replicas() and (bound.replica_at >= 0).any()
+        assert cooled.review_replicas() and (cooled.replica_at < 0).all() and cooled.replica_drops == 1
+        assert not cooled.review_replicas()  # nothing left to drop
+    late = placer(np.full((8, E), 100.0))  # nothing hot at the decision
+    assert (late.replica_at < 0).all()
+    for loads in [*_skewed_samples(400.0), *_skewed_samples(400.0)]:
+        late.observe(loads, refresh=False)
+    assert not late.due and late.review_replicas() and 0 in late.replica_at and late.replica_changes == 1
 
 
 def test_a_row_bound_puts_rows_before_time():

@@ -305,7 +305,7 @@ class ExpertPlacement:
         self.steps += 1
         self.placer.us_per_token = float(both[0, -1]) / ranks
         if not self.placer.due:
-            return self.placer.review_replicas()  # replicas that stopped paying go before their next exchange
+            return self.placer.review_replicas()  # replicas chosen again: the hot set drifts between decisions
         changed = self.placer.refresh()
         self._say_what_the_bound_costs(loads)
         if not changed:

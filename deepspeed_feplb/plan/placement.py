@@ -437,12 +437,13 @@ class CrossNodePlacer:
     intra_gbps:      intra-node bandwidth per GPU (GB/s) for experts that change rank inside a
                      node (inf: free).
     warmup:          observations before the first decision (None: ``interval``).
-    redundant:       replica slots per rank (`plan.replicas`): each decision also chooses which
-                     hot experts get a replica on another node (`replicas.choose`, on the last
-                     `RECENT_SAMPLES` micro-batches), where the gain pays for their gradient
-                     exchange at every optimizer step (``micro_batches_per_step`` micro-batches:
-                     its gradient sum, ``grad_bytes`` (None: ``weight_bytes``), goes home and the
-                     weights come back, a new replica's first ones among them).
+    redundant:       replica slots per rank (`plan.replicas`): each decision, and every optimizer
+                     step between them (`review_replicas`), chooses which hot experts get a
+                     replica on another node (`replicas.choose`, on the last `RECENT_SAMPLES`
+                     micro-batches), where the gain pays for their gradient exchange at every
+                     optimizer step (``micro_batches_per_step`` micro-batches: its gradient sum,
+                     ``grad_bytes`` (None: ``weight_bytes``), goes home and the weights come
+                     back, a new replica's first ones among them).
     max_rows_over_mean: the bound on rows before time (``feplb.max_rows_over_mean``; 0: none):
                      the replicas chosen are those that bring the predicted busiest rank closest
                      to it, the fastest among equals (`replicas.choose`).
@@ -492,7 +493,8 @@ class CrossNodePlacer:
     refreshes: int = field(init=False, default=0)
     decisions: int = field(init=False, default=0)
     last_cost_us: float = field(init=False, default=0.0)
-    replica_drops: int = field(init=False, default=0)  # `review_replicas` that dropped the replicas
+    replica_changes: int = field(init=False, default=0)  # `review_replicas` that changed the replicas
+    replica_drops: int = field(init=False, default=0)  # of them, those that left none
     retention: Optional[float] = field(init=False, default=None)
     _decided_at: int = field(init=False, default=0, repr=False)
     _probe: Optional[tuple] = field(init=False, default=None, repr=False)
@@ -566,32 +568,35 @@ class CrossNodePlacer:
         return True
 
     def review_replicas(self) -> bool:
-        """At an optimizer step between decisions: drop every replica if the held set did not pay
-        over the step's micro-batches (`replicas.still_pays`): its exchange is paid at every step,
-        a drop costs nothing, and new replicas come at decisions only. With
-        ``max_rows_over_mean`` set rows come first, and nothing is dropped. Returns whether the
-        replicas were dropped."""
-        if not self.redundant or self.max_rows_over_mean > 0 or not (self.replica_at >= 0).any() or not self._recent:
+        """At an optimizer step between decisions: choose the replicas again for the primaries held,
+        on the recent micro-batches (`replicas.choose`, as a decision does). A hot set that drifts
+        gets its replicas at the next step instead of the next decision, and replicas that stopped
+        paying go: a new replica's first weights come with the step's exchange, which every held
+        replica takes anyway, and a drop moves nothing. Returns whether the replicas changed
+        (``replica_changes`` counts them, ``replica_drops`` those that left none)."""
+        if not self.redundant or not self._recent:
             return False
-        step = np.array(self._recent)[-self.micro_batches_per_step:]
-        if replicas.still_pays(step, self.expert_to_rank, self.replica_at, self.ranks_per_node, **self._replica_prices):
+        held = bool((self.replica_at >= 0).any())
+        if not self._choose_replicas(keep_if_as_good=True):
             return False
-        self.replica_at = np.full_like(self.replica_at, -1)
-        self.replica_drops += 1
+        self.replica_changes += 1
+        self.replica_drops += held and not (self.replica_at >= 0).any()
         return True
 
     @property
     def _replica_prices(self) -> dict:
-        """What `replicas.choose` and `replicas.still_pays` weigh replicas with, alike."""
+        """What `replicas.choose` weighs replicas with."""
         return dict(dynamic_experts=self.dynamic_experts, us_per_row=self.us_per_token,
                     micro_batches_per_step=self.micro_batches_per_step, weight_bytes=self.weight_bytes,
                     net_gbps=self.net_gbps, grad_bytes=self.grad_bytes, intra_gbps=self.intra_gbps)
 
-    def _choose_replicas(self) -> bool:
+    def _choose_replicas(self, keep_if_as_good: bool = False) -> bool:
         """The replicas for the (new) primaries (`replicas.choose`; their first weights come with the
-        step's exchange, which the caller prices). Returns whether they changed."""
+        step's exchange, which the caller prices); ``keep_if_as_good``: those held stay unless a
+        new set does better. Returns whether they changed."""
         choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
-                                 max_rows_over_mean=self.max_rows_over_mean, **self._replica_prices)
+                                 max_rows_over_mean=self.max_rows_over_mean,
+                                 held=self.replica_at if keep_if_as_good else None, **self._replica_prices)
         self.replica_choice = choice
         if np.array_equal(choice.replica_at, self.replica_at):
             return False

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Choice", "most_replica_slots", "slot_experts", "Split", "split", "load_split", "route", "expected_counts",
-           "predicted_rows", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us", "choose"]
+           "predicted_rows", "predicted_rows_many", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us",
+           "choose"]
 
 
 def most_replica_slots(experts: int, ranks: int, ranks_per_node: int) -> int:
@@ -58,8 +59,9 @@ def _copies(slots: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
     return held, np.bincount(slots[held], minlength=experts)
 
 
-def _split_kernel(src, slots, ranks_per_node, primaries):
-    """`split`, compiled whole (`_compiled_split`): src int64/float [R_src, E], slots int64 [R, S].
+def _split_kernel(src, slots, copies, ranks_per_node, primaries):
+    """`split`, compiled whole (`_compiled_split`): src int64/float [R_src, E], slots int64 [R, S],
+    copies int64 [E] (each expert's holders, `_copies`).
     Returns (source, expert, rank int64 [K], rows float64 [K]).
 
     Each replicated expert's holders: its primary first, then its replicas by rank. The pairs of
@@ -72,11 +74,6 @@ def _split_kernel(src, slots, ranks_per_node, primaries):
     R, S = slots.shape
     G = ranks_per_node
     N = R // G
-    copies = np.zeros(E, np.int64)
-    for q in range(R):
-        for j in range(S):
-            if slots[q, j] >= 0:
-                copies[slots[q, j]] += 1
     holders = np.full((E, max(copies.max(), 1)), -1, np.int64)
     count = np.zeros(E, np.int64)
     for first, last in ((0, primaries), (primaries, S)):  # the primaries, then the replicas by rank
@@ -172,11 +169,13 @@ def _compiled_split():
 
 
 def load_split() -> None:
-    """Load (or compile) `split` for int64 routes now (what the runtime and the simulator pass;
-    float routes compile on their first use): a runtime does it when a layer with replica slots
-    attaches, so that no rank compiles inside a collective forward."""
+    """Load (or compile) `split` for int64 routes (what the runtime and the simulator pass; float
+    routes compile on their first use) and `predicted_rows_many` now: a runtime does it when a
+    layer with replica slots attaches, so that no rank compiles inside a collective forward or at
+    an optimizer step."""
     slots = np.array([[0, -1], [1, 0]], np.int64)
     split(np.ones((2, 2), np.int64), slots, 1, 1)
+    predicted_rows_many(np.ones((1, 2)), slots, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -210,7 +209,8 @@ def split(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
             slots.shape[0] % ranks_per_node or not 0 <= primaries <= slots.shape[1]:
         raise ValueError(f"split: src [R_src, E] {src.shape} and slots [R, S] {slots.shape} (experts < E, R a "
                          f"multiple of {ranks_per_node} ranks per node, {primaries} primaries per rank) do not fit")
-    return Split(*_compiled_split()(src, slots, int(ranks_per_node), int(primaries)))
+    copies = _copies(slots, src.shape[1])[1]
+    return Split(*_compiled_split()(src, slots, copies, int(ranks_per_node), int(primaries)))
 
 
 def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: int) -> np.ndarray:
@@ -235,37 +235,10 @@ def route(src: np.ndarray, slots: np.ndarray, ranks_per_node: int, primaries: in
 
 def expected_counts(w: np.ndarray, slots: np.ndarray, ranks_per_node: int) -> np.ndarray:
     """Rows per slot float [R, S] for expected loads ``w`` float [E]: experts held once at their slot;
-    each replicated expert (heaviest first) split continuously over its holders' nodes, filling the
-    lightest first (the limit of `route` with many small sources; fast enough to weigh candidates)."""
-    w = np.asarray(w, np.float64)
-    slots = np.asarray(slots, np.int64)
-    R, S = slots.shape
-    N = R // ranks_per_node
-    held, copies = _copies(slots, w.shape[0])
-    counts = np.zeros((R, S))
-    single = held & (copies[np.maximum(slots, 0)] == 1)
-    counts[single] = w[slots[single]]
-    node_rows = counts.sum(axis=1).reshape(N, ranks_per_node).sum(axis=1)
-    replicated = np.flatnonzero(copies > 1)
-    for e in replicated[np.argsort(-w[replicated], kind="stable")].tolist():
-        q, j = np.nonzero(held & (slots == e))
-        nodes, per_node = np.unique(q // ranks_per_node, return_counts=True)
-        level = _water_level(node_rows[nodes], w[e])
-        add = np.maximum(level - node_rows[nodes], 0.0)
-        node_rows[nodes] += add
-        counts[q, j] += (add / per_node)[np.searchsorted(nodes, q // ranks_per_node)]  # a node's holders share
-    return counts
-
-
-def _water_level(levels: np.ndarray, amount: float) -> float:
-    """The level to which ``amount`` fills containers at ``levels`` (lowest first)."""
-    ordered = np.sort(levels)
-    filled = np.cumsum(ordered)
-    for k in range(len(ordered), 0, -1):
-        level = (amount + filled[k - 1]) / k
-        if level >= ordered[k - 1]:
-            return float(level)
-    return float(ordered[0] + amount)
+    each replicated expert (heaviest first, ties: lower id) split continuously over its holders'
+    nodes, filling the lightest first, a node's holders sharing its part evenly (the limit of
+    `route` with many small sources; fast enough to weigh candidates)."""
+    return _expected_many(np.asarray(w, np.float64)[None], slots, ranks_per_node)[0]
 
 
 def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> float:
@@ -273,7 +246,85 @@ def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynami
     `expected_counts`, then the lower bound of intra-node balancing over the nodes,
     ``max_n max(mean rank rows of node n, max_{r in n} (rows_r - its D largest slots))`` (as
     `plan.placement.placement_rows` without replicas, and like it with each rank's D hottest)."""
-    return _bound(expected_counts(w, slots, ranks_per_node), ranks_per_node, dynamic_experts)
+    return float(predicted_rows_many(np.asarray(w, np.float64)[None], slots, ranks_per_node, dynamic_experts)[0])
+
+
+def predicted_rows_many(loads: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> np.ndarray:
+    """`predicted_rows` of each micro-batch of ``loads`` float [K, E]: float64 [K], in one compiled
+    call and a few array operations (what `choose` weighs each candidate with)."""
+    counts = _expected_many(loads, slots, ranks_per_node)  # [K, R, S]
+    K, R, _ = counts.shape
+    per_rank = counts.sum(axis=2)
+    bound = per_rank.reshape(K, R // ranks_per_node, ranks_per_node).mean(axis=2).max(axis=1)
+    if dynamic_experts > 0:
+        top = -np.sort(-counts, axis=2)[:, :, :dynamic_experts].sum(axis=2)
+        bound = np.maximum(bound, (per_rank - top).max(axis=1))
+    return bound
+
+
+def _expected_many(loads: np.ndarray, slots: np.ndarray, ranks_per_node: int) -> np.ndarray:
+    """`expected_counts` of each micro-batch of ``loads`` float [K, E]: float64 [K, R, S]."""
+    loads = np.ascontiguousarray(np.atleast_2d(loads), np.float64)
+    slots = np.ascontiguousarray(slots, np.int64)
+    # the compiled call checks no index: wrong shapes must stop here
+    if loads.ndim != 2 or slots.ndim != 2 or slots.max(initial=-1) >= loads.shape[1] or ranks_per_node < 1 or \
+            slots.shape[0] % ranks_per_node:
+        raise ValueError(f"expected loads [K, E] {loads.shape} and slots [R, S] {slots.shape} (experts < E, R a "
+                         f"multiple of {ranks_per_node} ranks per node) do not fit")
+    return _compiled_expected()(loads, slots, _copies(slots, loads.shape[1])[1], int(ranks_per_node))
+
+
+def _expected_kernel(loads, slots, copies, G):
+    """`_expected_many`, compiled whole (`_compiled_expected`): loads float64 [K, E], slots int64
+    [R, S], copies int64 [E] (each expert's holders, `_copies`) -> float64 [K, R, S]. Per
+    micro-batch: the experts held once at their slot, then each replicated expert, heaviest first,
+    raises the lightest of its holders' nodes to a common level (water filling), and a node's part
+    is shared evenly by its holders."""
+    K, E = loads.shape
+    R, S = slots.shape
+    N = R // G
+    replicated = np.flatnonzero(copies > 1)
+    holders = np.zeros((E, N), np.int64)  # a replicated expert's holders per node
+    for q in range(R):
+        for j in range(S):
+            e = slots[q, j]
+            if e >= 0 and copies[e] > 1:
+                holders[e, q // G] += 1
+    counts = np.zeros((K, R, S))
+    add = np.zeros(N)
+    for k in range(K):
+        w = loads[k]
+        node_rows = np.zeros(N)
+        for q in range(R):
+            for j in range(S):
+                e = slots[q, j]
+                if e >= 0 and copies[e] == 1:
+                    counts[k, q, j] = w[e]
+                    node_rows[q // G] += w[e]
+        for e in replicated[np.argsort(-w[replicated], kind="mergesort")]:
+            nodes = np.flatnonzero(holders[e] > 0)
+            ordered = np.sort(node_rows[nodes])
+            filled = np.cumsum(ordered)
+            level = ordered[0] + w[e]
+            for m in range(len(ordered), 0, -1):  # the highest level that the amount reaches
+                if (w[e] + filled[m - 1]) / m >= ordered[m - 1]:
+                    level = (w[e] + filled[m - 1]) / m
+                    break
+            for n in nodes:
+                add[n] = max(level - node_rows[n], 0.0)
+                node_rows[n] += add[n]
+            for q in range(R):
+                for j in range(S):
+                    if slots[q, j] == e:
+                        counts[k, q, j] += add[q // G] / holders[e, q // G]
+    return counts
+
+
+@functools.cache
+def _compiled_expected():
+    """`_expected_kernel` compiled by numba (``cache=True``), loaded on first use (`load_split`)."""
+    from numba import njit
+    return njit(cache=True)(_expected_kernel)
 
 
 RELAY_CHUNK_BYTES = 4 << 20  # `integration.replicas.relay` moves a shard in pieces of this size, hops pipelined
@@ -349,7 +400,7 @@ class Choice:
 def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int, redundant: int,
            dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
            net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf,
-           max_rows_over_mean: float = 0.0) -> Choice:
+           max_rows_over_mean: float = 0.0, held: np.ndarray | None = None) -> Choice:
     """The replicas to hold over the primaries ``expert_to_rank``, judged on ``samples`` float [K, E]:
     the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
     catches, and what a moving average hides).
@@ -367,7 +418,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
     the step's exchange (`exchange_us` / ``micro_batches_per_step``: a new replica's first weights
     come with the exchange that follows the decision, as every step's do); none when no prefix
-    pays (between decisions, `still_pays` judges the held set at every optimizer step). A replica
+    pays (`plan.placement.CrossNodePlacer` chooses again at every optimizer step). A replica
     holds the expert's weights only (``weight_bytes``; its gradient sum travels as ``grad_bytes``,
     default ``weight_bytes``): the sum joins the expert's gradient before the optimizer step, and
     the stepped weights reach it with the exchange's return half, both relayed over every link of
@@ -376,7 +427,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     ``max_rows_over_mean`` (``feplb.max_rows_over_mean``; 0: none) puts rows before time, as the
     intra-node planner does: the prefix whose predicted busiest rank exceeds that multiple of the
     mean rows per rank by the fewest rows (on the later half, averaged; `ROWS_TIE` of the mean
-    apart is a tie) wins, the largest net gain among those, even where it costs time."""
+    apart is a tie) wins, the largest net gain among those, even where it costs time.
+
+    ``held`` int64 [R, redundant]: the replicas held now, weighed before the sequences, so that a
+    new set must do better than them, not as well (where replicas are chosen at every step, a tie
+    would move them for nothing)."""
     samples = np.atleast_2d(np.asarray(samples, np.float64))
     e2r = np.asarray(expert_to_rank, np.int64)
     E = samples.shape[1]
@@ -394,7 +449,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     def judged_rows(replicas: np.ndarray) -> tuple[float, float]:
         """(mean predicted busiest rows, mean rows over the bound) on the later half."""
         slots = slot_experts(e2r, replicas)
-        rows = np.array([predicted_rows(w, slots, G, dynamic_experts) for w in judge])
+        rows = predicted_rows_many(judge, slots, G, dynamic_experts)
         return float(rows.mean()), float(np.maximum(rows - caps, 0.0).mean())
 
     def cost(replicas: np.ndarray) -> float:
@@ -404,6 +459,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     expected = fit.mean(axis=0)
     base, over = judged_rows(none)
     weighed = [(none, 0.0, 0.0, over)]  # (replica_at, gain, cost, rows over the bound)
+    if held is not None and (np.asarray(held) >= 0).any():
+        rows, excess = judged_rows(held)
+        weighed.append((np.asarray(held, np.int64).copy(), (base - rows) * us_per_row, cost(held), excess))
     for repeat in (False, True):
         sequence = _sequence(expected, e2r, G, redundant, repeat)
         stride = max(1, len(sequence) // 32)  # at most ~32 prefixes weighed
@@ -418,24 +476,6 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
 
 ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
-
-
-def still_pays(samples: np.ndarray, expert_to_rank: np.ndarray, replica_at: np.ndarray, ranks_per_node: int,
-               dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
-               net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf) -> bool:
-    """Whether the held replicas ``replica_at`` int64 [R, redundant] still pay on ``samples`` float
-    [K, E] (per-expert loads of a step's micro-batches): `choose`'s rule, their mean gain over
-    holding none, on every sample (the set was not fitted to these), against their exchange per
-    micro-batch, which is paid at every step while a drop costs nothing."""
-    samples = np.atleast_2d(np.asarray(samples, np.float64))
-    e2r = np.asarray(expert_to_rank, np.int64)
-    E, R, G = samples.shape[1], len(replica_at), ranks_per_node
-    none = slot_experts(e2r, np.full_like(replica_at, -1))
-    held = slot_experts(e2r, replica_at)
-    saved = np.mean([predicted_rows(w, none, G, dynamic_experts) - predicted_rows(w, held, G, dynamic_experts)
-                     for w in samples])
-    return float(saved) * us_per_row > _exchange_per_micro_batch(held, E // R, G, micro_batches_per_step, weight_bytes,
-                                                                 grad_bytes, net_gbps, intra_gbps)
 
 
 def _exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
@@ -482,13 +522,3 @@ def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, rep
         full[e] |= not repeat
         sequence.append(replica_at)
     return sequence
-
-
-def _bound(counts: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> float:
-    """`predicted_rows` of slot rows ``counts`` float [R, S]."""
-    per_rank = counts.sum(axis=1)
-    node_mean = per_rank.reshape(-1, ranks_per_node).mean(axis=1).max()
-    if dynamic_experts <= 0:
-        return float(node_mean)
-    top = np.sort(counts, axis=1)[:, ::-1][:, :dynamic_experts].sum(axis=1)
-    return float(max(node_mean, (per_rank - top).max()))

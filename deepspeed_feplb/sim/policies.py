@@ -497,7 +497,7 @@ class _NodePolicy:
                 placer.refresh()
                 timing["expert_us"] += placer.last_cost_us
                 timing["placement_us"] = placer.last_cost_us
-            elif ends:  # replicas that stopped paying go before their next exchange
+            elif ends:  # replicas chosen again: the hot set drifts between decisions
                 placer.review_replicas()
         if replicated and ends:
             # the step's replicas send their gradient sums home; the stepped weights go to the
@@ -537,6 +537,7 @@ class _NodePolicy:
                "placement_migration_us": sum(p.migration_us for p in self.placers)}
         if self.setup.redundant_per_rank:
             out.update(replicas=sum(int((p.replica_at >= 0).sum()) for p in self.placers),
+                       replica_changes=sum(p.replica_changes for p in self.placers),
                        replica_drops=sum(p.replica_drops for p in self.placers),
                        replica_exchange_us=self.replica_exchange_us)
         return out
