@@ -773,7 +773,8 @@ def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, lear
 
 
 def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1,
-                       learn_router: bool = False, recompute: bool = False, enabled: bool = True) -> dict:
+                       learn_router: bool = False, recompute: bool = False, enabled: bool = True,
+                       fixed_costs: str = "ignore") -> dict:
     """feplb.placement (``enabled``: homes may move; false: replicas alone, every expert keeping its
     home) with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
     with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``, the layer
@@ -781,13 +782,15 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     DeepSpeed's MoE trained side by side. Returns both loss curves, the parameter errors (FEPLB's
     experts back in DeepSpeed's layout), each micro-batch's rows per rank before balancing
     (this rank's domain: ``ranks``, ``tokens_before``), the replica table after each step and the
-    replicas' refresh and gradient-send counts."""
+    replicas' refresh and gradient-send counts; with ``fixed_costs`` "measured", the host cost of
+    holding replicas measured by each step's end and the price of the replicas chosen there
+    (``replica_fixed_us``: (fixed µs per micro-batch, the choice's cost µs) per step)."""
     import deepspeed
 
     from deepspeed_feplb.integration.expert_state import ModuleExperts
     from deepspeed_feplb.integration.placement_engine import placed_layers
     world = dist.get_world_size()
-    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": fixed_costs,
              "copy_engine_gbps": 1e6,
              "placement": {"enabled": enabled, "interval_steps": 2, "network_gbps": 1e6,
                            "redundant_experts_per_rank": redundant, **({"history_decay": 0.5} if enabled else {})}}
@@ -800,7 +803,7 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     forwards = []  # one entry per forward of FEPLB's layer (a recomputed one included)
     ours.module.moe.register_forward_pre_hook(lambda *_: forwards.append(1))
     losses = {name: [] for name in engines}
-    micro, replica_at = [], []
+    micro, replica_at, fixed_us = [], [], []
     for step in range(steps):
         for m in range(gas):
             x, target = _placed_inputs(step * gas + m, 256)
@@ -809,6 +812,8 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
             stats = ours.module.moe.feplb_stats
             micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
         replica_at.append(placed_layers(ours.module)[0].placement.replica_at.tolist())
+        placer = placed_layers(ours.module)[0].placement.placer
+        fixed_us.append((placer.replica_fixed_us, placer.replica_choice.cost_us if placer.replica_choice else 0.0))
     layer = placed_layers(ours.module)[0]
     placement = layer.placement
     params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
@@ -817,7 +822,7 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
         errors = {n: relative_error(p.detach(), reference[n].detach()) for n, p in ours.module.named_parameters()}
         names = sorted(ours.module.state_dict())
     return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,
-            "refreshes": placement.replicas.refreshes if placement.replicas else 0,
+            "replica_fixed_us": fixed_us, "refreshes": placement.replicas.refreshes if placement.replicas else 0,
             "forwards": len(forwards),
             "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
             "expert_at": placement.expert_at.tolist(), "moved_experts": placement.moved_experts,

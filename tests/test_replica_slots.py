@@ -76,6 +76,27 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
     assert r["state_dict_keys"] == r["reference_keys"], "replica slots leaked into the state dict"
 
 
+def test_the_host_cost_of_held_replicas_is_measured_agreed_and_priced():
+    """``feplb.fixed_costs: "measured"``: from the first step with replicas held, the ranks agree
+    at each step on what their hosts spent on them beyond the modelled exchange (each forward's
+    split, the refresh, the relay), and the choice made there prices it; training stays
+    DeepSpeed's. (Whether a replica then pays depends on the measured cost per row: unit-tested
+    in test_replicas.py.)"""
+    gas, steps = 2, 4
+    results = run_distributed(moe_cases.replica_slots_case, 4, 1, steps, gas, 1, False, False, False, "measured",
+                              timeout=900)
+    r = results[0]
+    assert all(x["replica_at"] == r["replica_at"] and x["replica_fixed_us"] == r["replica_fixed_us"]
+               for x in results), "ranks disagree on the replicas or their price"
+    held = [any(q >= 0 for row in step for q in row) for step in r["replica_at"]]
+    fixed = [f for f, _ in r["replica_fixed_us"]]
+    assert held[0] and fixed[0] == 0.0, (held, fixed)  # made at the first step's end, nothing measured yet
+    assert all(f > 0.0 for f in fixed[1:]), fixed
+    assert all(cost >= f for (f, cost), h in zip(r["replica_fixed_us"][1:], held[1:]) if h), r["replica_fixed_us"]
+    reference, ours = np.array(r["losses"]["reference"]), np.array(r["losses"]["feplb"])
+    assert np.allclose(ours, reference, rtol=1e-5, atol=1e-6), f"losses differ: {ours - reference}"
+
+
 def test_checkpoints_hold_no_replica_and_load_both_ways(tmp_path):
     results = run_distributed(moe_cases.replica_checkpoint_case, 4, str(tmp_path), 2, timeout=600)
     r = results[0]

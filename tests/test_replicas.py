@@ -163,6 +163,30 @@ def test_replicas_are_chosen_again_at_every_step_between_decisions():
     assert not late.due and late.review_replicas() and 0 in late.replica_at and late.replica_changes == 1
 
 
+def test_a_measured_host_cost_of_holding_replicas_is_priced():
+    """``fixed_us`` (what holding any replica costs per micro-batch beyond its exchange: the host's
+    work, measured at runtime) joins the price of every set with a replica: a replica whose gain
+    pays its exchange but not that is not made, and one held is dropped at the next step."""
+    e2r = np.arange(E) // PRIMARIES
+    args = dict(ranks_per_node=G, redundant=1, dynamic_experts=1, micro_batches_per_step=8, us_per_row=1.0,
+                weight_bytes=1e3, net_gbps=1.0)
+    free = rp.choose(_skewed_samples(400.0), e2r, **args)
+    assert (free.replica_at >= 0).any() and free.gain_us > free.cost_us
+    dear = rp.choose(_skewed_samples(400.0), e2r, fixed_us=free.gain_us, **args)
+    assert (dear.replica_at < 0).all()
+    priced = rp.choose(_skewed_samples(400.0), e2r, fixed_us=free.gain_us / 2, **args)
+    assert np.array_equal(priced.replica_at, free.replica_at) and priced.cost_us == pytest.approx(
+        free.cost_us + free.gain_us / 2)
+    p = CrossNodePlacer(E, N, G, interval=10_000, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
+                        dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8, warmup=8,
+                        move_experts=False)
+    for loads in _skewed_samples(400.0):
+        p.observe(loads, refresh=False)
+    assert p.refresh() and (p.replica_at >= 0).any()
+    p.replica_fixed_us = free.gain_us  # what the runtime measured while they were held
+    assert p.review_replicas() and (p.replica_at < 0).all()
+
+
 def test_a_row_bound_puts_rows_before_time():
     """``feplb.max_rows_over_mean``: a replica whose exchange costs more than it saves is still made
     where it brings the busiest rank toward the bound; where the bound holds without one, none is,

@@ -33,6 +33,7 @@ norms in DeepSpeed's layout): `placement_engine`. State dicts in placement order
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 import numpy as np
@@ -73,6 +74,8 @@ class ExpertPlacement:
             step and its fp32 gradient sum goes home).
         max_rows_over_mean: ``feplb.max_rows_over_mean`` (0: none): replicas are chosen to bring the
             busiest rank within it before time (`plan.replicas.choose`).
+        price_host: whether the replica choice prices the host's work on held replicas
+            (``feplb.fixed_costs: "measured"``; `end_step`).
         move_experts: whether decisions may give experts other homes (``feplb.placement.enabled``);
             False: every expert keeps its home slot (the table stays as it is: the identity, unless
             a state dict in placement order was loaded; no slot's contents change) and decisions
@@ -82,7 +85,8 @@ class ExpertPlacement:
     def __init__(self, num_experts: int, ep_group, ep_size: int, ranks_per_node: int, interval_steps: int,
                  decay: float, network_gbps: float, expert_params: list[torch.Tensor], dynamic_experts: int = 0,
                  intra_gbps: float = float("inf"), dp_group=None, device: torch.device | str = "cpu",
-                 redundant: int = 0, max_rows_over_mean: float = 0.0, move_experts: bool = True):
+                 redundant: int = 0, max_rows_over_mean: float = 0.0, move_experts: bool = True,
+                 price_host: bool = False):
         if ep_size % ranks_per_node:
             raise ValueError(f"expert-parallel size {ep_size} is not a multiple of the node size {ranks_per_node}")
         most = replicas.most_replica_slots(num_experts, ep_size, ranks_per_node)
@@ -121,6 +125,8 @@ class ExpertPlacement:
         self.bundle_bytes = 0  # bytes one expert's move carries (parameters, master copy, optimizer state)
         self._report = {"placement_refreshes": 0, "placement_moved_experts": 0, "placement_bytes": 0}
         self.last_loads: Optional[np.ndarray] = None  # the agreed loads of the last step, float64 [M, E]
+        self.price_host = price_host  # the replica choice prices the host's work on replicas (`end_step`)
+        self.replica_host_s = 0.0  # this step's host seconds in the replicas' work (`timing_replicas`)
         self._canonical_blocks = 0  # `canonical` blocks now open
 
     # ---------------------------------------------------------------- every forward
@@ -136,7 +142,7 @@ class ExpertPlacement:
                    dynamic_experts=config.dynamic_experts_per_rank, intra_gbps=config.copy_engine_gbps,
                    dp_group=seams.expert_data_parallel_group(ep_size), device=device, redundant=redundant,
                    max_rows_over_mean=config.max_rows_over_mean or 0.0,
-                   move_experts=config.placement.enabled is True)
+                   move_experts=config.placement.enabled is True, price_host=config.fixed_costs == "measured")
 
     def route(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids (any shape; -1 = no route; out-of-range ids stay out of range for the
@@ -153,6 +159,13 @@ class ExpertPlacement:
         invalid = torch.where(expert_ids >= self.num_experts, beyond, expert_ids)  # what an invalid id becomes
         if not self.holds_replicas:
             return torch.where(valid, self.slot_ids[clamped], invalid)
+        with self.timing_replicas():
+            return self._split_routes(expert_ids, valid, clamped, invalid)
+
+    def _split_routes(self, expert_ids: torch.Tensor, valid: torch.Tensor, clamped: torch.Tensor,
+                      invalid: torch.Tensor) -> torch.Tensor:
+        """`route` with replicas held: ``valid`` bool, ``clamped`` and ``invalid`` long, each shaped
+        like ``expert_ids``."""
         # one copy to the host (the counts) and one back (the table and the split pairs)
         key = torch.where(valid, expert_ids, self.num_experts).reshape(-1).long()  # E: no valid route
         counts = _route_counts(key, self.num_experts)
@@ -207,6 +220,16 @@ class ExpertPlacement:
         """int64 [E]: each expert's primary slot as a slot id (``rank * local_slots + local``)."""
         slot = self.expert_at.argsort()
         return slot // self.per_rank * self.local_slots + slot % self.per_rank
+
+    @contextlib.contextmanager
+    def timing_replicas(self):
+        """Count the host time of the block into ``replica_host_s``: the replicas' work (each
+        forward's split, their refresh, the relay of their gradient sums)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.replica_host_s += time.perf_counter() - start
 
     def _micro_batch_slots(self, counts: torch.Tensor) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
         """This rank's slots for one micro-batch, from its route counts per logical expert (long
@@ -283,8 +306,12 @@ class ExpertPlacement:
             return False
         local = torch.stack(self.pending)  # [M, E]
         self.pending = []
-        extra = torch.zeros(local.shape[0], 1, dtype=torch.float64)
+        extra = torch.zeros(local.shape[0], 2, dtype=torch.float64)
         extra[0, 0] = us_per_token
+        held = self.holds_replicas  # the same on every rank: the tables are
+        if held and self.price_host:  # what this rank's host spent on them beyond their modelled exchange
+            extra[0, 1] = max(0.0, self.replica_host_s * 1e6 / len(local) - self.placer.exchange_us_per_micro_batch())
+        self.replica_host_s = 0.0
         # on the routing table's device: an NCCL group reduces CUDA tensors only
         both = torch.cat([local.cpu(), extra], dim=1).to(self.slot_of.device)
         sizes = [dist.get_world_size(g) if g is not None else 1 for g in (self.ep_group, self.dp_group)]
@@ -295,7 +322,7 @@ class ExpertPlacement:
         both = both.cpu()
         # one EP group's loads (the mean over its expert-data-parallel replicas, which place alike):
         # what a placement or a replica gains per micro-batch is in one group's rows
-        loads = both[:, :-1].numpy() / sizes[1]
+        loads = both[:, :-2].numpy() / sizes[1]
         self.last_loads = loads
         if self.steps == 0:  # as the simulator: first decision after one step, then every interval_steps steps
             self.placer.interval, self.placer.warmup = self.interval_steps * len(loads), len(loads)
@@ -303,7 +330,9 @@ class ExpertPlacement:
         for row in loads:
             self.placer.observe(row, refresh=False)
         self.steps += 1
-        self.placer.us_per_token = float(both[0, -1]) / ranks
+        self.placer.us_per_token = float(both[0, -2]) / ranks
+        if held and self.price_host:  # kept until replicas are held again: the choice weighs it meanwhile
+            self.placer.replica_fixed_us = float(both[0, -1]) / ranks
         if not self.placer.due:
             return self.placer.review_replicas()  # replicas chosen again: the hot set drifts between decisions
         changed = self.placer.refresh()

@@ -183,8 +183,9 @@ class ReplicaSlots:
         self._watched = watched
         if recomputing() or not self.placement.holds_replicas:
             return
-        if self.stale or (self.check_due and self.changed(expert_params())):
-            self.refresh(expert_params())
+        with self.placement.timing_replicas():
+            if self.stale or (self.check_due and self.changed(expert_params())):
+                self.refresh(expert_params())
         self._marks = write_marks(watched)
         self.check_due = step_ends or not torch.is_grad_enabled()
 
@@ -228,6 +229,12 @@ class ReplicaSlots:
                                  else [s.add_(g) for s, g in zip(self._sums[j], grads)])
         if not step_ends:
             return []
+        with self.placement.timing_replicas():
+            return self._send_sums(held)
+
+    def _send_sums(self, held: list[tuple[int, int, int]]) -> list[tuple[int, list[torch.Tensor]]]:
+        """`backward` at the step's end: the sums go home (collective)."""
+        me = self.me
         transfers, arriving = [], []
         for q, j, e in held:
             home, local = self.placement.home_of(e)

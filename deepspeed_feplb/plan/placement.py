@@ -447,6 +447,9 @@ class CrossNodePlacer:
     max_rows_over_mean: the bound on rows before time (``feplb.max_rows_over_mean``; 0: none):
                      the replicas chosen are those that bring the predicted busiest rank closest
                      to it, the fastest among equals (`replicas.choose`).
+    replica_fixed_us: what holding any replica costs per micro-batch beyond its modelled exchange
+                     (the host's work on them; measured by a runtime, 0 in the simulator), added
+                     to the price of every replica set that `replicas.choose` weighs.
     move_experts:    whether a decision may give an expert another home (False: every expert
                      keeps its home slot and decisions choose replicas only, so no slot's contents
                      ever change: ``feplb.placement.enabled`` false with replica slots).
@@ -484,6 +487,7 @@ class CrossNodePlacer:
     micro_batches_per_step: int = 1
     max_rows_over_mean: float = 0.0
     move_experts: bool = True
+    replica_fixed_us: float = 0.0
     expert_to_rank: np.ndarray = field(init=False)
     replica_at: np.ndarray = field(init=False)
     ema: Optional[np.ndarray] = field(init=False, default=None)
@@ -588,7 +592,14 @@ class CrossNodePlacer:
         """What `replicas.choose` weighs replicas with."""
         return dict(dynamic_experts=self.dynamic_experts, us_per_row=self.us_per_token,
                     micro_batches_per_step=self.micro_batches_per_step, weight_bytes=self.weight_bytes,
-                    net_gbps=self.net_gbps, grad_bytes=self.grad_bytes, intra_gbps=self.intra_gbps)
+                    net_gbps=self.net_gbps, grad_bytes=self.grad_bytes, intra_gbps=self.intra_gbps,
+                    fixed_us=self.replica_fixed_us)
+
+    def exchange_us_per_micro_batch(self) -> float:
+        """The modelled exchange of the replicas held, per micro-batch of the step (µs)."""
+        return replicas.exchange_per_micro_batch(self.slots, self.experts // len(self.replica_at),
+                                                 self.ranks_per_node, self.micro_batches_per_step,
+                                                 self.weight_bytes, self.grad_bytes, self.net_gbps, self.intra_gbps)
 
     def _choose_replicas(self, keep_if_as_good: bool = False) -> bool:
         """The replicas for the (new) primaries (`replicas.choose`; their first weights come with the

@@ -28,7 +28,7 @@ import numpy as np
 
 __all__ = ["Choice", "most_replica_slots", "slot_experts", "Split", "split", "load_split", "route", "expected_counts",
            "predicted_rows", "predicted_rows_many", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us",
-           "choose"]
+           "exchange_per_micro_batch", "choose"]
 
 
 def most_replica_slots(experts: int, ranks: int, ranks_per_node: int) -> int:
@@ -400,7 +400,7 @@ class Choice:
 def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int, redundant: int,
            dynamic_experts: int, us_per_row: float, micro_batches_per_step: int, weight_bytes: float,
            net_gbps: float, *, grad_bytes: float | None = None, intra_gbps: float = math.inf,
-           max_rows_over_mean: float = 0.0, held: np.ndarray | None = None) -> Choice:
+           max_rows_over_mean: float = 0.0, held: np.ndarray | None = None, fixed_us: float = 0.0) -> Choice:
     """The replicas to hold over the primaries ``expert_to_rank``, judged on ``samples`` float [K, E]:
     the per-expert loads of recent micro-batches (their drift is what a per-micro-batch split
     catches, and what a moving average hides).
@@ -429,6 +429,10 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     mean rows per rank by the fewest rows (on the later half, averaged; `ROWS_TIE` of the mean
     apart is a tie) wins, the largest net gain among those, even where it costs time.
 
+    ``fixed_us``: what holding any replica costs per micro-batch beyond its exchange, whatever
+    the set (the host's work on them: each forward's all-gather of route counts and split, the
+    relays' and refreshes' fixed overhead; measured at runtime, `ExpertPlacement.end_step`).
+
     ``held`` int64 [R, redundant]: the replicas held now, weighed before the sequences, so that a
     new set must do better than them, not as well (where replicas are chosen at every step, a tie
     would move them for nothing)."""
@@ -453,8 +457,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         return float(rows.mean()), float(np.maximum(rows - caps, 0.0).mean())
 
     def cost(replicas: np.ndarray) -> float:
-        return _exchange_per_micro_batch(slot_experts(e2r, replicas), E // R, G, micro_batches_per_step,
-                                         weight_bytes, grad_bytes, net_gbps, intra_gbps)
+        return fixed_us * bool((replicas >= 0).any()) + exchange_per_micro_batch(
+            slot_experts(e2r, replicas), E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps,
+            intra_gbps)
 
     expected = fit.mean(axis=0)
     base, over = judged_rows(none)
@@ -478,7 +483,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
 
 
-def _exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
+def exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
                               weight_bytes: float, grad_bytes: float | None, net_gbps: float,
                               intra_gbps: float) -> float:
     """What the replicas of ``slots`` add to each micro-batch (µs): their step's `exchange_us`
