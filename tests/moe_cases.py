@@ -790,8 +790,8 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     from deepspeed_feplb.integration.expert_state import ModuleExperts
     from deepspeed_feplb.integration.placement_engine import placed_layers
     world = dist.get_world_size()
-    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": fixed_costs,
-             "copy_engine_gbps": 1e6,
+    feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1,
+             "fixed_costs": fixed_costs, "copy_engine_gbps": 1e6,
              "placement": {"enabled": enabled, "interval_steps": 2, "network_gbps": 1e6,
                            "redundant_experts_per_rank": redundant, **({"history_decay": 0.5} if enabled else {})}}
     config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
