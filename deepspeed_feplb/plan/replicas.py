@@ -432,6 +432,8 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     ``fixed_us``: what holding any replica costs per micro-batch beyond its exchange, whatever
     the set (the host's work on them: each forward's all-gather of route counts and split, the
     relays' and refreshes' fixed overhead; measured at runtime, `ExpertPlacement.end_step`).
+    Where it exceeds what bringing the busiest rank down to the mean would gain, no candidate is
+    weighed.
 
     ``held`` int64 [R, redundant]: the replicas held now, weighed before the sequences, so that a
     new set must do better than them, not as well (where replicas are chosen at every step, a tie
@@ -463,6 +465,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     expected = fit.mean(axis=0)
     base, over = judged_rows(none)
+    if not max_rows_over_mean > 0 and (base - judge.sum(axis=1).mean() / R) * us_per_row <= fixed_us:
+        # no set brings the busiest rank below the mean, and every set with a replica costs at least
+        # fixed_us: none pays, so none wins, as weighing every candidate would find (at a fraction
+        # of its host time, paid at every optimizer step)
+        return Choice(none, 0.0, 0.0)
     weighed = [(none, 0.0, 0.0, over)]  # (replica_at, gain, cost, rows over the bound)
     if held is not None and (np.asarray(held) >= 0).any():
         rows, excess = judged_rows(held)
