@@ -302,6 +302,7 @@ class ExpertPlacement:
         self._replicas_stale()  # the step changed the experts' weights
         if self.replicas is not None:
             self.replicas.end_step()
+        host_s, self.replica_host_s = self.replica_host_s, 0.0  # the step's work on the replicas
         if not self.pending:
             return False
         local = torch.stack(self.pending)  # [M, E]
@@ -310,8 +311,7 @@ class ExpertPlacement:
         extra[0, 0] = us_per_token
         held = self.holds_replicas  # the same on every rank: the tables are
         if held and self.price_host:  # what this rank's host spent on them beyond their modelled exchange
-            extra[0, 1] = max(0.0, self.replica_host_s * 1e6 / len(local) - self.placer.exchange_us_per_micro_batch())
-        self.replica_host_s = 0.0
+            extra[0, 1] = max(0.0, host_s * 1e6 / len(local) - self.placer.exchange_us_per_micro_batch())
         # on the routing table's device: an NCCL group reduces CUDA tensors only
         both = torch.cat([local.cpu(), extra], dim=1).to(self.slot_of.device)
         sizes = [dist.get_world_size(g) if g is not None else 1 for g in (self.ep_group, self.dp_group)]
