@@ -236,6 +236,39 @@ def test_the_simulator_replicates_hot_experts_across_nodes_where_it_pays():
     assert runs[1]["expert_time_us"] < runs[0]["expert_time_us"]
 
 
+def test_the_simulator_prices_the_host_work_of_held_replicas():
+    """``SimSetup.replica_host_us`` (``simulate --replica-host-us``): the host time of holding any
+    replica, per micro-batch, joins the choice's price and the expert time of every micro-batch
+    with replicas held. Beyond what a replica saves none is made, and the run is the one without
+    a slot; a small one still leaves replicas that pay, each of their micro-batches charged."""
+    from dataclasses import replace
+
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.sim.policies import SimSetup
+    from deepspeed_feplb.sim.simulate import simulate
+    from deepspeed_feplb.trace.generators import skewed_trace
+
+    trace = skewed_trace(32, 1, 16, 64, tokens_per_rank=4096, top_k=8, skew=1.2, drift=0.5, memory=0.5, seed=4)
+    base = SimSetup(ranks_per_node=8, nodes=2, experts=64, shape=ExpertShape(hidden=6144, ffn_hidden=2048),
+                    micro_batches_per_step=8, placement="off", redundant_per_rank=1)
+    runs = {host: simulate(trace, replace(base, replica_host_us=host), ["feplb"]).metrics()["feplb"]
+            for host in (0.0, 10.0, 1e9)}
+    without = simulate(trace, replace(base, redundant_per_rank=0), ["feplb"]).metrics()["feplb"]
+    assert runs[0.0]["replicas"] > 0 and runs[0.0]["expert_time_us"] < without["expert_time_us"]
+    assert runs[1e9]["replicas"] == 0 and runs[1e9]["expert_time_us"] == pytest.approx(without["expert_time_us"])
+    assert runs[0.0]["expert_time_us"] < runs[10.0]["expert_time_us"] < without["expert_time_us"]
+    with pytest.raises(ValueError, match="host time of held replicas"):
+        replace(base, replica_host_us=-1.0).check()
+
+
+def test_the_replica_host_time_option_names_a_bad_value(tmp_path, capsys):
+    from deepspeed_feplb.__main__ import main
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            main(["simulate", "--trace", str(tmp_path / "t.npz"), "--replica-host-us", bad])
+        assert "--replica-host-us" in capsys.readouterr().err
+
+
 def test_replica_slots_on_one_node_are_refused():
     from deepspeed_feplb.sim.policies import SimSetup
 

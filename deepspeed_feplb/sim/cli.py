@@ -63,6 +63,17 @@ def _budget(text: str):
     return "inf" if math.isinf(value) else value
 
 
+def _microseconds(text: str) -> float:
+    """argparse type of --replica-host-us: a finite number of µs >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of µs") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} µs: give a finite number >= 0")
+    return value
+
+
 def _mib(text: str):
     """argparse type of --resident-budget-mb: "auto" or a finite number of MiB >= 0."""
     if text == "auto":
@@ -206,6 +217,11 @@ def add_parser(subparsers) -> None:
                         "optimizer step (over the profile's inter-node bandwidth, counted in the expert time) and "
                         "their creation; each micro-batch splits a replicated expert's rows between the nodes "
                         "(default: %(default)s, the runtime's)")
+    p.add_argument("--replica-host-us", type=_microseconds, default=0.0, metavar="US",
+                   help="host time per micro-batch and layer that holding any replica costs beyond its exchange (what "
+                        "a runtime with feplb.fixed_costs \"measured\" measures: each forward's split, the refreshes "
+                        "and relays); the replica choice prices it and the expert time of each micro-batch with "
+                        "replicas held includes it (default: %(default)s: none)")
     p.add_argument("--sweep-d", type=_d_list, metavar="LIST",
                    help="comma list of D for the token-straggler-vs-D figure and the d_sweep of OUT.json "
                         "(default with --plot: 0, 1, 2, 4, ... up to the experts per rank)")
@@ -343,8 +359,8 @@ def _setup(args, trace, D):
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
                     max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
                     max_rows_over_mean=args.max_rows_over_mean,
-                    redundant_per_rank=args.redundant_per_rank, serve_parts=args.serve_parts,
-                    serve_part_rows=args.serve_part_rows)
+                    redundant_per_rank=args.redundant_per_rank, replica_host_us=args.replica_host_us,
+                    serve_parts=args.serve_parts, serve_part_rows=args.serve_part_rows)
 
 
 def _compare_measured(args, trace, setup) -> dict:

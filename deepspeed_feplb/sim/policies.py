@@ -68,6 +68,10 @@ class SimSetup:
                **added to the expert time of
                the micro-batch that ends the step** (``replica_exchange_us``). Without
                ``placement`` every expert keeps its home and decisions choose replicas only.
+    replica_host_us: host time per micro-batch that holding any replica costs beyond its
+               exchange (a runtime with ``feplb.fixed_costs: "measured"`` measures it): the choice
+               prices it (`CrossNodePlacer.replica_fixed_us`) and it is **added to the expert time
+               of every micro-batch with replicas held**; 0: none, the GPU figure being unmeasured.
 
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
     a runtime does them: at the end of the first step that is at least ``placement_warmup``
@@ -108,6 +112,7 @@ class SimSetup:
     resident_budget_mb: str | float = "auto"
     max_rows_over_mean: Optional[float] = None
     redundant_per_rank: int = 0
+    replica_host_us: float = 0.0
     serve_parts: int = FEPLBConfig.model_fields["serve_parts"].default
     serve_part_rows: int = FEPLBConfig.model_fields["serve_part_rows"].default
 
@@ -179,6 +184,9 @@ class SimSetup:
             raise ValueError(f"micro-batches per step must be >= 1, got {self.micro_batches_per_step}")
         if self.residency not in ("step", "micro_batch"):
             raise ValueError(f"residency must be 'step' or 'micro_batch', got {self.residency!r}")
+        if not 0 <= self.replica_host_us < math.inf:
+            raise ValueError(f"the host time of held replicas must be a finite number of µs >= 0, got "
+                             f"{self.replica_host_us}")
         if self.redundant_per_rank < 0:
             raise ValueError(f"redundant replica slots per rank must be >= 0, got {self.redundant_per_rank}")
         if self.redundant_per_rank and self.nodes == 1:
@@ -410,7 +418,7 @@ class _NodePolicy:
                                             grad_bytes=setup.shape.grad_bytes,
                                             micro_batches_per_step=setup.micro_batches_per_step,
                                             max_rows_over_mean=setup.max_rows_over_mean or 0.0,
-                                            move_experts=setup.moves_homes)
+                                            move_experts=setup.moves_homes, replica_fixed_us=setup.replica_host_us)
                             for _ in range(layers)]
         self.budget_copies = []
         self.replica_exchange_us = 0.0
@@ -457,6 +465,7 @@ class _NodePolicy:
         loads = src.sum(axis=0)
         slots = self.slots(layer)
         replicated = self.placers is not None and s.redundant_per_rank > 0
+        host_us = s.replica_host_us if replicated and bool((slots[:, s.experts_per_rank:] >= 0).any()) else 0.0
         # [R, S]: with replicas, each micro-batch splits a replicated expert's rows between the nodes
         counts = route(src, slots, G, s.experts_per_rank) if replicated else loads[slots]
         ranks, tokens, moves_out = [], [], []
@@ -489,7 +498,7 @@ class _NodePolicy:
             ce["exposed_us"] = max(ce["exposed_us"], f["exposed_us"])
             ce["static_us"] += f["static_us"] / s.nodes
             ce["copies"] += f["copies"]
-        timing["expert_us"], timing["exposed_us"] = float(finish.sum()), float(finish.sum() - free.sum())
+        timing["expert_us"], timing["exposed_us"] = float(finish.sum()) + host_us, float(finish.sum() - free.sum())
         if self.placers is not None:
             placer = self.placers[layer]
             placer.observe(loads, refresh=False)
