@@ -63,28 +63,27 @@ def _budget(text: str):
     return "inf" if math.isinf(value) else value
 
 
-def _microseconds(text: str) -> float:
-    """argparse type of --replica-host-us: a finite number of µs >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of µs") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} µs: give a finite number >= 0")
-    return value
-
-
-def _mib(text: str):
-    """argparse type of --resident-budget-mb: "auto" or a finite number of MiB >= 0."""
-    if text == "auto":
+def _amount(text: str, unit: str, auto: bool = False):
+    """A finite number of ``unit`` >= 0 (or "auto" where ``auto``), for argparse."""
+    if auto and text == "auto":
         return text
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a number of MiB") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'auto or ' if auto else ''}a number of {unit}") from None
     if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number of MiB >= 0")
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of {unit} >= 0")
     return value
+
+
+def _microseconds(text: str) -> float:
+    """argparse type of --replica-host-us: a finite number of µs >= 0."""
+    return _amount(text, "µs")
+
+
+def _mib(text: str):
+    """argparse type of --resident-budget-mb: "auto" or a finite number of MiB >= 0."""
+    return _amount(text, "MiB", auto=True)
 
 
 def _ratio(text: str) -> float:
