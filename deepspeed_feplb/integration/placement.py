@@ -197,7 +197,7 @@ class ExpertPlacement:
     def holds_replicas(self) -> bool:
         """Whether any replica slot holds an expert; not inside a `canonical` block, where the
         experts sit in DeepSpeed's slots and forwards route to them alone."""
-        return not self._canonical_blocks and bool((self.placer.replica_at >= 0).any())
+        return not self._canonical_blocks and self.placer.holds_replicas
 
     def slot_experts(self) -> np.ndarray:
         """int64 [ep_size * local_slots]: the logical expert each slot id holds (-1: an empty replica

@@ -571,6 +571,11 @@ class CrossNodePlacer:
         self.refreshes += 1
         return True
 
+    @property
+    def holds_replicas(self) -> bool:
+        """Whether any replica slot holds an expert."""
+        return bool((self.replica_at >= 0).any())
+
     def review_replicas(self) -> bool:
         """At an optimizer step between decisions: choose the replicas again for the primaries held,
         on the recent micro-batches (`replicas.choose`, as a decision does). A hot set that drifts
@@ -580,11 +585,11 @@ class CrossNodePlacer:
         (``replica_changes`` counts them, ``replica_drops`` those that left none)."""
         if not self.redundant or not self._recent:
             return False
-        held = bool((self.replica_at >= 0).any())
+        held = self.holds_replicas
         if not self._choose_replicas(keep_if_as_good=True):
             return False
         self.replica_changes += 1
-        self.replica_drops += held and not (self.replica_at >= 0).any()
+        self.replica_drops += held and not self.holds_replicas
         return True
 
     @property

@@ -465,7 +465,7 @@ class _NodePolicy:
         loads = src.sum(axis=0)
         slots = self.slots(layer)
         replicated = self.placers is not None and s.redundant_per_rank > 0
-        host_us = s.replica_host_us if replicated and bool((slots[:, s.experts_per_rank:] >= 0).any()) else 0.0
+        host_us = s.replica_host_us if replicated and self.placers[layer].holds_replicas else 0.0
         # [R, S]: with replicas, each micro-batch splits a replicated expert's rows between the nodes
         counts = route(src, slots, G, s.experts_per_rank) if replicated else loads[slots]
         ranks, tokens, moves_out = [], [], []
