@@ -120,7 +120,7 @@ class BalancedMicroBatch:
         model = self.times.model(config, self.expert_bytes, rows.shape[1] * rows.element_size(),
                                  self.domain.transport.message_us,
                                  sends_after_static=self.static_fn is not None and rows.device.type != "cuda")
-        constraints = replace(PlanConstraints.from_config(config, self.expert_bytes, model),
+        constraints = replace(PlanConstraints.from_config(config, self.expert_bytes, model, rows.device.type == "cuda"),
                               mean_rows=float(self.mean_rows), later_micro_batches=self.later)
         if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
             constraints = replace(constraints, dynamic_experts=0)

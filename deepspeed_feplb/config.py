@@ -219,8 +219,8 @@ class FEPLBConfig(FEPLBConfigModel):
     max_helpers_per_expert: int = Field(7, ge=1)
     """Most helper ranks that the tokens of one dynamic expert are split over (each helper also receives the expert's weights); the planner uses as many as its time model says pay. 7: every other GPU of an 8-GPU node (more than a domain's other ranks means all of them)."""
 
-    chunk_align_tokens: int = Field(8, ge=1)
-    """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment)."""
+    chunk_align_tokens: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"
+    """Token chunks moved to helpers are multiples of this many tokens (GEMM tile alignment). "auto": 128 where the experts compute on a GPU (the row tile of Hopper's grouped GEMM: a chunk of whole tiles adds no padded rows), 8 on host memory or with max_rows_over_mean set (a plan may leave a rank up to one chunk less a token over that bound)."""
 
     serve_parts: int = Field(4, ge=1, le=SERVE_PARTS_MAX)
     """A helper computes the chunks it serves for one home in up to this many parts, each of at least serve_part_rows rows, and sends each part's results (outputs, in backward input-gradients) home as soon as it is computed, so that only the last part's return is not hidden behind the helper's compute. 1: one call and one return per home."""

@@ -39,7 +39,7 @@ from deepspeed_feplb.experts import ExpertCall, LocalExperts, StaticFn, timed_pi
 from deepspeed_feplb.memory import ExpertSizes
 from deepspeed_feplb.migrate import transport_class
 from deepspeed_feplb.migrate.resident import LayerResidency
-from deepspeed_feplb.plan.policy import balancing_may_pay, rows_bound
+from deepspeed_feplb.plan.policy import balancing_may_pay, chunk_align_rows, rows_bound
 from deepspeed_feplb.stats import MicroBatchStats, StageTimes, recomputing, unbalanced_stats
 
 _EXCHANGES_KEPT = 8  # count exchanges whose fastest `ExpertStage.announce` tells (a few micro-batches)
@@ -144,7 +144,8 @@ class ExpertStage:
         G = self.domain_size
         row_cap = rows_bound(self.config.max_rows_over_mean, float(received.sum()) / self.ep_size)
         if row_cap:  # the planner leaves a rank up to one chunk less a row over the cap
-            row_cap += self.config.chunk_align_tokens - 1
+            row_cap += chunk_align_rows(self.config.chunk_align_tokens, self.device.type == "cuda",
+                                        self.config.max_rows_over_mean) - 1
         pays = [balancing_may_pay(received[d:d + G], *_typical(fits[d:d + G, :2]), self._message_us(fits[d:d + G, 2]),
                                   row_cap)
                 for d in range(0, self.ep_size, G)]

@@ -100,7 +100,7 @@ def ds_config(args, world: int) -> dict:
             "expert_parallel": autoep,
             # "ignore": these tiny experts cost less than a message, so with measured costs (the
             # default, what a real model uses) FEPLB would rightly skip every micro-batch
-            "feplb": {"enabled": True, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 8,
+            "feplb": {"enabled": True, "dynamic_experts_per_rank": 2, "chunk_align_tokens": "auto",
                       "fixed_costs": "ignore"},
         }
     else:

@@ -49,7 +49,7 @@ def test_defaults():
     cfg = load_config({})
     assert cfg == FEPLBConfig()
     assert cfg.model_dump() == {
-        "enabled": True, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 7, "chunk_align_tokens": 8,
+        "enabled": True, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 7, "chunk_align_tokens": "auto",
         "serve_parts": 4, "serve_part_rows": 1024,
         "nvlink_domain_size": "auto", "ep_backend": "auto", "transport": "auto", "copy_engine_gbps": 370.0,
         "ce_budget": "auto", "transport_slot_mb": "auto", "weight_residency": "step", "max_resident_experts": 8,
@@ -135,6 +135,7 @@ BAD_VALUES = [
     ("dynamic_experts_per_rank", 1.5),
     ("max_helpers_per_expert", 0),
     ("chunk_align_tokens", 0),
+    ("chunk_align_tokens", "tile"),
     ("serve_parts", 0),
     ("serve_parts", 17),
     ("serve_part_rows", 0),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from deepspeed_feplb.plan.policy import (
     Plan,
     PlanConstraints,
+    chunk_align_rows,
     dynamic_candidates,
     lower_bound,
     no_residents,
@@ -421,3 +422,20 @@ def test_a_copy_kept_for_the_step_is_priced_over_its_later_micro_batches():
     # at the step's end: unused, its gradients go home at the backward's start (1033 µs); used,
     # after the helper's backward of the 500 rows (1200 µs)
     assert plan(0, held) == []
+
+
+def test_auto_chunks_fill_a_gpus_row_tile_and_stay_small_on_the_host_or_under_a_row_bound():
+    """"auto" aligns chunks to the GPU's grouped-GEMM row tile (128) only where the experts run on a
+    GPU and no row bound is set (its slack is one chunk); a number is taken as it is."""
+    from deepspeed_feplb.config import FEPLBConfig
+
+    assert chunk_align_rows("auto", on_gpu=True) == 128
+    assert chunk_align_rows("auto", on_gpu=False) == 8
+    assert chunk_align_rows("auto", on_gpu=True, max_rows_over_mean=1.05) == 8
+    assert chunk_align_rows(32, on_gpu=True) == chunk_align_rows(32, on_gpu=False) == 32
+    config = FEPLBConfig()
+    assert config.chunk_align_tokens == "auto"
+    assert PlanConstraints.from_config(config, 1 << 20, on_gpu=True).chunk_align == 128
+    assert PlanConstraints.from_config(config, 1 << 20).chunk_align == 8
+    bounded = FEPLBConfig(max_rows_over_mean=1.1)
+    assert PlanConstraints.from_config(bounded, 1 << 20, on_gpu=True).chunk_align == 8

@@ -288,6 +288,23 @@ def test_a_row_bound_trades_expert_time_for_row_balance(tmp_path):
               "--json", str(tmp_path / "x.json"), "--max-rows-over-mean", "0.95"])
 
 
+def test_simulate_aligns_chunks_as_the_runtime_would_on_the_profiles_device(tmp_path):
+    """--chunk-align auto (the default) is the runtime's: 128 rows (a GPU's GEMM row tile) under a
+    GPU profile, 8 under --max-rows-over-mean; a number is kept; a bad value is named."""
+    from deepspeed_feplb.__main__ import main
+
+    save_trace(tmp_path / "t.npz", no_aux_trace(2, 1, ranks=4, experts=16, tokens_per_rank=512, seed=1))
+    aligns = {}
+    for name, extra in (("gpu", []), ("bound", ["--max-rows-over-mean", "1.1"]), ("set", ["--chunk-align", "16"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--policies", "feplb",
+                     "--json", str(out), "--no-progress", *extra]) == 0
+        aligns[name] = json.loads(out.read_text())["setup"]["chunk_align"]
+    assert aligns == {"gpu": 128, "bound": 8, "set": 16}
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--chunk-align", "tile"])
+
+
 def test_fastermoe_shadow_rule():
     setup = SimSetup(2, 1, 4, shape=ExpertShape(hidden=2, ffn_hidden=2, mats=2, dtype_bytes=1),
                      profile=GemmProfile("t", 1e-12, 1, 0.0, 1e-9, 1e-9))

@@ -127,7 +127,8 @@ class FEPLBPipelineEngine(PipelineEngine):
             counts = np.asarray(previous.stats["domain_counts"])
             model = stage.compute_times.model(stage.config, stage.expert_bytes, stage.sizes.row_bytes,
                                               domain.transport.message_us)
-            constraints = replace(PlanConstraints.from_config(stage.config, stage.expert_bytes, model),
+            constraints = replace(PlanConstraints.from_config(stage.config, stage.expert_bytes, model,
+                                                              stage.device.type == "cuda"),
                                   later_micro_batches=self.micro_batches - 1 - micro_batch_id)
             jobs.append((name, counts, constraints))
         if jobs:

@@ -39,7 +39,23 @@ from deepspeed_feplb.plan.hottest import NONE, chosen_rows, dynamic_candidates
 from deepspeed_feplb.plan.time_model import MODEL_DTYPE, TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
-           "balancing_may_pay", "rows_bound"]
+           "balancing_may_pay", "rows_bound", "chunk_align_rows", "GPU_TILE_ROWS", "HOST_CHUNK_ROWS"]
+
+# The row tile of a grouped expert GEMM on a GPU: Hopper's CUTLASS grouped GEMM behind
+# torch._grouped_mm tiles a large problem's rows by 128 (64 for small ones). A chunk of whole tiles
+# adds no padded rows on its helper and leaves its home's remainder padded as the whole expert was.
+GPU_TILE_ROWS = 128
+# Chunks on host memory (no row tile to fill) and under a row bound, whose slack is one chunk.
+HOST_CHUNK_ROWS = 8
+
+
+def chunk_align_rows(setting, on_gpu: bool, max_rows_over_mean: Optional[float] = None) -> int:
+    """``feplb.chunk_align_tokens`` as rows: an int as is; "auto" `GPU_TILE_ROWS` where the experts
+    compute on a GPU, `HOST_CHUNK_ROWS` on host memory or with ``max_rows_over_mean`` set (a plan may
+    leave a rank up to one chunk less a row over that bound)."""
+    if setting != "auto":
+        return int(setting)
+    return GPU_TILE_ROWS if on_gpu and not max_rows_over_mean else HOST_CHUNK_ROWS
 
 
 @dataclass(frozen=True)
@@ -87,13 +103,16 @@ class PlanConstraints:
     mean_rows: float = 0.0
 
     @classmethod
-    def from_config(cls, config, expert_bytes: int, model: Optional[TimeModel] = None) -> "PlanConstraints":
+    def from_config(cls, config, expert_bytes: int, model: Optional[TimeModel] = None,
+                    on_gpu: bool = False) -> "PlanConstraints":
         """The limits a ``"feplb"`` section (a `deepspeed_feplb.FEPLBConfig`) sets for experts of
-        ``expert_bytes`` weight bytes, judged by ``model`` (measured on the previous micro-batch at
-        runtime, modelled in the simulator); ``ce_budget: "auto"`` sets no cap."""
+        ``expert_bytes`` weight bytes on a GPU or not (``on_gpu``: `chunk_align_rows`), judged by
+        ``model`` (measured on the previous micro-batch at runtime, modelled in the simulator);
+        ``ce_budget: "auto"`` sets no cap."""
         budget = math.inf if config.ce_budget == "auto" else float(config.ce_budget)
+        align = chunk_align_rows(config.chunk_align_tokens, on_gpu, config.max_rows_over_mean)
         return cls(dynamic_experts=config.dynamic_experts_per_rank, max_helpers=config.max_helpers_per_expert,
-                   chunk_align=config.chunk_align_tokens, ce_budget_bytes=budget, expert_bytes=int(expert_bytes),
+                   chunk_align=align, ce_budget_bytes=budget, expert_bytes=int(expert_bytes),
                    model=model if model is not None and model.finite else None,
                    keep_copies=config.weight_residency == "step",
                    max_rows_over_mean=config.max_rows_over_mean or 0.0)

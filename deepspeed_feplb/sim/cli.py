@@ -27,6 +27,7 @@ import numpy as np
 from deepspeed_feplb.config import SERVE_PARTS_MAX, FEPLBConfig
 from deepspeed_feplb.exits import InputFileError, fail
 from deepspeed_feplb.plan.cost import GemmProfile
+from deepspeed_feplb.plan.policy import GPU_TILE_ROWS, HOST_CHUNK_ROWS, chunk_align_rows
 from deepspeed_feplb.plan.residency import AUTO_FREE_SHARE
 from deepspeed_feplb.trace.cli import whole_number
 
@@ -74,6 +75,11 @@ def _amount(text: str, unit: str, auto: bool = False):
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} is not a finite number of {unit} >= 0")
     return value
+
+
+def _rows(text: str):
+    """argparse type of --chunk-align: "auto" or a whole number of rows >= 1."""
+    return text if text == "auto" else whole_number(1)(text)
 
 
 def _microseconds(text: str) -> float:
@@ -144,8 +150,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-helpers", type=whole_number(1),
                    default=FEPLBConfig.model_fields["max_helpers_per_expert"].default, metavar="H",
                    help="most helper ranks that one dynamic expert's tokens are split over (default: %(default)s)")
-    p.add_argument("--chunk-align", type=whole_number(1), default=_RUNTIME.chunk_align_tokens, metavar="TOKENS",
-                   help="token chunks moved to helpers are multiples of this many tokens (default: %(default)s)")
+    p.add_argument("--chunk-align", type=_rows, default=_RUNTIME.chunk_align_tokens, metavar="TOKENS",
+                   help="token chunks moved to helpers are multiples of this many tokens (feplb.chunk_align_tokens; "
+                        f"auto: {GPU_TILE_ROWS}, the GPU's GEMM row tile, with a GPU profile, {HOST_CHUNK_ROWS} with "
+                        "--profile cpu or --max-rows-over-mean) (default: %(default)s, the runtime's)")
     p.add_argument("--serve-parts", type=whole_number(1, SERVE_PARTS_MAX), default=_RUNTIME.serve_parts,
                    metavar="PARTS",
                    help="a helper computes one home's chunks in up to PARTS parts and returns each part's results "
@@ -348,7 +356,8 @@ def _setup(args, trace, D):
         from deepspeed_feplb.plan.cost import scaled
         profile = scaled(profile, message_us=args.message_us)
     return SimSetup(ranks_per_node=args.ranks_per_node, nodes=args.nodes, experts=trace.experts,
-                    dynamic_experts=D, max_helpers=args.max_helpers, chunk_align=args.chunk_align,
+                    dynamic_experts=D, max_helpers=args.max_helpers,
+                    chunk_align=chunk_align_rows(args.chunk_align, profile.name != "cpu", args.max_rows_over_mean),
                     shape=shape, profile=profile, ce_budget=args.ce_budget,
                     eplb_redundant=args.eplb_redundant, eplb_interval=args.eplb_interval,
                     placement=args.placement,
