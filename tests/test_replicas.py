@@ -163,6 +163,24 @@ def test_replicas_are_chosen_again_at_every_step_between_decisions():
     assert not late.due and late.review_replicas() and 0 in late.replica_at and late.replica_changes == 1
 
 
+def test_a_decision_that_keeps_the_homes_keeps_replicas_as_good_as_a_new_set():
+    """At a placement decision that moves no home the replicas held stay unless a new set does
+    better, as between decisions: with two experts equally hot on one rank, a replica of either
+    pays the same, and the decision keeps the one held instead of moving it for nothing."""
+    samples = np.full((8, E), 100.0)
+    samples[:, :2] += 400.0  # rank 0's two primaries, equally hot
+    p = CrossNodePlacer(E, N, G, interval=8, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
+                        dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8, warmup=8,
+                        move_experts=False)
+    for loads in samples:
+        p.observe(loads, refresh=False)
+    assert p.due and p.refresh() and p.replica_at.ravel().tolist() == [-1, -1, 0, -1]
+    p.replica_at = np.array([[-1], [-1], [1], [-1]])  # its twin, held
+    for loads in samples:
+        p.observe(loads, refresh=False)
+    assert p.due and not p.refresh() and p.replica_at.ravel().tolist() == [-1, -1, 1, -1]
+
+
 def test_a_measured_host_cost_of_holding_replicas_is_priced():
     """``fixed_us`` (what holding any replica costs per micro-batch beyond its exchange: the host's
     work, measured at runtime) joins the price of every set with a replica: a replica whose gain

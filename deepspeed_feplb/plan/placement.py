@@ -563,7 +563,8 @@ class CrossNodePlacer:
         if moved:
             self.migrated_experts += int(np.sum(new != self.expert_to_rank))
             self.expert_to_rank = new
-        replicated = self.redundant and self._choose_replicas()
+        # homes kept: the replicas held stay unless a new set does better, as between decisions
+        replicated = self.redundant and self._choose_replicas(keep_if_as_good=not moved)
         if not (moved or replicated):
             return False
         self.migration_us += cost_us
