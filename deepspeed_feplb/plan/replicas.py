@@ -170,12 +170,13 @@ def _compiled_split():
 
 def load_split() -> None:
     """Load (or compile) `split` for int64 routes (what the runtime and the simulator pass; float
-    routes compile on their first use) and `predicted_rows_many` now: a runtime does it when a
+    routes compile on their first use), `predicted_rows_many` and `relay_us` now: a runtime does it when a
     layer with replica slots attaches, so that no rank compiles inside a collective forward or at
     an optimizer step."""
     slots = np.array([[0, -1], [1, 0]], np.int64)
     split(np.ones((2, 2), np.int64), slots, 1, 1)
     predicted_rows_many(np.ones((1, 2)), slots, 1, 1)
+    relay_us(np.array([[0, 1]]), 2, 1, 1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -250,74 +251,137 @@ def predicted_rows(w: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynami
 
 
 def predicted_rows_many(loads: np.ndarray, slots: np.ndarray, ranks_per_node: int, dynamic_experts: int) -> np.ndarray:
-    """`predicted_rows` of each micro-batch of ``loads`` float [K, E]: float64 [K], in one compiled
-    call and a few array operations (what `choose` weighs each candidate with)."""
-    counts = _expected_many(loads, slots, ranks_per_node)  # [K, R, S]
-    K, R, _ = counts.shape
-    per_rank = counts.sum(axis=2)
-    bound = per_rank.reshape(K, R // ranks_per_node, ranks_per_node).mean(axis=2).max(axis=1)
-    if dynamic_experts > 0:
-        top = -np.sort(-counts, axis=2)[:, :, :dynamic_experts].sum(axis=2)
-        bound = np.maximum(bound, (per_rank - top).max(axis=1))
-    return bound
+    """`predicted_rows` of each micro-batch of ``loads`` float [K, E] under slot table ``slots`` int64
+    [R, S] (float64 [K]), or under each of a batch of them [C, R, S] (float64 [C, K]), in two
+    compiled calls (what `choose` weighs its candidates with)."""
+    counts = _expected_many(loads, slots, ranks_per_node)  # [(C,) K, R, S]
+    batch = counts if counts.ndim == 4 else counts[None]
+    rows = _compiled_bound()(batch, int(ranks_per_node), int(dynamic_experts))
+    return rows if counts.ndim == 4 else rows[0]
+
+
+def _bound_kernel(counts, G, D):
+    """`predicted_rows_many`'s bound of expected counts float64 [C, K, R, S] (nodes of ``G`` ranks,
+    ``D`` dynamic experts per rank), compiled (`_compiled_bound`): float64 [C, K]."""
+    C, K, R, S = counts.shape
+    out = np.empty((C, K))
+    taken = np.zeros(S, np.bool_)
+    per_rank = np.zeros(R)
+    for c in range(C):
+        for k in range(K):
+            per_rank[:] = 0.0
+            for q in range(R):
+                for j in range(S):
+                    per_rank[q] += counts[c, k, q, j]
+            bound = -np.inf
+            for n in range(R // G):
+                bound = max(bound, per_rank[n * G:(n + 1) * G].sum() / G)
+            if D > 0:
+                for q in range(R):  # less its D largest slots, added largest first
+                    taken[:] = False
+                    top = 0.0
+                    for _ in range(min(D, S)):
+                        best = -1
+                        for j in range(S):
+                            if not taken[j] and (best < 0 or counts[c, k, q, j] > counts[c, k, q, best]):
+                                best = j
+                        taken[best] = True
+                        top += counts[c, k, q, best]
+                    bound = max(bound, per_rank[q] - top)
+            out[c, k] = bound
+    return out
+
+
+@functools.cache
+def _compiled_bound():
+    """`_bound_kernel` compiled by numba (``cache=True``), loaded on first use (`load_split`)."""
+    from numba import njit
+    return njit(cache=True)(_bound_kernel)
 
 
 def _expected_many(loads: np.ndarray, slots: np.ndarray, ranks_per_node: int) -> np.ndarray:
-    """`expected_counts` of each micro-batch of ``loads`` float [K, E]: float64 [K, R, S]."""
+    """`expected_counts` of each micro-batch of ``loads`` float [K, E] under ``slots`` int64 [R, S]:
+    float64 [K, R, S]; under each of a batch of slot tables [C, R, S]: float64 [C, K, R, S]."""
     loads = np.ascontiguousarray(np.atleast_2d(loads), np.float64)
     slots = np.ascontiguousarray(slots, np.int64)
+    batch = slots if slots.ndim == 3 else slots[None]
     # the compiled call checks no index: wrong shapes must stop here
-    if loads.ndim != 2 or slots.ndim != 2 or slots.max(initial=-1) >= loads.shape[1] or ranks_per_node < 1 or \
-            slots.shape[0] % ranks_per_node:
-        raise ValueError(f"expected loads [K, E] {loads.shape} and slots [R, S] {slots.shape} (experts < E, R a "
+    if loads.ndim != 2 or batch.ndim != 3 or batch.max(initial=-1) >= loads.shape[1] or ranks_per_node < 1 or \
+            batch.shape[1] % ranks_per_node:
+        raise ValueError(f"expected loads [K, E] {loads.shape} and slots [(C,) R, S] {slots.shape} (experts < E, R a "
                          f"multiple of {ranks_per_node} ranks per node) do not fit")
-    return _compiled_expected()(loads, slots, _copies(slots, loads.shape[1])[1], int(ranks_per_node))
+    copies = np.stack([_copies(table, loads.shape[1])[1] for table in batch])
+    counts = _compiled_expected()(loads, batch, copies, int(ranks_per_node))
+    return counts if slots.ndim == 3 else counts[0]
 
 
-def _expected_kernel(loads, slots, copies, G):
-    """`_expected_many`, compiled whole (`_compiled_expected`): loads float64 [K, E], slots int64
-    [R, S], copies int64 [E] (each expert's holders, `_copies`) -> float64 [K, R, S]. Per
-    micro-batch: the experts held once at their slot, then each replicated expert, heaviest first,
-    raises the lightest of its holders' nodes to a common level (water filling), and a node's part
-    is shared evenly by its holders."""
+def _expected_kernel(loads, tables, copies_of, G):
+    """`_expected_many`, compiled whole (`_compiled_expected`): loads float64 [K, E], slot tables int64
+    [C, R, S], copies int64 [C, E] (each expert's holders, `_copies`) -> float64 [C, K, R, S]. Per
+    table and micro-batch: the experts held once at their slot, then each replicated expert,
+    heaviest first, raises the lightest of its holders' nodes to a common level (water filling),
+    and a node's part is shared evenly by its holders."""
     K, E = loads.shape
-    R, S = slots.shape
+    C, R, S = tables.shape
     N = R // G
-    replicated = np.flatnonzero(copies > 1)
-    holders = np.zeros((E, N), np.int64)  # a replicated expert's holders per node
-    for q in range(R):
-        for j in range(S):
-            e = slots[q, j]
-            if e >= 0 and copies[e] > 1:
-                holders[e, q // G] += 1
-    counts = np.zeros((K, R, S))
+    out = np.zeros((C, K, R, S))
     add = np.zeros(N)
-    for k in range(K):
-        w = loads[k]
-        node_rows = np.zeros(N)
+    nodes, ordered, filled = np.empty(N, np.int64), np.empty(N), np.empty(N)
+    for c in range(C):
+        slots, copies, counts = tables[c], copies_of[c], out[c]
+        replicated = np.flatnonzero(copies > 1)
+        holders = np.zeros((E, N), np.int64)  # a replicated expert's holders per node
+        # each replicated expert's slots (rank, column), in slot order
+        first = np.zeros(E + 1, np.int64)
         for q in range(R):
             for j in range(S):
                 e = slots[q, j]
-                if e >= 0 and copies[e] == 1:
-                    counts[k, q, j] = w[e]
-                    node_rows[q // G] += w[e]
-        for e in replicated[np.argsort(-w[replicated], kind="mergesort")]:
-            nodes = np.flatnonzero(holders[e] > 0)
-            ordered = np.sort(node_rows[nodes])
-            filled = np.cumsum(ordered)
-            level = ordered[0] + w[e]
-            for m in range(len(ordered), 0, -1):  # the highest level that the amount reaches
-                if (w[e] + filled[m - 1]) / m >= ordered[m - 1]:
-                    level = (w[e] + filled[m - 1]) / m
-                    break
-            for n in nodes:
-                add[n] = max(level - node_rows[n], 0.0)
-                node_rows[n] += add[n]
+                if e >= 0 and copies[e] > 1:
+                    holders[e, q // G] += 1
+                    first[e + 1] += 1
+        for e in range(E):
+            first[e + 1] += first[e]
+        at_q, at_j, fill = np.empty(first[E], np.int64), np.empty(first[E], np.int64), first[:E].copy()
+        for q in range(R):
+            for j in range(S):
+                e = slots[q, j]
+                if e >= 0 and copies[e] > 1:
+                    at_q[fill[e]], at_j[fill[e]] = q, j
+                    fill[e] += 1
+        for k in range(K):
+            w = loads[k]
+            node_rows = np.zeros(N)
             for q in range(R):
                 for j in range(S):
-                    if slots[q, j] == e:
-                        counts[k, q, j] += add[q // G] / holders[e, q // G]
-    return counts
+                    e = slots[q, j]
+                    if e >= 0 and copies[e] == 1:
+                        counts[k, q, j] = w[e]
+                        node_rows[q // G] += w[e]
+            for e in replicated[np.argsort(-w[replicated], kind="mergesort")]:
+                m_all = 0  # its nodes, ascending, and their rows so far
+                for n in range(N):
+                    if holders[e, n] > 0:
+                        nodes[m_all] = n
+                        ordered[m_all] = node_rows[n]
+                        m_all += 1
+                ordered[:m_all].sort()
+                total = 0.0
+                for m in range(m_all):
+                    total += ordered[m]
+                    filled[m] = total
+                level = ordered[0] + w[e]
+                for m in range(m_all, 0, -1):  # the highest level that the amount reaches
+                    if (w[e] + filled[m - 1]) / m >= ordered[m - 1]:
+                        level = (w[e] + filled[m - 1]) / m
+                        break
+                for m in range(m_all):
+                    n = nodes[m]
+                    add[n] = max(level - node_rows[n], 0.0)
+                    node_rows[n] += add[n]
+                for p in range(first[e], first[e + 1]):
+                    q = at_q[p]
+                    counts[k, q, at_j[p]] += add[q // G] / holders[e, q // G]
+    return out
 
 
 @functools.cache
@@ -341,25 +405,50 @@ def relay_us(transfers: np.ndarray, ranks: int, ranks_per_node: int, nbytes: flo
     busiest rank (sending and receiving at once; all transfers share it). The shards move in C
     pieces of ``chunk_bytes``, piece c crossing hop h in round c + h: the C + 2 rounds each take
     their slowest hop's share (1 / C of it)."""
-    transfers = np.asarray(transfers, np.int64).reshape(-1, 2)
+    transfers = np.ascontiguousarray(np.asarray(transfers, np.int64).reshape(-1, 2))
     if not len(transfers) or not math.isfinite(net_gbps):
         return 0.0
     G = ranks_per_node
-    s, d = np.repeat(transfers[:, 0], G), np.repeat(transfers[:, 1], G)
-    if np.any(s // G == d // G):
+    if np.any(transfers[:, 0] // G == transfers[:, 1] // G):
         raise ValueError("relay_us prices transfers between nodes; some source and destination share a node")
+    if transfers.min() < 0 or transfers.max() >= ranks:  # the compiled call checks no index
+        raise ValueError(f"relay_us: transfers name ranks outside 0..{ranks - 1}")
     shard = nbytes / G
-    rails = np.tile(np.arange(G), len(transfers))
-    carry_s, carry_d = s // G * G + rails, d // G * G + rails  # the ranks that carry shard k
-    hops = np.zeros((3, 2, ranks))  # bytes [hop, sent / received, rank]
-    for h, (a, b) in enumerate(((s, carry_s), (carry_s, carry_d), (carry_d, d))):
-        moving = a != b
-        np.add.at(hops[h, 0], a[moving], shard)
-        np.add.at(hops[h, 1], b[moving], shard)
-    rate = np.array([intra_gbps, net_gbps, intra_gbps]) * 1e3
-    hop_us = hops.max(axis=(1, 2)) / rate  # [hop]
-    C = max(1, math.ceil(shard / chunk_bytes))
-    return float(sum(max(hop_us[h] for h in range(3) if 0 <= r - h < C) for r in range(C + 2)) / C)
+    return float(_compiled_relay()(transfers, int(ranks), int(G), shard, intra_gbps * 1e3, net_gbps * 1e3,
+                                   max(1, math.ceil(shard / chunk_bytes))))
+
+
+def _relay_kernel(transfers, ranks, G, shard, intra_rate, net_rate, C):
+    """`relay_us` compiled (`_compiled_relay`): transfers int64 [T, 2] between nodes of ``G`` ranks,
+    shards of ``shard`` bytes in ``C`` pieces, rates in bytes per µs. Hop 0 takes a shard to the
+    carrying rank of the source's node, hop 1 between the nodes, hop 2 on to the destination."""
+    hops = np.zeros((3, 2, ranks))
+    for t in range(transfers.shape[0]):
+        s, d = transfers[t, 0], transfers[t, 1]
+        for k in range(G):  # shard k is carried by the k-th rank of each node
+            carry_s, carry_d = s // G * G + k, d // G * G + k
+            for h, a, b in ((0, s, carry_s), (1, carry_s, carry_d), (2, carry_d, d)):
+                if a != b:
+                    hops[h, 0, a] += 1.0
+                    hops[h, 1, b] += 1.0
+    hop_us = np.zeros(3)  # the busiest rank's shards (sent or received) over the hop's rate
+    for h in range(3):
+        hop_us[h] = hops[h].max() * shard / (net_rate if h == 1 else intra_rate)
+    total = 0.0
+    for r in range(C + 2):  # piece c crosses hop h in round c + h: a round takes its slowest hop's piece
+        slowest = 0.0
+        for h in range(3):
+            if 0 <= r - h < C:
+                slowest = max(slowest, hop_us[h])
+        total += slowest
+    return total / C
+
+
+@functools.cache
+def _compiled_relay():
+    """`_relay_kernel` compiled by numba (``cache=True``), loaded on first use (`load_split`)."""
+    from numba import njit
+    return njit(cache=True)(_relay_kernel)
 
 
 def replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
@@ -382,10 +471,10 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
     weights (``weight_bytes``) to the replicas of ``weight_slots`` (the table a decision at the
     step left; default ``slots``), each relayed over every link of the two nodes (`relay_us`)."""
     R = np.asarray(slots).shape[0]
-    weight_slots = slots if weight_slots is None else weight_slots
-    return (relay_us(replica_pairs(slots, primaries)[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
-            + relay_us(replica_pairs(weight_slots, primaries), R, ranks_per_node, weight_bytes, net_gbps,
-                       intra_gbps))
+    pairs = replica_pairs(slots, primaries)
+    weight_pairs = pairs if weight_slots is None else replica_pairs(weight_slots, primaries)
+    return (relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
+            + relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps))
 
 
 @dataclass(frozen=True)
@@ -452,11 +541,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     caps = max_rows_over_mean * judge.sum(axis=1) / R if max_rows_over_mean > 0 else np.full(len(judge), np.inf)
 
-    def judged_rows(replicas: np.ndarray) -> tuple[float, float]:
-        """(mean predicted busiest rows, mean rows over the bound) on the later half."""
-        slots = slot_experts(e2r, replicas)
-        rows = predicted_rows_many(judge, slots, G, dynamic_experts)
-        return float(rows.mean()), float(np.maximum(rows - caps, 0.0).mean())
+    def judged_rows(candidates: list) -> list[tuple[float, float]]:
+        """Per replica table of ``candidates``: (mean predicted busiest rows, mean rows over the
+        bound) on the later half, all in one batch."""
+        rows = predicted_rows_many(judge, np.stack([slot_experts(e2r, c) for c in candidates]), G, dynamic_experts)
+        return [(float(r.mean()), float(np.maximum(r - caps, 0.0).mean())) for r in rows]
 
     def cost(replicas: np.ndarray) -> float:
         return fixed_us * bool((replicas >= 0).any()) + exchange_per_micro_batch(
@@ -464,22 +553,24 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
             intra_gbps)
 
     expected = fit.mean(axis=0)
-    base, over = judged_rows(none)
+    (base, over), = judged_rows([none])
     if not max_rows_over_mean > 0 and (base - judge.sum(axis=1).mean() / R) * us_per_row <= fixed_us:
         # no set brings the busiest rank below the mean, and every set with a replica costs at least
         # fixed_us: none pays, so none wins, as weighing every candidate would find (at a fraction
         # of its host time, paid at every optimizer step)
         return Choice(none, 0.0, 0.0)
-    weighed = [(none, 0.0, 0.0, over)]  # (replica_at, gain, cost, rows over the bound)
+    candidates = []
     if held is not None and (np.asarray(held) >= 0).any():
-        rows, excess = judged_rows(held)
-        weighed.append((np.asarray(held, np.int64).copy(), (base - rows) * us_per_row, cost(held), excess))
+        candidates.append(np.asarray(held, np.int64).copy())
     for repeat in (False, True):
         sequence = _sequence(expected, e2r, G, redundant, repeat)
         stride = max(1, len(sequence) // 32)  # at most ~32 prefixes weighed
-        for k in sorted({*range(stride - 1, len(sequence), stride), len(sequence) - 1} - {-1}):
-            rows, excess = judged_rows(sequence[k])
-            weighed.append((sequence[k], (base - rows) * us_per_row, cost(sequence[k]), excess))
+        candidates += [sequence[k] for k in sorted({*range(stride - 1, len(sequence), stride), len(sequence) - 1}
+                                                   - {-1})]
+    weighed = [(none, 0.0, 0.0, over)]  # (replica_at, gain, cost, rows over the bound)
+    if candidates:
+        weighed += [(c, (base - rows) * us_per_row, cost(c), excess)
+                    for c, (rows, excess) in zip(candidates, judged_rows(candidates))]
     # over the bound by at most ROWS_TIE x the mean rows more than the closest: as close (a
     # prediction is not that exact), and the fastest of those wins
     within = min(w[3] for w in weighed) + ROWS_TIE * judge.sum(axis=1).mean() / R
@@ -506,29 +597,41 @@ def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, rep
     expected rows per holder (``repeat``: it may get several, on different nodes) or per expert
     (one each)."""
     R = int(e2r.max()) + 1
+    E = len(expected)
     share = expected.copy()  # expected rows per holder
-    holders = np.ones(len(expected))
+    holders = np.ones(E)
     full = expected <= 0  # no (further) replica for it: cold, done, or no free slot off its nodes
     sequence, replica_at = [], np.full((R, redundant), -1, np.int64)
+    # the slot table, each expert's holders and nodes, and each rank's filled replica slots, kept
+    # up to date as replicas are added (`slot_experts`, `_copies`)
+    slots = np.ascontiguousarray(slot_experts(e2r, replica_at)[None])
+    primaries = slots.shape[2] - redundant
+    copies = np.ones((1, E), np.int64)
+    nodes_of = [{int(r) // G} for r in e2r]
+    used = np.zeros(R, np.int64)
+    loads = np.ascontiguousarray(expected, np.float64)[None]
+    expected_kernel = _compiled_expected()
     while (replica_at < 0).any() and not full.all():
         e = int(np.argmax(np.where(full, -np.inf, share)))  # ties: the lower id
-        slots = slot_experts(e2r, replica_at)
-        rank_rows = expected_counts(expected, slots, G).sum(axis=1)
-        holding = {int(q) // G for q in np.nonzero((slots == e).any(axis=1))[0]}
-        used = (replica_at >= 0).sum(axis=1)
+        rank_rows = expected_kernel(loads, slots, copies, G)[0, 0].sum(axis=1)
         # slots fill level by level (every rank's first, then its second ...): more slots per rank
         # extend the sequence of fewer instead of crowding the nodes that look light now
         for level in range(used.min(), redundant):
-            ranks = [r for r in np.flatnonzero(used == level).tolist() if r // G not in holding]
+            ranks = [r for r in np.flatnonzero(used == level).tolist() if r // G not in nodes_of[e]]
             if ranks:
                 break
         else:
             full[e] = True  # slots only fill up: none will be free for it later in the sequence
             continue
-        n = min({r // G for r in ranks}, key=lambda n: (rank_rows[n * G:(n + 1) * G].sum(), n))
+        node_rows = rank_rows.reshape(-1, G).sum(axis=1)
+        n = min({r // G for r in ranks}, key=lambda n: (node_rows[n], n))
         q = min((r for r in ranks if r // G == n), key=lambda r: (rank_rows[r], r))
         replica_at = replica_at.copy()
-        replica_at[q, int(np.argmax(replica_at[q] < 0))] = e
+        j = int(np.argmax(replica_at[q] < 0))
+        replica_at[q, j] = slots[0, q, primaries + j] = e
+        copies[0, e] += 1
+        nodes_of[e].add(n)
+        used[q] += 1
         holders[e] += 1
         share[e] = expected[e] / holders[e]
         full[e] |= not repeat
