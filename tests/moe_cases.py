@@ -784,7 +784,21 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     (this rank's domain: ``ranks``, ``tokens_before``), the replica table after each step and the
     replicas' refresh and gradient-send counts; with ``fixed_costs`` "measured", the host cost of
     holding replicas measured by each step's end and the price of the replicas chosen there
-    (``replica_fixed_us``: (fixed µs per micro-batch, the choice's cost µs) per step)."""
+    (``replica_fixed_us``: (fixed µs per micro-batch, the choice's cost µs) per step); and how many
+    reviews of the replicas this rank weighed (``reviews_weighed``)."""
+    from deepspeed_feplb.plan.placement import CrossNodePlacer
+
+    weighed = []
+    review_choice = CrossNodePlacer.review_choice
+    CrossNodePlacer.review_choice = lambda placer: weighed.append(1) or review_choice(placer)
+    try:
+        return {**_replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs),
+                "reviews_weighed": len(weighed)}
+    finally:
+        CrossNodePlacer.review_choice = review_choice
+
+
+def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs) -> dict:
     import deepspeed
 
     from deepspeed_feplb.integration.expert_state import ModuleExperts

@@ -79,8 +79,8 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
 def test_the_host_cost_of_held_replicas_is_measured_agreed_and_priced():
     """``feplb.fixed_costs: "measured"``: from the first step with replicas held, the ranks agree
     at each step on what their hosts spent on them beyond the modelled exchange (each forward's
-    split, the refresh, the relay), and the choice made there prices it; training stays
-    DeepSpeed's. (Whether a replica then pays depends on the measured cost per row: unit-tested
+    split, the refresh, the relay), and the choice made there prices it, weighed on one rank and
+    shared; training stays DeepSpeed's. (Whether a replica then pays depends on the measured cost per row: unit-tested
     in test_replicas.py.)"""
     gas, steps = 2, 4
     results = run_distributed(moe_cases.replica_slots_case, 4, 1, steps, gas, 1, False, False, False, "measured",
@@ -88,6 +88,9 @@ def test_the_host_cost_of_held_replicas_is_measured_agreed_and_priced():
     r = results[0]
     assert all(x["replica_at"] == r["replica_at"] and x["replica_fixed_us"] == r["replica_fixed_us"]
                for x in results), "ranks disagree on the replicas or their price"
+    # the one layer's reviews are weighed by EP rank 0 alone; the others take its choice
+    assert r["reviews_weighed"] > 0 and all(x["reviews_weighed"] == 0 for x in results[1:]), \
+        [x["reviews_weighed"] for x in results]
     held = [any(q >= 0 for row in step for q in row) for step in r["replica_at"]]
     fixed = [f for f, _ in r["replica_fixed_us"]]
     assert held[0] and fixed[0] == 0.0, (held, fixed)  # made at the first step's end, nothing measured yet

@@ -128,6 +128,8 @@ class ExpertPlacement:
         self.price_host = price_host  # the replica choice prices the host's work on replicas (`end_step`)
         self.replica_host_s = 0.0  # this step's host seconds in the replicas' work (`timing_replicas`)
         self._canonical_blocks = 0  # `canonical` blocks now open
+        self._review_owner: Optional[int] = None  # EP rank that weighs this step's review (`end_step`)
+        self._review_choice = None  # what it weighed (`decide_review`), until `share_review`
 
     # ---------------------------------------------------------------- every forward
     @classmethod
@@ -293,12 +295,18 @@ class ExpertPlacement:
         self.pending.append(_route_counts(expert_ids, self.num_experts)[:self.num_experts].to(torch.float64))
 
     # ---------------------------------------------------------------- at the optimizer step
-    def end_step(self, experts, us_per_token: float) -> bool:
+    def end_step(self, experts, us_per_token: float, review_owner: Optional[int] = None) -> bool:
         """Collective over the ranks that hold the layer, after the optimizer step: agree on the
         step's loads, feed them to the policy and, every ``interval_steps`` steps, re-place (moving
         the experts' parameters and optimizer state, unless every expert keeps its home; ``experts``:
         the layer's `ModuleExperts` or `StackedExperts`) and choose replicas. Returns whether the
-        placement changed."""
+        placement changed.
+
+        Between decisions the replicas are chosen again (`CrossNodePlacer.review_replicas`); with
+        ``review_owner`` (a rank of the EP group) that is left to EP rank ``review_owner`` alone, in
+        `decide_review`, and `share_review` gives every rank its choice: an engine spreads its
+        layers' reviews over the group's ranks, whose hosts weigh them at once instead of each
+        weighing every layer's."""
         self._replicas_stale()  # the step changed the experts' weights
         if self.replicas is not None:
             self.replicas.end_step()
@@ -333,8 +341,11 @@ class ExpertPlacement:
         self.placer.us_per_token = float(both[0, -2]) / ranks
         if held and self.price_host:  # kept until replicas are held again: the choice weighs it meanwhile
             self.placer.replica_fixed_us = float(both[0, -1]) / ranks
-        if not self.placer.due:
-            return self.placer.review_replicas()  # replicas chosen again: the hot set drifts between decisions
+        if not self.placer.due:  # replicas chosen again: the hot set drifts between decisions
+            if review_owner is None or self.ep_group is None or self.ep_size <= 1:
+                return self.placer.review_replicas()
+            self._review_owner = review_owner if self.placer.reviews_replicas else None
+            return False
         changed = self.placer.refresh()
         self._say_what_the_bound_costs(loads)
         if not changed:
@@ -346,6 +357,31 @@ class ExpertPlacement:
         self._report["placement_moved_experts"] += moved
         self._report["placement_bytes"] += moved * self.bundle_bytes
         return True
+
+    def decide_review(self) -> None:
+        """The owner's half of a review `end_step` left to one rank: weigh the replicas (no
+        collective; every rank calls it, and only the owner works)."""
+        if self._review_owner is not None and dist.get_rank(self.ep_group) == self._review_owner:
+            self._review_choice = self.placer.review_choice()
+
+    def share_review(self) -> bool:
+        """Collective over the EP group (where `end_step` left a review to one rank): the owner's
+        choice (replica table, gain, cost) to every rank, taken alike. Returns whether the
+        replicas changed."""
+        owner, self._review_owner = self._review_owner, None
+        if owner is None:
+            return False
+        table = self.placer.replica_at
+        message = torch.zeros(table.size + 2, dtype=torch.float64)
+        if dist.get_rank(self.ep_group) == owner:
+            choice, self._review_choice = self._review_choice, None
+            message[:-2] = torch.from_numpy(choice.replica_at.reshape(-1).astype(np.float64))
+            message[-2:] = torch.tensor([choice.gain_us, choice.cost_us], dtype=torch.float64)
+        message = message.to(self.slot_of.device)  # an NCCL group broadcasts CUDA tensors only
+        dist.broadcast(message, src=dist.get_global_rank(self.ep_group, owner), group=self.ep_group)
+        message = message.cpu().numpy()
+        choice = replicas.Choice(message[:-2].astype(np.int64).reshape(table.shape), *message[-2:].tolist())
+        return self.placer.take_review(choice)
 
     def _say_what_the_bound_costs(self, loads: np.ndarray) -> None:
         """Once per job (EP rank 0 of the first layer it happens to): where ``max_rows_over_mean``

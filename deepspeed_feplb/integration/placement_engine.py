@@ -108,10 +108,17 @@ def install(engine) -> None:
     def after_step(boundary: bool) -> None:
         if not boundary:
             return
-        for layer in placed_layers(engine.module):
+        layers = placed_layers(engine.module)
+        for i, layer in enumerate(layers):
             times = layer.stage.compute_times if layer.stage is not None else None
             us_per_token = 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0  # fwd + bwd
-            layer.placement.end_step(layer.expert_states(engine.optimizer), us_per_token)
+            # the replicas' review of layer i is weighed by EP rank i mod the group's size alone
+            layer.placement.end_step(layer.expert_states(engine.optimizer), us_per_token,
+                                     review_owner=i % layer.placement.ep_size)
+        for layer in layers:  # every rank weighs its layers' reviews at once, then they share them
+            layer.placement.decide_review()
+        for layer in layers:
+            layer.placement.share_review()
 
     @contextlib.contextmanager
     def loading():

@@ -583,11 +583,27 @@ class CrossNodePlacer:
         gets its replicas at the next step instead of the next decision, and replicas that stopped
         paying go: a new replica's first weights come with the step's exchange, which every held
         replica takes anyway, and a drop moves nothing. Returns whether the replicas changed
-        (``replica_changes`` counts them, ``replica_drops`` those that left none)."""
-        if not self.redundant or not self._recent:
+        (``replica_changes`` counts them, ``replica_drops`` those that left none).
+        `review_choice` then `take_review` do the same in two halves (one rank weighs, every rank
+        takes)."""
+        return self.take_review(self.review_choice())
+
+    @property
+    def reviews_replicas(self) -> bool:
+        """Whether `review_replicas` weighs a choice now (a replica slot, and micro-batches seen)."""
+        return bool(self.redundant and self._recent)
+
+    def review_choice(self) -> Optional[replicas.Choice]:
+        """The choice `review_replicas` takes, weighed (no state changes); None where it weighs none
+        (`reviews_replicas`)."""
+        return self._weigh_replicas(keep_if_as_good=True) if self.reviews_replicas else None
+
+    def take_review(self, choice: Optional[replicas.Choice]) -> bool:
+        """Take a `review_choice` (None: nothing); returns whether the replicas changed."""
+        if choice is None:
             return False
         held = self.holds_replicas
-        if not self._choose_replicas(keep_if_as_good=True):
+        if not self._take_replicas(choice):
             return False
         self.replica_changes += 1
         self.replica_drops += held and not self.holds_replicas
@@ -611,9 +627,14 @@ class CrossNodePlacer:
         """The replicas for the (new) primaries (`replicas.choose`; their first weights come with the
         step's exchange, which the caller prices); ``keep_if_as_good``: those held stay unless a
         new set does better. Returns whether they changed."""
-        choice = replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
-                                 max_rows_over_mean=self.max_rows_over_mean,
-                                 held=self.replica_at if keep_if_as_good else None, **self._replica_prices)
+        return self._take_replicas(self._weigh_replicas(keep_if_as_good))
+
+    def _weigh_replicas(self, keep_if_as_good: bool) -> replicas.Choice:
+        return replicas.choose(np.array(self._recent), self.expert_to_rank, self.ranks_per_node, self.redundant,
+                               max_rows_over_mean=self.max_rows_over_mean,
+                               held=self.replica_at if keep_if_as_good else None, **self._replica_prices)
+
+    def _take_replicas(self, choice: replicas.Choice) -> bool:
         self.replica_choice = choice
         if np.array_equal(choice.replica_at, self.replica_at):
             return False
