@@ -541,19 +541,19 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
     caps = max_rows_over_mean * judge.sum(axis=1) / R if max_rows_over_mean > 0 else np.full(len(judge), np.inf)
 
-    def judged_rows(candidates: list) -> list[tuple[float, float]]:
-        """Per replica table of ``candidates``: (mean predicted busiest rows, mean rows over the
-        bound) on the later half, all in one batch."""
-        rows = predicted_rows_many(judge, np.stack([slot_experts(e2r, c) for c in candidates]), G, dynamic_experts)
+    def judged_rows(tables: np.ndarray) -> list[tuple[float, float]]:
+        """Per slot table of ``tables`` int64 [C, R, S]: (mean predicted busiest rows, mean rows over
+        the bound) on the later half, all in one batch."""
+        rows = predicted_rows_many(judge, tables, G, dynamic_experts)
         return [(float(r.mean()), float(np.maximum(r - caps, 0.0).mean())) for r in rows]
 
-    def cost(replicas: np.ndarray) -> float:
+    def cost(replicas: np.ndarray, slots: np.ndarray) -> float:
+        """A replica table's price per micro-batch; ``slots``: its `slot_experts`."""
         return fixed_us * bool((replicas >= 0).any()) + exchange_per_micro_batch(
-            slot_experts(e2r, replicas), E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps,
-            intra_gbps)
+            slots, E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps, intra_gbps)
 
     expected = fit.mean(axis=0)
-    (base, over), = judged_rows([none])
+    (base, over), = judged_rows(slot_experts(e2r, none)[None])
     if not max_rows_over_mean > 0 and (base - judge.sum(axis=1).mean() / R) * us_per_row <= fixed_us:
         # no set brings the busiest rank below the mean, and every set with a replica costs at least
         # fixed_us: none pays, so none wins, as weighing every candidate would find (at a fraction
@@ -569,8 +569,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
                                                    - {-1})]
     weighed = [(none, 0.0, 0.0, over)]  # (replica_at, gain, cost, rows over the bound)
     if candidates:
-        weighed += [(c, (base - rows) * us_per_row, cost(c), excess)
-                    for c, (rows, excess) in zip(candidates, judged_rows(candidates))]
+        tables = np.stack([slot_experts(e2r, c) for c in candidates])  # each candidate's, found once
+        weighed += [(c, (base - rows) * us_per_row, cost(c, slots), excess)
+                    for c, slots, (rows, excess) in zip(candidates, tables, judged_rows(tables))]
     # over the bound by at most ROWS_TIE x the mean rows more than the closest: as close (a
     # prediction is not that exact), and the fastest of those wins
     within = min(w[3] for w in weighed) + ROWS_TIE * judge.sum(axis=1).mean() / R
