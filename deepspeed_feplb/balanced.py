@@ -29,10 +29,10 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.domain import DomainRuntime
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.experts import LocalExperts, on_graph, timed_pieces
-from deepspeed_feplb.migrate.phase2 import DynamicExperts, Phase2Anchor, Phase2MicroBatch, grad_experts
+from deepspeed_feplb.migrate.phase2 import DynamicExperts, Phase2Anchor, Phase2MicroBatch, grad_experts, served_stream
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
-from deepspeed_feplb.plan.policy import PlanConstraints
+from deepspeed_feplb.plan.policy import PlanConstraints, serves_on_arrival
 from deepspeed_feplb.scheduler.client import DomainPlan
 from deepspeed_feplb.stats import MicroBatchStats, StageTimes, layer_stats, recomputing, residency_stats
 
@@ -75,6 +75,7 @@ class BalancedMicroBatch:
         self.later = 0 if self.step_ends else max(1, int(later))
         self.rows, self.counts, self.experts = rows, counts, experts
         self.mean_rows, self.domain_mean, self.record = mean_rows, domain_mean, record
+        self.serve_early = serves_on_arrival(self.config.serve_on_arrival, rows.device.type == "cuda")
         self.blocks = list(rows.split(counts.tolist()))
         self.outs: list = [None] * len(counts)
         self.pieces: list = []  # timed calls (`timed_pieces`)
@@ -117,10 +118,13 @@ class BalancedMicroBatch:
         then every expert is static."""
         config, rows = self.config, self.rows
         # a grouped static call on the CPU leaves no point to send from before it ends (`timed_pieces`)
+        on_gpu = rows.device.type == "cuda"
+        # the time model's serving on arrival is the GPU's: a served stream beside the rank's own experts
         model = self.times.model(config, self.expert_bytes, rows.shape[1] * rows.element_size(),
                                  self.domain.transport.message_us,
-                                 sends_after_static=self.static_fn is not None and rows.device.type != "cuda")
-        constraints = replace(PlanConstraints.from_config(config, self.expert_bytes, model, rows.device.type == "cuda"),
+                                 sends_after_static=self.static_fn is not None and not on_gpu,
+                                 serves_on_arrival=self.serve_early and on_gpu)
+        constraints = replace(PlanConstraints.from_config(config, self.expert_bytes, model, on_gpu),
                               mean_rows=float(self.mean_rows), later_micro_batches=self.later)
         if model is None and config.fixed_costs == "measured" and not config.max_rows_over_mean:
             constraints = replace(constraints, dynamic_experts=0)
@@ -183,7 +187,8 @@ class BalancedMicroBatch:
                                        self.dynamic, self.row_counts, list(modules), self.experts.spec,
                                        self.needs_grad, self.with_grads, self.stage_times, self.residency,
                                        self.step_ends, self.ready, self.mark, self.config.serve_parts,
-                                       self.config.serve_part_rows)
+                                       self.config.serve_part_rows, self.serve_early,
+                                       served_stream(self.rows.device) if self.serve_early else None)
         self.phase2.send_forward(self.dyn_x.detach(), [[p.detach() for p in params[e]] for e in self.dynamic])
 
     # ------------------------------------------------------------------ 4. dynamic experts

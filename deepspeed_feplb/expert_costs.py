@@ -206,17 +206,19 @@ class ComputeTimes:
         return self.fit.solve(self.piece_s) if self.piece_s is not None else None
 
     def model(self, config: FEPLBConfig, expert_bytes: int, row_bytes: int, message_us: float = 0.0,
-              sends_after_static: bool = False) -> Optional[TimeModel]:
+              sends_after_static: bool = False, serves_on_arrival: bool = False) -> Optional[TimeModel]:
         """The planner's time model from these times (None before anything was timed):
         ``feplb.fixed_costs`` "measured" prices the fitted costs of a piece and of a row
         (`fitted_us`) and ``message_us``; the simulator's replay of a recorded run
         (`sim.measured`) prices them alike. ``sends_after_static``: a home can send its chunks only
-        after its static experts (one grouped call on the CPU: no point in between to send). The
+        after its static experts (one grouped call on the CPU: no point in between to send);
+        ``serves_on_arrival``: a helper serves each chunk as soon as it is in (`TimeModel`). The
         plan's own latency is left out: every candidate plan waits for it alike."""
         stage = TimeModel.measured(self.expert_seconds, self.rows, expert_bytes, row_bytes, config.copy_engine_gbps)
         if stage is None:
             return None
-        stage = replace(stage, sends_after_static=sends_after_static, forward_share=self.factor.forward_share,
+        stage = replace(stage, sends_after_static=sends_after_static, serves_on_arrival=serves_on_arrival,
+                        forward_share=self.factor.forward_share,
                         serve_parts=config.serve_parts, serve_part_rows=config.serve_part_rows)
         if config.fixed_costs == "ignore":
             return stage

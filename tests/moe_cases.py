@@ -232,7 +232,7 @@ class CheckpointedMoEModel(TinyMoEModel):
 
 def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 4, steps: int = 3,
                       max_resident: int = 8, checkpointing: str | None = None, write: str = "no_grad",
-                      budget_copies: float | None = None, evaluate: bool = False) -> dict:
+                      budget_copies: float | None = None, evaluate: bool = False, extra: dict | None = None) -> dict:
     """Train DeepSpeed's MoE and FEPLB side by side with ``gas`` micro-batches per optimizer step.
 
     Between steps, and once between two micro-batches of a step, both models' expert weights are
@@ -242,7 +242,8 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     helper that computed with a copy it kept from before the change would make FEPLB's losses and
     weights differ. ``budget_copies``: ``feplb.resident_budget_mb`` as that many kept copies. With
     ``evaluate``, each step is followed by an evaluation forward on other weights swapped in and out
-    through ``p.data`` (a kept copy of them must not outlive it). Returns
+    through ``p.data`` (a kept copy of them must not outlive it). ``extra``: more of the ``"feplb"``
+    section. Returns
     the losses, the parameter errors, FEPLB's weight traffic summed over every micro-batch (its
     stats, domain-wide), the most kept-copy bytes any rank held after a micro-batch and, per
     balanced micro-batch, (its index in the step, the later micro-batches its plan was priced for)."""
@@ -253,7 +254,7 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
              "fixed_costs": "ignore",
-             "weight_residency": residency, "max_resident_experts": max_resident, **IN_PARTS}
+             "weight_residency": residency, "max_resident_experts": max_resident, **IN_PARTS, **(extra or {})}
     one_copy = copy_bytes(make_expert().parameters())
     if budget_copies is not None:
         feplb["resident_budget_mb"] = budget_copies * one_copy / 2**20

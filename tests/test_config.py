@@ -50,7 +50,7 @@ def test_defaults():
     assert cfg == FEPLBConfig()
     assert cfg.model_dump() == {
         "enabled": True, "dynamic_experts_per_rank": 2, "max_helpers_per_expert": 7, "chunk_align_tokens": "auto",
-        "serve_parts": 4, "serve_part_rows": 1024,
+        "serve_parts": 4, "serve_part_rows": 1024, "serve_on_arrival": "auto",
         "nvlink_domain_size": "auto", "ep_backend": "auto", "transport": "auto", "copy_engine_gbps": 370.0,
         "ce_budget": "auto", "transport_slot_mb": "auto", "weight_residency": "step", "max_resident_experts": 8,
         "resident_budget_mb": "auto", "max_rows_over_mean": None,
@@ -86,7 +86,8 @@ def test_auto():
 
 SECTION = {
     "enabled": False, "dynamic_experts_per_rank": 4, "max_helpers_per_expert": 3, "chunk_align_tokens": 64,
-    "serve_parts": 2, "serve_part_rows": 512, "nvlink_domain_size": 8, "ep_backend": "deepep", "transport": "cuda_ce",
+    "serve_parts": 2, "serve_part_rows": 512, "serve_on_arrival": False, "nvlink_domain_size": 8,
+    "ep_backend": "deepep", "transport": "cuda_ce",
     "copy_engine_gbps": 300.0,
     "ce_budget": 2e9, "transport_slot_mb": 256.0, "weight_residency": "micro_batch", "max_resident_experts": 3,
     "resident_budget_mb": 4096.0, "max_rows_over_mean": 1.05,
@@ -139,6 +140,7 @@ BAD_VALUES = [
     ("serve_parts", 0),
     ("serve_parts", 17),
     ("serve_part_rows", 0),
+    ("serve_on_arrival", "sometimes"),
     ("nvlink_domain_size", 0),
     ("nvlink_domain_size", "node"),
     ("ep_backend", "nccl"),

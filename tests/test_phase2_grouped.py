@@ -360,3 +360,74 @@ def test_at_the_steps_end_an_unused_kept_copy_goes_home_as_the_backward_starts()
         # the unused copies' gradients (a tensor each) before the served chunk's backward; expert 0's
         # with its results (input-gradients and a weight-gradient)
         assert served == expected, (last_moves, served)
+
+
+def _both_roles_case(early: bool) -> dict:
+    """Each rank is the home of one dynamic expert and the helper of the other's, over two
+    micro-batches of one step with kept copies, served in parts (``serve_part_rows`` 2). With
+    ``early`` (``feplb.serve_on_arrival``) a rank serves its home's chunks before it computes its
+    own rows; the outputs, input-gradients and the step's weight-gradients equal the unbalanced
+    computation's either way."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.experts import ExpertSpec
+    from deepspeed_feplb.migrate.phase2 import Phase2MicroBatch, grad_experts
+    from deepspeed_feplb.migrate.resident import LayerResidency
+
+    rank = dist.get_rank()
+    transport = _shm_pair(f"both-roles-{int(early)}")
+    events = []
+    torch.manual_seed(0)
+    template = torch.nn.Linear(8, 8, bias=False)
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(20 + rank)).requires_grad_(True)
+    spec = ExpertSpec.of(template, None)
+    residency = LayerResidency.create(2, 1, FEPLBConfig(weight_residency="step", max_resident_experts=1))
+    moves = np.array([[0, 0, 1, 5], [1, 0, 0, 4]], np.int64)  # each home's expert 0: rows to the other rank
+    total, reference, exact = torch.zeros(8, 8), torch.zeros(8, 8), []
+    for seq, ends in ((1, False), (2, True)):
+        with_grads = grad_experts(residency, rank, [0], ends, True)
+        x = torch.randn(9, 8, generator=torch.Generator().manual_seed(10 * seq + rank))
+        step = Phase2MicroBatch(transport, seq, rank, moves, [0], [9], [template], spec, True, with_grads,
+                                residency=residency, step_ends=ends, serve_parts=4, serve_part_rows=2,
+                                serve_early=early)
+        step._compute = _logged(step._compute, events, "pieces")
+        step._serve_forward = _marked(step._serve_forward, events, "serve")
+        events.append(("forward", seq))
+        y = step.forward(x, [[weight]])
+        grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(30 * seq + rank))
+        grad_x, grads = step.backward_home(grad_y)
+        grad_x, grads = step.backward_rest(grad_x, grads)
+        total += grads[0][0]
+        xr = x.clone().requires_grad_(True)
+        ref = xr @ weight.t()
+        ref_x, ref_w = torch.autograd.grad(ref, [xr, weight], grad_y)
+        reference += ref_w
+        exact += [torch.allclose(y, ref, atol=1e-6), torch.allclose(grad_x, ref_x, atol=1e-6)]
+    dist.barrier()
+    transport.close()
+    return {"events": events, "exact": exact + [torch.allclose(total, reference, atol=1e-5)]}
+
+
+def _marked(method, events, name):
+    def marked(*args):
+        events.append((name, "begins"))
+        out = method(*args)
+        events.append((name, "ends"))
+        return out
+    return marked
+
+
+def test_served_on_arrival_a_rank_serves_before_its_own_rows_and_stays_exact():
+    from deepspeed_feplb.testing import run_distributed
+    for early in (False, True):
+        for rank, result in enumerate(run_distributed(_both_roles_case, 2, early, timeout=120)):
+            assert all(result["exact"]), (early, rank, result["exact"])
+            events = result["events"]
+            for seq in (1, 2):
+                forward = events[events.index(("forward", seq)) + 1:][:6]
+                # a served part is one piece each (2 of 2 rows, or 3 of 5 rows in 2s), the home rows one
+                served = forward.index(("serve", "begins")), forward.index(("serve", "ends"))
+                own = [i for i, e in enumerate(forward) if e == ("pieces", 1) and not served[0] < i < served[1]]
+                assert len(own) == 1 and (own[0] > served[1] if early else own[0] < served[0]), (early, forward)

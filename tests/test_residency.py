@@ -63,6 +63,28 @@ def test_a_helper_computes_a_homes_chunks_once_their_whole_message_is_there():
     assert finish.tolist() == [pytest.approx([92.0, 86.0]), pytest.approx([166.0, 140.0])]
 
 
+def test_served_on_arrival_a_chunks_results_leave_before_the_helpers_own_rows_are_done():
+    """``serves_on_arrival``: rank 1 (60 rows of its own, 1 µs forward and 2 µs backward a row)
+    serves rank 0's 40 rows as they arrive (at 14 µs with the weights) instead of after its own 60
+    µs: they end at 54 and are home at 58, not 104, so the home finishes with its own 80 rows.
+    Backward: the output-gradients are in at 4 µs, the chunk ends at 84, its input-gradients are home
+    at 88 and its weight-gradients at 98 (not 214). Rank 1 itself does the same work either way:
+    100 µs forward, 200 backward."""
+    counts = np.array([[100, 20], [60, 0]])
+    moves = np.array([[0, 0, 1, 40]])
+    after_own = rank_finish_us(counts, moves, replace(MODEL, row_us=3.0))
+    assert after_own.tolist() == [pytest.approx([104.0, 100.0]), pytest.approx([214.0, 200.0])]
+    on_arrival = rank_finish_us(counts, moves, replace(MODEL, row_us=3.0, serves_on_arrival=True))
+    assert on_arrival.tolist() == [pytest.approx([80.0, 100.0]), pytest.approx([160.0, 200.0])]
+
+
+def check_served_on_arrival(results: list, stage: int) -> None:
+    """The runtime's cases with ``feplb.serve_on_arrival`` (exact by `check_exact`) moved rows, served
+    later micro-batches from kept copies and returned their gradients at the step's end."""
+    traffic = results[0][(stage, ON_ARRIVAL)]["traffic"]
+    assert traffic["moves"] > 0 and traffic["resident_hits"] > 0 and traffic["flushed_copies"] > 0, traffic
+
+
 def test_a_kept_copy_no_move_uses_flushes_as_the_backward_starts():
     """At the step's end a kept copy that no chunk of the micro-batch uses holds its final gradient
     already: its helper sends it home as its backward starts (`Phase2MicroBatch.backward_home`),
@@ -238,19 +260,26 @@ def test_simulator_steps_and_residency_are_checked():
 
 
 # ---------------------------------------------------------------- the runtime
-def accumulation_cases(ep_size: int, stages=(0, 1, 2)) -> dict:
-    return {(stage, residency): moe_cases.accumulation_case(stage, residency, ep_size)
-            for stage in stages for residency in ("step", "micro_batch")}
+ON_ARRIVAL = "step, served on arrival"  # feplb.serve_on_arrival on CPU ranks: served before the rank's own rows
+
+
+def accumulation_cases(ep_size: int, stages=(0, 1, 2), on_arrival=()) -> dict:
+    cases = {(stage, residency): moe_cases.accumulation_case(stage, residency, ep_size)
+             for stage in stages for residency in ("step", "micro_batch")}
+    for stage in on_arrival:
+        cases[(stage, ON_ARRIVAL)] = moe_cases.accumulation_case(stage, "step", ep_size,
+                                                                 extra={"serve_on_arrival": True})
+    return cases
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(accumulation_cases, 2, 2, timeout=600)
+    return run_distributed(accumulation_cases, 2, 2, (0, 1, 2), (2, ), timeout=600)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(accumulation_cases, 4, 4, (1, ), timeout=600)
+    return run_distributed(accumulation_cases, 4, 4, (1, ), (1, ), timeout=600)
 
 
 def check_exact(results: list) -> None:
@@ -273,6 +302,7 @@ def check_residency_cuts_copies(results: list, stages) -> None:
 def test_two_ranks_with_accumulation_match_deepspeed_and_copy_less(two_ranks):
     check_exact(two_ranks)
     check_residency_cuts_copies(two_ranks, (0, 1, 2))
+    check_served_on_arrival(two_ranks, 2)
 
 
 def test_each_plan_is_priced_for_the_micro_batches_left_in_its_step(two_ranks):
@@ -287,6 +317,7 @@ def test_each_plan_is_priced_for_the_micro_batches_left_in_its_step(two_ranks):
 def test_four_ranks_with_accumulation_match_deepspeed_and_copy_less(four_ranks):
     check_exact(four_ranks)
     check_residency_cuts_copies(four_ranks, (1, ))
+    check_served_on_arrival(four_ranks, 1)
 
 
 def budget_cases() -> dict:

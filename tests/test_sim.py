@@ -305,6 +305,27 @@ def test_simulate_aligns_chunks_as_the_runtime_would_on_the_profiles_device(tmp_
         main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--chunk-align", "tile"])
 
 
+def test_simulate_serves_on_arrival_as_the_runtime_would_on_the_profiles_device(tmp_path):
+    """--serve-on-arrival auto (the default) is the runtime's: on with a GPU profile (a served
+    stream), off with --profile cpu; on, the same trace takes less expert time; a bad value is named."""
+    from deepspeed_feplb.__main__ import main
+
+    save_trace(tmp_path / "t.npz", no_aux_trace(4, 1, ranks=4, experts=16, tokens_per_rank=2048, seed=1))
+    runs = {}
+    for name, extra in (("auto", []), ("off", ["--serve-on-arrival", "off"]),
+                        ("cpu", ["--profile", "cpu"]), ("cpu on", ["--profile", "cpu", "--serve-on-arrival", "on"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--policies", "feplb",
+                     "--json", str(out), "--no-progress", *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert {name: run["setup"]["serve_on_arrival"] for name, run in runs.items()} == \
+        {"auto": True, "off": False, "cpu": False, "cpu on": True}
+    times = {name: runs[name]["policies"]["feplb"]["expert_time_us"] for name in ("auto", "off")}  # `cpu`: measured
+    assert times["auto"] < times["off"], times
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--serve-on-arrival", "yes"])
+
+
 def test_fastermoe_shadow_rule():
     setup = SimSetup(2, 1, 4, shape=ExpertShape(hidden=2, ffn_hidden=2, mats=2, dtype_bytes=1),
                      profile=GemmProfile("t", 1e-12, 1, 0.0, 1e-9, 1e-9))

@@ -35,9 +35,9 @@ wait for the device; the receiving stream orders itself on a flag word.
   streams onto one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``). A message that fits the
   free ring slots is enqueued whole by its `send`.
 * **Streams within the hardware queues.** Peers share send streams, and receive streams, round
-  robin (`copy_streams`): with a side stream and the caller's compute stream they fit
-  ``CUDA_DEVICE_MAX_CONNECTIONS`` (8 by default: 3 each way), where a stream per peer (15 at 8
-  GPUs) made CUDA map several onto one queue anyway.
+  robin (`copy_streams`): with a side stream, the caller's compute stream and phase 2's served
+  stream (`phase2.served_stream`) they fit ``CUDA_DEVICE_MAX_CONNECTIONS`` (8 by default: 2 each
+  way), where a stream per peer (15 at 8 GPUs) made CUDA map several onto one queue anyway.
 * **Descriptions on the host.** What a message holds (tag, tensor dtypes, shapes and offsets) is
   published in the control block (`MESSAGES` entries per link) as soon as its send is called
   and an entry is free; the receiver's host reads it without waiting for the device.
@@ -183,18 +183,21 @@ def hardware_queues() -> int:
 def copy_streams(peers: int, queues: int) -> int:
     """Send streams of a rank with ``peers`` domain peers (and as many receive streams), so that its
     streams fit CUDA's ``queues`` hardware queues: the transport's 2k + 1 (the side stream) beside
-    the caller's compute stream, at least one each way, at most one per peer. Streams beyond the
+    the caller's compute stream and the stream a helper serves its homes' chunks on
+    (`phase2.served_stream`: a served kernel queued behind a copy that waits would wait too), at
+    least one each way, at most one per peer. Streams beyond the
     queues share them, and an operation that waits then holds up whatever is queued behind it,
     of every stream; peers that share a stream are ordered no more strictly than that (the
     protocol waits only for work already enqueued, so neither deadlocks). With fewer than 4
     queues the transport still needs its 3 streams; `CudaCETransport` says so once."""
-    return max(1, min(peers, (queues - 2) // 2))
+    return max(1, min(peers, (queues - 3) // 2))
 
 
 def _warn_few_queues(queues: int) -> None:
     if first_time("few hardware queues"):
         warnings.warn(f"FEPLB: CUDA_DEVICE_MAX_CONNECTIONS={queues} leaves fewer hardware queues than phase 2's "
-                      "copy streams (a send, a receive and a side stream) and the compute stream need: they share "
+                      "copy streams (a send, a receive and a side stream), its served stream and the compute stream "
+                      "need: they share "
                       "queues, so a copy that waits for a peer holds up the compute queued behind it on its queue",
                       RuntimeWarning, stacklevel=3)
 
@@ -313,7 +316,7 @@ class CudaCETransport:
         self._signals: dict[tuple, collections.deque] = {}  # host flags: (src, dst, field) -> (event, value)s
         self._owns_control = create
         try:
-            if 2 * self.streams_each_way + 2 > queues:
+            if 2 * self.streams_each_way + 3 > queues:
                 _warn_few_queues(queues)
             with backend.on_device():
                 why = backend.probe_flags()

@@ -30,9 +30,10 @@ so the exchange is deadlock-free (sends are asynchronous, receives follow a fixe
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -46,6 +47,22 @@ from deepspeed_feplb.plan.time_model import serve_parts
 from deepspeed_feplb.stats import StageTimes
 
 FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
+
+
+def served_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """Where a rank serves its homes' chunks with ``feplb.serve_on_arrival``: on a CUDA device, one
+    stream per device and process, of the highest priority (its kernels take the SMs as they free
+    up, ahead of the compute stream's); None on host memory (the served work runs in the caller's
+    order)."""
+    if device.type != "cuda":
+        return None
+    return _served_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _served_stream(index: int) -> torch.cuda.Stream:
+    _, greatest = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(device=index, priority=greatest)
 
 
 def tag(seq: int, phase: int, part: int = 0) -> int:
@@ -139,6 +156,12 @@ class Phase2MicroBatch:
     and ``wait_s`` the host seconds spent blocked on a peer (receives, sends to finish).
     resent: chunks that carried weights to a helper that keeps a copy because the home's weights
     changed since (`LayerResidency.stamp`; this rank's, as a home).
+    serve_early: ``feplb.serve_on_arrival``: this rank serves its homes' chunks before its own
+    dynamic experts' rows, not after them; served_stream: a high-priority CUDA stream the served
+    work runs on, forward and backward, beside the rank's own experts, each chunk once its message
+    is in (`served_stream`; None: the caller's stream). The served work reads nothing the
+    caller's stream computes; the caller's stream waits for it at the end of each direction
+    (`_join`), before a kept copy's gradient sum can be read there.
     """
     transport: Transport
     seq: int
@@ -157,6 +180,8 @@ class Phase2MicroBatch:
     mark: Callable[[], object] = time.perf_counter
     serve_parts: int = 1
     serve_part_rows: int = 1
+    serve_early: bool = False
+    served_stream: Optional[torch.cuda.Stream] = None
     home_pieces: list[_Piece] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # home -> per part, (its pieces' (chunk, first row, rows), _Piece's)
 
@@ -226,6 +251,25 @@ class Phase2MicroBatch:
             sends.append(self.transport.send(helper, tag(self.seq, FWD_TOKENS), payload, after=self.ready))
         self._forward_sends = sends
 
+    def _serving(self):
+        """Where served work is queued: ``served_stream``, or the caller's stream."""
+        return torch.cuda.stream(self.served_stream) if self.served_stream is not None else contextlib.nullcontext()
+
+    def _join(self) -> None:
+        """The caller's stream waits for the served work queued so far (no host wait)."""
+        if self.served_stream is not None:
+            torch.cuda.current_stream(self.served_stream.device).wait_stream(self.served_stream)
+
+    def _read_here(self, held: HeldCopy) -> HeldCopy:
+        """A kept copy whose gradients the served stream summed, about to be read on the caller's
+        stream (after a `_join`): their memory must not go back to the served stream's pool before
+        that read ran (`Tensor.record_stream`)."""
+        if self.served_stream is not None and held.grads is not None:
+            stream = torch.cuda.current_stream(self.served_stream.device)
+            for g in held.grads:
+                g.record_stream(stream)
+        return held
+
     def forward(self, dyn_x: torch.Tensor, params: list[list[torch.Tensor]]) -> torch.Tensor:
         """dyn_x ``[N_dyn, H]`` rows of the dynamic experts -> their outputs ``[N_dyn, H_out]``."""
         start = time.perf_counter()
@@ -236,10 +280,14 @@ class Phase2MicroBatch:
         sends = self._forward_sends
 
         with torch.enable_grad():
+            if self.serve_early:
+                with self._serving():
+                    sends += self._serve_forward(dyn_x.device)
             self.home_pieces = self._compute([(self.experts[e], params[i], self.spec.buffers(self.experts[e]),
                                                dyn_x[starts[i]:starts[i] + home_rows[i]])
                                               for i, e in enumerate(self.dynamic)])
-            sends += self._serve_forward(dyn_x.device)
+            if not self.serve_early:
+                sends += self._serve_forward(dyn_x.device)
 
         # the helpers' outputs land in their rows of the output (no copy after the receive)
         out = None
@@ -252,6 +300,7 @@ class Phase2MicroBatch:
                 self._recv_into(helper, tag(self.seq, FWD_RESULTS, k), messages.outputs_to_home(len(pieces)),
                                 "outputs", places, out.device, "forward results")
         self._settle(sends)
+        self._join()
         self.transport.release(self.ready)  # every send that waits for it is queued
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
@@ -292,7 +341,7 @@ class Phase2MicroBatch:
         """Receive a message (into one buffer per dtype where ``into`` is None: `messages.message_buffers`)."""
         start = time.perf_counter()
         if into is None:
-            into = partial(messages.message_buffers, device=self.device)
+            into = functools.partial(messages.message_buffers, device=self.device)
         try:
             return self.transport.recv(src, message_tag, into)
         finally:
@@ -421,9 +470,9 @@ class Phase2MicroBatch:
     # ------------------------------------------------------------------ backward
     def backward_home(self, grad_y: torch.Tensor):
         """The half of backward that waits for no rank (`DynamicExperts`): output-gradients to the
-        helpers, the home rows' gradients. grad_y ``[N_dyn, H_out]`` -> (grad of dyn_x
-        ``[N_dyn, H]`` with the helpers' rows still zero, the home rows' parameter grads per
-        dynamic expert)."""
+        helpers, the home rows' gradients. grad_y ``[N_dyn, H_out]`` -> (grad of dyn_x ``[N_dyn,
+        H]`` with the helpers' rows still zero, the home rows' parameter grads per dynamic
+        expert)."""
         start = time.perf_counter()
         outgoing, home_rows, starts = self.view.outgoing, self.view.home_rows, self.view.starts
         for helper, chunks in outgoing.items():
@@ -446,11 +495,41 @@ class Phase2MicroBatch:
 
     def backward_rest(self, grad_x: torch.Tensor, grad_params: list):
         """The half of backward that waits for the domain (`Phase2Anchor`, after the static experts'
-        backward is queued): serve the helpers' chunks of other homes, take this rank's helpers'
-        results into ``grad_x`` (in place) and ``grad_params``, and the step's kept-copy gradients.
-        Returns (grad of dyn_x, parameter grads per expert of ``grad_experts``, None: none)."""
+        backward is queued): serve the helpers' chunks of other homes (on ``served_stream`` where
+        given: beside the static experts' backward), take this rank's helpers' results into
+        ``grad_x`` (in place) and ``grad_params``, and the step's kept-copy gradients. Returns
+        (grad of dyn_x, parameter grads per expert of ``grad_experts``, None: none)."""
         start = time.perf_counter()
         sends, self._sends = self._sends, []
+        with self._serving():
+            sends += self._serve_backward()
+        n_params = len(self.spec.param_names)
+        grad_params = list(grad_params) + [None] * (len(self.grad_experts) - len(grad_params))
+        early = [(e, j) for h, e, j in self.flush_early.tolist() if h == self.local_rank]
+        for helper in sorted({*self.returns, *(j for _, j in early)}):
+            self._receive_flushed(helper, [e for e, j in early if j == helper], grad_params)
+            for k, pieces in enumerate(self.returns.get(helper, [])):
+                # a chunk's weight-gradients come with its last piece, unless its helper keeps the copy
+                # (then, at the step's end, with the last move that uses it: the step's sum)
+                layout = messages.grads_to_home([(not self.copy_kept[m] or self.with_results[m]) and ends
+                                                 for _, _, _, m, ends in pieces], n_params)
+                # their rows' gradients land in grad_x (no copy after the receive)
+                places = [[grad_x[at:at + rows]] for _, at, rows, _, _ in pieces]
+                parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS, k), layout, "input_grads", places,
+                                        grad_x.device, "backward results")
+                for (i, *_), part in zip(pieces, parts):
+                    if part["weight_grads"]:
+                        grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
+        self._settle(sends)
+        self._join()
+        self.flush_held = {}
+        self._report(" bwd", start)
+        return grad_x, grad_params
+
+    def _serve_backward(self) -> list:
+        """Serve this rank's homes' chunks backward: their output-gradients in, input- and weight-gradients
+        home part by part (a kept copy's at the step's end only). Returns the sends' futures."""
+        sends = []
         n_params = len(self.spec.param_names)
         for home, served in self.served.items():
             chunks = len(self.view.incoming[home])
@@ -475,28 +554,8 @@ class Phase2MicroBatch:
                     goes_home.append(ends)
                 layout = messages.grads_to_home(goes_home, n_params)
                 sends.append(self.transport.send(home, tag(self.seq, BWD_RESULTS, k), layout.pack(parts)))
-
-        grad_params = list(grad_params) + [None] * (len(self.grad_experts) - len(grad_params))
-        early = [(e, j) for h, e, j in self.flush_early.tolist() if h == self.local_rank]
-        for helper in sorted({*self.returns, *(j for _, j in early)}):
-            self._receive_flushed(helper, [e for e, j in early if j == helper], grad_params)
-            for k, pieces in enumerate(self.returns.get(helper, [])):
-                # a chunk's weight-gradients come with its last piece, unless its helper keeps the copy
-                # (then, at the step's end, with the last move that uses it: the step's sum)
-                layout = messages.grads_to_home([(not self.copy_kept[m] or self.with_results[m]) and ends
-                                                 for _, _, _, m, ends in pieces], n_params)
-                # their rows' gradients land in grad_x (no copy after the receive)
-                places = [[grad_x[at:at + rows]] for _, at, rows, _, _ in pieces]
-                parts = self._recv_into(helper, tag(self.seq, BWD_RESULTS, k), layout, "input_grads", places,
-                                        grad_x.device, "backward results")
-                for (i, *_), part in zip(pieces, parts):
-                    if part["weight_grads"]:
-                        grad_params[i] = [a + b for a, b in zip(grad_params[i], part["weight_grads"])]
-        self._settle(sends)
-        self.flush_held = {}
         self.served = {}
-        self._report(" bwd", start)
-        return grad_x, grad_params
+        return sends
 
     def _flush_early(self) -> list:
         """The step's end, as the backward starts: send the gradients of the copies this rank kept
@@ -504,7 +563,8 @@ class Phase2MicroBatch:
         entries = [(h, e) for h, e, j in self.flush_early.tolist() if j == self.local_rank]
         sends = []
         for home in sorted({h for h, _ in entries}):
-            copies = [{"weight_grads": self.flush_held[(h, e)].gradients()} for h, e in entries if h == home]
+            copies = [{"weight_grads": self._read_here(self.flush_held[(h, e)]).gradients()}
+                      for h, e in entries if h == home]
             payload = messages.flushed_to_home(len(copies), len(self.spec.param_names)).pack(copies)
             sends.append(self.transport.send(home, tag(self.seq, FLUSH), payload))
         return sends

@@ -427,6 +427,16 @@ def _returned(start, cost, parts, part_copy_us, link_free):
     return link
 
 
+@njit(nt.float64(nt.float64[::1], nt.int64, nt.float64, nt.float64), cache=True)
+def _served_from(lane, j, arrival, cost):
+    """With `serves_on_arrival`: when helper j starts a chunk of ``cost`` µs that arrives at
+    ``arrival``: once it is in and the chunks before it are served, whatever its own rows (they
+    wait: the rank's total work is unchanged); ``lane[j]`` moves to the chunk's end."""
+    start = max(lane[j], arrival)
+    lane[j] = start + cost
+    return start
+
+
 @njit(nt.Tuple((nt.int64[:, ::1], nt.float64[:, ::1]))(nt.int64[:, ::1], nt.boolean[::1], nt.boolean[::1], nt.int64,
                                                         MODEL), cache=True)
 def _messages(moves, fresh, grads_back, G, model):
@@ -505,7 +515,11 @@ def _timeline(static, later, pairs, sizes, flush, model):
 
     # forward: the messages leave once the plan is there (with `sends_after_static`, a grouped
     # static call on the CPU, once the home computed its static experts); a helper serves them
-    # after its own rows, homes in message order
+    # after its own rows, homes in message order, or with `serves_on_arrival` each as soon as it is
+    # in, ahead of its own rows (``lane``: when the served work is done so far); either way the
+    # rank finishes when all its work is (``t``)
+    on_arrival = tm.serves_on_arrival > 0
+    lane = np.zeros(G)
     for r in range(G):
         link_out[r] = plan_ready
         if tm.sends_after_static > 0:
@@ -513,11 +527,12 @@ def _timeline(static, later, pairs, sizes, flush, model):
         t[r] = max(forward * static[r], plan_ready) + forward * later[r]
     for k in range(K):
         h, j = pairs[k, 0], pairs[k, 1]
-        end = _link_copy(link_out, link_in, h, j, sizes[k, 1] * wcopy + sizes[k, 0] * rcopy)
+        arrival = _link_copy(link_out, link_in, h, j, sizes[k, 1] * wcopy + sizes[k, 0] * rcopy) + latency
         cost = forward * sizes[k, 3]
-        t[j] = max(t[j], end + latency) + cost
+        t[j] = max(t[j], arrival) + cost
+        start = _served_from(lane, j, arrival, cost) if on_arrival else t[j] - cost
         parts = _parts(sizes[k, 0], model)  # the outputs go home, part by part
-        back[k] = _returned(t[j] - cost, cost, parts, sizes[k, 0] / parts * rcopy, 0.0) + latency
+        back[k] = _returned(start, cost, parts, sizes[k, 0] / parts * rcopy, 0.0) + latency
     for r in range(G):
         out[0, r] = t[r]
     for k in range(K):
@@ -525,10 +540,10 @@ def _timeline(static, later, pairs, sizes, flush, model):
 
     # backward: the output-gradients leave at once, one copy at a time per link; a helper serves
     # its homes after its own experts' backward (the runtime's order: `DynamicExperts`, the static
-    # experts, `Phase2Anchor`)
+    # experts, `Phase2Anchor`), or with `serves_on_arrival` as they arrive
     for r in range(G):
         t[r] = backward * (static[r] + later[r])
-        link_out[r], link_in[r] = 0.0, 0.0
+        link_out[r], link_in[r], lane[r] = 0.0, 0.0, 0.0
     arrive = np.empty(K)
     for k in range(K):
         arrive[k] = _link_copy(link_out, link_in, pairs[k, 0], pairs[k, 1], sizes[k, 0] * rcopy) + latency
@@ -543,9 +558,9 @@ def _timeline(static, later, pairs, sizes, flush, model):
         h, j = pairs[k, 0], pairs[k, 1]
         cost = backward * sizes[k, 3]
         t[j] = max(t[j], arrive[k]) + cost
+        start = _served_from(lane, j, arrive[k], cost) if on_arrival else t[j] - cost
         parts = _parts(sizes[k, 0], model)
-        link_out[j] = _returned(t[j] - cost, cost, parts, sizes[k, 0] / parts * rcopy, link_out[j]) + \
-            sizes[k, 2] * gcopy
+        link_out[j] = _returned(start, cost, parts, sizes[k, 0] / parts * rcopy, link_out[j]) + sizes[k, 2] * gcopy
         back[k] = link_out[j] + latency
     for r in range(G):
         out[1, r] = max(t[r], flushed[r])

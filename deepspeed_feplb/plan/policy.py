@@ -39,7 +39,8 @@ from deepspeed_feplb.plan.hottest import NONE, chosen_rows, dynamic_candidates
 from deepspeed_feplb.plan.time_model import MODEL_DTYPE, TimeModel
 
 __all__ = ["PlanConstraints", "Plan", "dynamic_candidates", "lower_bound", "plan_domain", "empty_plan", "no_residents",
-           "balancing_may_pay", "rows_bound", "chunk_align_rows", "GPU_TILE_ROWS", "HOST_CHUNK_ROWS"]
+           "balancing_may_pay", "rows_bound", "chunk_align_rows", "serves_on_arrival", "GPU_TILE_ROWS",
+           "HOST_CHUNK_ROWS"]
 
 # The row tile of a grouped expert GEMM on a GPU: Hopper's CUTLASS grouped GEMM behind
 # torch._grouped_mm tiles a large problem's rows by 128 (64 for small ones). A chunk of whole tiles
@@ -56,6 +57,11 @@ def chunk_align_rows(setting, on_gpu: bool, max_rows_over_mean: Optional[float] 
     if setting != "auto":
         return int(setting)
     return GPU_TILE_ROWS if on_gpu and not max_rows_over_mean else HOST_CHUNK_ROWS
+
+
+def serves_on_arrival(setting, on_gpu: bool) -> bool:
+    """``feplb.serve_on_arrival`` resolved: a bool as is; "auto" where the experts compute on a GPU."""
+    return on_gpu if setting == "auto" else bool(setting)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ class TimeModel:
     plan_us:         when the plan is there, from the stage's start;
     sends_after_static: a home sends its chunks once its static experts are computed (a grouped
                      static call on CPU ranks), not as soon as the plan is there;
+    serves_on_arrival: a helper computes each chunk it serves as soon as its message is in, ahead
+                     of its own rows (``feplb.serve_on_arrival``: a high-priority stream on a GPU),
+                     not after them;
     piece_floor_us:  the least one piece costs (forward + backward), whatever its rows (a measured
                      profile's `cost.GemmProfile.floor_us`; 0: none);
     forward_share:   the forward's share of a piece's cost (1 / `FWD_BWD_GEMMS` for GEMMs alone; the
@@ -50,6 +53,7 @@ class TimeModel:
     message_us: float = 0.0
     plan_us: float = 0.0
     sends_after_static: bool = False
+    serves_on_arrival: bool = False
     piece_floor_us: float = 0.0
     forward_share: float = 1.0 / FWD_BWD_GEMMS
     serve_parts: int = 1

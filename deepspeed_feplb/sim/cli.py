@@ -27,7 +27,7 @@ import numpy as np
 from deepspeed_feplb.config import SERVE_PARTS_MAX, FEPLBConfig
 from deepspeed_feplb.exits import InputFileError, fail
 from deepspeed_feplb.plan.cost import GemmProfile
-from deepspeed_feplb.plan.policy import GPU_TILE_ROWS, HOST_CHUNK_ROWS, chunk_align_rows
+from deepspeed_feplb.plan.policy import GPU_TILE_ROWS, HOST_CHUNK_ROWS, chunk_align_rows, serves_on_arrival
 from deepspeed_feplb.plan.residency import AUTO_FREE_SHARE
 from deepspeed_feplb.trace.cli import whole_number
 
@@ -49,7 +49,9 @@ stdlib_moe_ep8_4k.npz and stdlib_moe_ep8_32k.npz (8 source ranks, 64 experts) 1,
 
 
 _RUNTIME = FEPLBConfig()  # the runtime's defaults are the simulator's
-_PLACEMENT_DEFAULT = {True: "on", False: "off", "auto": "auto"}[_RUNTIME.placement.enabled]
+_ON_OFF = {True: "on", False: "off", "auto": "auto"}
+_SETTING = {v: k for k, v in _ON_OFF.items()}
+_PLACEMENT_DEFAULT = _ON_OFF[_RUNTIME.placement.enabled]
 
 def _budget(text: str):
     """argparse type of --ce-budget: "auto", "inf" or a number of bytes >= 0."""
@@ -160,6 +162,10 @@ def add_parser(subparsers) -> None:
                         "as it is done (feplb.serve_parts; 1: one part) (default: %(default)s)")
     p.add_argument("--serve-part-rows", type=whole_number(1), default=_RUNTIME.serve_part_rows, metavar="ROWS",
                    help="fewest rows of one such part (feplb.serve_part_rows) (default: %(default)s)")
+    p.add_argument("--serve-on-arrival", default=_ON_OFF[_RUNTIME.serve_on_arrival], choices=("auto", "on", "off"),
+                   help="a helper computes each chunk it serves as soon as it is in, ahead of its own rows "
+                        "(feplb.serve_on_arrival; auto: on with a GPU profile, off with --profile cpu) "
+                        "(default: %(default)s, the runtime's)")
     p.add_argument("--ce-budget", type=_budget, default="auto", metavar="BYTES",
                    help="hard cap on the expert-weight bytes a rank copies per micro-batch: auto or inf (no cap: "
                         "the time model keeps only copies that pay off) or bytes (default: %(default)s)")
@@ -368,7 +374,8 @@ def _setup(args, trace, D):
                     max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
                     max_rows_over_mean=args.max_rows_over_mean,
                     redundant_per_rank=args.redundant_per_rank, replica_host_us=args.replica_host_us,
-                    serve_parts=args.serve_parts, serve_part_rows=args.serve_part_rows)
+                    serve_parts=args.serve_parts, serve_part_rows=args.serve_part_rows,
+                    serve_on_arrival=serves_on_arrival(_SETTING[args.serve_on_arrival], profile.name != "cpu"))
 
 
 def _compare_measured(args, trace, setup) -> dict:

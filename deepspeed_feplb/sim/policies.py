@@ -59,6 +59,8 @@ class SimSetup:
                time alone), relative to the mean over all G x N ranks.
     serve_parts, serve_part_rows: parts a helper computes one home's chunks in, each part's results
                going home once computed (``feplb.serve_parts``, ``feplb.serve_part_rows``).
+    serve_on_arrival: a helper serves each chunk as soon as it is in, ahead of its own rows
+               (``feplb.serve_on_arrival`` resolved: the CLI's "auto" is on with a GPU profile).
     redundant_per_rank: replica slots per rank of ``feplb``'s cross-node layer
                (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
                replicas on other nodes where they pay; each micro-batch splits a replicated
@@ -115,6 +117,7 @@ class SimSetup:
     replica_host_us: float = 0.0
     serve_parts: int = FEPLBConfig.model_fields["serve_parts"].default
     serve_part_rows: int = FEPLBConfig.model_fields["serve_part_rows"].default
+    serve_on_arrival: bool = False
 
     @property
     def ranks(self) -> int:
@@ -128,13 +131,14 @@ class SimSetup:
                            chunk_align_tokens=self.chunk_align, ce_budget=budget, copy_engine_gbps=self.profile.ce_gbps,
                            weight_residency=self.residency, max_resident_experts=self.max_resident,
                            resident_budget_mb=self.resident_budget_mb, max_rows_over_mean=self.max_rows_over_mean,
-                           serve_parts=self.serve_parts, serve_part_rows=self.serve_part_rows)
+                           serve_parts=self.serve_parts, serve_part_rows=self.serve_part_rows,
+                           serve_on_arrival=self.serve_on_arrival)
 
     @cached_property
     def time_model(self) -> TimeModel:
         """The time model of the planner and of ``expert_time_us`` (`plan.timeline`)."""
         return replace(TimeModel.of(self.shape, self.profile), serve_parts=self.serve_parts,
-                       serve_part_rows=self.serve_part_rows)
+                       serve_part_rows=self.serve_part_rows, serves_on_arrival=self.serve_on_arrival)
 
     def step_ends(self, step: int) -> bool:
         """Whether micro-batch ``step`` of the trace is the last of its optimizer step."""

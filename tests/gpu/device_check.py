@@ -287,13 +287,25 @@ def transport_speed(check: Check) -> dict:
 
 # ------------------------------------------------------------------ 6. layer vs DeepSpeed
 def _layer_worker(cpu: bool) -> dict:
+    """The layer against DeepSpeed's MoE with the helpers' serving after their own rows and on
+    arrival (on a GPU: the served stream, `phase2.served_stream`)."""
+    import deepspeed_feplb
+    out = {}
+    for on_arrival in (False, True):
+        out["on_arrival" if on_arrival else "after_own_rows"] = _layer_against_deepspeed(cpu, on_arrival)
+        deepspeed_feplb.shutdown()  # the next pair opens its own domain
+    return out
+
+
+def _layer_against_deepspeed(cpu: bool, on_arrival: bool) -> dict:
     import moe_cases
     dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
     if not cpu:
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1, "fixed_costs": "ignore",
-             "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0}, **moe_cases.IN_PARTS}
+             "transport": "shm" if cpu else "cuda_ce", "scheduler": {"start_after_steps": 0},
+             "serve_on_arrival": on_arrival, **moe_cases.IN_PARTS}
     reference, ours = moe_cases.build_pair(16, 2, 2, {**feplb, "max_helpers_per_expert": 4}, seed=2)
     reference, ours = reference.to(dev), ours.to(dev)
     x, w = moe_cases.rank_inputs(2)
@@ -322,11 +334,15 @@ def _layer_worker(cpu: bool) -> dict:
 def layer(check: Check) -> dict:
     from deepspeed_feplb.testing import run_distributed
     results = run_distributed(_layer_worker, 2, check.cpu, timeout=120)
-    worst = max(r["worst_error"] for r in results)
-    migrated = sum(r["migrated"] for r in results)
-    hits = results[0]["resident_hits"]
-    return {"ok": worst <= 1e-5 and migrated > 0 and hits > 0, "worst_relative_error": worst,
-            "migrated_tokens": migrated, "resident_hits": hits, "transport": results[0]["transport"]}
+    out = {"ok": True}
+    for mode in results[0]:
+        worst = max(r[mode]["worst_error"] for r in results)
+        migrated = sum(r[mode]["migrated"] for r in results)
+        hits = results[0][mode]["resident_hits"]
+        out["ok"] &= worst <= 1e-5 and migrated > 0 and hits > 0
+        out[mode] = {"worst_relative_error": worst, "migrated_tokens": migrated, "resident_hits": hits,
+                     "transport": results[0][mode]["transport"]}
+    return out
 
 
 def serve_parts(check: Check) -> dict:
