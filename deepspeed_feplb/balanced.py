@@ -109,7 +109,9 @@ class BalancedMicroBatch:
         chosen = chosen[chosen != NONE]
         self.dynamic = chosen.tolist()
         self.static = [e for e in range(len(self.counts)) if e not in self.dynamic]
-        resident_row = self.residency.table.resident[self.domain.local_rank] if self.residency is not None else None
+        # a forward without gradients computes with no kept copy (`Phase2MicroBatch`): planned without them
+        trusted = self.residency is not None and torch.is_grad_enabled()
+        resident_row = self.residency.table.resident[self.domain.local_rank] if trusted else None
         self.domain.scheduler.publish(self.seq, self.counts, constraints, resident_row, chosen)
 
     def _constraints(self) -> PlanConstraints:

@@ -256,6 +256,9 @@ class FEPLBConfig(FEPLBConfigModel):
     max_resident_experts: int = Field(8, ge=0)
     """'step' residency: expert copies a rank keeps per MoE layer; each costs its weights plus an fp32 weight-gradient (docs/GPU.md has the memory formula)."""
 
+    keep_copies_across_steps: bool = True
+    """'step' residency: the copies a step's last micro-batch used stay on their helpers for the next step: right after each optimizer step (from the second on, once the optimizer's state exists) every home sends them its new weights, which travel while the next step's first layers compute, so the next step's first micro-batch copies no weights in its MoE layers. Layers with cross-node placement or replica slots, and layers stepped without DeepSpeed's engine, forget their copies at the step's end instead. A forward without gradients (an evaluation) never computes with a kept copy."""
+
     resident_budget_mb: Union[Literal["auto"], Annotated[float, Field(ge=0)]] = "auto"
     """'step' residency: MiB of kept copies a rank holds over all its FEPLB layers (each copy counts its weights and its fp32 weight-gradient); a copy beyond it is used for its micro-batch only. 'auto': half the device memory a rank has free after deepspeed.initialize beside FEPLB's other buffers (the least over its domain; measured when the domain opens where deepspeed_feplb.initialize was not used), at most what max_resident_experts copies per layer take; no bound for CPU experts."""
 
@@ -273,7 +276,7 @@ class FEPLBConfig(FEPLBConfigModel):
 
 # (why the keys have no effect, when, the keys): `idle_keys`, checked in this order
 _MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "serve_parts", "serve_part_rows", "ce_budget", "transport_slot_mb", "weight_residency",
-              "max_resident_experts", "resident_budget_mb", "scheduler.mode", "scheduler.plan_timeout_ms",
+              "max_resident_experts", "keep_copies_across_steps", "resident_budget_mb", "scheduler.mode", "scheduler.plan_timeout_ms",
               "scheduler.restart", "scheduler.start_after_steps")
 _IDLE_RULES = (
     ("feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler)",
@@ -285,9 +288,10 @@ _IDLE_RULES = (
      "micro-batches, not the load history",
      lambda c: c.placement.enabled is False, ("placement.history_decay", )),
     ("feplb.weight_residency is \"micro_batch\": no copy is kept past its micro-batch",
-     lambda c: c.weight_residency == "micro_batch", ("max_resident_experts", "resident_budget_mb")),
+     lambda c: c.weight_residency == "micro_batch",
+     ("max_resident_experts", "resident_budget_mb", "keep_copies_across_steps")),
     ("feplb.max_resident_experts is 0: no copy is kept past its micro-batch",
-     lambda c: c.max_resident_experts == 0, ("resident_budget_mb", )),
+     lambda c: c.max_resident_experts == 0, ("resident_budget_mb", "keep_copies_across_steps")),
     ("feplb.scheduler.mode is \"inline\": every rank plans itself, no scheduler process",
      lambda c: c.scheduler.mode == "inline",
      ("scheduler.plan_timeout_ms", "scheduler.restart", "scheduler.start_after_steps")),

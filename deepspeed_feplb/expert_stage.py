@@ -98,6 +98,7 @@ class ExpertStage:
         # a rank descheduled during one exchange (a busy host) does not stop balancing for a micro-batch
         self._exchanges_us: deque[float] = deque(maxlen=_EXCHANGES_KEPT)
         self._rows_here = 0  # this rank's rows in the current micro-batch
+        self.experts: Optional[LocalExperts] = None  # the last forward's, for `migrate.refresh`
         self.records = False  # a trace recorder reads `last` (`trace.record`)
         self.last: Optional[dict] = None  # with `records`: what the last micro-batch did (`_measure`)
 
@@ -194,6 +195,7 @@ class ExpertStage:
         ``step_ends``: this micro-batch is the last of its optimizer step (weight residency);
         ``later``: the micro-batches of the step after it (`seams.later_micro_batches`)."""
         self._rows_here = int(counts.sum())
+        self.experts = experts
         self.exchanged(facts.exchange_seconds)
         config = self.config
         # measured (`_measure`): a training micro-batch of a balancing layer, or any with a recorder

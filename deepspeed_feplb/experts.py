@@ -127,12 +127,22 @@ class LocalExperts:
         (None: functionally);
     static_fn: ``static_fn(params, rows, blocks, static)`` computes a set of experts at once on
         ``params`` (AutoEP's grouped GEMM, a known MLP's `grouped_mlp.StackedMLP`), or None.
+    current: outside a forward, each local expert's parameters as they are now (`migrate.refresh`,
+        after an optimizer step); None: ``params`` called without gradients.
     """
     modules: Sequence[torch.nn.Module]
     params: Callable[[], list[list[torch.Tensor]]]
     spec: ExpertSpec
     direct: Optional[ExpertCall] = None
     static_fn: Optional[Callable[..., torch.Tensor]] = None
+    current: Optional[Callable[[], list[list[torch.Tensor]]]] = None
+
+    def weights_now(self) -> list[list[torch.Tensor]]:
+        """`current`, or ``params`` without gradients: no graph, the parameters' own values."""
+        if self.current is not None:
+            return self.current()
+        with torch.no_grad():
+            return self.params()
 
     def __post_init__(self):
         if self.direct is not None and len({id(m) for m in self.modules}) != len(self.modules):

@@ -334,8 +334,10 @@ def accumulation_case(zero_stage: int, residency: str, ep_size: int, gas: int = 
     BalancedMicroBatch._constraints = constraints
     params = {n: relative_error(p.detach(), dict(reference.module.named_parameters())[n].detach())
               for n, p in ours.module.named_parameters()}
-    domain = ours.module.moe.deepspeed_moe.stage.domain
+    stage = ours.module.moe.deepspeed_moe.stage
+    domain = stage.domain
     return {"losses": losses, "param_errors": params, "traffic": traffic, "most_kept_bytes": most_kept,
+            "refreshed": stage.residency.refreshed if stage.residency is not None else 0,
             "copy_bytes": one_copy, "message_us": domain.transport.message_us if domain is not None else None,
             "priced": priced}
 

@@ -176,9 +176,9 @@ def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
 
 
 @pytest.mark.parametrize("world,zero,steps,bf16,moves", [(4, 0, 5, False, True), (4, 1, 30, False, True),
-                                                         (4, 2, 5, False, True), (8, 2, 5, False, True),
-                                                         (4, 1, 4, True, True), (4, 2, 5, False, False)],
-                         ids=["zero0", "zero1-30-steps", "zero2", "zero2-4-nodes", "zero1-bf16", "zero2-homes-kept"])
+                                                         (8, 2, 5, False, True), (4, 1, 4, True, True),
+                                                         (4, 2, 5, False, False)],
+                         ids=["zero0", "zero1-30-steps", "zero2-4-nodes", "zero1-bf16", "zero2-homes-kept"])
 def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps, bf16, moves):
     """One replica slot per rank; the routers send nearly every token to expert 0 (top-1), so one
     node has most routes whatever the placement. After the first decision (at the first optimizer

@@ -78,6 +78,22 @@ def test_served_on_arrival_a_chunks_results_leave_before_the_helpers_own_rows_ar
     assert on_arrival.tolist() == [pytest.approx([80.0, 100.0]), pytest.approx([160.0, 200.0])]
 
 
+def test_copies_kept_across_optimizer_steps_are_refreshed_and_training_stays_exact(two_ranks):
+    """``keep_copies_across_steps`` (the default): after the second optimizer step (of 3) the copies
+    the step's last micro-batch used are held again with the stepped weights, so the last step's
+    first micro-batch copies fewer weights; between the steps both models' experts are written in
+    place (the refreshed copies are then stale, and the next chunk carries the weights again): exact
+    all the same (`check_exact`; with an evaluation between the steps:
+    `test_weights_written_mid_step_through_data_or_load_state_dict_are_resent`). Without it (false)
+    nothing is refreshed."""
+    for stage in (0, 1, 2):
+        assert two_ranks[0][(stage, "step")]["refreshed"] > 0, stage
+    kept, forgotten = two_ranks[0][(0, "step")], two_ranks[0][(0, FORGOTTEN)]
+    assert forgotten["refreshed"] == 0
+    assert kept["traffic"]["weight_copies"] < forgotten["traffic"]["weight_copies"], (kept["traffic"],
+                                                                                      forgotten["traffic"])
+
+
 def check_served_on_arrival(results: list, stage: int) -> None:
     """The runtime's cases with ``feplb.serve_on_arrival`` (exact by `check_exact`) moved rows, served
     later micro-batches from kept copies and returned their gradients at the step's end."""
@@ -151,6 +167,23 @@ def test_residency_table_keeps_admits_caps_and_flushes():
     assert big.holds(0, 0, 70) and not big.holds(0, 0, 6) and big.resident.shape == (72, 1, 2)
 
 
+def test_the_copies_the_steps_last_micro_batch_used_are_held_again_within_the_limits():
+    """`used_at_step_end`: the copies whose gradients went home with a move's results; `keep` holds
+    them again after a flush, as many as ``max_resident`` and the byte budget let each helper."""
+    from deepspeed_feplb.plan.residency import step_end_returns, used_at_step_end
+    table = ResidencyTable(G=3, E=2, max_resident=2, kept_bytes=KeptBytes(3, 150.0), copy_bytes=100)
+    table.admit(np.array([[0, 0, 1, 5], [2, 0, 0, 3], [0, 1, 2, 4]]))
+    last = np.array([[0, 0, 1, 2], [0, 0, 1, 3], [2, 1, 1, 1]])  # expert 0 of rank 0 twice; rank 2's expert 1 new
+    with_results, early = step_end_returns(table.flush(), last, np.array([True, True, False]))
+    used = used_at_step_end(last, with_results)
+    assert used.tolist() == [[0, 0, 1]] and early.tolist() == [[0, 1, 2], [2, 0, 0]]
+    assert table.keep(used).tolist() == [True] and table.holds(0, 0, 1) and len(table) == 1
+    assert table.keep(used).tolist() == [False] and len(table) == 1  # held already
+    assert table.keep(np.array([[2, 1, 1]])).tolist() == [False]  # 200 bytes on rank 1: past its 150
+    assert table.kept_bytes.held.tolist() == [0, 100, 0]
+    assert ResidencyTable(G=2, E=3, max_resident=1).keep(np.array([[0, 0, 1], [0, 1, 1]])).tolist() == [True, False]
+
+
 def test_the_layers_of_a_domain_share_one_byte_budget_for_kept_copies():
     kept = KeptBytes(G=3, budget=250)  # per rank: two copies of the first layer's, or one of each
     first, second = ResidencyTable(3, 2, 8, kept, copy_bytes=100), ResidencyTable(3, 2, 8, kept, copy_bytes=120)
@@ -200,6 +233,21 @@ def test_simulator_reports_time_and_residency_cuts_weight_bytes():
     assert step["feplb"]["expert_time_us"] <= min(m["expert_time_us"] for m in step.values())
     assert step["feplb"]["expert_time_us"] < step["vanilla"]["expert_time_us"]
     assert per_mb["feplb-paper"] == step["feplb-paper"]  # the peers do not depend on our residency
+
+
+def test_the_simulator_carries_the_steps_last_copies_over_the_optimizer_step():
+    """``keep_copies_across_steps``: a step's first micro-batch finds the copies the step before
+    ended with, so it is faster than without them; their weights count in the bytes copied."""
+    trace = small_trace(4096)  # 16 micro-batches: 4 steps of 4, carried over the second and third
+    runs = {}
+    for keep in (False, True):
+        setup = SimSetup(ranks_per_node=8, nodes=1, experts=64, dynamic_experts=4, chunk_align=8,
+                         micro_batches_per_step=4, keep_copies_across_steps=keep)
+        runs[keep] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]
+    first = [run["time_over_ideal_by_step_position"][0] for run in (runs[False], runs[True])]
+    assert first[1] < first[0], first
+    assert runs[True]["expert_time_us"] < runs[False]["expert_time_us"]
+    assert runs[True]["weight_bytes_per_step"] > 0
 
 
 def test_the_simulator_keeps_copies_within_the_byte_budget_as_the_runtime_does():
@@ -261,20 +309,24 @@ def test_simulator_steps_and_residency_are_checked():
 
 # ---------------------------------------------------------------- the runtime
 ON_ARRIVAL = "step, served on arrival"  # feplb.serve_on_arrival on CPU ranks: served before the rank's own rows
+FORGOTTEN = "step, copies forgotten at the step's end"  # feplb.keep_copies_across_steps false
 
 
-def accumulation_cases(ep_size: int, stages=(0, 1, 2), on_arrival=()) -> dict:
+def accumulation_cases(ep_size: int, stages=(0, 1, 2), on_arrival=(), forgotten=()) -> dict:
     cases = {(stage, residency): moe_cases.accumulation_case(stage, residency, ep_size)
              for stage in stages for residency in ("step", "micro_batch")}
     for stage in on_arrival:
         cases[(stage, ON_ARRIVAL)] = moe_cases.accumulation_case(stage, "step", ep_size,
                                                                  extra={"serve_on_arrival": True})
+    for stage in forgotten:
+        cases[(stage, FORGOTTEN)] = moe_cases.accumulation_case(stage, "step", ep_size,
+                                                                extra={"keep_copies_across_steps": False})
     return cases
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(accumulation_cases, 2, 2, (0, 1, 2), (2, ), timeout=600)
+    return run_distributed(accumulation_cases, 2, 2, (0, 1, 2), (2, ), (0, ), timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             stage.times_every_call = self.placement is not None
             grouped = self._grouped if _runs_grouped(self) else None  # else the loop, as AutoEP's own
             self._local_experts = LocalExperts([self._template] * slots, self._slices,
-                                               ExpertSpec.of(self._template, grouped), static_fn=self._static)
+                                               ExpertSpec.of(self._template, grouped), static_fn=self._static,
+                                               current=self._primary_slices)
         self._feplb_ready = True
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -210,6 +211,10 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         parameter), then the replica slots'."""
         stacked, replicas = self._weights
         return [list(weights) for weights in zip(*(w.unbind(0) for w in stacked))] + [list(w) for w in replicas]
+
+    def _primary_slices(self) -> list[list[torch.Tensor]]:
+        """Each primary slot's weights as they are now, outside a forward (`LocalExperts.current`)."""
+        return [list(weights) for weights in zip(*(w.detach().unbind(0) for w in (self.w1, self.w2, self.w3)))]
 
     def _grouped(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """k experts at once through the layer's own grouped GEMM (AutoEP's kernel choice and

@@ -114,9 +114,27 @@ def initialize(*args, **kwargs):
     install_autoep(result[0].module, config, result[0])  # Hugging Face MoE layers sharded by DeepSpeed AutoEP
     if config.enabled:
         check_memory(result[0].module, config)
+    if config.enabled and config.weight_residency == "step" and config.keep_copies_across_steps:
+        _refresh_after_steps(result[0])
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result
+
+
+def _refresh_after_steps(engine) -> None:
+    """Hold the copies each layer's last micro-batch used again after every optimizer step from the
+    second (the first may allocate the optimizer's state), with the stepped weights
+    (`migrate.refresh`); layers with cross-node placement or replica slots forget theirs."""
+    from deepspeed_feplb.expert_stage import ExpertStage
+    from deepspeed_feplb.migrate.refresh import refresh_kept_copies
+
+    def after_step(boundary: bool) -> None:
+        if boundary and engine.global_steps >= 2:
+            refresh_kept_copies([m.stage for m in engine.module.modules()
+                                 if isinstance(getattr(m, "stage", None), ExpertStage)
+                                 and getattr(m, "placement", None) is None])
+
+    seams.after_step(engine, after_step)
 
 
 def say_idle_keys(config: FEPLBConfig) -> None:

@@ -42,11 +42,11 @@ import torch
 from deepspeed_feplb.experts import ExpertSpec
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
-from deepspeed_feplb.plan.residency import step_end_returns
+from deepspeed_feplb.plan.residency import step_end_returns, used_at_step_end
 from deepspeed_feplb.plan.time_model import serve_parts
 from deepspeed_feplb.stats import StageTimes
 
-FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH = range(1, 6)
+FWD_TOKENS, FWD_RESULTS, BWD_GRADS, BWD_RESULTS, FLUSH, REFRESH = range(1, 7)
 
 
 def served_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
@@ -195,12 +195,13 @@ class Phase2MicroBatch:
         self.resent = 0
         M = self.moves.shape[0]
         if self.residency is not None:
-            # no copy is kept past a forward without gradients (an evaluation, which may run on weights
-            # swapped in through ``p.data`` and out again before training resumes: unseen)
-            self.fresh, self.copy_kept = self.residency.table.admit(self.moves,
-                                                                    keep_new=self.needs_grad and not self.step_ends)
-            self.residency.pending |= bool(self.needs_grad and self.copy_kept.any())
+            self.residency.unpark()  # parked copies no refresh took are forgotten (`LayerResidency.park`)
+        if self.residency is not None and self.needs_grad:
+            self.fresh, self.copy_kept = self.residency.table.admit(self.moves, keep_new=not self.step_ends)
+            self.residency.pending |= bool(self.copy_kept.any())
         else:
+            # a forward without gradients (an evaluation, which may run on weights swapped in through
+            # ``p.data`` and out again before training resumes: unseen) neither uses nor keeps a copy
             self.fresh, self.copy_kept = np.ones(M, np.bool_), np.zeros(M, np.bool_)
         self.flushing = self.residency is not None and self.step_ends and self.needs_grad
         # a step that ends without gradients (evaluation, or the no-grad first pass of reentrant
@@ -305,6 +306,10 @@ class Phase2MicroBatch:
         if self.flushing:  # the step ends: its copies leave the table now and go home in backward
             self.flush_entries, self.flush_held = self.residency.end_step()
             self.with_results, self.flush_early = step_end_returns(self.flush_entries, self.moves, self.copy_kept)
+            if self.residency.carries_over:  # the copies this micro-batch used, for the next step
+                used = used_at_step_end(self.moves, self.with_results)
+                self.residency.park(used, {(h, e): self.flush_held[(h, e)] for h, e, j in used.tolist()
+                                           if j == self.local_rank})
         elif self.forgetting:
             self.residency.end_step()
         for i, piece in enumerate(self.home_pieces):

@@ -9,13 +9,16 @@ which every rank reads); on top of it this rank keeps
   `weight_watch.write_marks` and the layer's count of declared changes): if it changed since (an
   in-place write, ``load_state_dict``, a replaced ``p.data``, or `weights_changed`), the next chunk
   carries the weights again, so a helper never computes with a stale copy. No weight is read for
-  it: copies live within one optimizer step, and the writes between steps (the step itself, an
-  evaluation with other weights swapped in) find no copy left.
+  it. A forward without gradients (an evaluation, which may run on other weights swapped in
+  through ``p.data`` and out again) neither uses nor changes a kept copy.
 
 The step ends in the forward of the step's last micro-batch (the gradient-accumulation
 boundary): the table is cleared there and the copies of the step travel with that micro-batch's
-`Phase2MicroBatch`, whose backward returns their gradients. So no copy outlives the optimizer step that
-follows, even if that micro-batch never runs a backward.
+`Phase2MicroBatch`, whose backward returns their gradients. With ``keep_copies_across_steps``
+the copies that micro-batch used are parked (`park`); right after the optimizer step the engine's
+hook holds them again with the stepped weights (`migrate.refresh`), and a parked copy no refresh
+took is forgotten at the layer's next micro-batch (`unpark`). So no copy outlives the optimizer
+step that follows with its old weights, even if that micro-batch never runs a backward.
 """
 from __future__ import annotations
 
@@ -75,6 +78,10 @@ class LayerResidency:
     sent: dict = field(default_factory=dict)
     pending: bool = False  # a micro-batch with gradients used kept copies since the step began (domain-wide)
     declared: int = 0  # `weight_watch.weights_changed` calls so far: each makes every kept copy stale
+    carries_over: bool = False  # ``keep_copies_across_steps``: the step's last copies are parked for a refresh
+    # (entries int64 [K, 3] = (home, local_expert, helper), {(home, local_expert): HeldCopy} this rank holds)
+    parked: Optional[tuple] = None
+    refreshed: int = 0  # copies held again after optimizer steps (`migrate.refresh`), this layer's, domain-wide
 
     def stamp(self, params: list[torch.Tensor]) -> tuple:
         """What a helper's copy of an expert with ``params`` was made from (host only)."""
@@ -86,7 +93,8 @@ class LayerResidency:
         """``kept_bytes``: the domain's byte budget over its layers, each copy of this layer counting
         ``copy_bytes`` (its weights and fp32 weight-gradient: `copy_bytes`)."""
         keep = config.max_resident_experts if config.weight_residency == "step" else 0
-        return cls(ResidencyTable(G, E, keep, kept_bytes, copy_bytes))
+        return cls(ResidencyTable(G, E, keep, kept_bytes, copy_bytes),
+                   carries_over=bool(keep) and config.keep_copies_across_steps)
 
     def end_step(self) -> tuple[np.ndarray, dict]:
         """The step ends: returns (entries int64 [K, 3] = (home, local_expert, helper) of the kept
@@ -94,3 +102,13 @@ class LayerResidency:
         entries = self.table.flush()
         held, self.held, self.sent, self.pending = self.held, {}, {}, False
         return entries, held
+
+    def park(self, entries: np.ndarray, held: dict) -> None:
+        """The step's last micro-batch used the copies ``entries`` int64 [K, 3] (this rank holds
+        ``held`` of them): kept for a refresh after the optimizer step (`migrate.refresh`)."""
+        self.parked = (np.asarray(entries, np.int64).reshape(-1, 3), dict(held))
+
+    def unpark(self) -> None:
+        """A micro-batch begins and no refresh took the parked copies (no engine, or a forward before
+        the step): they are forgotten, as without ``keep_copies_across_steps``."""
+        self.parked = None

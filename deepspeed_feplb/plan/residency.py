@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "step_end_returns", "AUTO_FREE_SHARE"]
+__all__ = ["KeptBytes", "ResidencyTable", "resident_budget_bytes", "step_end_returns", "used_at_step_end",
+           "AUTO_FREE_SHARE"]
 
 AUTO_FREE_SHARE = 0.5  # ``resident_budget_mb: "auto"``: this share of the memory FEPLB's other buffers leave free
 
@@ -34,6 +35,14 @@ def resident_budget_bytes(resident_budget_mb, free_bytes: list, most_bytes: floa
         return float(resident_budget_mb) * 2**20
     known = [b for b in free_bytes if b is not None and np.isfinite(b)]
     return min(float(most_bytes), AUTO_FREE_SHARE * max(0.0, min(known))) if known else float("inf")
+
+
+def used_at_step_end(moves: np.ndarray, with_results: np.ndarray) -> np.ndarray:
+    """The kept copies the step's last micro-batch used (its moves int64 [M, 4] whose results carry
+    the step's gradients, `step_end_returns`), int64 [K, 3] = (home, local_expert, helper), sorted:
+    those `ResidencyTable.keep` holds for the next step."""
+    moves = np.asarray(moves, np.int64).reshape(-1, 4)
+    return np.unique(moves[np.asarray(with_results, np.bool_)][:, :3], axis=0).reshape(-1, 3)
 
 
 def step_end_returns(entries: np.ndarray, moves: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +121,21 @@ class ResidencyTable:
                 self.held[helper] += 1
                 kept[m] = True
         return fresh, kept
+
+    def keep(self, entries: np.ndarray) -> np.ndarray:
+        """Hold the copies ``entries`` int64 [K, 3] = (home, local_expert, helper) again (the next
+        step's, after a `flush`), within ``max_resident`` and the byte budget as `admit` keeps new
+        ones; returns which were kept, bool [K]."""
+        entries = np.asarray(entries, np.int64).reshape(-1, 3)
+        kept = np.zeros(len(entries), np.bool_)
+        for k, (home, e, helper) in enumerate(entries.tolist()):
+            if self.holds(home, e, helper) or self.held[helper] >= self.max_resident:
+                continue
+            if self.kept_bytes is None or self.kept_bytes.take(helper, self.copy_bytes):
+                self.resident[home, e, helper >> 6] |= np.int64(1) << np.int64(helper & 63)
+                self.held[helper] += 1
+                kept[k] = True
+        return kept
 
     def entries(self) -> np.ndarray:
         """int64 [K, 3] = (home, local_expert, helper) of every kept copy, sorted."""

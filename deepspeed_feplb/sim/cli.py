@@ -175,6 +175,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--residency", default="step", choices=("step", "micro_batch"),
                    help="feplb's weight residency: keep copies on helpers for the optimizer step, or copy every "
                         "micro-batch (default: %(default)s)")
+    p.add_argument("--keep-copies-across-steps", default=_ON_OFF[_RUNTIME.keep_copies_across_steps],
+                   choices=("on", "off"),
+                   help="with --residency step, the copies a step's last micro-batch used stay for the next step, "
+                        "their weights sent after the optimizer step outside the expert time "
+                        "(feplb.keep_copies_across_steps) (default: %(default)s, the runtime's)")
     p.add_argument("--max-resident", type=whole_number(0), default=_RUNTIME.max_resident_experts, metavar="COPIES",
                    help="weight copies a rank keeps per layer with --residency step (default: %(default)s)")
     p.add_argument("--resident-budget-mb", type=_mib, default="auto", metavar="MIB",
@@ -375,7 +380,8 @@ def _setup(args, trace, D):
                     max_rows_over_mean=args.max_rows_over_mean,
                     redundant_per_rank=args.redundant_per_rank, replica_host_us=args.replica_host_us,
                     serve_parts=args.serve_parts, serve_part_rows=args.serve_part_rows,
-                    serve_on_arrival=serves_on_arrival(_SETTING[args.serve_on_arrival], profile.name != "cpu"))
+                    serve_on_arrival=serves_on_arrival(_SETTING[args.serve_on_arrival], profile.name != "cpu"),
+                    keep_copies_across_steps=args.keep_copies_across_steps == "on")
 
 
 def _compare_measured(args, trace, setup) -> dict:

@@ -33,7 +33,13 @@ from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_u
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
 from deepspeed_feplb.plan.replicas import exchange_us, route
-from deepspeed_feplb.plan.residency import KeptBytes, ResidencyTable, resident_budget_bytes, step_end_returns
+from deepspeed_feplb.plan.residency import (
+    KeptBytes,
+    ResidencyTable,
+    resident_budget_bytes,
+    step_end_returns,
+    used_at_step_end,
+)
 from deepspeed_feplb.plan.timeline import TimeModel, rank_finish_us
 
 __all__ = ["SimSetup", "StepResult", "POLICIES", "make_policy", "pieces_us"]
@@ -61,6 +67,12 @@ class SimSetup:
                going home once computed (``feplb.serve_parts``, ``feplb.serve_part_rows``).
     serve_on_arrival: a helper serves each chunk as soon as it is in, ahead of its own rows
                (``feplb.serve_on_arrival`` resolved: the CLI's "auto" is on with a GPU profile).
+    keep_copies_across_steps: with residency "step", the copies a step's last micro-batch used are
+               held again for the next step (``feplb.keep_copies_across_steps``): their weights
+               travel after the optimizer step, counted in ``weight_bytes`` but not in expert time
+               (they move while the next step's first layers compute, which a one-layer replay has
+               not); as the runtime, not over the first step (whose optimizer state may be new), nor
+               with the cross-node layer (placement or replica slots).
     redundant_per_rank: replica slots per rank of ``feplb``'s cross-node layer
                (``feplb.placement.redundant_experts_per_rank``, `plan.replicas`): hot experts get
                replicas on other nodes where they pay; each micro-batch splits a replicated
@@ -118,6 +130,7 @@ class SimSetup:
     serve_parts: int = FEPLBConfig.model_fields["serve_parts"].default
     serve_part_rows: int = FEPLBConfig.model_fields["serve_part_rows"].default
     serve_on_arrival: bool = False
+    keep_copies_across_steps: bool = FEPLBConfig.model_fields["keep_copies_across_steps"].default
 
     @property
     def ranks(self) -> int:
@@ -132,7 +145,8 @@ class SimSetup:
                            weight_residency=self.residency, max_resident_experts=self.max_resident,
                            resident_budget_mb=self.resident_budget_mb, max_rows_over_mean=self.max_rows_over_mean,
                            serve_parts=self.serve_parts, serve_part_rows=self.serve_part_rows,
-                           serve_on_arrival=self.serve_on_arrival)
+                           serve_on_arrival=self.serve_on_arrival,
+                           keep_copies_across_steps=self.keep_copies_across_steps)
 
     @cached_property
     def time_model(self) -> TimeModel:
@@ -477,6 +491,9 @@ class _NodePolicy:
         ce = {"ce_us": 0.0, "exposed_us": 0.0, "static_us": 0.0, "copies": 0}
         timing = {"expert_us": 0.0, "exposed_us": 0.0, "weight_bytes": 0, "grad_bytes": 0}
         ends = s.step_ends(step)
+        # the runtime carries the copies over its optimizer steps from the second on, where no slot changes
+        carry = (ends and s.keep_copies_across_steps and self.placers is None
+                 and step >= 2 * s.micro_batches_per_step - 1)
         # each direction ends in an all-to-all over every node: the slowest forward, then the slowest backward
         finish, free = np.zeros(2), np.zeros(2)
         for n in range(s.nodes):
@@ -484,7 +501,7 @@ class _NodePolicy:
             cons, static_us = self.constraints(nc, counts.sum() / s.ranks, s.later_micro_batches(step))
             table = self.residency[layer][n]
             moves = self.plan(nc, cons, table.resident.copy())
-            fresh, node_finish, node_free = self._time(nc, moves, table, ends, timing)
+            fresh, node_finish, node_free = self._time(nc, moves, table, ends, timing, carry)
             finish, free = np.maximum(finish, node_finish.max(axis=1)), np.maximum(free, node_free.max(axis=1))
             lb = max(lb, lower_bound(nc, cons.dynamic_experts))
             home_rows = nc.copy()
@@ -523,21 +540,25 @@ class _NodePolicy:
         moves_all = np.concatenate(moves_out) if moves_out else np.zeros((0, 4), dtype=np.int64)
         return StepResult(np.concatenate(ranks), np.concatenate(tokens), moves_all, lb, ce, timing=timing)
 
-    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict) -> tuple:
+    def _time(self, nc: np.ndarray, moves: np.ndarray, table: ResidencyTable, ends: bool, timing: dict,
+              carry: bool = False) -> tuple:
         """One node's micro-batch: add its copied bytes to ``timing`` and update its residency table
-        (copies kept until the step ends, whose gradients go home then). Returns (which moves carry
+        (copies kept until the step ends, whose gradients go home then; with ``carry`` those the
+        step's last micro-batch used are held again for the next step). Returns (which moves carry
         weights bool [M], each rank's forward and backward finish [2, G] with the copies, and
         without them: `timeline.rank_finish_us`)."""
         model = self.setup.time_model
         fresh, kept = table.admit(moves, keep_new=not ends)
-        grads_back, flush = ~kept, None
+        grads_back, flush, carried = ~kept, None, 0
         if ends:  # the kept copies' gradients go home: with a move's results, or at the backward's start
             with_results, early = step_end_returns(table.flush(), moves, kept)
             grads_back, flush = grads_back | with_results, early[:, [0, 2]]
+            if carry:  # held again for the next step, after the optimizer step
+                carried = int(table.keep(used_at_step_end(moves, with_results)).sum())
         finish = rank_finish_us(nc, moves, model, fresh, grads_back, flush)
         free = rank_finish_us(nc, moves, replace(model, weight_copy_us=0.0, grad_copy_us=0.0, row_copy_us=0.0))
         w = self.setup.shape.weight_bytes
-        timing["weight_bytes"] += int(fresh.sum()) * w
+        timing["weight_bytes"] += (int(fresh.sum()) + carried) * w
         timing["grad_bytes"] += (int(grads_back.sum()) + (0 if flush is None else len(flush))) * w
         return fresh, finish, free
 
