@@ -182,6 +182,11 @@ def test_the_copies_the_steps_last_micro_batch_used_are_held_again_within_the_li
     assert table.keep(np.array([[2, 1, 1]])).tolist() == [False]  # 200 bytes on rank 1: past its 150
     assert table.kept_bytes.held.tolist() == [0, 100, 0]
     assert ResidencyTable(G=2, E=3, max_resident=1).keep(np.array([[0, 0, 1], [0, 1, 1]])).tolist() == [True, False]
+    # a copy held again that no move of the step uses has no gradient to return at its end
+    assert table.flush().tolist() == [] and not table.resident.any()
+    table.keep(used)
+    assert table.admit(np.array([[0, 0, 1, 4]]))[0].tolist() == [False]  # held: no weights travel
+    assert table.flush().tolist() == [[0, 0, 1]]
 
 
 def test_the_layers_of_a_domain_share_one_byte_budget_for_kept_copies():

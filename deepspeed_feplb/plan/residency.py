@@ -85,6 +85,8 @@ class ResidencyTable:
     resident:  int64 [G, E, ceil(G / 64)] bit masks: bit ``j % 64`` of word ``j // 64`` of
                ``resident[home, e]`` says rank j holds a copy of ``home``'s local expert e (the
                `plan.policy.plan_domain` argument);
+    used:      the copies a move of this step used, as ``resident`` (a copy held again for the next
+               step, `keep`, that none uses has no gradient to return);
     held:      int64 [G]: copies each rank holds;
     kept_bytes: the domain's `KeptBytes` shared with its other layers (None: no byte budget), each
                copy of this layer counting ``copy_bytes``.
@@ -94,6 +96,7 @@ class ResidencyTable:
         self.max_resident = int(max_resident)
         self.kept_bytes, self.copy_bytes = kept_bytes, int(copy_bytes)
         self.resident = np.zeros((G, E, (G + 63) // 64), np.int64)
+        self.used = np.zeros_like(self.resident)
         self.held = np.zeros(G, np.int64)
 
     def holds(self, home: int, e: int, helper: int) -> bool:
@@ -113,13 +116,16 @@ class ResidencyTable:
         fresh = np.ones(M, np.bool_)
         kept = np.zeros(M, np.bool_)
         for m, (home, e, helper, _) in enumerate(moves.tolist()):
+            bit = np.int64(1) << np.int64(helper & 63)
             if self.holds(home, e, helper):
                 fresh[m], kept[m] = False, True
             elif keep_new and self.held[helper] < self.max_resident and (
                     self.kept_bytes is None or self.kept_bytes.take(helper, self.copy_bytes)):
-                self.resident[home, e, helper >> 6] |= np.int64(1) << np.int64(helper & 63)
+                self.resident[home, e, helper >> 6] |= bit
                 self.held[helper] += 1
                 kept[m] = True
+            if kept[m]:
+                self.used[home, e, helper >> 6] |= bit
         return fresh, kept
 
     def keep(self, entries: np.ndarray) -> np.ndarray:
@@ -137,19 +143,24 @@ class ResidencyTable:
                 kept[k] = True
         return kept
 
-    def entries(self) -> np.ndarray:
-        """int64 [K, 3] = (home, local_expert, helper) of every kept copy, sorted."""
-        G = self.resident.shape[0]
-        homes, experts = np.nonzero(self.resident.any(axis=2))
-        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist()) for j in range(G) if self.holds(h, e, j)]
+    def entries(self, used: bool = False) -> np.ndarray:
+        """int64 [K, 3] = (home, local_expert, helper) of every kept copy (``used``: that a move of
+        this step used), sorted."""
+        mask = self.used if used else self.resident
+        G = mask.shape[0]
+        homes, experts = np.nonzero(mask.any(axis=2))
+        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist()) for j in range(G)
+                if (int(mask[h, e, j >> 6]) >> (j & 63)) & 1]
         return np.array(rows, np.int64).reshape(-1, 3)
 
     def flush(self) -> np.ndarray:
-        """End of the step: forget every copy; returns the `entries` whose gradients go home now."""
-        out = self.entries()
+        """End of the step: forget every copy; returns the `entries` whose gradients go home now
+        (those a move of the step used: a copy held again for it that none used has none)."""
+        out = self.entries(used=True)
         if self.kept_bytes is not None:
             self.kept_bytes.held -= self.held * self.copy_bytes
         self.resident[:] = 0
+        self.used[:] = 0
         self.held[:] = 0
         return out
 
