@@ -129,10 +129,14 @@ def _refresh_after_steps(engine) -> None:
     from deepspeed_feplb.migrate.refresh import refresh_kept_copies
 
     def after_step(boundary: bool) -> None:
-        if boundary and engine.global_steps >= 2:
-            refresh_kept_copies([m.stage for m in engine.module.modules()
-                                 if isinstance(getattr(m, "stage", None), ExpertStage)
-                                 and getattr(m, "placement", None) is None])
+        if not boundary:
+            return
+        layers = [m for m in engine.module.modules() if isinstance(getattr(m, "stage", None), ExpertStage)]
+        if engine.global_steps >= 2:
+            refresh_kept_copies([m.stage for m in layers if getattr(m, "placement", None) is None])
+        for m in layers:  # what no refresh took is forgotten now, not held through the next step
+            if m.stage.residency is not None:
+                m.stage.residency.unpark()
 
     seams.after_step(engine, after_step)
 

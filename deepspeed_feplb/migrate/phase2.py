@@ -528,6 +528,9 @@ class Phase2MicroBatch:
         self._settle(sends)
         self._join()
         self.flush_held = {}
+        if self.flushing and self.residency.parked is not None:  # their sums went home: not held through the step
+            for copy in self.residency.parked[1].values():
+                copy.grads = None
         self._report(" bwd", start)
         return grad_x, grad_params
 
