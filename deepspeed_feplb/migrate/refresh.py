@@ -19,8 +19,9 @@ follow the optimizer step on the caller's stream.
 Not refreshed (their parked copies are forgotten, as without the option, by the hook right after
 the step): layers with cross-node placement or replica slots, whose slots may change at the same
 step; the engine's first optimizer step, which may allocate the optimizer's state (a kept copy held
-through it would take that memory); and a layer stepped without DeepSpeed's engine (no hook), whose
-next micro-batch unparks. A parked copy's gradient sum is dropped once its backward sent it home,
+through it would take that memory); and a layer stepped without the engine of
+`deepspeed_feplb.initialize` (no hook; a pipeline's engine installs none), whose next micro-batch
+unparks. A parked copy's gradient sum is dropped once its backward sent it home,
 so through the optimizer step a carried copy holds its weights alone.
 """
 from __future__ import annotations
