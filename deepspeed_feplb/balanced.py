@@ -29,7 +29,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.domain import DomainRuntime
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.experts import LocalExperts, on_graph, timed_pieces
-from deepspeed_feplb.migrate.phase2 import DynamicExperts, Phase2Anchor, Phase2MicroBatch, grad_experts, served_stream
+from deepspeed_feplb.migrate.phase2 import DynamicExperts, Phase2Anchor, Phase2MicroBatch, grad_experts, serving_stream
 from deepspeed_feplb.migrate.resident import LayerResidency
 from deepspeed_feplb.plan.hottest import NONE, dynamic_candidates
 from deepspeed_feplb.plan.policy import PlanConstraints, serves_on_arrival
@@ -190,7 +190,7 @@ class BalancedMicroBatch:
                                        self.needs_grad, self.with_grads, self.stage_times, self.residency,
                                        self.step_ends, self.ready, self.mark, self.config.serve_parts,
                                        self.config.serve_part_rows, self.serve_early,
-                                       served_stream(self.rows.device) if self.serve_early else None)
+                                       serving_stream(self.config.serve_on_arrival, self.rows.device))
         self.phase2.send_forward(self.dyn_x.detach(), [[p.detach() for p in params[e]] for e in self.dynamic])
 
     # ------------------------------------------------------------------ 4. dynamic experts

@@ -229,7 +229,7 @@ class FEPLBConfig(FEPLBConfigModel):
     """Fewest rows in one of serve_parts' parts: smaller parts would cost more in calls and messages than their earlier return saves."""
 
     serve_on_arrival: Union[bool, Literal["auto"]] = "auto"
-    """A helper computes each home's chunks as soon as their rows (in backward their output-gradients) are in, beside its own experts, and sends the results home at once, instead of after its own experts: on a GPU on a high-priority CUDA stream, on CPU ranks on a thread of the rank. "auto": on where the experts compute on a GPU; off on host memory, where the thread would share the rank's core with its own experts."""
+    """A helper computes each home's chunks as soon as their rows (in backward their output-gradients) are in, beside its own experts, and sends the results home at once, instead of after its own experts: on a GPU on a high-priority CUDA stream. On CPU ranks, where nothing runs beside the rank's own compute, it only serves before the rank's own dynamic experts' rows in forward. "auto": on where the experts compute on a GPU, off on host memory."""
 
     nvlink_domain_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"
     """Consecutive ranks that share an NVLink / copy-engine domain (a node); migration stays inside a domain, which never spans hosts. 'auto': the ranks per host: the launcher's local world size (LOCAL_WORLD_SIZE or LOCAL_SIZE), else counted from the ranks' hostnames by deepspeed_feplb.initialize."""

@@ -42,6 +42,7 @@ import torch
 from deepspeed_feplb.experts import ExpertSpec
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
+from deepspeed_feplb.plan.policy import serves_on_arrival
 from deepspeed_feplb.plan.residency import step_end_returns, used_at_step_end
 from deepspeed_feplb.plan.time_model import serve_parts
 from deepspeed_feplb.stats import StageTimes
@@ -57,6 +58,17 @@ def served_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     if device.type != "cuda":
         return None
     return _served_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def serving_stream(setting, device: torch.device) -> Optional[torch.cuda.Stream]:
+    """`served_stream` where ``feplb.serve_on_arrival`` (``setting``) serves on arrival on ``device``,
+    else None (the caller's stream)."""
+    return served_stream(device) if serves_on_arrival(setting, device.type == "cuda") else None
+
+
+def on_stream(stream: Optional[torch.cuda.Stream]):
+    """A context that queues work on ``stream`` (None: the caller's stream, as it is)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,7 +266,7 @@ class Phase2MicroBatch:
 
     def _serving(self):
         """Where served work is queued: ``served_stream``, or the caller's stream."""
-        return torch.cuda.stream(self.served_stream) if self.served_stream is not None else contextlib.nullcontext()
+        return on_stream(self.served_stream)
 
     def _join(self) -> None:
         """The caller's stream waits for the served work queued so far (no host wait)."""

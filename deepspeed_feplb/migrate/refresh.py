@@ -26,16 +26,12 @@ so through the optimizer step a carried copy holds its weights alone.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Sequence
 
-import torch
-
 from deepspeed_feplb.migrate import messages
-from deepspeed_feplb.migrate.phase2 import REFRESH, served_stream, tag
+from deepspeed_feplb.migrate.phase2 import REFRESH, on_stream, serving_stream, tag
 from deepspeed_feplb.migrate.resident import HeldCopy
-from deepspeed_feplb.plan.policy import serves_on_arrival
 
 __all__ = ["refresh_kept_copies", "REFRESH_TAG"]
 
@@ -83,9 +79,7 @@ def _receive(stage, entries, held: dict) -> None:
     gradient sums start again."""
     domain, residency = stage.domain, stage.residency
     me = domain.local_rank
-    stream = served_stream(stage.device) if serves_on_arrival(stage.config.serve_on_arrival,
-                                                              stage.device.type == "cuda") else None
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with on_stream(serving_stream(stage.config.serve_on_arrival, stage.device)):
         for home in sorted({h for h, _, j in entries.tolist() if j == me}):
             experts = [e for h, e, j in entries.tolist() if h == home and j == me]
             places = [w for e in experts for w in held[(home, e)].params]

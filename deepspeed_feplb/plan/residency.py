@@ -79,6 +79,15 @@ class KeptBytes:
         return True
 
 
+def _has(mask: np.ndarray, home: int, e: int, helper: int) -> bool:
+    """Bit ``helper`` of ``mask[home, e]`` (int64 [G, E, ceil(G / 64)] bit masks)."""
+    return bool((int(mask[home, e, helper >> 6]) >> (helper & 63)) & 1)
+
+
+def _set(mask: np.ndarray, home: int, e: int, helper: int) -> None:
+    mask[home, e, helper >> 6] |= np.int64(1) << np.int64(helper & 63)
+
+
 class ResidencyTable:
     """The kept weight copies of one MoE layer in one domain of ``G`` ranks with ``E`` local experts.
 
@@ -100,7 +109,16 @@ class ResidencyTable:
         self.held = np.zeros(G, np.int64)
 
     def holds(self, home: int, e: int, helper: int) -> bool:
-        return bool((int(self.resident[home, e, helper >> 6]) >> (helper & 63)) & 1)
+        return _has(self.resident, home, e, helper)
+
+    def _hold(self, home: int, e: int, helper: int) -> bool:
+        """Hold a new copy if ``helper`` has room for it (``max_resident``, the byte budget); whether it did."""
+        if self.held[helper] >= self.max_resident or not (
+                self.kept_bytes is None or self.kept_bytes.take(helper, self.copy_bytes)):
+            return False
+        _set(self.resident, home, e, helper)
+        self.held[helper] += 1
+        return True
 
     def admit(self, moves: np.ndarray, keep_new: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Account one micro-batch's plan. moves int64 [M, 4] = (home, local_expert, helper, rows).
@@ -116,16 +134,12 @@ class ResidencyTable:
         fresh = np.ones(M, np.bool_)
         kept = np.zeros(M, np.bool_)
         for m, (home, e, helper, _) in enumerate(moves.tolist()):
-            bit = np.int64(1) << np.int64(helper & 63)
             if self.holds(home, e, helper):
                 fresh[m], kept[m] = False, True
-            elif keep_new and self.held[helper] < self.max_resident and (
-                    self.kept_bytes is None or self.kept_bytes.take(helper, self.copy_bytes)):
-                self.resident[home, e, helper >> 6] |= bit
-                self.held[helper] += 1
-                kept[m] = True
+            elif keep_new:
+                kept[m] = self._hold(home, e, helper)
             if kept[m]:
-                self.used[home, e, helper >> 6] |= bit
+                _set(self.used, home, e, helper)
         return fresh, kept
 
     def keep(self, entries: np.ndarray) -> np.ndarray:
@@ -135,12 +149,7 @@ class ResidencyTable:
         entries = np.asarray(entries, np.int64).reshape(-1, 3)
         kept = np.zeros(len(entries), np.bool_)
         for k, (home, e, helper) in enumerate(entries.tolist()):
-            if self.holds(home, e, helper) or self.held[helper] >= self.max_resident:
-                continue
-            if self.kept_bytes is None or self.kept_bytes.take(helper, self.copy_bytes):
-                self.resident[home, e, helper >> 6] |= np.int64(1) << np.int64(helper & 63)
-                self.held[helper] += 1
-                kept[k] = True
+            kept[k] = not self.holds(home, e, helper) and self._hold(home, e, helper)
         return kept
 
     def entries(self, used: bool = False) -> np.ndarray:
@@ -149,8 +158,7 @@ class ResidencyTable:
         mask = self.used if used else self.resident
         G = mask.shape[0]
         homes, experts = np.nonzero(mask.any(axis=2))
-        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist()) for j in range(G)
-                if (int(mask[h, e, j >> 6]) >> (j & 63)) & 1]
+        rows = [(h, e, j) for h, e in zip(homes.tolist(), experts.tolist()) for j in range(G) if _has(mask, h, e, j)]
         return np.array(rows, np.int64).reshape(-1, 3)
 
     def flush(self) -> np.ndarray:
