@@ -31,7 +31,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"replicas": {"nvlink_domain_size": 1, "placement": {"redundant_experts_per_rank": 1}},
-            "no replica": {"nvlink_domain_size": 1}, "DeepSpeed": None}
+            "no replica": {"nvlink_domain_size": 1, "placement": {"redundant_experts_per_rank": 0}}, "DeepSpeed": None}
 
 
 def _config(tmp: str, name: str, feplb: dict | None) -> str:

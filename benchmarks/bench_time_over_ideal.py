@@ -7,14 +7,18 @@ runtime's), GLM-5-like experts (hidden 6144, ffn 2048), 8 micro-batches per step
 
 * the shipped recorded traces (``stdlib_moe_ep8_{4k,32k}.npz``: 64 experts top-8, 8 source ranks,
   4,096 / 32,768 rows per rank), as one node of 8 and as 2 nodes of 4, and the 2-node cases once
-  more with the cross-node placement layer on (``--placement on``: opt-in in the runtime);
+  more with the cross-node placement layer on and no replica slot (``--placement on
+  --redundant-per-rank 0``: opt-in in the runtime);
 * generated traces nobody tuned for (``trace --kind noaux``, its default skew, seed 7, 48
   micro-batches, 256 experts top-8): EP 16 as 2 nodes of 8 at 2,048 and 16,384 rows per rank, EP 64
   as 8 nodes of 8 at 4,096 and 32,768, the EP 64 cases once more with the placement layer and one
-  replica slot per rank (``--placement on --redundant-per-rank 1``);
-* every case that spans nodes once more with one replica slot per rank and every expert kept at
-  its home (``--placement off --redundant-per-rank 1``, ``_replicas_alone``: the best
-  configuration across nodes we know, opt-in in the runtime for its memory).
+  replica slot per rank (``--placement on --redundant-per-rank 1``).
+
+Every case that spans nodes runs twice: without a replica slot (``--redundant-per-rank 0``, the
+plain names: no cross-node layer, the runtime's defaults before 2026-12-07) and with one replica
+slot per rank and every expert kept at its home (``--placement off --redundant-per-rank 1``,
+``_replicas_alone``: the runtime's defaults since, ``redundant_experts_per_rank: "auto"`` where
+the slots fit in memory, and the best configuration across nodes we know).
 
 ``--extra '--dynamic-experts 3'`` (any `simulate` options) runs every case with them added: a variant
 of the defaults, side by side with a run without.
@@ -38,22 +42,23 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = ("python -m deepspeed_feplb simulate --trace TRACE --ranks-per-node G --nodes N --hidden 6144 "
-           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on|off "
-           "[--redundant-per-rank 1]] (every other option at its default; feplb_one_part: the feplb row of the same "
+           "--ffn-hidden 2048 --micro-batches-per-step 8 --policies feplb,eplb --json OUT.json [--placement on|off] "
+           "[--redundant-per-rank 0|1] (every other option at its default; feplb_one_part: the feplb row of the same "
            "with --serve-parts 1); "
            "generated TRACE: python -m deepspeed_feplb trace --out T.npz --kind noaux --ranks R --experts 256 "
            "--tokens-per-rank ROWS --micro-batches 48 --layers 1 --top-k 8 --seed 7")
-PLACEMENT = ("--placement", "on")  # the cross-node layer, opt-in in the runtime
-REPLICA = (*PLACEMENT, "--redundant-per-rank", "1")  # and one replica slot per rank
-REPLICAS_ALONE = ("--placement", "off", "--redundant-per-rank", "1")  # one replica slot per rank, every home kept
+NO_REPLICA = ("--redundant-per-rank", "0")  # no cross-node layer: the defaults before replica slots were "auto"
+PLACEMENT = ("--placement", "on", *NO_REPLICA)  # homes move between nodes, opt-in in the runtime
+REPLICA = ("--placement", "on", "--redundant-per-rank", "1")  # and one replica slot per rank
+REPLICAS_ALONE = ("--placement", "off", "--redundant-per-rank", "1")  # one slot per rank, every home kept: the defaults
 # name: (trace: a shipped file or (ranks, rows per rank) generated, ranks per node, nodes, options beyond the defaults)
 CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_ep8_32k.npz", 8, 1, ()),
-         "ep8_2nodes_4k": ("stdlib_moe_ep8_4k.npz", 4, 2, ()),
-         "ep8_2nodes_32k": ("stdlib_moe_ep8_32k.npz", 4, 2, ()),
+         "ep8_2nodes_4k": ("stdlib_moe_ep8_4k.npz", 4, 2, NO_REPLICA),
+         "ep8_2nodes_32k": ("stdlib_moe_ep8_32k.npz", 4, 2, NO_REPLICA),
          "ep8_2nodes_4k_placement": ("stdlib_moe_ep8_4k.npz", 4, 2, PLACEMENT),
          "ep8_2nodes_32k_placement": ("stdlib_moe_ep8_32k.npz", 4, 2, PLACEMENT),
-         "generated_ep16_2k": ((16, 2048), 8, 2, ()), "generated_ep16_16k": ((16, 16384), 8, 2, ()),
-         "generated_ep64_4k": ((64, 4096), 8, 8, ()), "generated_ep64_32k": ((64, 32768), 8, 8, ()),
+         "generated_ep16_2k": ((16, 2048), 8, 2, NO_REPLICA), "generated_ep16_16k": ((16, 16384), 8, 2, NO_REPLICA),
+         "generated_ep64_4k": ((64, 4096), 8, 8, NO_REPLICA), "generated_ep64_32k": ((64, 32768), 8, 8, NO_REPLICA),
          "generated_ep64_4k_replica": ((64, 4096), 8, 8, REPLICA),
          "generated_ep64_32k_replica": ((64, 32768), 8, 8, REPLICA),
          "ep8_2nodes_4k_replicas_alone": ("stdlib_moe_ep8_4k.npz", 4, 2, REPLICAS_ALONE),
@@ -105,7 +110,7 @@ def run_case(trace, ranks_per_node: int, nodes: int, options: tuple) -> dict:
         policies["feplb_one_part"] = _simulate(path, ranks_per_node, nodes, options, tmp, "--serve-parts",
                                                "1")["feplb"]
     return {"trace": trace if isinstance(trace, str) else f"generated noaux, {trace[0]} ranks, {trace[1]} rows",
-            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": tuple(options[:2]) == PLACEMENT,
+            "ranks_per_node": ranks_per_node, "nodes": nodes, "placement": tuple(options[:2]) == PLACEMENT[:2],
             "options": " ".join(options), "policies": policies}
 
 

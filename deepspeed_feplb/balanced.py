@@ -110,7 +110,9 @@ class BalancedMicroBatch:
         self.dynamic = chosen.tolist()
         self.static = [e for e in range(len(self.counts)) if e not in self.dynamic]
         # a forward without gradients computes with no kept copy (`Phase2MicroBatch`): planned without them
-        trusted = self.residency is not None and torch.is_grad_enabled()
+        self.needs_grad = torch.is_grad_enabled() and (self.rows.requires_grad
+                                                       or any(p.requires_grad for p in self.params[0]))
+        trusted = self.residency is not None and self.needs_grad
         resident_row = self.residency.table.resident[self.domain.local_rank] if trusted else None
         self.domain.scheduler.publish(self.seq, self.counts, constraints, resident_row, chosen)
 
@@ -149,8 +151,6 @@ class BalancedMicroBatch:
         (`Phase2Anchor`) then runs after their backward was queued, and its copies of the rows wait
         for phase 1 only (`Transport.mark`), not for the static experts queued after it."""
         params = self.params
-        self.needs_grad = torch.is_grad_enabled() and (self.rows.requires_grad
-                                                       or any(p.requires_grad for p in params[0]))
         self.with_grads = grad_experts(self.residency, self.domain.local_rank, self.dynamic, self.step_ends,
                                        self.needs_grad)
         self.dyn_params = [p for e in self.with_grads for p in params[e]]

@@ -698,8 +698,9 @@ def _train(engines: dict, steps, on_step=None) -> dict:
 
 def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6,
                    ep_size: int | None = None, experts_per_rank: int = 4, learn_gate: bool = False,
-                   optimizer: str = "adam", gradient_clipping: float = 1.0, enabled=True) -> dict:
-    """Cross-node placement (``feplb.placement.enabled``: ``enabled``) on ``world`` ranks as nodes of
+                   optimizer: str = "adam", gradient_clipping: float = 1.0, enabled=True, redundant=0) -> dict:
+    """Cross-node placement (``feplb.placement.enabled``: ``enabled``, ``redundant_experts_per_rank``:
+    ``redundant``) on ``world`` ranks as nodes of
     ``domain`` (``experts_per_rank``, the hot ones on the first node; a learning gate with
     ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`):
     FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical experts, trained side by
@@ -714,7 +715,8 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,
              "fixed_costs": "ignore",
-             "placement": {"enabled": enabled, "interval_steps": interval, "history_decay": 0.5}}
+             "placement": {"enabled": enabled, "interval_steps": interval, "history_decay": 0.5,
+                           "redundant_experts_per_rank": redundant}}
     config = {**ds_config(zero_stage, feplb, optimizer), "gradient_clipping": gradient_clipping}
     num_experts = experts_per_rank * world
     models = {name: _placed_model(num_experts, ep_size, learn_gate) for name in ("reference", "feplb")}
@@ -743,6 +745,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     nodes = ep_size // domain
     identity_nodes = np.bincount(np.arange(len(loads)) // (len(loads) // nodes), weights=loads, minlength=nodes)
     counters = {"refreshes": placement.refreshes, "moved_experts": placement.moved_experts,
+                "replica_slots": placement.redundant,
                 "moved_bytes": placement.moved_bytes, "expert_at": placement.expert_at.tolist()}
     params = [list(e.parameters()) for e in layer.experts.deepspeed_experts]
     reference = dict(engines["reference"].module.named_parameters())
@@ -895,13 +898,14 @@ def placement_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 10, sa
 
     world = dist.get_world_size()
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
-             "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5}}
+             "placement": {"enabled": True, "interval_steps": 2, "history_decay": 0.5, "redundant_experts_per_rank": 0}}
     config = ds_config(zero_stage, feplb)
 
     def engine(kind: str, ep_size: int = world, placement: bool = True):
         model = _placed_model(4 * world, ep_size)
         init = deepspeed_feplb.initialize if kind == "feplb" else deepspeed.initialize
-        settings = config if placement else {**config, "feplb": {**feplb, "placement": {"enabled": False}}}
+        settings = config if placement else {**config, "feplb": {**feplb, "placement": {
+            "enabled": False, "redundant_experts_per_rank": 0}}}
         return init(model=model, model_parameters=param_groups(model), config=settings)[0]
 
     from deepspeed_feplb.integration.placement_engine import placed_layers
@@ -1224,7 +1228,7 @@ def three_layer_case(fault: float = 0.0, steps: int = 4) -> dict:
 
     # no cross-node placement: its re-placed experts would take DeepSpeed's weights by slot, not by expert
     feplb = {"nvlink_domain_size": 2, "dynamic_experts_per_rank": 1, "chunk_align_tokens": 1, "fixed_costs": "ignore",
-             "placement": {"enabled": False}}
+             "placement": {"enabled": False, "redundant_experts_per_rank": 0}}
     config = ds_config(0, feplb)
     engines = {}
     for name, init in (("reference", deepspeed.initialize), ("feplb", deepspeed_feplb.initialize)):

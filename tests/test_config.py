@@ -57,8 +57,8 @@ def test_defaults():
         "fixed_costs": "measured",
         "scheduler": {"mode": "process", "plan_timeout_ms": 20.0, "peer_timeout_s": 60.0, "restart": True,
                       "start_after_steps": 8, "poll_ms": None},
-        "placement": {"enabled": False, "interval_steps": 50, "history_decay": 0.1, "redundant_experts_per_rank": 0,
-                      "network_gbps": 50.0},
+        "placement": {"enabled": False, "interval_steps": 50, "history_decay": 0.1,
+                      "redundant_experts_per_rank": "auto", "network_gbps": 50.0},
         "gating": {"score": "softmax", "bias_update_rate": 1e-3, "normalize_topk": True},
         "stats": {"enabled": True, "monitor": True, "record_trace": None},
     }
@@ -179,6 +179,7 @@ BAD_VALUES = [
     ("placement.interval_steps", 0),
     ("placement.history_decay", 1.5),
     ("placement.redundant_experts_per_rank", -1),
+    ("placement.redundant_experts_per_rank", "many"),
     ("placement.network_gbps", 0),
     ("stats", True),
     ("stats.enabled", "maybe"),
@@ -341,16 +342,19 @@ def _with(**section):
 
 @pytest.mark.parametrize("section,lines", [
     ({}, []),
-    ({"placement": {"redundant_experts_per_rank": 0}}, []),  # at its default: changes nothing either way
+    ({"placement": {"redundant_experts_per_rank": 0}}, []),  # no key of the cross-node layer set: nothing idle
     ({"placement": {"enabled": True, "redundant_experts_per_rank": 2}}, []),
     ({"placement": {"enabled": False, "redundant_experts_per_rank": 2}}, []),  # replicas, every home kept
-    ({"placement": {"enabled": False, "interval_steps": 3, "history_decay": 0.5}},
+    ({"placement": {"enabled": False, "redundant_experts_per_rank": 0, "interval_steps": 3, "history_decay": 0.5}},
      ["feplb.placement.enabled is false and feplb.placement.redundant_experts_per_rank 0: no cross-node layer, so "
       "feplb.placement.interval_steps, feplb.placement.history_decay have no effect"]),
     ({"placement": {"enabled": False, "redundant_experts_per_rank": 1, "interval_steps": 3, "history_decay": 0.5}},
      ["feplb.placement.enabled is false: every expert keeps its home and replicas are chosen from the last "
       "micro-batches, not the load history, so feplb.placement.history_decay has no effect"]),
     ({"placement": {"enabled": "auto", "redundant_experts_per_rank": 2}}, []),  # on where an EP group spans nodes
+    ({"placement": {"interval_steps": 3, "history_decay": 0.5}},  # replica slots "auto": the layer may run
+     ["feplb.placement.enabled is false: every expert keeps its home and replicas are chosen from the last "
+      "micro-batches, not the load history, so feplb.placement.history_decay has no effect"]),
     ({"weight_residency": "micro_batch", "max_resident_experts": 3, "resident_budget_mb": 100},
      ['feplb.weight_residency is "micro_batch": no copy is kept past its micro-batch, so '
       "feplb.max_resident_experts, feplb.resident_budget_mb have no effect"]),
@@ -378,7 +382,7 @@ def test_keys_without_effect_are_named(section, lines):
 def test_keys_without_effect_are_said_once_per_job(capsys):
     from deepspeed_feplb.integration.engine import say_idle_keys
 
-    config = _with(placement={"enabled": False, "interval_steps": 3})
+    config = _with(placement={"enabled": False, "redundant_experts_per_rank": 0, "interval_steps": 3})
     [line] = idle_keys(config)
     forget(("idle keys", line))
     try:

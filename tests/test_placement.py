@@ -191,18 +191,76 @@ def test_auto_placement_is_on_where_an_ep_group_spans_domains_and_the_run_suppor
     assert said == ['deepspeed_feplb: feplb.placement.enabled is "auto": the expert-parallel group of 4 ranks spans '
                     "NVLink domains, but placement stays off: it is not supported with ZeRO stage 3"], said
     for explicit in (True, False):
-        config = FEPLBConfig(nvlink_domain_size=2, placement={"enabled": explicit})
+        config = FEPLBConfig(nvlink_domain_size=2, placement={"enabled": explicit, "redundant_experts_per_rank": 0})
         assert resolve_auto(config, None, {"zero_optimization": {"stage": 3}}, [4]) is config
     assert moe_ep_sizes(None, {"expert_parallel": {"enabled": True, "autoep_size": 8}}) == [8]
     assert moe_ep_sizes(None, {"expert_parallel": {"autoep_size": 8}}) == []
 
 
+def test_auto_replica_slots_are_one_where_an_ep_group_spans_domains_and_the_slots_fit(capsys, monkeypatch):
+    """``redundant_experts_per_rank: "auto"`` (the default): 0 within one domain and where the run
+    cannot place (one line); else decided with the engine built: 1 where every rank's cross-node
+    layers can take a slot, 0 with one line naming why (experts with buffers, or slots over a
+    quarter of the free device memory). A layer without an engine has none."""
+    import torch
+
+    import deepspeed_feplb
+    import deepspeed_feplb.memory as memory
+    from deepspeed_feplb.config import FEPLBConfig
+    from deepspeed_feplb.integration.placement import replica_slots_per_rank
+    from deepspeed_feplb.integration.engine import resolve_replica_slots
+    from deepspeed_feplb.integration.placement_engine import cross_node_layer, resolve_auto
+    from deepspeed_feplb.migrate.resident import copy_bytes
+    from deepspeed_feplb.once import forget
+    default = FEPLBConfig(nvlink_domain_size=2)
+    assert default.placement.redundant_experts_per_rank == "auto" and replica_slots_per_rank(default, 4) == 0
+    zero1 = {"zero_optimization": {"stage": 1}}
+    spanning = resolve_auto(default, None, zero1, [4])
+    assert spanning.placement.redundant_experts_per_rank == "auto" and cross_node_layer(spanning, [4])
+    one_node = resolve_auto(default, None, zero1, [2, 2])
+    assert one_node.placement.redundant_experts_per_rank == 0 and not cross_node_layer(one_node, [2])
+    assert capsys.readouterr().out == ""
+    forget("placement auto off")
+    refused = resolve_auto(default, None, {"zero_optimization": {"stage": 3}}, [4])
+    assert refused.placement.redundant_experts_per_rank == 0 and refused.placement.enabled is False
+    assert capsys.readouterr().out.splitlines() == [
+        'deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto": the expert-parallel group of 4 '
+        "ranks spans NVLink domains, but replica slots stay off: it is not supported with ZeRO stage 3"]
+
+    def model(**expert_buffers):
+        expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        for name, value in expert_buffers.items():
+            expert.register_buffer(name, value)
+        return torch.nn.Sequential(*(deepspeed_feplb.MoE(hidden_size=8, expert=expert, num_experts=8, ep_size=4, k=2)
+                                     for _ in range(3)))
+
+    decided = resolve_replica_slots(spanning, model())  # host memory: no device budget
+    assert decided.placement.redundant_experts_per_rank == 1 and replica_slots_per_rank(decided, 4) == 1
+    assert capsys.readouterr().out == ""
+    assert resolve_replica_slots(decided, model()) is decided  # decided settings stay
+    slots = 3 * copy_bytes(list(model()[0].deepspeed_moe.experts.deepspeed_experts[0].parameters()))
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots)  # a quarter of it: they fit
+    assert resolve_replica_slots(spanning, model()).placement.redundant_experts_per_rank == 1
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots - 1)
+    assert resolve_replica_slots(spanning, model()).placement.redundant_experts_per_rank == 0
+    said = capsys.readouterr().out
+    assert said.startswith('deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and stays 0: '
+                           "rank 0 has 0 MiB of device memory free and a replica slot in each of its 3 cross-node "
+                           "MoE layers takes 0 MiB, more than 25% of it"), said
+    monkeypatch.undo()
+    with_buffers = resolve_replica_slots(spanning, model(running=torch.zeros(8)))
+    assert with_buffers.placement.redundant_experts_per_rank == 0
+    assert "the experts of MoE layer 0.deepspeed_moe have buffers" in capsys.readouterr().out
+
+
 def test_auto_placement_places_and_trains_exactly():
-    """``"auto"`` on 4 ranks as 2 nodes of 2 through `deepspeed_feplb.initialize`: experts move,
-    and training equals DeepSpeed's MoE."""
-    results = run_distributed(moe_cases.placement_case, 4, 1, 8, 2, enabled="auto", timeout=600)
+    """``"auto"`` placement and replica slots on 4 ranks as 2 nodes of 2 through
+    `deepspeed_feplb.initialize`: experts move, each rank has a replica slot (experts in host
+    memory: no device budget), and training equals DeepSpeed's MoE."""
+    results = run_distributed(moe_cases.placement_case, 4, 1, 8, 2, enabled="auto", redundant="auto", timeout=600)
     r = results[0]
     assert r["refreshes"] >= 1 and r["moved_experts"] > 0, "auto placement did not move experts"
+    assert [x["replica_slots"] for x in results] == [1] * 4
     reference, ours = np.array(r["losses"]["reference"]), np.array(r["losses"]["feplb"])
     assert np.allclose(ours, reference, rtol=1e-5, atol=1e-6), f"losses differ: {ours - reference}"
     assert max(max(x["param_errors"].values()) for x in results) < 1e-4

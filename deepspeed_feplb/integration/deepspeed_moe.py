@@ -412,8 +412,13 @@ class MoE(ds_layer.MoE):
         if engine is not None and config.enabled:
             from deepspeed_feplb.integration.placement_engine import cross_node_layer, resolve_auto
             from deepspeed_feplb.integration.placement_engine import install as install_placement
-            config = self.deepspeed_moe.feplb_config = resolve_auto(config, getattr(engine, "module", None),
-                                                                    engine.config, [self.ep_size])
+            config = resolve_auto(config, getattr(engine, "module", None), engine.config, [self.ep_size])
+            if config.placement.redundant_experts_per_rank == "auto":
+                # decided by deepspeed_feplb.initialize alone (`engine.resolve_replica_slots`), which
+                # measures the memory the built engine leaves and then hands its layers their config
+                config = config.model_copy(update={"placement": config.placement.model_copy(
+                    update={"redundant_experts_per_rank": 0})})
+            self.deepspeed_moe.feplb_config = config
             if cross_node_layer(config, [self.ep_size]):
                 install_placement(engine)
         if config is not None and self.ep_size > 1:

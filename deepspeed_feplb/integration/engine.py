@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from typing import Optional
 
 import deepspeed
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -107,6 +108,10 @@ def initialize(*args, **kwargs):
             result[0].feplb_monitor.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    if placed and config.placement.redundant_experts_per_rank == "auto":
+        config = resolve_replica_slots(config, result[0].module)
+        _reconfigure(result[0].module, config)
+        placed = cross_node_layer(config, ep_sizes)
     if placed:
         from deepspeed_feplb.integration.placement_engine import install as install_placement
         install_placement(result[0])
@@ -119,6 +124,15 @@ def initialize(*args, **kwargs):
     if config.stats.enabled:
         _attach_stats(result[0], config)
     return result
+
+
+def _reconfigure(model, config: FEPLBConfig) -> None:
+    """Give ``model``'s converted DeepSpeed MoE layers ``config`` (one with its "auto" keys decided);
+    they build their FEPLB parts from it at their first forward."""
+    from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
+    for module in model.modules():
+        if isinstance(module, FEPLBMOELayer):
+            module.feplb_config = config
 
 
 def _refresh_after_steps(engine) -> None:
@@ -225,6 +239,86 @@ def check_memory(model, config: FEPLBConfig) -> None:
     from deepspeed_feplb.memory import check_at_initialize
     facts = [m.memory_facts() for m in model.modules() if isinstance(m, (FEPLBMOELayer, FEPLBGroupedExperts))]
     check_at_initialize([f for f in facts if f is not None], config)
+
+
+# "auto" replica slots take at most this share of the device memory free once the engine is built
+AUTO_REPLICA_FREE_SHARE = 0.25
+
+
+def resolve_replica_slots(config: FEPLBConfig, model) -> FEPLBConfig:
+    """``config`` with ``feplb.placement.redundant_experts_per_rank: "auto"`` (left by `resolve_auto`
+    for a job whose EP groups span NVLink domains, on a run that supports placement) decided, with
+    DeepSpeed's engine built: 1 where every rank's FEPLB layers over such groups (``model``'s
+    DeepSpeed MoE and AutoEP layers) can take a replica slot (`_replica_slot_problem`), else 0 with
+    one line saying why (global rank 0). Collective over the world; any other setting is returned
+    as it is."""
+    if config.placement.redundant_experts_per_rank != "auto":
+        return config
+    import torch.distributed as dist
+
+    from deepspeed_feplb.collectives import gather_small
+    problem = _replica_slot_problem(config, model)
+    problems = gather_small(problem, device=_expert_device(model)) if dist.is_initialized() else [problem]
+    found = next((p for p in problems if p is not None), None)
+    if found is not None and _global_rank() == 0:
+        print(f'deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and stays 0: {found}; set it '
+              "to a number of slots to have them anyway", flush=True)
+    placement = config.placement.model_copy(update={"redundant_experts_per_rank": int(found is None)})
+    return config.model_copy(update={"placement": placement})
+
+
+def _replica_slot_problem(config: FEPLBConfig, model) -> Optional[str]:
+    """Why this rank's FEPLB layers over EP groups that span NVLink domains cannot take one replica
+    slot each (None: they can, or there is none): an expert kind that has no replicas, a layer too
+    small to fill one slot, or slots larger than `AUTO_REPLICA_FREE_SHARE` of the device memory
+    free now (experts in host memory have no device budget)."""
+    from deepspeed_feplb.domain import domain_size
+    from deepspeed_feplb.integration.autoep import DEEPEP_BACKEND, autoep_layers
+    from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
+    from deepspeed_feplb.memory import MiB, device_free_bytes
+    from deepspeed_feplb.migrate.resident import copy_bytes
+    from deepspeed_feplb.plan.replicas import most_replica_slots
+
+    layers = []  # (name, EP size, experts, one expert's parameters)
+    for name, m in model.named_modules():
+        if isinstance(m, FEPLBMOELayer):
+            expert = m.experts.deepspeed_experts[0]
+            if any(True for _ in expert.buffers()):
+                return f"the experts of MoE layer {name} have buffers, which a replica slot does not hold"
+            layers.append((name, m.ep_size, m.num_local_experts * m.ep_size, list(expert.parameters())))
+    for name, layer in autoep_layers(model).items():
+        if getattr(layer, "comm_backend", None) == DEEPEP_BACKEND:
+            return f"AutoEP layer {name} dispatches with DeepEP, and replica slots need AutoEP's all-to-all"
+        folding = getattr(layer, "folding_group_handles", None)
+        if folding is not None and folding.spec.tp_size > 1:
+            return f"AutoEP layer {name} is folded with AutoTP, which replica slots do not cover"
+        layers.append((name, layer.ep_size, layer.num_experts,
+                       [w[0] for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]))
+    spanning = [(name, size, experts, params) for name, size, experts, params in layers
+                if size > domain_size(config, size)]
+    for name, size, experts, _ in spanning:
+        if most_replica_slots(experts, size, domain_size(config, size)) < 1:
+            return f"MoE layer {name} has too few experts ({experts} over {size} ranks) to fill a replica slot"
+    if not spanning:
+        return None
+    free = device_free_bytes(spanning[0][3][0].device)
+    need = sum(copy_bytes(params) for *_, params in spanning)
+    if free is not None and need > AUTO_REPLICA_FREE_SHARE * free:
+        return (f"rank {_global_rank()} has {free / MiB:,.0f} MiB of device memory free and a replica slot in each "
+                f"of its {len(spanning)} cross-node MoE layers takes {need / MiB:,.0f} MiB, more than "
+                f"{AUTO_REPLICA_FREE_SHARE:.0%} of it")
+    return None
+
+
+def _expert_device(model):
+    """The device of ``model``'s first parameter (for `gather_small` on an NCCL group), or None."""
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else None
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _as_dict(ds_config) -> dict:

@@ -543,10 +543,11 @@ def places(config, ep_size: int) -> bool:
 def replica_slots_per_rank(config, ep_size: int) -> int:
     """Replica slots per rank of a layer over ``ep_size`` ranks: ``feplb.placement.
     redundant_experts_per_rank`` where the EP group spans domains (inside one domain, phase 2 does
-    their work) and ``feplb.placement.enabled`` is decided (`placement_engine.resolve_auto`), else
-    0; with it false they are the cross-node layer's only work."""
-    if config.placement.enabled == "auto":  # undecided, as for a layer used without an engine: none
-        return 0
+    their work) and both ``feplb.placement.enabled`` and it are decided (`placement_engine.
+    resolve_auto`, `engine.resolve_replica_slots`), else 0; with placement false they are
+    the cross-node layer's only work."""
+    if "auto" in (config.placement.enabled, config.placement.redundant_experts_per_rank):
+        return 0  # undecided, as for a layer used without an engine: none
     spans = ep_size > domain_size(config, ep_size)
     return config.placement.redundant_experts_per_rank if spans else 0
 
@@ -555,7 +556,8 @@ def say_if_replicas_idle(config, ep_size: int) -> None:
     """Once per job (rank 0): ``feplb.placement.redundant_experts_per_rank`` set on a layer whose EP
     group of ``ep_size`` ranks is one NVLink domain, where it has no effect."""
     asked = config.placement.redundant_experts_per_rank
-    if asked and ep_size > 1 and not replica_slots_per_rank(config, ep_size) and first_time("one-node replica slots") \
+    if asked not in ("auto", 0) and ep_size > 1 and not replica_slots_per_rank(config, ep_size) \
+            and first_time("one-node replica slots") \
             and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"deepspeed_feplb: feplb.placement.redundant_experts_per_rank={asked} has no effect: the expert-parallel "
               f"group ({ep_size} ranks) is one NVLink domain (feplb.nvlink_domain_size), so there is no other node to "

@@ -50,11 +50,16 @@ def unsupported(model, ds_config: dict) -> Optional[tuple[str, str]]:
 
 
 def cross_node_layer(config: FEPLBConfig, ep_sizes: list[int]) -> bool:
-    """Whether MoE layers over EP groups of ``ep_sizes`` run the cross-node layer (an
+    """Whether MoE layers over EP groups of ``ep_sizes`` may run the cross-node layer (an
     `ExpertPlacement`, driven at the optimizer steps): ``feplb.placement.enabled`` true (decided:
     `resolve_auto`), or replica slots on a group that spans NVLink domains, every expert then
-    keeping its home (`placement.replica_slots_per_rank`)."""
-    return config.placement.enabled is True or any(replica_slots_per_rank(config, size) for size in ep_sizes)
+    keeping its home (`placement.replica_slots_per_rank`; "auto" ones are decided with the engine
+    built, `engine.resolve_replica_slots`)."""
+    if config.placement.enabled is True:
+        return True
+    if config.placement.redundant_experts_per_rank == "auto":
+        return any(size > domain_size(config, size) for size in ep_sizes)
+    return any(replica_slots_per_rank(config, size) for size in ep_sizes)
 
 
 def check_config(model, ds_config: dict) -> None:
@@ -72,19 +77,30 @@ def resolve_auto(config: FEPLBConfig, model, ds_config: dict, ep_sizes: list[int
     layer's EP group (of ``ep_sizes``) spans more than one NVLink domain and the run supports
     placement (`unsupported`), else false, said in one line (EP rank 0) where such a group stays
     without it (with no replica slots either). Any other setting is returned as it is."""
-    if config.placement.enabled != "auto":
+    enabled, slots = config.placement.enabled, config.placement.redundant_experts_per_rank
+    if "auto" not in (enabled, slots):
         return config
     spans = [size for size in ep_sizes if size > domain_size(config, size)]
     reason = unsupported(model, ds_config) if spans else None
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if reason is not None and rank == 0 and first_time("placement auto off"):
-        print(f'deepspeed_feplb: feplb.placement.enabled is "auto": the expert-parallel group of {spans[0]} ranks '
-              f"spans NVLink domains, but placement stays off: it is not supported with {reason[0]}", flush=True)
-    update = {"enabled": bool(spans) and reason is None}
-    if reason is not None:  # replica slots alone are refused under the same runs
+    if reason is not None and _rank() == 0 and first_time("placement auto off"):
+        auto = [(key, what) for key, value, what in (("enabled", enabled, "placement"),
+                                                      ("redundant_experts_per_rank", slots, "replica slots"))
+                if value == "auto"]
+        keys, whats = (" and ".join(part[i] for part in auto) for i in (0, 1))
+        print(f'deepspeed_feplb: feplb.placement.{keys} {"are" if len(auto) > 1 else "is"} "auto": the '
+              f"expert-parallel group of {spans[0]} ranks spans NVLink domains, but {whats} "
+              f"{'stays' if whats == 'placement' else 'stay'} off: it is not supported with {reason[0]}", flush=True)
+    update = {}
+    if enabled == "auto":
+        update["enabled"] = bool(spans) and reason is None
+    if reason is not None or (slots == "auto" and not spans):  # replica slots are refused under the same runs
         update["redundant_experts_per_rank"] = 0
     placement = config.placement.model_copy(update=update)
     return config.model_copy(update={"placement": placement})
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def moe_ep_sizes(model, ds_config: dict) -> list[int]:

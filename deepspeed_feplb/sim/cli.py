@@ -84,6 +84,17 @@ def _rows(text: str):
     return text if text == "auto" else whole_number(1)(text)
 
 
+def _slots(text: str):
+    """argparse type of --redundant-per-rank: "auto" or a whole number of slots >= 0."""
+    return text if text == "auto" else whole_number(0)(text)
+
+
+def replica_slots(setting, nodes: int) -> int:
+    """Replica slots per rank of ``--redundant-per-rank`` over ``nodes`` nodes: "auto" is the
+    runtime's where memory allows, 1 where the EP group spans nodes."""
+    return int(nodes > 1) if setting == "auto" else setting
+
+
 def _microseconds(text: str) -> float:
     """argparse type of --replica-host-us: a finite number of µs >= 0."""
     return _amount(text, "µs")
@@ -226,15 +237,15 @@ def add_parser(subparsers) -> None:
                    help="micro-batches before the first re-placement decision of EPLB and of feplb's placement "
                         "layer, taken at the end of the optimizer step that reaches it (default: one step, "
                         "--micro-batches-per-step)")
-    p.add_argument("--redundant-per-rank", type=whole_number(0), default=_RUNTIME.placement.redundant_experts_per_rank,
+    p.add_argument("--redundant-per-rank", type=_slots, default=_RUNTIME.placement.redundant_experts_per_rank,
                    metavar="SLOTS",
                    help="replica slots per rank of feplb's cross-node layer (feplb.placement."
                         "redundant_experts_per_rank; with --placement off every expert keeps its home and only "
                         "replicas are chosen): hot experts get replicas on other nodes "
                         "where the gain pays for sending their gradients home and the stepped weights back at every "
                         "optimizer step (over the profile's inter-node bandwidth, counted in the expert time) and "
-                        "their creation; each micro-batch splits a replicated expert's rows between the nodes "
-                        "(default: %(default)s, the runtime's)")
+                        "their creation; each micro-batch splits a replicated expert's rows between the nodes; "
+                        "auto: 1 when nodes > 1 (default: %(default)s, the runtime's)")
     p.add_argument("--replica-host-us", type=_microseconds, default=0.0, metavar="US",
                    help="host time per micro-batch and layer that holding any replica costs beyond its exchange (what "
                         "a runtime with feplb.fixed_costs \"measured\" measures: each forward's split, the refreshes "
@@ -378,7 +389,8 @@ def _setup(args, trace, D):
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
                     max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
                     max_rows_over_mean=args.max_rows_over_mean,
-                    redundant_per_rank=args.redundant_per_rank, replica_host_us=args.replica_host_us,
+                    redundant_per_rank=replica_slots(args.redundant_per_rank, args.nodes),
+                    replica_host_us=args.replica_host_us,
                     serve_parts=args.serve_parts, serve_part_rows=args.serve_part_rows,
                     serve_on_arrival=serves_on_arrival(_SETTING[args.serve_on_arrival], profile.name != "cpu"),
                     keep_copies_across_steps=args.keep_copies_across_steps == "on")
