@@ -200,15 +200,15 @@ def test_auto_placement_is_on_where_an_ep_group_spans_domains_and_the_run_suppor
 def test_auto_replica_slots_are_one_where_an_ep_group_spans_domains_and_the_slots_fit(capsys, monkeypatch):
     """``redundant_experts_per_rank: "auto"`` (the default): 0 within one domain and where the run
     cannot place (one line); else decided with the engine built: 1 where every rank's cross-node
-    layers can take a slot, 0 with one line naming why (experts with buffers, or slots over a
-    quarter of the free device memory). A layer without an engine has none."""
+    layers can take a slot, 0 with one line naming why (experts with buffers, experts in host
+    memory, or slots over a quarter of the free device memory). A layer without an engine has none."""
     import torch
 
     import deepspeed_feplb
     import deepspeed_feplb.memory as memory
     from deepspeed_feplb.config import FEPLBConfig
-    from deepspeed_feplb.integration.placement import replica_slots_per_rank
     from deepspeed_feplb.integration.engine import resolve_replica_slots
+    from deepspeed_feplb.integration.placement import replica_slots_per_rank
     from deepspeed_feplb.integration.placement_engine import cross_node_layer, resolve_auto
     from deepspeed_feplb.migrate.resident import copy_bytes
     from deepspeed_feplb.once import forget
@@ -234,20 +234,24 @@ def test_auto_replica_slots_are_one_where_an_ep_group_spans_domains_and_the_slot
         return torch.nn.Sequential(*(deepspeed_feplb.MoE(hidden_size=8, expert=expert, num_experts=8, ep_size=4, k=2)
                                      for _ in range(3)))
 
-    decided = resolve_replica_slots(spanning, model())  # host memory: no device budget
+    on_host = resolve_replica_slots(spanning, model())  # CPU ranks: none
+    assert on_host.placement.redundant_experts_per_rank == 0 and replica_slots_per_rank(on_host, 4) == 0
+    assert capsys.readouterr().out == ('deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and '
+                                       "stays 0: the experts are in host memory (CPU ranks), where the replicas' "
+                                       "step-end collectives cost more than they save; set it to a number of slots "
+                                       "to have them anyway\n")
+    slots = 3 * copy_bytes(list(model()[0].deepspeed_moe.experts.deepspeed_experts[0].parameters()))
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots)  # a quarter of it: they fit
+    decided = resolve_replica_slots(spanning, model())
     assert decided.placement.redundant_experts_per_rank == 1 and replica_slots_per_rank(decided, 4) == 1
     assert capsys.readouterr().out == ""
     assert resolve_replica_slots(decided, model()) is decided  # decided settings stay
-    slots = 3 * copy_bytes(list(model()[0].deepspeed_moe.experts.deepspeed_experts[0].parameters()))
-    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots)  # a quarter of it: they fit
-    assert resolve_replica_slots(spanning, model()).placement.redundant_experts_per_rank == 1
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots - 1)
     assert resolve_replica_slots(spanning, model()).placement.redundant_experts_per_rank == 0
     said = capsys.readouterr().out
     assert said.startswith('deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and stays 0: '
                            "rank 0 has 0 MiB of device memory free and a replica slot in each of its 3 cross-node "
                            "MoE layers takes 0 MiB, more than 25% of it"), said
-    monkeypatch.undo()
     with_buffers = resolve_replica_slots(spanning, model(running=torch.zeros(8)))
     assert with_buffers.placement.redundant_experts_per_rank == 0
     assert "the experts of MoE layer 0.deepspeed_moe have buffers" in capsys.readouterr().out
@@ -255,9 +259,10 @@ def test_auto_replica_slots_are_one_where_an_ep_group_spans_domains_and_the_slot
 
 def test_auto_placement_places_and_trains_exactly():
     """``"auto"`` placement and replica slots on 4 ranks as 2 nodes of 2 through
-    `deepspeed_feplb.initialize`: experts move, each rank has a replica slot (experts in host
-    memory: no device budget), and training equals DeepSpeed's MoE."""
-    results = run_distributed(moe_cases.placement_case, 4, 1, 8, 2, enabled="auto", redundant="auto", timeout=600)
+    `deepspeed_feplb.initialize`, the experts' memory taken for a GPU's (`memory.device_free_bytes`:
+    plenty free): experts move, each rank has a replica slot, and training equals DeepSpeed's MoE."""
+    results = run_distributed(moe_cases.placement_case, 4, 1, 8, 2, enabled="auto", redundant="auto",
+                              free_bytes=2**40, timeout=600)
     r = results[0]
     assert r["refreshes"] >= 1 and r["moved_experts"] > 0, "auto placement did not move experts"
     assert [x["replica_slots"] for x in results] == [1] * 4

@@ -328,20 +328,21 @@ def test_simulate_serves_on_arrival_as_the_runtime_would_on_the_profiles_device(
 
 def test_simulate_gives_a_replica_slot_per_rank_across_nodes_as_the_runtime_does(tmp_path):
     """--redundant-per-rank auto (the default) is the runtime's "auto" where memory allows: one slot
-    per rank when the EP group spans nodes, none in one node; a number is taken as it is; a bad
-    value is named."""
+    per rank when the EP group spans nodes of GPUs, none in one node or with the CPU profile (CPU
+    ranks); a number is taken as it is; a bad value is named."""
     from deepspeed_feplb.__main__ import main
 
     save_trace(tmp_path / "t.npz", no_aux_trace(4, 1, ranks=4, experts=16, tokens_per_rank=256, seed=1))
     slots = {}
     two_nodes = ["--ranks-per-node", "2", "--nodes", "2"]
     for name, extra in (("one node", ["--ranks-per-node", "4"]), ("two nodes", two_nodes),
-                        ("two nodes, 0", [*two_nodes, "--redundant-per-rank", "0"])):
+                        ("two nodes, 0", [*two_nodes, "--redundant-per-rank", "0"]),
+                        ("two nodes, cpu", [*two_nodes, "--profile", "cpu"])):
         out = tmp_path / "out.json"
         assert main(["simulate", "--trace", str(tmp_path / "t.npz"), "--policies", "feplb", "--json", str(out),
                      "--no-progress", *extra]) == 0
         slots[name] = json.loads(out.read_text())["setup"]["redundant_per_rank"]
-    assert slots == {"one node": 0, "two nodes": 1, "two nodes, 0": 0}
+    assert slots == {"one node": 0, "two nodes": 1, "two nodes, 0": 0, "two nodes, cpu": 0}
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", str(tmp_path / "t.npz"), "--ranks-per-node", "4", "--redundant-per-rank", "some"])
 

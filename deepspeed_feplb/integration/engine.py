@@ -270,8 +270,10 @@ def resolve_replica_slots(config: FEPLBConfig, model) -> FEPLBConfig:
 def _replica_slot_problem(config: FEPLBConfig, model) -> Optional[str]:
     """Why this rank's FEPLB layers over EP groups that span NVLink domains cannot take one replica
     slot each (None: they can, or there is none): an expert kind that has no replicas, a layer too
-    small to fill one slot, or slots larger than `AUTO_REPLICA_FREE_SHARE` of the device memory
-    free now (experts in host memory have no device budget)."""
+    small to fill one slot, experts in host memory (CPU ranks, whose collectives run over gloo:
+    2 CPU ranks as 2 nodes took 1.135x as long per step with a slot that held nothing, the step's
+    loads all-reduce and review alone, `benchmarks/bench_replicas_runtime.py`), or slots larger
+    than `AUTO_REPLICA_FREE_SHARE` of the device memory free now."""
     from deepspeed_feplb.domain import domain_size
     from deepspeed_feplb.integration.autoep import DEEPEP_BACKEND, autoep_layers
     from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
@@ -302,8 +304,11 @@ def _replica_slot_problem(config: FEPLBConfig, model) -> Optional[str]:
     if not spanning:
         return None
     free = device_free_bytes(spanning[0][3][0].device)
+    if free is None:
+        return "the experts are in host memory (CPU ranks), where the replicas' step-end collectives cost more than " \
+               "they save"
     need = sum(copy_bytes(params) for *_, params in spanning)
-    if free is not None and need > AUTO_REPLICA_FREE_SHARE * free:
+    if need > AUTO_REPLICA_FREE_SHARE * free:
         return (f"rank {_global_rank()} has {free / MiB:,.0f} MiB of device memory free and a replica slot in each "
                 f"of its {len(spanning)} cross-node MoE layers takes {need / MiB:,.0f} MiB, more than "
                 f"{AUTO_REPLICA_FREE_SHARE:.0%} of it")

@@ -89,10 +89,11 @@ def _slots(text: str):
     return text if text == "auto" else whole_number(0)(text)
 
 
-def replica_slots(setting, nodes: int) -> int:
+def replica_slots(setting, nodes: int, on_gpu: bool) -> int:
     """Replica slots per rank of ``--redundant-per-rank`` over ``nodes`` nodes: "auto" is the
-    runtime's where memory allows, 1 where the EP group spans nodes."""
-    return int(nodes > 1) if setting == "auto" else setting
+    runtime's where memory allows, 1 where the EP group spans nodes and (``on_gpu``: the profile is
+    a GPU's) the experts compute on GPUs."""
+    return int(nodes > 1 and on_gpu) if setting == "auto" else setting
 
 
 def _microseconds(text: str) -> float:
@@ -245,7 +246,7 @@ def add_parser(subparsers) -> None:
                         "where the gain pays for sending their gradients home and the stepped weights back at every "
                         "optimizer step (over the profile's inter-node bandwidth, counted in the expert time) and "
                         "their creation; each micro-batch splits a replicated expert's rows between the nodes; "
-                        "auto: 1 when nodes > 1 (default: %(default)s, the runtime's)")
+                        "auto: 1 when nodes > 1, with a GPU profile (default: %(default)s, the runtime's)")
     p.add_argument("--replica-host-us", type=_microseconds, default=0.0, metavar="US",
                    help="host time per micro-batch and layer that holding any replica costs beyond its exchange (what "
                         "a runtime with feplb.fixed_costs \"measured\" measures: each forward's split, the refreshes "
@@ -389,7 +390,7 @@ def _setup(args, trace, D):
                     micro_batches_per_step=args.micro_batches_per_step, residency=args.residency,
                     max_resident=args.max_resident, resident_budget_mb=args.resident_budget_mb,
                     max_rows_over_mean=args.max_rows_over_mean,
-                    redundant_per_rank=replica_slots(args.redundant_per_rank, args.nodes),
+                    redundant_per_rank=replica_slots(args.redundant_per_rank, args.nodes, profile.name != "cpu"),
                     replica_host_us=args.replica_host_us,
                     serve_parts=args.serve_parts, serve_part_rows=args.serve_part_rows,
                     serve_on_arrival=serves_on_arrival(_SETTING[args.serve_on_arrival], profile.name != "cpu"),
