@@ -700,10 +700,10 @@ def _train(engines: dict, steps, on_step=None) -> dict:
 def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: int = 2, settled: int = 6,
                    ep_size: int | None = None, experts_per_rank: int = 4, learn_gate: bool = False,
                    optimizer: str = "adam", gradient_clipping: float = 1.0, enabled=True, redundant=0,
-                   free_bytes: Optional[int] = None) -> dict:
+                   free_bytes: Optional[dict] = None) -> dict:
     """Cross-node placement (``feplb.placement.enabled``: ``enabled``, ``redundant_experts_per_rank``:
-    ``redundant``; ``free_bytes``: the device memory `memory.device_free_bytes` says is free, as if
-    the experts were on a GPU, None: host memory) on ``world`` ranks as nodes of
+    ``redundant``; ``free_bytes``: {global rank: the device memory `memory.device_free_bytes` says is
+    free there, as if the experts were on a GPU, or None: host memory}) on ``world`` ranks as nodes of
     ``domain`` (``experts_per_rank``, the hot ones on the first node; a learning gate with
     ``learn_gate``, ``optimizer`` one of `OPTIMIZERS`):
     FEPLB with feplb.placement and DeepSpeed's MoE, fed the same logical experts, trained side by
@@ -716,7 +716,7 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
     from deepspeed_feplb.integration.expert_state import ModuleExperts
     from deepspeed_feplb.integration.placement_engine import placed_layers
     if free_bytes is not None:  # this process only: `run_distributed` starts a fresh one per rank
-        memory.device_free_bytes = lambda device: free_bytes
+        memory.device_free_bytes = lambda device: free_bytes[dist.get_rank()]
     world = dist.get_world_size()
     ep_size = ep_size or world  # below the world size: expert-data-parallel replicas, which must place alike
     feplb = {"nvlink_domain_size": domain, "dynamic_experts_per_rank": 1 if domain > 1 else 0, "chunk_align_tokens": 1,

@@ -240,32 +240,42 @@ def test_auto_replica_slots_are_one_where_an_ep_group_spans_domains_and_the_slot
                                        "stays 0: the experts are in host memory (CPU ranks), where the replicas' "
                                        "step-end collectives cost more than they save; set it to a number of slots "
                                        "to have them anyway\n")
+    expert = (8 * 16 + 16 + 16 * 8 + 8) * 4  # P: Linear(8, 16) and Linear(16, 8), fp32
     slots = 3 * copy_bytes(list(model()[0].deepspeed_moe.experts.deepspeed_experts[0].parameters()))
-    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots)  # a quarter of it: they fit
+    assert slots == 3 * 2 * expert  # a slot per layer: its fp32 weights and gradient sum
+    others = 3 * 2 * 2 * 1 * expert  # per layer 2D (G - 1) P of copies held forward to backward (D = 2, G = 2)
+    # a quarter of what the other buffers leave: they fit
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: others + 4 * slots)
     decided = resolve_replica_slots(spanning, model())
     assert decided.placement.redundant_experts_per_rank == 1 and replica_slots_per_rank(decided, 4) == 1
     assert capsys.readouterr().out == ""
     assert resolve_replica_slots(decided, model()) is decided  # decided settings stay
-    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4 * slots - 1)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: others + 4 * slots - 1)
     assert resolve_replica_slots(spanning, model()).placement.redundant_experts_per_rank == 0
     said = capsys.readouterr().out
     assert said.startswith('deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and stays 0: '
-                           "rank 0 has 0 MiB of device memory free and a replica slot in each of its 3 cross-node "
-                           "MoE layers takes 0 MiB, more than 25% of it"), said
+                           "rank 0 has 0 MiB of device memory free, FEPLB's other buffers take 0 MiB, and a replica "
+                           "slot in each of its 3 cross-node MoE layers takes 0 MiB, more than 25% of what is "
+                           "left"), said
     with_buffers = resolve_replica_slots(spanning, model(running=torch.zeros(8)))
     assert with_buffers.placement.redundant_experts_per_rank == 0
     assert "the experts of MoE layer 0.deepspeed_moe have buffers" in capsys.readouterr().out
 
 
-def test_auto_placement_places_and_trains_exactly():
+@pytest.mark.parametrize("free, slots", [(dict.fromkeys(range(4), 2**40), 1),
+                                         ({0: None, 1: None, 2: 2**40, 3: 2**40}, 0)],
+                         ids=["gpu-memory", "two-ranks-on-host-memory"])
+def test_auto_placement_places_and_trains_exactly(free, slots):
     """``"auto"`` placement and replica slots on 4 ranks as 2 nodes of 2 through
-    `deepspeed_feplb.initialize`, the experts' memory taken for a GPU's (`memory.device_free_bytes`:
-    plenty free): experts move, each rank has a replica slot, and training equals DeepSpeed's MoE."""
+    `deepspeed_feplb.initialize`, the experts' memory taken for a GPU's on the ranks ``free`` gives a
+    figure (`memory.device_free_bytes`): experts move, and training equals DeepSpeed's MoE. Each rank
+    has a replica slot where every rank has plenty free; where two ranks say host memory, every rank
+    decides alike: none."""
     results = run_distributed(moe_cases.placement_case, 4, 1, 8, 2, enabled="auto", redundant="auto",
-                              free_bytes=2**40, timeout=600)
+                              free_bytes=free, timeout=600)
     r = results[0]
     assert r["refreshes"] >= 1 and r["moved_experts"] > 0, "auto placement did not move experts"
-    assert [x["replica_slots"] for x in results] == [1] * 4
+    assert [x["replica_slots"] for x in results] == [slots] * 4
     reference, ours = np.array(r["losses"]["reference"]), np.array(r["losses"]["feplb"])
     assert np.allclose(ours, reference, rtol=1e-5, atol=1e-6), f"losses differ: {ours - reference}"
     assert max(max(x["param_errors"].values()) for x in results) < 1e-4

@@ -77,13 +77,14 @@ def initialize(*args, **kwargs):
     if not dist.is_initialized() and given.get("dist_init_required") is not False:
         # what deepspeed.initialize would do first, without building the CPU shm op
         init_distributed(**({"distributed_port": given["distributed_port"]} if "distributed_port" in given else {}))
+    auto_slots = config.placement.redundant_experts_per_rank == "auto"  # decided by every rank alike, below
     if config.enabled:
         learn_ranks_per_host()  # where the launcher does not tell it (srun, mpirun): domains stay on one host
-        say_idle_keys(config)
         from deepspeed_feplb.integration.placement_engine import moe_ep_sizes, resolve_auto
         ds_dict = _as_dict(ds_config)  # a path is read once
         ep_sizes = moe_ep_sizes(model, ds_dict)
         config = resolve_auto(config, model, ds_dict, ep_sizes)
+        say_idle_keys(config)
     convert(model, config)
     check_consistency(model, config)
     bound = _cpu_adam(bound, ds_config)
@@ -108,7 +109,7 @@ def initialize(*args, **kwargs):
             result[0].feplb_monitor.remove()
         return result
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
-    if placed and config.placement.redundant_experts_per_rank == "auto":
+    if config.enabled and auto_slots:  # every rank, whatever its own layers: a collective
         config = resolve_replica_slots(config, result[0].module)
         _reconfigure(result[0].module, config)
         placed = cross_node_layer(config, ep_sizes)
@@ -127,12 +128,17 @@ def initialize(*args, **kwargs):
 
 
 def _reconfigure(model, config: FEPLBConfig) -> None:
-    """Give ``model``'s converted DeepSpeed MoE layers ``config`` (one with its "auto" keys decided);
-    they build their FEPLB parts from it at their first forward."""
+    """Give ``model``'s converted DeepSpeed MoE layers ``config`` with its replica slots decided
+    (`resolve_replica_slots`), a layer whose EP group is one NVLink domain none (it has no use for
+    them, and no line says that a key it was not given has no effect); they build their FEPLB parts
+    from it at their first forward."""
+    from deepspeed_feplb.domain import domain_size
     from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
+    one_domain = config.model_copy(update={"placement": config.placement.model_copy(
+        update={"redundant_experts_per_rank": 0})})
     for module in model.modules():
         if isinstance(module, FEPLBMOELayer):
-            module.feplb_config = config
+            module.feplb_config = config if module.ep_size > domain_size(config, module.ep_size) else one_domain
 
 
 def _refresh_after_steps(engine) -> None:
@@ -250,15 +256,17 @@ def resolve_replica_slots(config: FEPLBConfig, model) -> FEPLBConfig:
     for a job whose EP groups span NVLink domains, on a run that supports placement) decided, with
     DeepSpeed's engine built: 1 where every rank's FEPLB layers over such groups (``model``'s
     DeepSpeed MoE and AutoEP layers) can take a replica slot (`_replica_slot_problem`), else 0 with
-    one line saying why (global rank 0). Collective over the world; any other setting is returned
-    as it is."""
-    if config.placement.redundant_experts_per_rank != "auto":
-        return config
+    one line saying why (global rank 0). Collective over the world, called by every rank of a job
+    that asked for "auto" (a rank that `resolve_auto` already set to 0 takes part and keeps 0); any
+    other setting is returned as it is."""
     import torch.distributed as dist
 
     from deepspeed_feplb.collectives import gather_small
-    problem = _replica_slot_problem(config, model)
+    undecided = config.placement.redundant_experts_per_rank == "auto"
+    problem = _replica_slot_problem(config, model) if undecided else None
     problems = gather_small(problem, device=_expert_device(model)) if dist.is_initialized() else [problem]
+    if not undecided:
+        return config
     found = next((p for p in problems if p is not None), None)
     if found is not None and _global_rank() == 0:
         print(f'deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and stays 0: {found}; set it '
@@ -269,49 +277,57 @@ def resolve_replica_slots(config: FEPLBConfig, model) -> FEPLBConfig:
 
 def _replica_slot_problem(config: FEPLBConfig, model) -> Optional[str]:
     """Why this rank's FEPLB layers over EP groups that span NVLink domains cannot take one replica
-    slot each (None: they can, or there is none): an expert kind that has no replicas, a layer too
-    small to fill one slot, experts in host memory (CPU ranks, whose collectives run over gloo:
-    2 CPU ranks as 2 nodes took 1.135x as long per step with a slot that held nothing, the step's
-    loads all-reduce and review alone, `benchmarks/bench_replicas_runtime.py`), or slots larger
-    than `AUTO_REPLICA_FREE_SHARE` of the device memory free now."""
+    slot each (None: they can, or there is none): an expert kind that has no replicas, experts in
+    host memory (CPU ranks, whose collectives run over gloo: 2 CPU ranks as 2 nodes took 1.135x as
+    long per step with a slot that held nothing, the step's loads all-reduce and review alone,
+    `benchmarks/bench_replicas_runtime.py`), or slots larger than `AUTO_REPLICA_FREE_SHARE` of the
+    device memory free now less what FEPLB's other buffers take (`memory.group_memory` of every
+    layer, without a DeepEP buffer, and a ``resident_budget_mb`` set)."""
     from deepspeed_feplb.domain import domain_size
     from deepspeed_feplb.integration.autoep import DEEPEP_BACKEND, autoep_layers
     from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
-    from deepspeed_feplb.memory import MiB, device_free_bytes
+    from deepspeed_feplb.memory import ExpertSizes, MiB, device_free_bytes, group_memory
+    from deepspeed_feplb.migrate import transport_kind
     from deepspeed_feplb.migrate.resident import copy_bytes
-    from deepspeed_feplb.plan.replicas import most_replica_slots
 
-    layers = []  # (name, EP size, experts, one expert's parameters)
+    layers = []  # (name, EP size, one expert's parameters, hidden size, why it cannot hold a replica or None)
     for name, m in model.named_modules():
         if isinstance(m, FEPLBMOELayer):
             expert = m.experts.deepspeed_experts[0]
-            if any(True for _ in expert.buffers()):
-                return f"the experts of MoE layer {name} have buffers, which a replica slot does not hold"
-            layers.append((name, m.ep_size, m.num_local_experts * m.ep_size, list(expert.parameters())))
+            why = f"the experts of MoE layer {name} have buffers, which a replica slot does not hold" \
+                if any(True for _ in expert.buffers()) else None
+            layers.append((name, m.ep_size, list(expert.parameters()), m.gate.wg.in_features, why))
     for name, layer in autoep_layers(model).items():
-        if getattr(layer, "comm_backend", None) == DEEPEP_BACKEND:
-            return f"AutoEP layer {name} dispatches with DeepEP, and replica slots need AutoEP's all-to-all"
         folding = getattr(layer, "folding_group_handles", None)
-        if folding is not None and folding.spec.tp_size > 1:
-            return f"AutoEP layer {name} is folded with AutoTP, which replica slots do not cover"
-        layers.append((name, layer.ep_size, layer.num_experts,
-                       [w[0] for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]))
-    spanning = [(name, size, experts, params) for name, size, experts, params in layers
-                if size > domain_size(config, size)]
-    for name, size, experts, _ in spanning:
-        if most_replica_slots(experts, size, domain_size(config, size)) < 1:
-            return f"MoE layer {name} has too few experts ({experts} over {size} ranks) to fill a replica slot"
+        why = (f"AutoEP layer {name} dispatches with DeepEP, and replica slots need AutoEP's all-to-all"
+               if getattr(layer, "comm_backend", None) == DEEPEP_BACKEND else
+               f"AutoEP layer {name} is folded with AutoTP, which replica slots do not cover"
+               if folding is not None and folding.spec.tp_size > 1 else None)
+        params = [w[0] for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]
+        layers.append((name, layer.ep_size, params, params[0].shape[1], why))
+    spanning = [layer for layer in layers if layer[1] > domain_size(config, layer[1])]
     if not spanning:
         return None
-    free = device_free_bytes(spanning[0][3][0].device)
+    why = next((why for *_, why in spanning if why is not None), None)
+    if why is not None:
+        return why
+    free = device_free_bytes(spanning[0][2][0].device)
     if free is None:
         return "the experts are in host memory (CPU ranks), where the replicas' step-end collectives cost more than " \
                "they save"
-    need = sum(copy_bytes(params) for *_, params in spanning)
-    if need > AUTO_REPLICA_FREE_SHARE * free:
-        return (f"rank {_global_rank()} has {free / MiB:,.0f} MiB of device memory free and a replica slot in each "
-                f"of its {len(spanning)} cross-node MoE layers takes {need / MiB:,.0f} MiB, more than "
-                f"{AUTO_REPLICA_FREE_SHARE:.0%} of it")
+    others = 0
+    for size in {layer[1] for layer in layers}:  # each EP group's buffers, as `memory.check_at_initialize` counts them
+        members = [layer for layer in layers if layer[1] == size]
+        need = group_memory(config, size, domain_size(config, size),
+                            [ExpertSizes.of(params, hidden) for _, _, params, hidden, _ in members],
+                            transport_kind(config, members[0][2]) == "cuda_ce")
+        kept = 0 if config.resident_budget_mb == "auto" else min(config.resident_budget_mb * MiB, need.kept_most)
+        others += need.fixed + kept
+    need = sum(copy_bytes(params) for _, _, params, _, _ in spanning)
+    if need > AUTO_REPLICA_FREE_SHARE * (free - others):
+        return (f"rank {_global_rank()} has {free / MiB:,.0f} MiB of device memory free, FEPLB's other buffers take "
+                f"{others / MiB:,.0f} MiB, and a replica slot in each of its {len(spanning)} cross-node MoE layers "
+                f"takes {need / MiB:,.0f} MiB, more than {AUTO_REPLICA_FREE_SHARE:.0%} of what is left")
     return None
 
 
