@@ -34,9 +34,10 @@ def _config(feplb: bool, zero: int, gas: int, clip: float = 0.0, dynamic: int = 
 
 
 def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, checkpoint: str = "",
-                   dynamic: int = 1, redundant: int = 0, bf16: bool = False, moves: bool = True) -> dict:
-    """FEPLB with placement (``dynamic`` dynamic experts and ``redundant`` replica slots per rank;
-    ``moves`` false: ``feplb.placement.enabled`` false, replicas alone)
+                   dynamic: int = 1, redundant=0, bf16: bool = False, moves: bool = True, free_bytes=None) -> dict:
+    """FEPLB with placement (``dynamic`` dynamic experts and ``redundant`` replica slots per rank, or
+    "auto"; ``moves`` false: ``feplb.placement.enabled`` false, replicas alone; ``free_bytes``: the
+    device memory `memory.device_free_bytes` says is free, as on a GPU, None: host memory)
     and plain AutoEP trained side by side (in bf16 if ``bf16``); with ``checkpoint``, FEPLB's engine saves there after
     ``steps`` steps and a fresh plain AutoEP engine loads it: both then train 2 more steps. With
     replica slots the routers send nearly every token to one expert (top-1), which placement alone
@@ -47,9 +48,12 @@ def placement_case(zero: int, steps: int = 6, gas: int = 2, clip: float = 0.0, c
     import torch.distributed as dist
 
     import deepspeed_feplb
+    from deepspeed_feplb import memory
     from deepspeed_feplb.integration.autoep import FEPLBGroupedExperts, autoep_layers
     from deepspeed_feplb.integration.placement_engine import canonical_experts, canonical_grad_norms
 
+    if free_bytes is not None:  # this process only: `run_distributed` starts a fresh one per rank
+        memory.device_free_bytes = lambda device: free_bytes
     ep = dist.get_world_size()  # the EP group is every rank, nodes of 2
     model = tiny_model("mixtral", favoured=1, top_k=1) if redundant else tiny_model("mixtral")
     reference = copy.deepcopy(model)
@@ -175,19 +179,24 @@ def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
         assert abs(row["feplb"] - row["loaded"]) <= 1e-5 * abs(row["loaded"]), r["resumed"]
 
 
-@pytest.mark.parametrize("world,zero,steps,bf16,moves", [(4, 0, 5, False, True), (4, 1, 30, False, True),
-                                                         (8, 2, 5, False, True), (4, 1, 4, True, True),
-                                                         (4, 2, 5, False, False)],
-                         ids=["zero0", "zero1-30-steps", "zero2-4-nodes", "zero1-bf16", "zero2-homes-kept"])
-def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps, bf16, moves):
+@pytest.mark.parametrize("world,zero,steps,bf16,moves,slots", [
+    (4, 0, 5, False, True, 1), (4, 1, 30, False, True, 1), (8, 2, 5, False, True, 1), (4, 1, 4, True, True, 1),
+    (4, 2, 5, False, False, 1), (4, 2, 5, False, False, "auto")],
+                         ids=["zero0", "zero1-30-steps", "zero2-4-nodes", "zero1-bf16", "zero2-homes-kept",
+                              "zero2-homes-kept-auto"])
+def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps, bf16, moves, slots):
     """One replica slot per rank; the routers send nearly every token to expert 0 (top-1), so one
     node has most routes whatever the placement. After the first decision (at the first optimizer
     step) expert 0 has a replica on every other node (2 nodes of 2 ranks, or 4) and every
     micro-batch's routes are split evenly between the nodes; the replicas' gradients reach expert
     0 before each step, so training equals plain AutoEP; no replica joins the state dict. ``moves``
-    false: replicas alone, no expert leaves its slot."""
+    false: replicas alone, no expert leaves its slot. ``slots`` "auto" (the default), the ranks
+    reporting GPU memory with plenty free: the same slot, decided at initialize before AutoEP's
+    layers are installed."""
     gas = 2
-    results = run_distributed(placement_case, world, zero, steps, gas, 0.0, "", 1, 1, bf16, moves, timeout=900)
+    free = 2**40 if slots == "auto" else None
+    results = run_distributed(placement_case, world, zero, steps, gas, 0.0, "", 1, slots, bf16, moves, free,
+                              timeout=900)
     if not moves:  # ``feplb.placement.enabled`` false: every expert stays in its own slot
         assert results[0]["moved"] == 0 and all(order == sorted(order) for step in results[0]["orders"]
                                                 for order in step), results[0]["orders"]
