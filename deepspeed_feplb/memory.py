@@ -98,6 +98,11 @@ class GroupMemory:
         """What the rank must hold whatever the kept copies' budget."""
         return self.slots + self.in_flight + self.deepep + self.replicas
 
+    def kept_set(self, config: FEPLBConfig) -> float:
+        """Bytes of the kept copies' budget the config sets (``resident_budget_mb``), at most what
+        they can take; 0 for "auto", which takes what the rest leaves."""
+        return 0 if config.resident_budget_mb == "auto" else min(config.resident_budget_mb * MiB, self.kept_most)
+
 
 def group_memory(config: FEPLBConfig, ep_size: int, domain: int, layers: Sequence[ExpertSizes], ce_transport: bool,
                  deepep_bytes: int = 0, replica_slots_bytes: int = 0) -> GroupMemory:
@@ -123,7 +128,7 @@ def memory_problems(rank: int, free_bytes: int, need: GroupMemory, config: FEPLB
     """What keeps global rank ``rank`` (``free_bytes`` of device memory free) from holding ``need``:
     one line with each share and the keys that lower it, or none. A kept-copy budget the config
     sets counts (at most what the copies can take); "auto" takes what is left."""
-    kept = 0 if config.resident_budget_mb == "auto" else min(config.resident_budget_mb * MiB, need.kept_most)
+    kept = need.kept_set(config)
     total = need.fixed + kept
     if total <= free_bytes:
         return []

@@ -410,14 +410,13 @@ class MoE(ds_layer.MoE):
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
         config = self.deepspeed_moe.feplb_config
         if engine is not None and config.enabled:
-            from deepspeed_feplb.integration.placement_engine import cross_node_layer, resolve_auto
+            from deepspeed_feplb.integration.placement_engine import cross_node_layer, resolve_auto, with_replica_slots
             from deepspeed_feplb.integration.placement_engine import install as install_placement
             config = resolve_auto(config, getattr(engine, "module", None), engine.config, [self.ep_size])
             if config.placement.redundant_experts_per_rank == "auto":
                 # decided by deepspeed_feplb.initialize alone (`engine.resolve_replica_slots`), which
                 # measures the memory the built engine leaves and then hands its layers their config
-                config = config.model_copy(update={"placement": config.placement.model_copy(
-                    update={"redundant_experts_per_rank": 0})})
+                config = with_replica_slots(config, 0)
             self.deepspeed_moe.feplb_config = config
             if cross_node_layer(config, [self.ep_size]):
                 install_placement(engine)

@@ -134,8 +134,8 @@ def _reconfigure(model, config: FEPLBConfig) -> None:
     from it at their first forward."""
     from deepspeed_feplb.domain import domain_size
     from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
-    one_domain = config.model_copy(update={"placement": config.placement.model_copy(
-        update={"redundant_experts_per_rank": 0})})
+    from deepspeed_feplb.integration.placement_engine import with_replica_slots
+    one_domain = with_replica_slots(config, 0)
     for module in model.modules():
         if isinstance(module, FEPLBMOELayer):
             module.feplb_config = config if module.ep_size > domain_size(config, module.ep_size) else one_domain
@@ -262,21 +262,22 @@ def resolve_replica_slots(config: FEPLBConfig, model) -> FEPLBConfig:
     import torch.distributed as dist
 
     from deepspeed_feplb.collectives import gather_small
+    from deepspeed_feplb.integration.placement_engine import with_replica_slots
+    rank = dist.get_rank() if dist.is_initialized() else 0
     undecided = config.placement.redundant_experts_per_rank == "auto"
-    problem = _replica_slot_problem(config, model) if undecided else None
+    problem = _replica_slot_problem(config, model, rank) if undecided else None
     problems = gather_small(problem, device=_expert_device(model)) if dist.is_initialized() else [problem]
     if not undecided:
         return config
     found = next((p for p in problems if p is not None), None)
-    if found is not None and _global_rank() == 0:
+    if found is not None and rank == 0:
         print(f'deepspeed_feplb: feplb.placement.redundant_experts_per_rank is "auto" and stays 0: {found}; set it '
               "to a number of slots to have them anyway", flush=True)
-    placement = config.placement.model_copy(update={"redundant_experts_per_rank": int(found is None)})
-    return config.model_copy(update={"placement": placement})
+    return with_replica_slots(config, int(found is None))
 
 
-def _replica_slot_problem(config: FEPLBConfig, model) -> Optional[str]:
-    """Why this rank's FEPLB layers over EP groups that span NVLink domains cannot take one replica
+def _replica_slot_problem(config: FEPLBConfig, model, rank: int) -> Optional[str]:
+    """Why this rank's (global ``rank``) FEPLB layers over EP groups that span NVLink domains cannot take one replica
     slot each (None: they can, or there is none): an expert kind that has no replicas, experts in
     host memory (CPU ranks, whose collectives run over gloo: 2 CPU ranks as 2 nodes took 1.135x as
     long per step with a slot that held nothing, the step's loads all-reduce and review alone,
@@ -321,11 +322,10 @@ def _replica_slot_problem(config: FEPLBConfig, model) -> Optional[str]:
         need = group_memory(config, size, domain_size(config, size),
                             [ExpertSizes.of(params, hidden) for _, _, params, hidden, _ in members],
                             transport_kind(config, members[0][2]) == "cuda_ce")
-        kept = 0 if config.resident_budget_mb == "auto" else min(config.resident_budget_mb * MiB, need.kept_most)
-        others += need.fixed + kept
+        others += need.fixed + need.kept_set(config)
     need = sum(copy_bytes(params) for _, _, params, _, _ in spanning)
     if need > AUTO_REPLICA_FREE_SHARE * (free - others):
-        return (f"rank {_global_rank()} has {free / MiB:,.0f} MiB of device memory free, FEPLB's other buffers take "
+        return (f"rank {rank} has {free / MiB:,.0f} MiB of device memory free, FEPLB's other buffers take "
                 f"{others / MiB:,.0f} MiB, and a replica slot in each of its {len(spanning)} cross-node MoE layers "
                 f"takes {need / MiB:,.0f} MiB, more than {AUTO_REPLICA_FREE_SHARE:.0%} of what is left")
     return None
@@ -335,11 +335,6 @@ def _expert_device(model):
     """The device of ``model``'s first parameter (for `gather_small` on an NCCL group), or None."""
     first = next(iter(model.parameters()), None)
     return first.device if first is not None else None
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _as_dict(ds_config) -> dict:

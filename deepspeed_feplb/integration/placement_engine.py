@@ -99,6 +99,12 @@ def resolve_auto(config: FEPLBConfig, model, ds_config: dict, ep_sizes: list[int
     return config.model_copy(update={"placement": placement})
 
 
+def with_replica_slots(config: FEPLBConfig, slots: int) -> FEPLBConfig:
+    """``config`` with ``feplb.placement.redundant_experts_per_rank`` set to ``slots``."""
+    return config.model_copy(update={"placement": config.placement.model_copy(
+        update={"redundant_experts_per_rank": slots})})
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
