@@ -191,11 +191,82 @@ def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_ste
         replica_at = np.array([[3]])
 
     slots = ReplicaSlots(OneRank(), [torch.zeros(2, 2)], 1)
-    slots.backward([[torch.ones(2, 2, dtype=torch.bfloat16)]], step_ends=False)
+    slots.backward([[torch.ones(2, 2, dtype=torch.bfloat16)]], later=2)
     assert slots._sums[0][0].dtype == torch.float32  # summed in fp32, rounded once at the home
     with pytest.warns(RuntimeWarning, match="did not reach their experts"):
         slots.end_step()
     assert slots._sums == [None]
+
+
+def _two_halves_case(dtype_name: str, micro_batches: int) -> dict:
+    """2 ranks as 2 nodes of 1: rank 0 the home of expert 1, rank 1 holds its replica. The replica's
+    gradients of one step's ``micro_batches`` go home through `ReplicaSlots.backward`; a wrapped
+    `relay` records each exchange's dtypes on the wire."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from deepspeed_feplb.integration import replicas as module
+
+    class TwoNodes:
+        ep_group = dist.group.WORLD
+        ranks_per_node = 1
+        replica_at = np.array([[-1], [1]])
+
+        @staticmethod
+        def home_of(expert: int) -> tuple[int, int]:
+            return expert // 2, expert % 2
+
+        @staticmethod
+        def timing_replicas():
+            return contextlib.nullcontext()
+
+    dtype = getattr(torch, dtype_name)
+    wire = []
+    relay = module.relay
+
+    def recorded(transfers, *args, **kwargs):
+        wire.append([str(t.dtype) for _, _, tensors in transfers for t in tensors])
+        return relay(transfers, *args, **kwargs)
+
+    module.relay = recorded
+    try:
+        slots = module.ReplicaSlots(TwoNodes(), [torch.zeros(3, 5, dtype=dtype)], 1)
+        g = torch.Generator().manual_seed(3)
+        grads = [torch.randn(3, 5, generator=g).mul_(1000 ** (i % 3)).to(dtype) for i in range(micro_batches)]
+        arrived, sends = [], []
+        for i, grad in enumerate(grads):
+            arrived = slots.backward([[grad]], later=micro_batches - 1 - i)
+            sends.append(len(wire))
+    finally:
+        module.relay = relay
+    expected = grads[0].float()
+    for grad in grads[1:]:
+        expected = expected.add_(grad)  # the holder's fp32 sum, as one sent whole would be
+    return {"rank": dist.get_rank(), "wire": wire, "sends": sends, "early_sends": slots.early_sends,
+            "arrived": [(local, [t.tolist() for t in sums]) for local, sums in arrived],
+            "exact": not arrived or torch.equal(arrived[0][1][0], expected), "early": slots._early is None}
+
+
+@pytest.mark.parametrize("dtype_name,micro_batches", [("bfloat16", 4), ("float32", 3), ("bfloat16", 1)],
+                         ids=["bf16-4", "fp32-3", "bf16-1"])
+def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(dtype_name, micro_batches):
+    """bf16 gradients: the sum of every micro-batch but the last goes home in the backward of the
+    one before last (fp32), and the last micro-batch's gradient alone in its own dtype; the home's
+    result equals the holder's fp32 sum of all of them bit for bit. fp32 gradients (whose last
+    half would be as large as the whole) and a step of one micro-batch send the sum once."""
+    results = run_distributed(_two_halves_case, 2, dtype_name, micro_batches, timeout=120)
+    home, holder = results
+    if micro_batches > 1 and dtype_name != "float32":
+        assert home["wire"] == holder["wire"] == [["torch.float32"], [f"torch.{dtype_name}"]]
+        assert home["sends"] == [0] * (micro_batches - 2) + [1, 2] and holder["early_sends"] == 1
+    else:
+        assert home["wire"] == [["torch.float32"]] and holder["early_sends"] == 0
+        assert home["sends"] == [0] * (micro_batches - 1) + [1]
+    assert [local for local, _ in home["arrived"]] == [1] and holder["arrived"] == []
+    assert home["exact"], "the home's sum differs from the holder's"
+    assert home["early"] and holder["early"], "an early half stayed after the step's end"
 
 
 def _relay_case(chunk_bytes: int) -> dict:

@@ -199,7 +199,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in stacked)):
             self._weights = stacked, replicas.weights
             return x
-        x, *aliases = ExpertGradOrder.apply(_StackedReplicaLink(replicas, self.step_ends()), x, *stacked, *flat)
+        link = _StackedReplicaLink(replicas, self.later_micro_batches())
+        x, *aliases = ExpertGradOrder.apply(link, x, *stacked, *flat)
         n = len(stacked)
         self._weights = aliases[:n], [aliases[i:i + n] for i in range(n, len(aliases), n)]
         return x
@@ -252,12 +253,12 @@ class _StackedReplicaLink:
     """What `ExpertGradOrder` carries for an AutoEP layer with replica slots: its tensors are the
     rows, the stacked ``w1, w2, w3``, then each replica slot's three weights."""
 
-    def __init__(self, replicas: ReplicaSlots, step_ends: bool):
-        self.replicas, self.step_ends = replicas, step_ends
+    def __init__(self, replicas: ReplicaSlots, later: int):
+        self.replicas, self.later = replicas, later
 
     def backward(self, grads: tuple) -> list:
         rows, stacked, flat = grads[0], list(grads[1:4]), grads[4:]
-        arriving = self.replicas.backward([list(flat[i:i + 3]) for i in range(0, len(flat), 3)], self.step_ends)
+        arriving = self.replicas.backward([list(flat[i:i + 3]) for i in range(0, len(flat), 3)], self.later)
         if arriving:  # at a step's end, on the home of a replicated expert
             stacked = [g.clone() for g in stacked]
             for local, sums in arriving:

@@ -257,7 +257,7 @@ class FEPLBMOELayer(MOELayer):
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
             self._linked_params = params
             return rows
-        link = _ReplicaLink(replicas, self.step_ends(), self.num_local_experts, len(params[0]))
+        link = _ReplicaLink(replicas, self.later_micro_batches(), self.num_local_experts, len(params[0]))
         rows, *aliases = ExpertGradOrder.apply(link, rows, *flat)
         aliases = iter(aliases)
         self._linked_params = [[next(aliases) for _ in group] for group in params]
@@ -354,14 +354,14 @@ class _ReplicaLink:
     """What `ExpertGradOrder` carries with replica slots: its tensors are ``rows``, the primary
     experts' parameters (``primaries`` x ``n``), then the replica slots' weights."""
 
-    def __init__(self, replicas, step_ends: bool, primaries: int, n: int):
-        self.replicas, self.step_ends, self.primaries, self.n = replicas, step_ends, primaries, n
+    def __init__(self, replicas, later: int, primaries: int, n: int):
+        self.replicas, self.later, self.primaries, self.n = replicas, later, primaries, n
 
     def backward(self, grads: tuple) -> list:
         rows, flat = grads[0], list(grads[1:])
         groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
         homes = groups[:self.primaries]
-        for local, sums in self.replicas.backward(groups[self.primaries:], self.step_ends):
+        for local, sums in self.replicas.backward(groups[self.primaries:], self.later):
             homes[local] = with_sum(homes[local], sums)
         return [rows, *(g for group in homes for g in group), *([None] * (len(flat) - self.primaries * self.n))]
 

@@ -287,9 +287,8 @@ def _replica_slot_problem(config: FEPLBConfig, model, rank: int) -> Optional[str
     from deepspeed_feplb.domain import domain_size
     from deepspeed_feplb.integration.autoep import DEEPEP_BACKEND, autoep_layers
     from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
-    from deepspeed_feplb.memory import ExpertSizes, MiB, device_free_bytes, group_memory
+    from deepspeed_feplb.memory import ExpertSizes, MiB, device_free_bytes, group_memory, replica_bytes
     from deepspeed_feplb.migrate import transport_kind
-    from deepspeed_feplb.migrate.resident import copy_bytes
 
     layers = []  # (name, EP size, one expert's parameters, hidden size, why it cannot hold a replica or None)
     for name, m in model.named_modules():
@@ -323,7 +322,7 @@ def _replica_slot_problem(config: FEPLBConfig, model, rank: int) -> Optional[str
                             [ExpertSizes.of(params, hidden) for _, _, params, hidden, _ in members],
                             transport_kind(config, members[0][2]) == "cuda_ce")
         others += need.fixed + need.kept_set(config)
-    need = sum(copy_bytes(params) for _, _, params, _, _ in spanning)
+    need = sum(replica_bytes(params, 1, allocated=False) for _, _, params, _, _ in spanning)
     if need > AUTO_REPLICA_FREE_SHARE * (free - others):
         return (f"rank {rank} has {free / MiB:,.0f} MiB of device memory free, FEPLB's other buffers take "
                 f"{others / MiB:,.0f} MiB, and a replica slot in each of its {len(spanning)} cross-node MoE layers "

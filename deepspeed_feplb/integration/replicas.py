@@ -16,9 +16,16 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
 * **Gradients**: the layer computes a replica slot like any local expert, on parameters that are
   aliases of the replica's weights (`deepspeed_moe.ExpertGradOrder`). Its backward hands the
   replicas' gradients to `ReplicaSlots.backward`, which sums them over the step's micro-batches
-  and, in the backward of the step's last micro-batch, sends each sum to the expert's home, where
-  it joins the expert's own gradient before DeepSpeed reduces it (ZeRO 0/1/2 alike: to DeepSpeed
-  it is part of that micro-batch's gradient). Training equals DeepSpeed's MoE.
+  in fp32 and, where the gradients are narrower than fp32 (bf16, fp16) and the step has more than
+  one micro-batch, sends them to the expert's home in two halves: the sum of every micro-batch
+  but the last in the backward of the one before last (on a CUDA device queued on a stream of
+  its own, `relay_stream`, so it travels while the last micro-batch computes), and in the last
+  one's backward that micro-batch's gradient alone, in its own dtype (half the bytes of the fp32
+  sum). The home adds the two in fp32 as the holder would have (the same sum, bit for bit) and
+  the result joins the expert's own gradient before DeepSpeed reduces it (ZeRO 0/1/2 alike: to
+  DeepSpeed it is part of that micro-batch's gradient). Otherwise (fp32 gradients, whose last
+  half would be as large as the whole; a step of one micro-batch) the sum goes in the last
+  backward, in one. Training equals DeepSpeed's MoE.
 
 Both cross nodes, and both go through `relay`, which spreads each transfer over every
 inter-node link of the two nodes (a node has one per rank) and pipelines its three hops. Every
@@ -27,6 +34,8 @@ replica table (`ExpertPlacement.replica_at`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 from collections import defaultdict
 from typing import Callable, Optional
@@ -118,7 +127,9 @@ class ReplicaSlots:
         self._marks: Optional[tuple] = None  # `write_marks` of the homes' weights when last found current
         self._watched: list[torch.Tensor] = []  # this rank's expert parameters (`keep_current`)
         self.refreshes = 0  # times the weights were sent
-        self.grad_sends = 0  # replica gradients sent home
+        self.grad_sends = 0  # replica gradients sent home at a step's end (by this rank's slots)
+        self.early_sends = 0  # sums sent home a micro-batch before the step's end (by this rank's slots)
+        self._early: Optional[_EarlySums] = None  # the step's sums sent early, until its last backward
 
     @property
     def me(self) -> int:
@@ -128,6 +139,12 @@ class ReplicaSlots:
     @property
     def device(self) -> torch.device:
         return self.weights[0][0].device
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the replicas' gradients are narrower than fp32 (bf16, fp16): their step sum then
+        goes home in two halves, the last one in their own dtype (`backward`)."""
+        return all(w.element_size() < 4 for w in self.weights[0])
 
     @staticmethod
     def _shapes(tensors: list[torch.Tensor], dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
@@ -211,15 +228,20 @@ class ReplicaSlots:
             dist.all_reduce(hashes, group=self.placement.ep_group)  # each entry has one contributor
         return bool((hashes[:, 0] != hashes[:, 1]).any())
 
-    def backward(self, replica_grads: list[list[torch.Tensor]],
-                 step_ends: bool) -> list[tuple[int, list[torch.Tensor]]]:
-        """One micro-batch's backward: add the replica slots' weight-gradients ``replica_grads``
-        (``[S][n]``) to the step's sums; when the step ends, send each sum to its expert's home
-        (collective over the EP group). Returns, on an expert's home, ``(local index, fp32 sums
-        [n])`` per replicated expert (its replicas' sums added in holder-rank order, for
-        `with_sum`), else nothing."""
-        me = self.me
+    def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> list[tuple[int, list[torch.Tensor]]]:
+        """One micro-batch's backward (collective over the EP group where it sends): add the replica
+        slots' weight-gradients ``replica_grads`` (``[S][n]``) to the step's fp32 sums. ``later``:
+        the micro-batches of the step after this one. With one left, the sums go home now where the
+        gradients are narrower than fp32 (`_send_early`); with none, the rest does: this
+        micro-batch's gradients alone where the sums went early and nothing joined them since, else
+        the sums (`_send_last`). Returns, on an
+        expert's home at the step's end, ``(local index, fp32 sums [n])`` per replicated expert (its
+        replicas' sums added in holder-rank order, for `with_sum`), else nothing."""
         held = self._held()
+        if later == 0 and self._early is not None and self._early.clean:
+            with self.placement.timing_replicas():  # only this micro-batch's gradients travel
+                return self._send_last(held, replica_grads)
+        me = self.me
         for q, j, _ in held:
             if q == me:
                 grads = replica_grads[j]
@@ -227,31 +249,85 @@ class ReplicaSlots:
                 # model's gradients), and sent so
                 self._sums[j] = ([g.float() for g in grads] if self._sums[j] is None
                                  else [s.add_(g) for s, g in zip(self._sums[j], grads)])
-        if not step_ends:
+        if self._early is not None:
+            self._early.clean = False  # a micro-batch after the early send: its sum goes as a sum
+        if later == 1 and self._early is None and self.narrow:
+            with self.placement.timing_replicas():
+                self._send_early(held)
+            return []
+        if later > 0:
             return []
         with self.placement.timing_replicas():
-            return self._send_sums(held)
+            return self._send_last(held, None)
 
-    def _send_sums(self, held: list[tuple[int, int, int]]) -> list[tuple[int, list[torch.Tensor]]]:
-        """`backward` at the step's end: the sums go home (collective)."""
-        me = self.me
-        transfers, arriving = [], []
+    def _transfers(self, held, outgoing: Callable[[int], list[torch.Tensor]],
+                   dtypes: Callable[[int], list[torch.dtype]]) -> tuple[list, list]:
+        """`relay`'s transfers of one gradient exchange over ``held`` (holder, slot, expert): slot
+        ``j``'s ``outgoing(j)`` from this rank's slots, into fresh buffers of ``dtypes(j)`` on an
+        expert's home. Returns (transfers, [(holder, slot, expert, local index, buffers)] of those
+        arriving here)."""
+        me, transfers, arriving = self.me, [], []
         for q, j, e in held:
             home, local = self.placement.home_of(e)
             if q == me:
-                tensors = self._sums[j]
-                self.grad_sends += 1
+                tensors = outgoing(j)
             elif home == me:
-                tensors = [torch.empty(w.shape, dtype=torch.float32, device=self.device) for w in self.weights[0]]
-                arriving.append((local, tensors))
+                tensors = [torch.empty(w.shape, dtype=d, device=self.device)
+                           for w, d in zip(self.weights[j], dtypes(j))]
+                arriving.append((q, j, e, local, tensors))
             else:
-                tensors = self._shapes(self.weights[0], torch.float32)
+                tensors = [torch.empty(w.shape, dtype=d, device="meta") for w, d in zip(self.weights[j], dtypes(j))]
             transfers.append((q, home, tensors))
-        relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
+        return transfers, arriving
+
+    def _send_early(self, held: list[tuple[int, int, int]]) -> None:
+        """`backward` a micro-batch before the step's end: the sums so far go home (collective), on
+        `relay_stream` where the slots are on a CUDA device, so that they travel while the last
+        micro-batch computes; the home keeps them until the step's last backward (`_send_last`)."""
+        fp32 = [torch.float32] * len(self.weights[0])
+        stream = relay_stream(self.device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the sums are computed
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            transfers, arriving = self._transfers(held, lambda j: self._sums[j], lambda j: fp32)
+            relay(transfers, self.me, self.placement.ranks_per_node, self._peer, self.device)
+            done = torch.cuda.Event() if stream is not None else None
+            if done is not None:
+                done.record(stream)
+        self.early_sends += sum(q == self.me for q, _, _ in held)
+        self._early = _EarlySums({(q, j, e): (local, tensors) for q, j, e, local, tensors in arriving},
+                                 [s for s in self._sums if s is not None], done)
         self._sums = [None] * len(self.weights)
+
+    def _send_last(self, held: list[tuple[int, int, int]],
+                   replica_grads: Optional[list[list[torch.Tensor]]]) -> list[tuple[int, list[torch.Tensor]]]:
+        """`backward` at the step's end (collective): ``replica_grads`` (this micro-batch's, in their
+        own dtype, where the sums before went early), or the fp32 sums (None), go home, where each
+        holder's early sum, if any, is added in fp32, then each expert's holders in rank order."""
+        me = self.me
+        if replica_grads is not None:
+            transfers, arriving = self._transfers(held, lambda j: list(replica_grads[j]),
+                                                  lambda j: [w.dtype for w in self.weights[j]])
+        else:
+            fp32 = [torch.float32] * len(self.weights[0])
+            transfers, arriving = self._transfers(held, lambda j: self._sums[j], lambda j: fp32)
+        self.grad_sends += sum(q == me for q, _, _ in held)
+        relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
+        early, self._early = self._early, None
+        self._sums = [None] * len(self.weights)
+        parts = {}  # (holder, slot, expert) -> (local index, fp32 sums [n]): each holder's step sum
+        if early is not None:
+            early.wait(self.device)
+            parts = dict(early.arrived)
+        for q, j, e, local, tensors in arriving:
+            sums = [t.float() for t in tensors]
+            if (q, j, e) in parts:  # the holder's order: the early sum, then the last gradient
+                sums = [a.add_(b) for a, b in zip(parts[(q, j, e)][1], sums)]
+            parts[(q, j, e)] = (local, sums)
         summed: dict[int, list[torch.Tensor]] = {}  # an expert with several replicas: one sum, rounded once
-        for local, tensors in arriving:
-            summed[local] = [a.add_(b) for a, b in zip(summed[local], tensors)] if local in summed else tensors
+        for key in sorted(parts):
+            local, sums = parts[key]
+            summed[local] = [a.add_(b) for a, b in zip(summed[local], sums)] if local in summed else sums
         return list(summed.items())
 
     def end_step(self) -> None:
@@ -259,8 +335,47 @@ class ReplicaSlots:
         step's last micro-batch ran no backward through the layer, or ran one that did not end
         the step): it is dropped, with a warning, rather than added to the next step's."""
         lost = [j for j, sums in enumerate(self._sums) if sums is not None]
-        if lost:
-            warnings.warn(f"FEPLB: the gradients of replica slot(s) {lost} did not reach their experts before the "
-                          "optimizer step (its last micro-batch ran no backward through this MoE layer); they are "
-                          "dropped", RuntimeWarning, stacklevel=2)
-            self._sums = [None] * len(self.weights)
+        if lost or self._early is not None:
+            warnings.warn(f"FEPLB: the gradients of replica slot(s) {lost or 'sent early'} did not reach their experts "
+                          "before the optimizer step (its last micro-batch ran no backward through this MoE layer); "
+                          "they are dropped", RuntimeWarning, stacklevel=2)
+            if self._early is not None:
+                self._early.wait(self.device)  # its buffers may be freed once the relay is through
+            self._sums, self._early = [None] * len(self.weights), None
+
+
+class _EarlySums:
+    """The step's replica gradient sums sent a micro-batch before its end (`ReplicaSlots._send_early`),
+    until the last backward: ``arrived`` {(holder, slot, expert): (local index, fp32 sums [n])} on
+    the experts' home; ``sent``, the sent tensors, held until the relay is through; ``done``, the
+    CUDA event after the relay (None: it ran in the caller's order); ``clean``: no micro-batch's
+    gradient joined a sum since (the last backward then sends its gradients alone)."""
+
+    def __init__(self, arrived: dict, sent: list, done):
+        self.arrived, self.sent, self.done, self.clean = arrived, sent, done, True
+
+    def wait(self, device: torch.device) -> None:
+        """The caller's stream waits for the relay (the sums read after it, the sent tensors freed),
+        and the arrived sums, allocated on `relay_stream`, are marked as used on it."""
+        if self.done is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(self.done)
+        for _, sums in self.arrived.values():
+            for t in sums:
+                t.record_stream(stream)
+
+
+def relay_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """Where `ReplicaSlots` queues the step's early gradient relay on a CUDA device: one stream per
+    device and process, so that the compute stream goes on with the step's last micro-batch while
+    the relay's rounds wait for each other (a relay waits for each round's transfers on the stream
+    it runs on); None on host memory (the relay runs in the caller's order)."""
+    if device.type != "cuda":
+        return None
+    return _relay_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _relay_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)

@@ -10,7 +10,8 @@ overshoot it; every rank computes it alike from the ranks' all-gathered route co
 FEPLB then balances inside each node as before. A replica holds the expert's weights only: its gradient is
 summed into the expert's before the optimizer step, and the stepped weights come back to it. It
 costs a slot on its rank and that exchange with the expert's home at every optimizer step
-(`exchange_us`: a new replica's first weights come with the step's return half), each transfer
+(`exchange_us`: the gradient sums in two halves, the first hidden behind the step's last
+micro-batch; a new replica's first weights come with the step's return half), each transfer
 relayed over all the links of the two nodes (`relay_us`); `choose` adds one only where the
 predicted gain over the following micro-batches pays for it.
 
@@ -463,18 +464,27 @@ def replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
 
 
 def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float, grad_bytes: float,
-                net_gbps: float, intra_gbps: float = math.inf, weight_slots: np.ndarray | None = None) -> float:
-    """One optimizer step's replica exchange (µs), as the runtime makes it
-    (`integration.replicas.ReplicaSlots`): in the step's last backward every replica's gradient
-    sum (``grad_bytes``: fp32) goes to the expert's home (its primary slot, the first
-    ``primaries`` columns of ``slots``), and before the next forward the home sends the stepped
-    weights (``weight_bytes``) to the replicas of ``weight_slots`` (the table a decision at the
-    step left; default ``slots``), each relayed over every link of the two nodes (`relay_us`)."""
+                net_gbps: float, intra_gbps: float = math.inf, weight_slots: np.ndarray | None = None,
+                last_bytes: float | None = None, hidden_us: float = 0.0) -> float:
+    """One optimizer step's replica exchange that the step waits for (µs), as the runtime makes it
+    (`integration.replicas.ReplicaSlots`), each transfer relayed over every link of the two nodes
+    (`relay_us`):
+
+    * every replica's gradient sum (``grad_bytes``: fp32) goes to the expert's home (its primary
+      slot, the first ``primaries`` columns of ``slots``): with ``last_bytes`` (a step of several
+      micro-batches, gradients narrower than fp32) the sum of all but the last in the one-but-last
+      backward, which the last micro-batch hides up to ``hidden_us``, then the last one's gradient
+      alone (``last_bytes``: in the gradients' dtype) in its backward; without, the sum in it;
+    * before the next forward the home sends the stepped weights (``weight_bytes``) to the
+      replicas of ``weight_slots`` (the table a decision at the step left; default ``slots``)."""
     R = np.asarray(slots).shape[0]
     pairs = replica_pairs(slots, primaries)
     weight_pairs = pairs if weight_slots is None else replica_pairs(weight_slots, primaries)
-    return (relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
-            + relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps))
+    sums = relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
+    if last_bytes is not None:
+        sums = max(0.0, sums - hidden_us) + relay_us(pairs[:, ::-1], R, ranks_per_node, last_bytes, net_gbps,
+                                                     intra_gbps)
+    return sums + relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps)
 
 
 @dataclass(frozen=True)
@@ -547,10 +557,15 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         rows = predicted_rows_many(judge, tables, G, dynamic_experts)
         return [(float(r.mean()), float(np.maximum(r - caps, 0.0).mean())) for r in rows]
 
+    # a micro-batch's compute at the mean rows per rank: what the early half of the gradient
+    # exchange hides behind (the step's last micro-batch)
+    micro_batch_us = judge.sum(axis=1).mean() / R * us_per_row
+
     def cost(replicas: np.ndarray, slots: np.ndarray) -> float:
         """A replica table's price per micro-batch; ``slots``: its `slot_experts`."""
         return fixed_us * bool((replicas >= 0).any()) + exchange_per_micro_batch(
-            slots, E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps, intra_gbps)
+            slots, E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps, intra_gbps,
+            hidden_us=micro_batch_us)
 
     expected = fit.mean(axis=0)
     (base, over), = judged_rows(slot_experts(e2r, none)[None])
@@ -584,12 +599,15 @@ ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this 
 
 def exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
                               weight_bytes: float, grad_bytes: float | None, net_gbps: float,
-                              intra_gbps: float) -> float:
+                              intra_gbps: float, hidden_us: float = 0.0) -> float:
     """What the replicas of ``slots`` add to each micro-batch (µs): their step's `exchange_us`
-    (gradient sums of ``grad_bytes``, default ``weight_bytes``) spread over the step."""
+    (gradient sums of ``grad_bytes``, default ``weight_bytes``; with more than one micro-batch per
+    step and weights narrower than the sums, in two halves: the last micro-batch's gradient as many
+    bytes as the weights, the early half hidden up to ``hidden_us``) spread over the step."""
     grad = weight_bytes if grad_bytes is None else grad_bytes
-    return exchange_us(slots, primaries, ranks_per_node, weight_bytes, grad, net_gbps,
-                       intra_gbps) / micro_batches_per_step
+    last = weight_bytes if micro_batches_per_step > 1 and weight_bytes < grad else None
+    return exchange_us(slots, primaries, ranks_per_node, weight_bytes, grad, net_gbps, intra_gbps,
+                       last_bytes=last, hidden_us=hidden_us) / micro_batches_per_step
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:

@@ -79,8 +79,10 @@ class SimSetup:
                expert's rows between its holders (`replicas.route`); every optimizer step
                sends their gradient sums (fp32) home and the stepped weights to the replicas its
                decision left, relayed over every link of the two nodes (`replicas.exchange_us`),
-               **added to the expert time of
-               the micro-batch that ends the step** (``replica_exchange_us``). Without
+               **added to the expert time of the micro-batch that ends the step**
+               (``replica_exchange_us``), less what that micro-batch's own expert time hides of
+               the sums of the micro-batches before it, which go home during it (experts of 2-byte
+               weights, `ExpertShape.dtype_bytes`, as bf16 training has them). Without
                ``placement`` every expert keeps its home and decisions choose replicas only.
     replica_host_us: host time per micro-batch that holding any replica costs beyond its
                exchange (a runtime with ``feplb.fixed_costs: "measured"`` measures it): the choice
@@ -530,10 +532,15 @@ class _NodePolicy:
             elif ends:  # replicas chosen again: the hot set drifts between decisions
                 placer.review_replicas()
         if replicated and ends:
-            # the step's replicas send their gradient sums home; the stepped weights go to the
-            # replicas of the table the step's decision left (a new replica's first weights)
+            # the step's replicas send their gradient sums home (with several micro-batches per step
+            # and bf16/fp16 weights, all but the last one's while this one computes, then its own);
+            # the stepped weights go to the replicas of the table the step's decision left (a new
+            # replica's first weights)
+            narrow = s.shape.weight_bytes < s.shape.grad_bytes
+            last = s.shape.weight_bytes if s.micro_batches_per_step > 1 and narrow else None
             reduce_us = exchange_us(slots, s.experts_per_rank, G, s.shape.weight_bytes, s.shape.grad_bytes,
-                                    s.profile.net_gbps, s.profile.ce_gbps, weight_slots=self.slots(layer))
+                                    s.profile.net_gbps, s.profile.ce_gbps, weight_slots=self.slots(layer),
+                                    last_bytes=last, hidden_us=float(finish.sum()))
             timing["expert_us"] += reduce_us
             timing["replica_exchange_us"] = reduce_us
             self.replica_exchange_us += reduce_us
