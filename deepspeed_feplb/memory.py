@@ -79,8 +79,8 @@ def replica_bytes(expert_params: Sequence[torch.Tensor], slots: int, allocated: 
     each slot holds what a kept copy does (`migrate.resident.copy_bytes`: the weights and an fp32
     gradient sum), less its weights where ``allocated`` already, and, for weights narrower than
     fp32, one fp32 gradient sum more: the early half of a replica's sum, which its expert's home
-    holds from the step's one-but-last backward to its last (`integration.replicas.ReplicaSlots`;
-    a rank is home to as many replicas as it holds, on average)."""
+    holds from the step's one-but-last backward to its last (`integration.replicas.ReplicaSlots`
+    sends early, for each home, only as many replicas' sums as it has slots)."""
     from deepspeed_feplb.migrate.resident import copy_bytes
     weights = sum(p.numel() * p.element_size() for p in expert_params) if allocated else 0
     narrow = all(p.element_size() < 4 for p in expert_params)

@@ -198,21 +198,27 @@ def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_ste
     assert slots._sums == [None]
 
 
-def _two_halves_case(dtype_name: str, micro_batches: int) -> dict:
-    """2 ranks as 2 nodes of 1: rank 0 the home of expert 1, rank 1 holds its replica. The replica's
-    gradients of one step's ``micro_batches`` go home through `ReplicaSlots.backward`; a wrapped
-    `relay` records each exchange's dtypes on the wire."""
+def _two_halves_case(dtype_name: str, laters: list, end_step: bool = False, slots_per_rank: int = 1) -> dict:
+    """Ranks as nodes of 1 with ``slots_per_rank`` replica slots each: rank 0 the home of expert 1,
+    every other rank holds a replica of it in its first slot. One
+    step's replica gradients (micro-batch i with ``laters[i]`` micro-batches after it) go home
+    through `ReplicaSlots.backward` (then `end_step` if ``end_step``); a wrapped `relay` records
+    each exchange's dtypes on the wire. Every rank rebuilds every holder's gradients, so the home
+    knows what each holder's sequential fp32 sum is."""
     import contextlib
+    import warnings
 
     import torch
     import torch.distributed as dist
 
     from deepspeed_feplb.integration import replicas as module
 
-    class TwoNodes:
+    world = dist.get_world_size()
+
+    class OneRankNodes:
         ep_group = dist.group.WORLD
         ranks_per_node = 1
-        replica_at = np.array([[-1], [1]])
+        replica_at = np.array([[-1] * slots_per_rank] + [[1] + [-1] * (slots_per_rank - 1)] * (world - 1))
 
         @staticmethod
         def home_of(expert: int) -> tuple[int, int]:
@@ -223,50 +229,79 @@ def _two_halves_case(dtype_name: str, micro_batches: int) -> dict:
             return contextlib.nullcontext()
 
     dtype = getattr(torch, dtype_name)
+
+    def gradient(holder: int, i: int) -> torch.Tensor:  # scaled 1, 1e3, 1e6: the order of the adds shows
+        g = torch.Generator().manual_seed(100 * holder + i)
+        return torch.randn(3, 5, generator=g).mul_(1000 ** (i % 3)).to(dtype)
+
     wire = []
     relay = module.relay
 
     def recorded(transfers, *args, **kwargs):
-        wire.append([str(t.dtype) for _, _, tensors in transfers for t in tensors])
+        wire.append(sorted({str(t.dtype) for _, _, tensors in transfers for t in tensors}))
         return relay(transfers, *args, **kwargs)
 
+    me = dist.get_rank()
     module.relay = recorded
     try:
-        slots = module.ReplicaSlots(TwoNodes(), [torch.zeros(3, 5, dtype=dtype)], 1)
-        g = torch.Generator().manual_seed(3)
-        grads = [torch.randn(3, 5, generator=g).mul_(1000 ** (i % 3)).to(dtype) for i in range(micro_batches)]
+        slots = module.ReplicaSlots(OneRankNodes(), [torch.zeros(3, 5, dtype=dtype)], slots_per_rank)
         arrived, sends = [], []
-        for i, grad in enumerate(grads):
-            arrived = slots.backward([[grad]], later=micro_batches - 1 - i)
+        for i, later in enumerate(laters):
+            arrived = slots.backward([[gradient(me, i)]] + [[torch.zeros(3, 5, dtype=dtype)]] * (slots_per_rank - 1),
+                                     later=later)
             sends.append(len(wire))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            if end_step:
+                slots.end_step()
     finally:
         module.relay = relay
-    expected = grads[0].float()
-    for grad in grads[1:]:
-        expected = expected.add_(grad)  # the holder's fp32 sum, as one sent whole would be
-    return {"rank": dist.get_rank(), "wire": wire, "sends": sends, "early_sends": slots.early_sends,
-            "arrived": [(local, [t.tolist() for t in sums]) for local, sums in arrived],
-            "exact": not arrived or torch.equal(arrived[0][1][0], expected), "early": slots._early is None}
+    expected = None  # the holders' sequential fp32 sums, added in holder order
+    for holder in range(1, world):
+        one = gradient(holder, 0).float()
+        for i in range(1, len(laters)):
+            one = one.add_(gradient(holder, i))
+        expected = one if expected is None else expected.add_(one)
+    return {"rank": me, "wire": wire, "sends": sends, "early_sends": slots.early_sends,
+            "arrived": [local for local, _ in arrived], "said": [str(w.message) for w in said],
+            "exact": not arrived or torch.equal(arrived[0][1][0], expected), "settled": slots._early is None}
 
 
-@pytest.mark.parametrize("dtype_name,micro_batches", [("bfloat16", 4), ("float32", 3), ("bfloat16", 1)],
-                         ids=["bf16-4", "fp32-3", "bf16-1"])
-def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(dtype_name, micro_batches):
-    """bf16 gradients: the sum of every micro-batch but the last goes home in the backward of the
-    one before last (fp32), and the last micro-batch's gradient alone in its own dtype; the home's
-    result equals the holder's fp32 sum of all of them bit for bit. fp32 gradients (whose last
-    half would be as large as the whole) and a step of one micro-batch send the sum once."""
-    results = run_distributed(_two_halves_case, 2, dtype_name, micro_batches, timeout=120)
-    home, holder = results
-    if micro_batches > 1 and dtype_name != "float32":
-        assert home["wire"] == holder["wire"] == [["torch.float32"], [f"torch.{dtype_name}"]]
-        assert home["sends"] == [0] * (micro_batches - 2) + [1, 2] and holder["early_sends"] == 1
-    else:
-        assert home["wire"] == [["torch.float32"]] and holder["early_sends"] == 0
-        assert home["sends"] == [0] * (micro_batches - 1) + [1]
-    assert [local for local, _ in home["arrived"]] == [1] and holder["arrived"] == []
-    assert home["exact"], "the home's sum differs from the holder's"
-    assert home["early"] and holder["early"], "an early half stayed after the step's end"
+F32, BF16, F16 = ["torch.float32"], ["torch.bfloat16"], ["torch.float16"]
+
+
+@pytest.mark.parametrize("dtype_name,laters,world,slots,wire,early_sends", [
+    ("bfloat16", [3, 2, 1, 0], 2, 1, [F32, BF16], [0, 1]),
+    ("float16", [1, 0], 3, 2, [F32, F16], [0, 1, 1]),
+    ("float16", [1, 0], 3, 1, [F32, F16 + F32], [0, 1, 0]),  # rank 0 is home to 2 replicas, with 1 slot
+    ("float32", [2, 1, 0], 2, 1, [F32], [0, 0]),
+    ("bfloat16", [0], 2, 1, [F32], [0, 0]),
+    ("bfloat16", [2, 1, 1, 0], 2, 1, [F32, F32, BF16], [0, 2])],
+    ids=["bf16-4", "fp16-2-two-holders", "home-over-its-slots", "fp32-3", "bf16-1", "bf16-unannounced"])
+def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(dtype_name, laters, world, slots,
+                                                                                wire, early_sends):
+    """bf16/fp16 gradients: the sum of every micro-batch but the last goes home in the backward of
+    the one before last (fp32), and the last micro-batch's gradient alone in its own dtype; the
+    home's result equals the holders' sequential fp32 sums, added in holder order, bit for bit.
+    fp32 gradients (whose last half would be as large as the whole) and a step of one micro-batch
+    send the sum once; a home takes early sums from as many holders as it has replica slots (what
+    `memory.replica_bytes` counts), the others' whole at the end. A micro-batch after the early
+    send (``later`` 1 twice: a schedule the engine did not announce) takes it back and sends again."""
+    results = run_distributed(_two_halves_case, world, dtype_name, laters, False, slots, timeout=120)
+    home = results[0]
+    assert all(r["wire"] == home["wire"] and r["sends"] == home["sends"] for r in results), "ranks disagree"
+    assert home["wire"] == wire and [r["early_sends"] for r in results] == early_sends
+    assert home["sends"][-1] == len(wire) and home["sends"][0] == (1 if laters[0] == 1 and dtype_name != "float32"
+                                                                     else len(wire) if len(laters) == 1 else 0)
+    assert home["arrived"] == [1] and all(r["arrived"] == [] for r in results[1:])
+    assert home["exact"], "the home's sum differs from the holders' sequential sums"
+    assert all(r["settled"] for r in results), "an early half stayed after the step's end"
+
+
+def test_an_early_half_whose_last_backward_never_ran_is_dropped_with_a_warning():
+    results = run_distributed(_two_halves_case, 2, "bfloat16", [2, 1], True, timeout=120)
+    assert all(r["settled"] for r in results) and results[1]["early_sends"] == 1
+    assert all(any("did not reach their experts" in s for s in r["said"]) for r in results), results
 
 
 def _relay_case(chunk_bytes: int) -> dict:

@@ -105,19 +105,30 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     assert relay(np.array([[0, 2], [0, 3]]), nbytes=1e6, chunk_bytes=1e6) == pytest.approx(500 + 1000 + 250)
     assert rp.exchange_us(_slots([[-1]] * R), PRIMARIES, G, 1e6, 2e6, 1.0, 2.0) == 0.0
     # a step of several micro-batches: the sums of all but the last go home while the last one
-    # computes (hidden up to ``hidden_us``), then its gradients alone, in their dtype (1e6 bytes)
-    sums, last = relay(np.array([[2, 0], [3, 0]]), nbytes=2e6), relay(np.array([[2, 0], [3, 0]]), nbytes=1e6)
+    # computes (hidden up to ``hidden_us``), then its gradients alone, in their dtype (1e6 bytes);
+    # a home takes as many early sums as it has replica slots (1): rank 0's second replica (on rank
+    # 3) sends its whole sum at the end
+    first, second = np.array([[2, 0]]), np.array([[3, 0]])
+    sums, last, whole = relay(first, nbytes=2e6), relay(first, nbytes=1e6), relay(second, nbytes=2e6)
     back = relay(np.array([[0, 2], [0, 3]]), nbytes=1e6)
     two_halves = functools.partial(rp.exchange_us, slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6)
-    assert two_halves(hidden_us=0.0) == pytest.approx(sums + last + back)
-    assert two_halves(hidden_us=sums / 4) == pytest.approx(0.75 * sums + last + back)
-    assert two_halves(hidden_us=1e12) == pytest.approx(last + back)
-    per_micro_batch = functools.partial(rp.exchange_per_micro_batch, slots, PRIMARIES, G, weight_bytes=1e6,
+    assert two_halves(hidden_us=0.0) == pytest.approx(sums + last + whole + back)
+    assert two_halves(hidden_us=sums / 4) == pytest.approx(0.75 * sums + last + whole + back)
+    assert two_halves(hidden_us=1e12) == pytest.approx(last + whole + back)
+    apart = _slots([[-1], [-1], [0], [PRIMARIES]])  # replicas of rank 0's and rank 1's experts: both go early
+    pairs = rp.replica_pairs(apart, PRIMARIES)
+    assert sorted(pairs[:, 0].tolist()) == [0, 1]
+    apart_back = relay(pairs, nbytes=1e6)
+    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=1e12) == pytest.approx(
+        relay(pairs[:, ::-1], nbytes=1e6) + apart_back)
+    per_micro_batch = functools.partial(rp.exchange_per_micro_batch, apart, PRIMARIES, G, weight_bytes=1e6,
                                         grad_bytes=2e6, net_gbps=1.0, intra_gbps=2.0, hidden_us=1e12)
-    assert per_micro_batch(micro_batches_per_step=4) == pytest.approx((last + back) / 4)
-    assert per_micro_batch(micro_batches_per_step=1) == pytest.approx(sums + back)  # one half: the whole sum
+    assert per_micro_batch(micro_batches_per_step=4) == pytest.approx(
+        (relay(pairs[:, ::-1], nbytes=1e6) + apart_back) / 4)
+    whole_sums = relay(pairs[:, ::-1], nbytes=2e6)
+    assert per_micro_batch(micro_batches_per_step=1) == pytest.approx((whole_sums + apart_back) / 1)  # one half
     assert per_micro_batch(micro_batches_per_step=4, weight_bytes=2e6) == pytest.approx(  # fp32 weights: one half
-        (sums + relay(np.array([[0, 2], [0, 3]]), nbytes=2e6)) / 4)
+        (whole_sums + relay(pairs, nbytes=2e6)) / 4)
 
 
 def _skewed_samples(hot: float) -> np.ndarray:

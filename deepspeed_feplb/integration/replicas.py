@@ -17,8 +17,10 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
   aliases of the replica's weights (`deepspeed_moe.ExpertGradOrder`). Its backward hands the
   replicas' gradients to `ReplicaSlots.backward`, which sums them over the step's micro-batches
   in fp32 and, where the gradients are narrower than fp32 (bf16, fp16) and the step has more than
-  one micro-batch, sends them to the expert's home in two halves: the sum of every micro-batch
-  but the last in the backward of the one before last (on a CUDA device queued on a stream of
+  one micro-batch, sends them to the expert's home in two halves (for each home, as many
+  replicas' as it has replica slots, the first in holder order: memory counts that many; the
+  others' go whole at the end): the sum of every micro-batch but the last in the backward of the
+  one before last (on a CUDA device queued on a stream of
   its own, `relay_stream`, so it travels while the last micro-batch computes), and in the last
   one's backward that micro-batch's gradient alone, in its own dtype (half the bytes of the fp32
   sum). The home adds the two in fp32 as the holder would have (the same sum, bit for bit) and
@@ -231,99 +233,122 @@ class ReplicaSlots:
     def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> list[tuple[int, list[torch.Tensor]]]:
         """One micro-batch's backward (collective over the EP group where it sends): add the replica
         slots' weight-gradients ``replica_grads`` (``[S][n]``) to the step's fp32 sums. ``later``:
-        the micro-batches of the step after this one. With one left, the sums go home now where the
-        gradients are narrower than fp32 (`_send_early`); with none, the rest does: this
-        micro-batch's gradients alone where the sums went early and nothing joined them since, else
-        the sums (`_send_last`). Returns, on an
-        expert's home at the step's end, ``(local index, fp32 sums [n])`` per replicated expert (its
-        replicas' sums added in holder-rank order, for `with_sum`), else nothing."""
+        the micro-batches of the step after this one. With one left and gradients narrower than
+        fp32, the sums go home now (`_send_early`; for each home at most as many as it has replica
+        slots, the first in holder order: what `memory.replica_bytes` counts); with none, the rest
+        goes (`_send_last`): this micro-batch's gradients alone where the sums went early, else the
+        sums. A micro-batch with more to come after an early send (a schedule the engine did not
+        announce) takes it back: the holders go on adding to the sums they sent, the homes drop
+        theirs. Returns, on an expert's home at the step's end, ``(local index, fp32 sums [n])``
+        per replicated expert (its replicas' sums added in holder-rank order, for `with_sum`),
+        else nothing."""
         held = self._held()
-        if later == 0 and self._early is not None and self._early.clean:
-            with self.placement.timing_replicas():  # only this micro-batch's gradients travel
-                return self._send_last(held, replica_grads)
+        if self._early is not None and later > 0:  # taken back: each sum goes on in the holder's order
+            early, self._early = self._early, None
+            early.wait(self.device)
+            for j, sums in early.sent.items():
+                self._sums[j] = sums
+        sent_early = self._early.pairs if self._early is not None else set()
         me = self.me
-        for q, j, _ in held:
-            if q == me:
+        for q, j, e in held:
+            if q == me and (q, j, e) not in sent_early:
                 grads = replica_grads[j]
                 # in fp32, so that a step's sum is rounded once (as DeepSpeed accumulates a bf16
                 # model's gradients), and sent so
                 self._sums[j] = ([g.float() for g in grads] if self._sums[j] is None
                                  else [s.add_(g) for s, g in zip(self._sums[j], grads)])
-        if self._early is not None:
-            self._early.clean = False  # a micro-batch after the early send: its sum goes as a sum
-        if later == 1 and self._early is None and self.narrow:
-            with self.placement.timing_replicas():
-                self._send_early(held)
-            return []
+        if later == 1 and self.narrow:
+            pairs = self._early_pairs(held)
+            if pairs:
+                with self.placement.timing_replicas():
+                    self._send_early(held, pairs)
+                return []
         if later > 0:
             return []
         with self.placement.timing_replicas():
-            return self._send_last(held, None)
+            return self._send_last(held, replica_grads)
 
-    def _transfers(self, held, outgoing: Callable[[int], list[torch.Tensor]],
-                   dtypes: Callable[[int], list[torch.dtype]]) -> tuple[list, list]:
-        """`relay`'s transfers of one gradient exchange over ``held`` (holder, slot, expert): slot
-        ``j``'s ``outgoing(j)`` from this rank's slots, into fresh buffers of ``dtypes(j)`` on an
-        expert's home. Returns (transfers, [(holder, slot, expert, local index, buffers)] of those
-        arriving here)."""
+    def _transfers(self, held, outgoing: Callable[[tuple], list[torch.Tensor]],
+                   dtypes: Callable[[tuple], list[torch.dtype]]) -> tuple[list, list]:
+        """`relay`'s transfers of one gradient exchange over ``held`` (holder, slot, expert): each
+        pair's ``outgoing(pair)`` from this rank's slots, into fresh buffers of ``dtypes(pair)`` on
+        an expert's home. Returns (transfers, [(holder, slot, expert, local index, buffers)] of
+        those arriving here)."""
         me, transfers, arriving = self.me, [], []
         for q, j, e in held:
             home, local = self.placement.home_of(e)
             if q == me:
-                tensors = outgoing(j)
+                tensors = outgoing((q, j, e))
             elif home == me:
                 tensors = [torch.empty(w.shape, dtype=d, device=self.device)
-                           for w, d in zip(self.weights[j], dtypes(j))]
+                           for w, d in zip(self.weights[j], dtypes((q, j, e)))]
                 arriving.append((q, j, e, local, tensors))
             else:
-                tensors = [torch.empty(w.shape, dtype=d, device="meta") for w, d in zip(self.weights[j], dtypes(j))]
+                tensors = [torch.empty(w.shape, dtype=d, device="meta") for w, d in zip(self.weights[j],
+                                                                                        dtypes((q, j, e)))]
             transfers.append((q, home, tensors))
         return transfers, arriving
 
-    def _send_early(self, held: list[tuple[int, int, int]]) -> None:
-        """`backward` a micro-batch before the step's end: the sums so far go home (collective), on
-        `relay_stream` where the slots are on a CUDA device, so that they travel while the last
-        micro-batch computes; the home keeps them until the step's last backward (`_send_last`)."""
+    def _early_pairs(self, held: list[tuple[int, int, int]]) -> set:
+        """The held (holder, slot, expert) whose sums go early: for each home, its first replicas in
+        holder order, as many as it has replica slots (the early sums it holds through the last
+        micro-batch stay within what `memory.replica_bytes` counts). The same on every rank."""
+        taken: dict[int, int] = defaultdict(int)
+        pairs = set()
+        for q, j, e in held:
+            home = self.placement.home_of(e)[0]
+            if taken[home] < len(self.weights):
+                taken[home] += 1
+                pairs.add((q, j, e))
+        return pairs
+
+    def _send_early(self, held: list[tuple[int, int, int]], pairs: set) -> None:
+        """`backward` a micro-batch before the step's end: the sums so far of ``pairs`` go home
+        (collective), on `relay_stream` where the slots are on a CUDA device, so that they travel
+        while the last micro-batch computes; the home keeps them until the step's last backward
+        (`_send_last`)."""
         fp32 = [torch.float32] * len(self.weights[0])
+        early = [pair for pair in held if pair in pairs]
         stream = relay_stream(self.device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the sums are computed
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            transfers, arriving = self._transfers(held, lambda j: self._sums[j], lambda j: fp32)
+            transfers, arriving = self._transfers(early, lambda pair: self._sums[pair[1]], lambda pair: fp32)
             relay(transfers, self.me, self.placement.ranks_per_node, self._peer, self.device)
             done = torch.cuda.Event() if stream is not None else None
             if done is not None:
                 done.record(stream)
-        self.early_sends += sum(q == self.me for q, _, _ in held)
-        self._early = _EarlySums({(q, j, e): (local, tensors) for q, j, e, local, tensors in arriving},
-                                 [s for s in self._sums if s is not None], done)
-        self._sums = [None] * len(self.weights)
+        sent = {j: self._sums[j] for q, j, _ in early if q == self.me}
+        self.early_sends += len(sent)
+        self._early = _EarlySums({(q, j, e): (local, tensors) for q, j, e, local, tensors in arriving}, sent,
+                                 set(early), done)
+        for j in sent:
+            self._sums[j] = None
 
     def _send_last(self, held: list[tuple[int, int, int]],
-                   replica_grads: Optional[list[list[torch.Tensor]]]) -> list[tuple[int, list[torch.Tensor]]]:
-        """`backward` at the step's end (collective): ``replica_grads`` (this micro-batch's, in their
-        own dtype, where the sums before went early), or the fp32 sums (None), go home, where each
-        holder's early sum, if any, is added in fp32, then each expert's holders in rank order."""
+                   replica_grads: list[list[torch.Tensor]]) -> list[tuple[int, list[torch.Tensor]]]:
+        """`backward` at the step's end (collective): each held replica's fp32 sum goes home, or,
+        where the sum before went early, this micro-batch's ``replica_grads`` alone, in their own
+        dtype; the home adds a holder's two in fp32, then each expert's holders in rank order."""
         me = self.me
-        if replica_grads is not None:
-            transfers, arriving = self._transfers(held, lambda j: list(replica_grads[j]),
-                                                  lambda j: [w.dtype for w in self.weights[j]])
-        else:
-            fp32 = [torch.float32] * len(self.weights[0])
-            transfers, arriving = self._transfers(held, lambda j: self._sums[j], lambda j: fp32)
+        early, self._early = self._early, None
+        sent_early = early.pairs if early is not None else set()
+        fp32 = [torch.float32] * len(self.weights[0])
+        transfers, arriving = self._transfers(
+            held, lambda pair: list(replica_grads[pair[1]]) if pair in sent_early else self._sums[pair[1]],
+            lambda pair: [w.dtype for w in self.weights[pair[1]]] if pair in sent_early else fp32)
         self.grad_sends += sum(q == me for q, _, _ in held)
         relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
-        early, self._early = self._early, None
         self._sums = [None] * len(self.weights)
         parts = {}  # (holder, slot, expert) -> (local index, fp32 sums [n]): each holder's step sum
         if early is not None:
             early.wait(self.device)
             parts = dict(early.arrived)
         for q, j, e, local, tensors in arriving:
-            sums = [t.float() for t in tensors]
-            if (q, j, e) in parts:  # the holder's order: the early sum, then the last gradient
-                sums = [a.add_(b) for a, b in zip(parts[(q, j, e)][1], sums)]
-            parts[(q, j, e)] = (local, sums)
+            if (q, j, e) in parts:  # the holder's order: the early sum, then the last gradient (added in fp32)
+                parts[(q, j, e)] = (local, [a.add_(b) for a, b in zip(parts[(q, j, e)][1], tensors)])
+            else:
+                parts[(q, j, e)] = (local, [t.float() for t in tensors])
         summed: dict[int, list[torch.Tensor]] = {}  # an expert with several replicas: one sum, rounded once
         for key in sorted(parts):
             local, sums = parts[key]
@@ -347,12 +372,13 @@ class ReplicaSlots:
 class _EarlySums:
     """The step's replica gradient sums sent a micro-batch before its end (`ReplicaSlots._send_early`),
     until the last backward: ``arrived`` {(holder, slot, expert): (local index, fp32 sums [n])} on
-    the experts' home; ``sent``, the sent tensors, held until the relay is through; ``done``, the
-    CUDA event after the relay (None: it ran in the caller's order); ``clean``: no micro-batch's
-    gradient joined a sum since (the last backward then sends its gradients alone)."""
+    the experts' home; ``sent`` {slot: fp32 sums [n]}, this rank's sent sums, held until the relay
+    is through (and taken back by a micro-batch after the early send); ``pairs``, the (holder,
+    slot, expert) sent, the same on every rank; ``done``, the CUDA event after the relay (None: it
+    ran in the caller's order)."""
 
-    def __init__(self, arrived: dict, sent: list, done):
-        self.arrived, self.sent, self.done, self.clean = arrived, sent, done, True
+    def __init__(self, arrived: dict, sent: dict, pairs: set, done):
+        self.arrived, self.sent, self.pairs, self.done = arrived, sent, pairs, done
 
     def wait(self, device: torch.device) -> None:
         """The caller's stream waits for the relay (the sums read after it, the sent tensors freed),

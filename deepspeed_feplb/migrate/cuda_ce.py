@@ -37,7 +37,8 @@ wait for the device; the receiving stream orders itself on a flag word.
 * **Streams within the hardware queues.** Peers share send streams, and receive streams, round
   robin (`copy_streams`): with a side stream, the caller's compute stream and phase 2's served
   stream (`phase2.served_stream`) they fit ``CUDA_DEVICE_MAX_CONNECTIONS`` (8 by default: 2 each
-  way; the replica slots' relay stream, `integration.replicas.relay_stream`, is the eighth), where
+  way; the replica slots' relay stream, `integration.replicas.relay_stream`, which holds the early
+  relay's waits, is the eighth), where
   a stream per peer (15 at 8 GPUs) made CUDA map several onto one queue anyway.
 * **Descriptions on the host.** What a message holds (tag, tensor dtypes, shapes and offsets) is
   published in the control block (`MESSAGES` entries per link) as soon as its send is called

@@ -618,7 +618,8 @@ class CrossNodePlacer:
                     fixed_us=self.replica_fixed_us)
 
     def exchange_us_per_micro_batch(self) -> float:
-        """The modelled exchange of the replicas held, per micro-batch of the step (µs)."""
+        """The modelled exchange of the replicas held, per micro-batch of the step (µs): all of it,
+        as a host that waits for each relay (gloo) spends it, the early half included."""
         return replicas.exchange_per_micro_batch(self.slots, self.experts // len(self.replica_at),
                                                  self.ranks_per_node, self.micro_batches_per_step,
                                                  self.weight_bytes, self.grad_bytes, self.net_gbps, self.intra_gbps)

@@ -472,18 +472,27 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
 
     * every replica's gradient sum (``grad_bytes``: fp32) goes to the expert's home (its primary
       slot, the first ``primaries`` columns of ``slots``): with ``last_bytes`` (a step of several
-      micro-batches, gradients narrower than fp32) the sum of all but the last in the one-but-last
-      backward, which the last micro-batch hides up to ``hidden_us``, then the last one's gradient
-      alone (``last_bytes``: in the gradients' dtype) in its backward; without, the sum in it;
+      micro-batches, gradients narrower than fp32), for each home its first replicas in holder
+      order, as many as it has replica slots, send the sum of all but the last micro-batch in the
+      one-but-last backward, which the last micro-batch hides up to ``hidden_us``, then the last
+      one's gradient alone (``last_bytes``: in the gradients' dtype) in its backward; the others
+      (and all without ``last_bytes``) send the sum in it;
     * before the next forward the home sends the stepped weights (``weight_bytes``) to the
       replicas of ``weight_slots`` (the table a decision at the step left; default ``slots``)."""
     R = np.asarray(slots).shape[0]
     pairs = replica_pairs(slots, primaries)
     weight_pairs = pairs if weight_slots is None else replica_pairs(weight_slots, primaries)
-    sums = relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
-    if last_bytes is not None:
-        sums = max(0.0, sums - hidden_us) + relay_us(pairs[:, ::-1], R, ranks_per_node, last_bytes, net_gbps,
-                                                     intra_gbps)
+    if last_bytes is None:
+        sums = relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
+    else:
+        redundant = np.asarray(slots).shape[1] - primaries
+        early = np.zeros(len(pairs), np.bool_)  # `ReplicaSlots._early_pairs`: per home, its first ``redundant``
+        for home in np.unique(pairs[:, 0]):
+            early[np.flatnonzero(pairs[:, 0] == home)[:redundant]] = True
+        back = pairs[:, ::-1]
+        sums = (max(0.0, relay_us(back[early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps) - hidden_us)
+                + relay_us(back[early], R, ranks_per_node, last_bytes, net_gbps, intra_gbps)
+                + relay_us(back[~early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps))
     return sums + relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps)
 
 
@@ -515,8 +524,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     prefix with the largest net gain per micro-batch on the later half of the samples is
     returned (held out: drift is what a choice judged on the very samples it was made from would
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
-    the step's exchange (`exchange_us` / ``micro_batches_per_step``: a new replica's first weights
-    come with the exchange that follows the decision, as every step's do); none when no prefix
+    the step's exchange (`exchange_us` / ``micro_batches_per_step``, the gradient sums' early half
+    hidden up to a micro-batch's compute at the mean rows: a new replica's first weights come
+    with the exchange that follows the decision, as every step's do); none when no prefix
     pays (`plan.placement.CrossNodePlacer` chooses again at every optimizer step). A replica
     holds the expert's weights only (``weight_bytes``; its gradient sum travels as ``grad_bytes``,
     default ``weight_bytes``): the sum joins the expert's gradient before the optimizer step, and
