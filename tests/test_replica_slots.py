@@ -198,13 +198,25 @@ def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_ste
     assert slots._sums == [None]
 
 
-def _two_halves_case(dtype_name: str, laters: list, end_step: bool = False, slots_per_rank: int = 1) -> dict:
-    """Ranks as nodes of 1 with ``slots_per_rank`` replica slots each: rank 0 the home of expert 1,
-    every other rank holds a replica of it in its first slot. One
-    step's replica gradients (micro-batch i with ``laters[i]`` micro-batches after it) go home
-    through `ReplicaSlots.backward` (then `end_step` if ``end_step``); a wrapped `relay` records
+F32, BF16, F16 = ["torch.float32"], ["torch.bfloat16"], ["torch.float16"]
+# id: (dtype, ``later`` of each micro-batch, holders, replica slots per rank, end_step, the exchanges'
+# dtypes on the wire, early sends per rank)
+TWO_HALVES = {"bf16-4": ("bfloat16", [3, 2, 1, 0], 1, 1, False, [F32, BF16], [0, 1, 0]),
+              "fp16-2-two-holders": ("float16", [1, 0], 2, 2, False, [F32, F16], [0, 1, 1]),
+              "home-over-its-slots": ("float16", [1, 0], 2, 1, False, [F32, F16 + F32], [0, 1, 0]),
+              "fp32-3": ("float32", [2, 1, 0], 1, 1, False, [F32], [0, 0, 0]),
+              "bf16-1": ("bfloat16", [0], 1, 1, False, [F32], [0, 0, 0]),
+              "bf16-unannounced": ("bfloat16", [2, 1, 1, 0], 1, 1, False, [F32, F32, BF16], [0, 2, 0]),
+              "last-never-ran": ("bfloat16", [2, 1], 1, 1, True, [F32], [0, 1, 0])}
+
+
+def _two_halves_cases() -> dict:
+    """3 ranks as nodes of 1, per case of `TWO_HALVES`: rank 0 the home of expert 1, ranks 1 ..
+    ``holders`` hold a replica of it in their first slot (the others none: they pass the relays
+    on). One step's replica gradients (micro-batch i with ``later[i]`` micro-batches after it) go
+    home through `ReplicaSlots.backward` (then `end_step` if asked); a wrapped `relay` records
     each exchange's dtypes on the wire. Every rank rebuilds every holder's gradients, so the home
-    knows what each holder's sequential fp32 sum is."""
+    knows what the holders' sequential fp32 sums are."""
     import contextlib
     import warnings
 
@@ -213,27 +225,7 @@ def _two_halves_case(dtype_name: str, laters: list, end_step: bool = False, slot
 
     from deepspeed_feplb.integration import replicas as module
 
-    world = dist.get_world_size()
-
-    class OneRankNodes:
-        ep_group = dist.group.WORLD
-        ranks_per_node = 1
-        replica_at = np.array([[-1] * slots_per_rank] + [[1] + [-1] * (slots_per_rank - 1)] * (world - 1))
-
-        @staticmethod
-        def home_of(expert: int) -> tuple[int, int]:
-            return expert // 2, expert % 2
-
-        @staticmethod
-        def timing_replicas():
-            return contextlib.nullcontext()
-
-    dtype = getattr(torch, dtype_name)
-
-    def gradient(holder: int, i: int) -> torch.Tensor:  # scaled 1, 1e3, 1e6: the order of the adds shows
-        g = torch.Generator().manual_seed(100 * holder + i)
-        return torch.randn(3, 5, generator=g).mul_(1000 ** (i % 3)).to(dtype)
-
+    me, out = dist.get_rank(), {}
     wire = []
     relay = module.relay
 
@@ -241,45 +233,62 @@ def _two_halves_case(dtype_name: str, laters: list, end_step: bool = False, slot
         wire.append(sorted({str(t.dtype) for _, _, tensors in transfers for t in tensors}))
         return relay(transfers, *args, **kwargs)
 
-    me = dist.get_rank()
     module.relay = recorded
     try:
-        slots = module.ReplicaSlots(OneRankNodes(), [torch.zeros(3, 5, dtype=dtype)], slots_per_rank)
-        arrived, sends = [], []
-        for i, later in enumerate(laters):
-            arrived = slots.backward([[gradient(me, i)]] + [[torch.zeros(3, 5, dtype=dtype)]] * (slots_per_rank - 1),
-                                     later=later)
-            sends.append(len(wire))
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            if end_step:
-                slots.end_step()
+        for name, (dtype_name, laters, holders, per_rank, end_step, _, _) in TWO_HALVES.items():
+            class OneRankNodes:
+                ep_group = dist.group.WORLD
+                ranks_per_node = 1
+                replica_at = np.array([[1 if 1 <= q <= holders and j == 0 else -1 for j in range(per_rank)]
+                                       for q in range(dist.get_world_size())])
+
+                @staticmethod
+                def home_of(expert: int) -> tuple[int, int]:
+                    return expert // 2, expert % 2
+
+                @staticmethod
+                def timing_replicas():
+                    return contextlib.nullcontext()
+
+            dtype = getattr(torch, dtype_name)
+
+            def gradient(holder: int, i: int, dtype=dtype) -> torch.Tensor:  # scaled 1, 1e3, 1e6: the order shows
+                g = torch.Generator().manual_seed(100 * holder + i)
+                return torch.randn(3, 5, generator=g).mul_(1000 ** (i % 3)).to(dtype)
+
+            wire.clear()
+            slots = module.ReplicaSlots(OneRankNodes(), [torch.zeros(3, 5, dtype=dtype)], per_rank)
+            arrived, sends = [], []
+            for i, later in enumerate(laters):
+                grads = [[gradient(me, i)]] + [[torch.zeros(3, 5, dtype=dtype)]] * (per_rank - 1)
+                arrived = slots.backward(grads, later=later)
+                sends.append(len(wire))
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                if end_step:
+                    slots.end_step()
+            expected = None  # the holders' sequential fp32 sums, added in holder order
+            for holder in range(1, holders + 1):
+                one = gradient(holder, 0).float()
+                for i in range(1, len(laters)):
+                    one = one.add_(gradient(holder, i))
+                expected = one if expected is None else expected.add_(one)
+            out[name] = {"wire": list(wire), "sends": sends, "early_sends": slots.early_sends,
+                         "arrived": [local for local, _ in arrived], "said": [str(w.message) for w in said],
+                         "exact": not arrived or torch.equal(arrived[0][1][0], expected),
+                         "settled": slots._early is None}
     finally:
         module.relay = relay
-    expected = None  # the holders' sequential fp32 sums, added in holder order
-    for holder in range(1, world):
-        one = gradient(holder, 0).float()
-        for i in range(1, len(laters)):
-            one = one.add_(gradient(holder, i))
-        expected = one if expected is None else expected.add_(one)
-    return {"rank": me, "wire": wire, "sends": sends, "early_sends": slots.early_sends,
-            "arrived": [local for local, _ in arrived], "said": [str(w.message) for w in said],
-            "exact": not arrived or torch.equal(arrived[0][1][0], expected), "settled": slots._early is None}
+    return out
 
 
-F32, BF16, F16 = ["torch.float32"], ["torch.bfloat16"], ["torch.float16"]
+@pytest.fixture(scope="module")
+def two_halves() -> list:
+    return run_distributed(_two_halves_cases, 3, timeout=180)  # every case in one launch
 
 
-@pytest.mark.parametrize("dtype_name,laters,world,slots,wire,early_sends", [
-    ("bfloat16", [3, 2, 1, 0], 2, 1, [F32, BF16], [0, 1]),
-    ("float16", [1, 0], 3, 2, [F32, F16], [0, 1, 1]),
-    ("float16", [1, 0], 3, 1, [F32, F16 + F32], [0, 1, 0]),  # rank 0 is home to 2 replicas, with 1 slot
-    ("float32", [2, 1, 0], 2, 1, [F32], [0, 0]),
-    ("bfloat16", [0], 2, 1, [F32], [0, 0]),
-    ("bfloat16", [2, 1, 1, 0], 2, 1, [F32, F32, BF16], [0, 2])],
-    ids=["bf16-4", "fp16-2-two-holders", "home-over-its-slots", "fp32-3", "bf16-1", "bf16-unannounced"])
-def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(dtype_name, laters, world, slots,
-                                                                                wire, early_sends):
+@pytest.mark.parametrize("case", [name for name in TWO_HALVES if name != "last-never-ran"])
+def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(two_halves, case):
     """bf16/fp16 gradients: the sum of every micro-batch but the last goes home in the backward of
     the one before last (fp32), and the last micro-batch's gradient alone in its own dtype; the
     home's result equals the holders' sequential fp32 sums, added in holder order, bit for bit.
@@ -287,7 +296,8 @@ def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(d
     send the sum once; a home takes early sums from as many holders as it has replica slots (what
     `memory.replica_bytes` counts), the others' whole at the end. A micro-batch after the early
     send (``later`` 1 twice: a schedule the engine did not announce) takes it back and sends again."""
-    results = run_distributed(_two_halves_case, world, dtype_name, laters, False, slots, timeout=120)
+    dtype_name, laters, _, _, _, wire, early_sends = TWO_HALVES[case]
+    results = [r[case] for r in two_halves]
     home = results[0]
     assert all(r["wire"] == home["wire"] and r["sends"] == home["sends"] for r in results), "ranks disagree"
     assert home["wire"] == wire and [r["early_sends"] for r in results] == early_sends
@@ -298,9 +308,10 @@ def test_a_replicas_step_gradient_goes_home_in_two_halves_and_sums_bit_for_bit(d
     assert all(r["settled"] for r in results), "an early half stayed after the step's end"
 
 
-def test_an_early_half_whose_last_backward_never_ran_is_dropped_with_a_warning():
-    results = run_distributed(_two_halves_case, 2, "bfloat16", [2, 1], True, timeout=120)
-    assert all(r["settled"] for r in results) and results[1]["early_sends"] == 1
+def test_an_early_half_whose_last_backward_never_ran_is_dropped_with_a_warning(two_halves):
+    results = [r["last-never-ran"] for r in two_halves]
+    assert all(r["settled"] for r in results) and [r["early_sends"] for r in results] == [0, 1, 0]
+    assert all(r["arrived"] == [] for r in results)
     assert all(any("did not reach their experts" in s for s in r["said"]) for r in results), results
 
 
