@@ -36,7 +36,6 @@ replica table (`ExpertPlacement.replica_at`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from collections import defaultdict
@@ -47,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES
+from deepspeed_feplb.migrate.phase2 import on_stream
+from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, early_sums
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.weight_watch import content_hash, write_marks
 
@@ -269,51 +269,44 @@ class ReplicaSlots:
             return self._send_last(held, replica_grads)
 
     def _transfers(self, held, outgoing: Callable[[tuple], list[torch.Tensor]],
-                   dtypes: Callable[[tuple], list[torch.dtype]]) -> tuple[list, list]:
+                   dtype: Callable[[tuple], Optional[torch.dtype]]) -> tuple[list, list]:
         """`relay`'s transfers of one gradient exchange over ``held`` (holder, slot, expert): each
-        pair's ``outgoing(pair)`` from this rank's slots, into fresh buffers of ``dtypes(pair)`` on
-        an expert's home. Returns (transfers, [(holder, slot, expert, local index, buffers)] of
-        those arriving here)."""
+        pair's ``outgoing(pair)`` from this rank's slots, into fresh buffers of ``dtype(pair)`` (None:
+        the weights') on an expert's home. Returns (transfers, [(holder, slot, expert, local index,
+        buffers)] of those arriving here)."""
         me, transfers, arriving = self.me, [], []
         for q, j, e in held:
             home, local = self.placement.home_of(e)
             if q == me:
                 tensors = outgoing((q, j, e))
             elif home == me:
-                tensors = [torch.empty(w.shape, dtype=d, device=self.device)
-                           for w, d in zip(self.weights[j], dtypes((q, j, e)))]
+                tensors = [torch.empty(w.shape, dtype=dtype((q, j, e)) or w.dtype, device=self.device)
+                           for w in self.weights[j]]
                 arriving.append((q, j, e, local, tensors))
             else:
-                tensors = [torch.empty(w.shape, dtype=d, device="meta") for w, d in zip(self.weights[j],
-                                                                                        dtypes((q, j, e)))]
+                tensors = self._shapes(self.weights[j], dtype((q, j, e)))
             transfers.append((q, home, tensors))
         return transfers, arriving
 
     def _early_pairs(self, held: list[tuple[int, int, int]]) -> set:
-        """The held (holder, slot, expert) whose sums go early: for each home, its first replicas in
-        holder order, as many as it has replica slots (the early sums it holds through the last
-        micro-batch stay within what `memory.replica_bytes` counts). The same on every rank."""
-        taken: dict[int, int] = defaultdict(int)
-        pairs = set()
-        for q, j, e in held:
-            home = self.placement.home_of(e)[0]
-            if taken[home] < len(self.weights):
-                taken[home] += 1
-                pairs.add((q, j, e))
-        return pairs
+        """The held (holder, slot, expert) whose sums go early (`plan.replicas.early_sums`: for each
+        home, its first replicas in holder order, as many as it has replica slots). The same on
+        every rank."""
+        early = early_sums([self.placement.home_of(e)[0] for _, _, e in held], len(self.weights))
+        return {pair for pair, sends in zip(held, early) if sends}
 
     def _send_early(self, held: list[tuple[int, int, int]], pairs: set) -> None:
         """`backward` a micro-batch before the step's end: the sums so far of ``pairs`` go home
         (collective), on `relay_stream` where the slots are on a CUDA device, so that they travel
         while the last micro-batch computes; the home keeps them until the step's last backward
         (`_send_last`)."""
-        fp32 = [torch.float32] * len(self.weights[0])
         early = [pair for pair in held if pair in pairs]
         stream = relay_stream(self.device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the sums are computed
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            transfers, arriving = self._transfers(early, lambda pair: self._sums[pair[1]], lambda pair: fp32)
+        with on_stream(stream):
+            transfers, arriving = self._transfers(early, lambda pair: self._sums[pair[1]],
+                                                  lambda pair: torch.float32)
             relay(transfers, self.me, self.placement.ranks_per_node, self._peer, self.device)
             done = torch.cuda.Event() if stream is not None else None
             if done is not None:
@@ -333,10 +326,9 @@ class ReplicaSlots:
         me = self.me
         early, self._early = self._early, None
         sent_early = early.pairs if early is not None else set()
-        fp32 = [torch.float32] * len(self.weights[0])
         transfers, arriving = self._transfers(
             held, lambda pair: list(replica_grads[pair[1]]) if pair in sent_early else self._sums[pair[1]],
-            lambda pair: [w.dtype for w in self.weights[pair[1]]] if pair in sent_early else fp32)
+            lambda pair: None if pair in sent_early else torch.float32)
         self.grad_sends += sum(q == me for q, _, _ in held)
         relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
         self._sums = [None] * len(self.weights)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Choice", "most_replica_slots", "slot_experts", "Split", "split", "load_split", "route", "expected_counts",
-           "predicted_rows", "predicted_rows_many", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "exchange_us",
-           "exchange_per_micro_batch", "choose"]
+           "predicted_rows", "predicted_rows_many", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "early_sums",
+           "last_half_bytes", "exchange_us", "exchange_per_micro_batch", "choose"]
 
 
 def most_replica_slots(experts: int, ranks: int, ranks_per_node: int) -> int:
@@ -463,6 +463,26 @@ def replica_pairs(slots: np.ndarray, primaries: int) -> np.ndarray:
     return np.stack([home[e], q], axis=1)
 
 
+def early_sums(homes, redundant: int) -> np.ndarray:
+    """Which held replicas send their gradient sum home a micro-batch early, where a step's sums go
+    in two halves (`integration.replicas.ReplicaSlots`): ``homes`` int [T], each held replica's
+    expert's home rank, in holder-rank then slot order -> bool [T], for each home its first
+    ``redundant`` (its replica slots: the early sums it holds through the step's last
+    micro-batch stay within what `memory.replica_bytes` counts)."""
+    homes = np.asarray(homes, np.int64).reshape(-1)
+    early = np.zeros(len(homes), np.bool_)
+    for home in np.unique(homes):
+        early[np.flatnonzero(homes == home)[:redundant]] = True
+    return early
+
+
+def last_half_bytes(weight_bytes: float, grad_bytes: float, micro_batches_per_step: int) -> float | None:
+    """The bytes of the step's last replica gradient where the sums go home in two halves (more
+    than one micro-batch per step, weights narrower than the fp32 sums: the last micro-batch's
+    gradient travels in the weights' dtype), else None (the sum goes whole)."""
+    return weight_bytes if micro_batches_per_step > 1 and weight_bytes < grad_bytes else None
+
+
 def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float, grad_bytes: float,
                 net_gbps: float, intra_gbps: float = math.inf, weight_slots: np.ndarray | None = None,
                 last_bytes: float | None = None, hidden_us: float = 0.0) -> float:
@@ -485,10 +505,7 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
     if last_bytes is None:
         sums = relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
     else:
-        redundant = np.asarray(slots).shape[1] - primaries
-        early = np.zeros(len(pairs), np.bool_)  # `ReplicaSlots._early_pairs`: per home, its first ``redundant``
-        for home in np.unique(pairs[:, 0]):
-            early[np.flatnonzero(pairs[:, 0] == home)[:redundant]] = True
+        early = early_sums(pairs[:, 0], np.asarray(slots).shape[1] - primaries)
         back = pairs[:, ::-1]
         sums = (max(0.0, relay_us(back[early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps) - hidden_us)
                 + relay_us(back[early], R, ranks_per_node, last_bytes, net_gbps, intra_gbps)
@@ -615,9 +632,9 @@ def exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: 
     step and weights narrower than the sums, in two halves: the last micro-batch's gradient as many
     bytes as the weights, the early half hidden up to ``hidden_us``) spread over the step."""
     grad = weight_bytes if grad_bytes is None else grad_bytes
-    last = weight_bytes if micro_batches_per_step > 1 and weight_bytes < grad else None
     return exchange_us(slots, primaries, ranks_per_node, weight_bytes, grad, net_gbps, intra_gbps,
-                       last_bytes=last, hidden_us=hidden_us) / micro_batches_per_step
+                       last_bytes=last_half_bytes(weight_bytes, grad, micro_batches_per_step),
+                       hidden_us=hidden_us) / micro_batches_per_step
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:

@@ -32,7 +32,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
-from deepspeed_feplb.plan.replicas import exchange_us, route
+from deepspeed_feplb.plan.replicas import exchange_us, last_half_bytes, route
 from deepspeed_feplb.plan.residency import (
     KeptBytes,
     ResidencyTable,
@@ -536,8 +536,7 @@ class _NodePolicy:
             # and bf16/fp16 weights, all but the last one's while this one computes, then its own);
             # the stepped weights go to the replicas of the table the step's decision left (a new
             # replica's first weights)
-            narrow = s.shape.weight_bytes < s.shape.grad_bytes
-            last = s.shape.weight_bytes if s.micro_batches_per_step > 1 and narrow else None
+            last = last_half_bytes(s.shape.weight_bytes, s.shape.grad_bytes, s.micro_batches_per_step)
             reduce_us = exchange_us(slots, s.experts_per_rank, G, s.shape.weight_bytes, s.shape.grad_bytes,
                                     s.profile.net_gbps, s.profile.ce_gbps, weight_slots=self.slots(layer),
                                     last_bytes=last, hidden_us=float(finish.sum()))
