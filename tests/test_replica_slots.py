@@ -66,6 +66,8 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
         held = [sum(q >= 0 for row in step for q in row) for step in r["replica_at"][:-1]]
         assert sum(x["grad_sends"] for x in results) >= sum(held)
         assert r["refreshes"] >= sum(n > 0 for n in held)
+        # the stepped weights left when the engine's forward began, not in the layer's own forward
+        assert r["ahead_refreshes"] >= sum(n > 0 for n in held), (r["ahead_refreshes"], held)
         assert learn or all(held), f"a frozen router's replicas were dropped: {r['replica_at']}"
     else:  # the control: placement alone cannot split the hot expert
         assert ratio.min() > 1.3, f"the case is balanced without replicas, so it shows nothing: {nodes.tolist()}"

@@ -115,6 +115,9 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     assert two_halves(hidden_us=0.0) == pytest.approx(sums + last + whole + back)
     assert two_halves(hidden_us=sums / 4) == pytest.approx(0.75 * sums + last + whole + back)
     assert two_halves(hidden_us=1e12) == pytest.approx(last + whole + back)
+    # the stepped weights leave when the next forward begins: hidden up to ``weights_hidden_us``
+    assert two_halves(hidden_us=1e12, weights_hidden_us=back / 4) == pytest.approx(last + whole + 0.75 * back)
+    assert two_halves(hidden_us=1e12, weights_hidden_us=1e12) == pytest.approx(last + whole)
     apart = _slots([[-1], [-1], [0], [PRIMARIES]])  # replicas of rank 0's and rank 1's experts: both go early
     pairs = rp.replica_pairs(apart, PRIMARIES)
     assert sorted(pairs[:, 0].tolist()) == [0, 1]

@@ -193,8 +193,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         if replicas is None:
             self._weights = stacked, []
             return x
-        replicas.keep_current(lambda: [list(w) for w in zip(*(p.unbind(0) for p in stacked))], self.step_ends(),
-                              stacked)
+        replicas.keep_current(self._primary_slices, self.step_ends(), stacked)
         flat = [t for group in replicas.weights for t in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in stacked)):
             self._weights = stacked, replicas.weights

@@ -4,7 +4,9 @@ gradient norms in DeepSpeed's layout.
 `install(engine)` (called by `deepspeed_feplb.initialize`, and by a `deepspeed_feplb.MoE` that a
 plain ``deepspeed.initialize`` configures) makes ``engine.step()`` end with each placed layer's
 `ExpertPlacement.end_step` (agree on the step's loads, re-place every ``interval_steps`` steps),
-runs ``save_checkpoint`` with every expert back in its original slot (`canonical_experts`),
+makes ``engine.forward`` begin by sending the stepped weights to every layer's replica slots
+(`integration.replicas.ReplicaSlots.refresh_ahead`: they travel while the layers before each one
+compute), runs ``save_checkpoint`` with every expert back in its original slot (`canonical_experts`),
 makes the table the identity after ``load_checkpoint``, and clips gradients with each slot's
 norms in DeepSpeed's layout (`canonical_grad_norms`). Idempotent per engine.
 """
@@ -126,11 +128,15 @@ def install(engine) -> None:
         return
     check_config(getattr(engine, "module", None), engine.config)
     engine._feplb_placement_installed = True
+    replica_slots = []  # the placed layers' `ReplicaSlots`, in module order, as of the last step
 
     def after_step(boundary: bool) -> None:
         if not boundary:
             return
         layers = placed_layers(engine.module)
+        # found once per step, not per forward (a walk over every module); a layer's placement
+        # attaches at its first forward, before the first step
+        replica_slots[:] = [layer.placement.replicas for layer in layers if layer.placement.replicas is not None]
         for i, layer in enumerate(layers):
             times = layer.stage.compute_times if layer.stage is not None else None
             us_per_token = 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0  # fwd + bwd
@@ -152,7 +158,12 @@ def install(engine) -> None:
         for layer in layers:  # the checkpoint put every expert and its optimizer state in its own slot
             layer.placement.reset()
 
+    def ahead() -> None:  # collective: every rank's layers in the same order
+        for slots in replica_slots:
+            slots.refresh_ahead()
+
     seams.after_step(engine, after_step)
+    seams.before_forward(engine, ahead)
     seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
     seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
 

@@ -7,7 +7,11 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
 
 * **Weights** come from the expert's home (its primary slot) at the first forward after each
   optimizer step, and after anything that may have changed them (a decision, a checkpoint load,
-  a `canonical_experts` block, `weight_watch.weights_changed`): `ReplicaSlots.refresh`. At the
+  a `canonical_experts` block, `weight_watch.weights_changed`): `ReplicaSlots.refresh`. Under a
+  DeepSpeed engine they leave when ``engine.forward`` begins, every layer's at once
+  (`ReplicaSlots.refresh_ahead`; on a CUDA device queued on `relay_stream`), so that they travel
+  while the layers before each one compute; the layer's forward waits for them (in stream
+  order) before its experts compute. At the
   first forward of every other accumulation cycle (after an evaluation, say, with other weights
   swapped in and out through ``p.data``), the homes' and the holders' `weight_watch.content_hash`
   are compared, and a difference refreshes (`ReplicaSlots.keep_current`); an in-place write
@@ -132,6 +136,9 @@ class ReplicaSlots:
         self.grad_sends = 0  # replica gradients sent home at a step's end (by this rank's slots)
         self.early_sends = 0  # sums sent home a micro-batch before the step's end (by this rank's slots)
         self._early: Optional[_EarlySums] = None  # the step's sums sent early, until its last backward
+        self.ahead_refreshes = 0  # refreshes sent when the engine's forward began (`refresh_ahead`)
+        self._homes: Optional[Callable[[], list[list[torch.Tensor]]]] = None  # `keep_current`'s expert_params
+        self._arriving = None  # CUDA event after a `refresh_ahead` relay, until the layer's forward waits for it
 
     @property
     def me(self) -> int:
@@ -162,12 +169,17 @@ class ReplicaSlots:
         at = self.placement.replica_at
         return [(int(q), int(j), int(at[q, j])) for q, j in zip(*np.nonzero(at >= 0))]
 
-    def refresh(self, expert_params: list[list[torch.Tensor]]) -> None:
+    def refresh(self, expert_params: list[list[torch.Tensor]], ahead: bool = False) -> None:
         """Collective over the EP group: every held replica slot receives its expert's current
         weights from the expert's home (``expert_params``: this rank's primary experts' parameters,
-        ``[E_local][n]``)."""
+        ``[E_local][n]``). ``ahead`` (`refresh_ahead`): on a CUDA device the relay is queued on
+        `relay_stream`, and `keep_current` makes the caller's stream wait for it."""
+        self._wait_arriving()  # a relay still writing the slots goes first
         me, transfers = self.me, []
-        with torch.no_grad():
+        stream = relay_stream(self.device) if ahead else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights are written, the slots read
+        with torch.no_grad(), on_stream(stream):
             for q, j, e in self._held():
                 home, local = self.placement.home_of(e)
                 if home == me == q:
@@ -176,6 +188,9 @@ class ReplicaSlots:
                            else self.weights[j] if q == me else self._shapes(self.weights[0]))
                 transfers.append((home, q, tensors))
             relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
+            if stream is not None:
+                self._arriving = torch.cuda.Event()
+                self._arriving.record(stream)
             for j in range(len(self.weights)):
                 # received by the process group, which writes no version: a helper's kept copy of the slot
                 # (`LayerResidency.stamp`) must see the new weights
@@ -189,6 +204,28 @@ class ReplicaSlots:
         self.stale = False
         self.refreshes += 1
 
+    def refresh_ahead(self) -> bool:
+        """Collective over the EP group, where the engine's forward begins (before any layer runs):
+        `refresh` now, on `relay_stream`, where the weights may be stale (the optimizer step, a
+        decision, a load, a declared change), with the experts' parameters that `keep_current` was
+        last given the means to find; the layer's own forward then only waits for them. What
+        happens in between is seen as before: an in-place write (`ExpertPlacement.route`) makes them
+        stale again. Returns whether it sent."""
+        if self._homes is None or not self.stale or not self.placement.holds_replicas:
+            return False
+        with self.placement.timing_replicas():
+            self.refresh(self._homes(), ahead=True)
+        self.check_due = False  # as current as a content check would find them
+        self._marks = write_marks(self._watched)
+        self.ahead_refreshes += 1
+        return True
+
+    def _wait_arriving(self) -> None:
+        """The caller's stream waits for a `refresh_ahead` relay still under way (no host wait)."""
+        if self._arriving is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._arriving)
+            self._arriving = None
+
     def keep_current(self, expert_params: Callable[[], list[list[torch.Tensor]]], step_ends: bool,
                      watched: list[torch.Tensor]) -> None:
         """At a forward (collective over the EP group, not in a recomputed one, where the original
@@ -198,10 +235,12 @@ class ReplicaSlots:
         accumulation cycle, compare contents first (`changed`). ``expert_params``: called for
         `refresh`'s argument; ``step_ends``: this forward is its cycle's last (so the next begins
         one); ``watched``: this rank's expert parameters (or their stacked tensors), whose
-        `write_marks` show an in-place write (`wrote_in_place`)."""
-        self._watched = watched
+        `write_marks` show an in-place write (`wrote_in_place`). ``expert_params`` must find the
+        parameters when called: `refresh_ahead` calls it at the next forward's start."""
+        self._watched, self._homes = watched, expert_params
         if recomputing() or not self.placement.holds_replicas:
             return
+        self._wait_arriving()
         with self.placement.timing_replicas():
             if self.stale or (self.check_due and self.changed(expert_params())):
                 self.refresh(expert_params())

@@ -11,7 +11,8 @@ FEPLB then balances inside each node as before. A replica holds the expert's wei
 summed into the expert's before the optimizer step, and the stepped weights come back to it. It
 costs a slot on its rank and that exchange with the expert's home at every optimizer step
 (`exchange_us`: the gradient sums in two halves, the first hidden behind the step's last
-micro-batch; a new replica's first weights come with the step's return half), each transfer
+micro-batch; the stepped weights, a new replica's first ones among them, behind the next
+forward up to the layer), each transfer
 relayed over all the links of the two nodes (`relay_us`); `choose` adds one only where the
 predicted gain over the following micro-batches pays for it.
 
@@ -485,7 +486,7 @@ def last_half_bytes(weight_bytes: float, grad_bytes: float, micro_batches_per_st
 
 def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float, grad_bytes: float,
                 net_gbps: float, intra_gbps: float = math.inf, weight_slots: np.ndarray | None = None,
-                last_bytes: float | None = None, hidden_us: float = 0.0) -> float:
+                last_bytes: float | None = None, hidden_us: float = 0.0, weights_hidden_us: float = 0.0) -> float:
     """One optimizer step's replica exchange that the step waits for (µs), as the runtime makes it
     (`integration.replicas.ReplicaSlots`), each transfer relayed over every link of the two nodes
     (`relay_us`):
@@ -497,8 +498,15 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
       one-but-last backward, which the last micro-batch hides up to ``hidden_us``, then the last
       one's gradient alone (``last_bytes``: in the gradients' dtype) in its backward; the others
       (and all without ``last_bytes``) send the sum in it;
-    * before the next forward the home sends the stepped weights (``weight_bytes``) to the
-      replicas of ``weight_slots`` (the table a decision at the step left; default ``slots``)."""
+    * when the next forward begins the home sends the stepped weights (``weight_bytes``) to the
+      replicas of ``weight_slots`` (the table a decision at the step left; default ``slots``),
+      which the forward hides up to ``weights_hidden_us``: the layers before each one compute
+      meanwhile, every layer's weights travelling at once; per layer of a deep model, about one
+      layer's forward, of which the caller passes the expert stage's alone (the first MoE layer
+      of a model hides only behind what precedes it).
+
+    The two hidden shares are each layer's in the steady state of a deep model: the simulator and
+    `choose` see one layer."""
     R = np.asarray(slots).shape[0]
     pairs = replica_pairs(slots, primaries)
     weight_pairs = pairs if weight_slots is None else replica_pairs(weight_slots, primaries)
@@ -510,7 +518,8 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
         sums = (max(0.0, relay_us(back[early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps) - hidden_us)
                 + relay_us(back[early], R, ranks_per_node, last_bytes, net_gbps, intra_gbps)
                 + relay_us(back[~early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps))
-    return sums + relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps)
+    weights = relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps)
+    return sums + max(0.0, weights - weights_hidden_us)
 
 
 @dataclass(frozen=True)
@@ -542,8 +551,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     returned (held out: drift is what a choice judged on the very samples it was made from would
     hide): gain (`predicted_rows` saved x ``us_per_row``) less what its replicas add to
     the step's exchange (`exchange_us` / ``micro_batches_per_step``, the gradient sums' early half
-    hidden up to a micro-batch's compute at the mean rows: a new replica's first weights come
-    with the exchange that follows the decision, as every step's do); none when no prefix
+    hidden up to a micro-batch's compute at the mean rows, the stepped weights up to its forward,
+    `FORWARD_SHARE` of it: a new replica's first weights come with the exchange that follows the
+    decision, as every step's do); none when no prefix
     pays (`plan.placement.CrossNodePlacer` chooses again at every optimizer step). A replica
     holds the expert's weights only (``weight_bytes``; its gradient sum travels as ``grad_bytes``,
     default ``weight_bytes``): the sum joins the expert's gradient before the optimizer step, and
@@ -585,14 +595,15 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         return [(float(r.mean()), float(np.maximum(r - caps, 0.0).mean())) for r in rows]
 
     # a micro-batch's compute at the mean rows per rank: what the early half of the gradient
-    # exchange hides behind (the step's last micro-batch)
+    # exchange hides behind (the step's last micro-batch), and its forward what the stepped
+    # weights hide behind (the next step's first)
     micro_batch_us = judge.sum(axis=1).mean() / R * us_per_row
 
     def cost(replicas: np.ndarray, slots: np.ndarray) -> float:
         """A replica table's price per micro-batch; ``slots``: its `slot_experts`."""
         return fixed_us * bool((replicas >= 0).any()) + exchange_per_micro_batch(
             slots, E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps, intra_gbps,
-            hidden_us=micro_batch_us)
+            hidden_us=micro_batch_us, weights_hidden_us=FORWARD_SHARE * micro_batch_us)
 
     expected = fit.mean(axis=0)
     (base, over), = judged_rows(slot_experts(e2r, none)[None])
@@ -622,19 +633,21 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
 
 ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
+FORWARD_SHARE = 1 / 3  # of an expert's compute per row, its forward's (the backward's two GEMMs per one)
 
 
 def exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
                               weight_bytes: float, grad_bytes: float | None, net_gbps: float,
-                              intra_gbps: float, hidden_us: float = 0.0) -> float:
+                              intra_gbps: float, hidden_us: float = 0.0, weights_hidden_us: float = 0.0) -> float:
     """What the replicas of ``slots`` add to each micro-batch (µs): their step's `exchange_us`
     (gradient sums of ``grad_bytes``, default ``weight_bytes``; with more than one micro-batch per
     step and weights narrower than the sums, in two halves: the last micro-batch's gradient as many
-    bytes as the weights, the early half hidden up to ``hidden_us``) spread over the step."""
+    bytes as the weights, the early half hidden up to ``hidden_us``; the stepped weights hidden up
+    to ``weights_hidden_us``) spread over the step."""
     grad = weight_bytes if grad_bytes is None else grad_bytes
     return exchange_us(slots, primaries, ranks_per_node, weight_bytes, grad, net_gbps, intra_gbps,
                        last_bytes=last_half_bytes(weight_bytes, grad, micro_batches_per_step),
-                       hidden_us=hidden_us) / micro_batches_per_step
+                       hidden_us=hidden_us, weights_hidden_us=weights_hidden_us) / micro_batches_per_step
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:

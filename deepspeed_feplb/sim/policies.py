@@ -82,7 +82,9 @@ class SimSetup:
                **added to the expert time of the micro-batch that ends the step**
                (``replica_exchange_us``), less what that micro-batch's own expert time hides of
                the sums of the micro-batches before it, which go home during it (experts of 2-byte
-               weights, `ExpertShape.dtype_bytes`, as bf16 training has them). Without
+               weights, `ExpertShape.dtype_bytes`, as bf16 training has them), and less what its
+               forward's hides of the stepped weights (standing for the next step's first forward,
+               at whose start they leave). Without
                ``placement`` every expert keeps its home and decisions choose replicas only.
     replica_host_us: host time per micro-batch that holding any replica costs beyond its
                exchange (a runtime with ``feplb.fixed_costs: "measured"`` measures it): the choice
@@ -539,7 +541,8 @@ class _NodePolicy:
             last = last_half_bytes(s.shape.weight_bytes, s.shape.grad_bytes, s.micro_batches_per_step)
             reduce_us = exchange_us(slots, s.experts_per_rank, G, s.shape.weight_bytes, s.shape.grad_bytes,
                                     s.profile.net_gbps, s.profile.ce_gbps, weight_slots=self.slots(layer),
-                                    last_bytes=last, hidden_us=float(finish.sum()))
+                                    last_bytes=last, hidden_us=float(finish.sum()),
+                                    weights_hidden_us=float(finish[0]))
             timing["expert_us"] += reduce_us
             timing["replica_exchange_us"] = reduce_us
             self.replica_exchange_us += reduce_us
