@@ -135,7 +135,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         placement = getattr(self, "placement", None)  # made at install, its replica slots with it
         held = placement.redundant if placement is not None else 0
         return LayerMemoryFacts(self.feplb_ep_group, self.feplb_ep_size, domain_size(config, self.feplb_ep_size),
-                                slices, slices[0].shape[1], replica_bytes(slices, held, allocated=True))
+                                slices, slices[0].shape[1],
+                                replica_bytes(slices, held, allocated=True, held_back=False))
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order
@@ -250,15 +251,19 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
 
 class _StackedReplicaLink:
     """What `ExpertGradOrder` carries for an AutoEP layer with replica slots: its tensors are the
-    rows, the stacked ``w1, w2, w3``, then each replica slot's three weights."""
+    rows, the stacked ``w1, w2, w3``, then each replica slot's three weights. A home takes its
+    replicas' sums in the layer's backward (`ReplicaSlots.sums_here`): holding the stacked
+    gradients back to the backward's end, as a DeepSpeed MoE layer holds its replicated experts',
+    would hold every local expert's."""
 
     def __init__(self, replicas: ReplicaSlots, later: int):
         self.replicas, self.later = replicas, later
 
     def backward(self, grads: tuple) -> list:
         rows, stacked, flat = grads[0], list(grads[1:4]), grads[4:]
-        arriving = self.replicas.backward([list(flat[i:i + 3]) for i in range(0, len(flat), 3)], self.later)
-        if arriving:  # at a step's end, on the home of a replicated expert
+        self.replicas.backward([list(flat[i:i + 3]) for i in range(0, len(flat), 3)], self.later)
+        arriving = self.replicas.sums_here() if self.later == 0 else []
+        if arriving:  # on the home of a replicated expert
             stacked = [g.clone() for g in stacked]
             for local, sums in arriving:
                 for g, summed in zip(stacked, with_sum([g[local] for g in stacked], sums)):

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from deepspeed_feplb.migrate.phase2 import on_stream
-from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, early_sums
+from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, deferred_sums, early_sums
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.weight_watch import content_hash, write_marks
 
@@ -136,7 +136,9 @@ class ReplicaSlots:
         self.grad_sends = 0  # replica gradients sent home at a step's end (by this rank's slots)
         self.early_sends = 0  # sums sent home a micro-batch before the step's end (by this rank's slots)
         self._early: Optional[_EarlySums] = None  # the step's sums sent early, until its last backward
+        self._last: Optional[_LastSums] = None  # the step's last exchange, until `arrived` takes it
         self.ahead_refreshes = 0  # refreshes sent when the engine's forward began (`refresh_ahead`)
+        self.held_back = 0  # a step's gradients of experts homed here delivered at the backward's end
         self._homes: Optional[Callable[[], list[list[torch.Tensor]]]] = None  # `keep_current`'s expert_params
         self._arriving = None  # CUDA event after a `refresh_ahead` relay, until the layer's forward waits for it
 
@@ -269,18 +271,31 @@ class ReplicaSlots:
             dist.all_reduce(hashes, group=self.placement.ep_group)  # each entry has one contributor
         return bool((hashes[:, 0] != hashes[:, 1]).any())
 
-    def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> list[tuple[int, list[torch.Tensor]]]:
+    def homed_here(self) -> list[int]:
+        """The local indices of this rank's experts that have a replica held (ascending)."""
+        me = self.me
+        return sorted({local for _, _, e in self._held() for home, local in [self.placement.home_of(e)] if home == me})
+
+    def defers(self) -> bool:
+        """Whether this rank, the home of replicated experts, holds their gradients of a step's last
+        micro-batch back until the backward ends (`at_backward_end`), where it is the home of at
+        most as many replicas as it has replica slots: what it then holds (a gradient and an
+        arrived sum per replica) stays within what `memory.replica_bytes` counts. A home of more
+        takes its replicas' sums in the layer's backward, as they arrive."""
+        homes = [self.placement.home_of(e)[0] for _, _, e in self._held()]
+        deferred = deferred_sums(homes, len(self.weights))
+        return any(home == self.me and defer for home, defer in zip(homes, deferred))
+
+    def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> None:
         """One micro-batch's backward (collective over the EP group where it sends): add the replica
         slots' weight-gradients ``replica_grads`` (``[S][n]``) to the step's fp32 sums. ``later``:
         the micro-batches of the step after this one. With one left and gradients narrower than
         fp32, the sums go home now (`_send_early`; for each home at most as many as it has replica
         slots, the first in holder order: what `memory.replica_bytes` counts); with none, the rest
         goes (`_send_last`): this micro-batch's gradients alone where the sums went early, else the
-        sums. A micro-batch with more to come after an early send (a schedule the engine did not
-        announce) takes it back: the holders go on adding to the sums they sent, the homes drop
-        theirs. Returns, on an expert's home at the step's end, ``(local index, fp32 sums [n])``
-        per replicated expert (its replicas' sums added in holder-rank order, for `with_sum`),
-        else nothing."""
+        sums; `arrived` then gives them. A micro-batch with more to come after an early send (a
+        schedule the engine did not announce) takes it back: the holders go on adding to the sums
+        they sent, the homes drop theirs."""
         held = self._held()
         if self._early is not None and later > 0:  # taken back: each sum goes on in the holder's order
             early, self._early = self._early, None
@@ -301,11 +316,42 @@ class ReplicaSlots:
             if pairs:
                 with self.placement.timing_replicas():
                     self._send_early(held, pairs)
-                return []
+                return
         if later > 0:
-            return []
+            return
         with self.placement.timing_replicas():
-            return self._send_last(held, replica_grads)
+            self._send_last(held, replica_grads)
+
+    def sums_here(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """After a step's last `backward`, where the layer holds no gradient back (every rank): on a
+        home of replicated experts, `arrived` now (its stream waits for the relay); on any other
+        rank nothing, its wait left to the backward's end (`at_backward_end`: its compute goes on,
+        its sent tensors are freed then)."""
+        if self.homed_here():
+            return self.arrived()
+        self.at_backward_end([], [], None)
+        return []
+
+    def at_backward_end(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                        add: Optional[Callable[[list[torch.Tensor], list[tuple[int, list[torch.Tensor]]]],
+                                               list[torch.Tensor]]]) -> None:
+        """From a step's last backward through the layer (every rank, after `backward`): queue, for
+        when the running backward ends, the delivery of ``grads`` (this micro-batch's gradients of
+        ``params``, held back from autograd) with the replicas' sums added, ``add(grads, arrived)``
+        (`arrived`), by a backward of their own into ``params``: they accumulate and run their
+        hooks (DeepSpeed's gradient reductions) then, once, in the same order on every rank. So
+        the sums travel while the layers below compute their backward. ``params`` may be empty
+        (a rank that is no home: it waits all the same, so its sent tensors are freed in order)."""
+        def deliver() -> None:
+            arrived = self.arrived()
+            if params:
+                torch.autograd.backward(params, add(grads, arrived))
+                self.held_back += 1
+            elif arrived:
+                raise AssertionError(f"replica sums arrived for local experts {[i for i, _ in arrived]} of a rank "
+                                     "that held back no gradient for them")
+
+        torch.autograd.Variable._execution_engine.queue_callback(deliver)
 
     def _transfers(self, held, outgoing: Callable[[tuple], list[torch.Tensor]],
                    dtype: Callable[[tuple], Optional[torch.dtype]]) -> tuple[list, list]:
@@ -357,20 +403,41 @@ class ReplicaSlots:
         for j in sent:
             self._sums[j] = None
 
-    def _send_last(self, held: list[tuple[int, int, int]],
-                   replica_grads: list[list[torch.Tensor]]) -> list[tuple[int, list[torch.Tensor]]]:
+    def _send_last(self, held: list[tuple[int, int, int]], replica_grads: list[list[torch.Tensor]]) -> None:
         """`backward` at the step's end (collective): each held replica's fp32 sum goes home, or,
         where the sum before went early, this micro-batch's ``replica_grads`` alone, in their own
-        dtype; the home adds a holder's two in fp32, then each expert's holders in rank order."""
+        dtype; on a CUDA device queued on `relay_stream`, so the layer's backward goes on. `arrived`
+        waits for them."""
         me = self.me
         early, self._early = self._early, None
         sent_early = early.pairs if early is not None else set()
-        transfers, arriving = self._transfers(
-            held, lambda pair: list(replica_grads[pair[1]]) if pair in sent_early else self._sums[pair[1]],
-            lambda pair: None if pair in sent_early else torch.float32)
+        stream = relay_stream(self.device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are computed
+        with on_stream(stream):
+            outgoing = {}  # this rank's sent tensors, held until the relay is through
+            transfers, arriving = self._transfers(
+                held, lambda pair: outgoing.setdefault(pair, list(replica_grads[pair[1]]) if pair in sent_early
+                                                       else self._sums[pair[1]]),
+                lambda pair: None if pair in sent_early else torch.float32)
+            relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
+            done = torch.cuda.Event() if stream is not None else None
+            if done is not None:
+                done.record(stream)
         self.grad_sends += sum(q == me for q, _, _ in held)
-        relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
         self._sums = [None] * len(self.weights)
+        self._last = _LastSums(early, arriving, outgoing, done)
+
+    def arrived(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """After a step's last `backward`, on every rank (the caller's stream waits for its relay):
+        on an expert's home, ``(local index, fp32 sums [n])`` per replicated expert, its replicas'
+        sums added in holder-rank order, a holder's early sum and last gradient first (in fp32, as
+        the holder would have: the same sum, bit for bit), for `with_sum`; else nothing."""
+        last, self._last = self._last, None
+        if last is None:
+            return []
+        last.wait(self.device)
+        early, arriving = last.early, last.arriving
         parts = {}  # (holder, slot, expert) -> (local index, fp32 sums [n]): each holder's step sum
         if early is not None:
             early.wait(self.device)
@@ -390,6 +457,10 @@ class ReplicaSlots:
         """At the optimizer step: a replica gradient sum still here did not reach its expert (the
         step's last micro-batch ran no backward through the layer, or ran one that did not end
         the step): it is dropped, with a warning, rather than added to the next step's."""
+        if self._last is not None:  # sent, and never taken (`arrived`): no gradient waited for them
+            warnings.warn("FEPLB: replica gradient sums reached their experts' homes but no backward took them before "
+                          "the optimizer step; they are dropped", RuntimeWarning, stacklevel=2)
+            self.arrived()
         lost = [j for j, sums in enumerate(self._sums) if sums is not None]
         if lost or self._early is not None:
             warnings.warn(f"FEPLB: the gradients of replica slot(s) {lost or 'sent early'} did not reach their experts "
@@ -421,6 +492,28 @@ class _EarlySums:
         for _, sums in self.arrived.values():
             for t in sums:
                 t.record_stream(stream)
+
+
+class _LastSums:
+    """A step's last gradient exchange (`ReplicaSlots._send_last`) until `ReplicaSlots.arrived`:
+    ``early``, the step's `_EarlySums` (None: none went early); ``arriving`` [(holder, slot,
+    expert, local index, buffers)] on an expert's home; ``outgoing`` this rank's sent tensors,
+    held until the relay is through; ``done``, the CUDA event after the relay (None: it ran in the
+    caller's order)."""
+
+    def __init__(self, early: Optional[_EarlySums], arriving: list, outgoing: dict, done):
+        self.early, self.arriving, self.outgoing, self.done = early, arriving, outgoing, done
+
+    def wait(self, device: torch.device) -> None:
+        """The caller's stream waits for the relay; the arrived buffers, allocated on `relay_stream`,
+        are marked as used on it, and the sent tensors let go (their memory is reused after the wait)."""
+        if self.done is not None:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(self.done)
+            for *_, tensors in self.arriving:
+                for t in tensors:
+                    t.record_stream(stream)
+        self.outgoing = {}
 
 
 def relay_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
