@@ -850,7 +850,6 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
     return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,
             "replica_fixed_us": fixed_us, "refreshes": placement.replicas.refreshes if placement.replicas else 0,
             "ahead_refreshes": placement.replicas.ahead_refreshes if placement.replicas else 0,
-            "held_back": placement.replicas.held_back if placement.replicas else 0,
             "forwards": len(forwards),
             "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
             "expert_at": placement.expert_at.tolist(), "moved_experts": placement.moved_experts,

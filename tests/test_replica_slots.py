@@ -68,10 +68,6 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
         assert r["refreshes"] >= sum(n > 0 for n in held)
         # the stepped weights left when the engine's forward began, not in the layer's own forward
         assert r["ahead_refreshes"] >= sum(n > 0 for n in held), (r["ahead_refreshes"], held)
-        # and on 2 nodes, where the hot expert's home holds one replica's sum (as many as its slots),
-        # the home took it when each step's last backward ended, its expert's gradients held back
-        # until then (on 4 nodes the home of 3 replicas takes them in the layer's backward)
-        assert world != 4 or sum(x["held_back"] for x in results) >= sum(n > 0 for n in held), held
         assert learn or all(held), f"a frozen router's replicas were dropped: {r['replica_at']}"
     else:  # the control: placement alone cannot split the hot expert
         assert ratio.min() > 1.3, f"the case is balanced without replicas, so it shows nothing: {nodes.tolist()}"
@@ -268,7 +264,7 @@ def _two_halves_cases() -> dict:
             for i, later in enumerate(laters):
                 grads = [[gradient(me, i)]] + [[torch.zeros(3, 5, dtype=dtype)]] * (per_rank - 1)
                 slots.backward(grads, later=later)
-                arrived = slots.arrived()  # what the layer takes when the backward ends
+                arrived = slots.arrived()  # what a home's layer takes in that backward
                 sends.append(len(wire))
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")

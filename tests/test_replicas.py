@@ -104,11 +104,10 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     # rail carries two shards (hop 1), ranks 2 and 3 swap one (hop 2)
     assert relay(np.array([[0, 2], [0, 3]]), nbytes=1e6, chunk_bytes=1e6) == pytest.approx(500 + 1000 + 250)
     assert rp.exchange_us(_slots([[-1]] * R), PRIMARIES, G, 1e6, 2e6, 1.0, 2.0) == 0.0
-    # a step of several micro-batches: the sums of all but the last go home in the one-but-last
-    # backward, hidden up to ``hidden_us`` by the last micro-batch, then the last one's gradients
-    # alone, in their dtype (1e6 bytes); a home takes as many early sums as it has replica slots
-    # (1): rank 0's second replica (on rank 3) sends its whole sum at the end. Rank 0, the home of
-    # more replicas than it has slots, waits for the rest in the layer's backward
+    # a step of several micro-batches: the sums of all but the last go home while the last one
+    # computes (hidden up to ``hidden_us``), then its gradients alone, in their dtype (1e6 bytes);
+    # a home takes as many early sums as it has replica slots (1): rank 0's second replica (on rank
+    # 3) sends its whole sum at the end
     first, second = np.array([[2, 0]]), np.array([[3, 0]])
     sums, last, whole = relay(first, nbytes=2e6), relay(first, nbytes=1e6), relay(second, nbytes=2e6)
     back = relay(np.array([[0, 2], [0, 3]]), nbytes=1e6)
@@ -119,28 +118,20 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     # the stepped weights leave when the next forward begins: hidden up to ``weights_hidden_us``
     assert two_halves(hidden_us=1e12, weights_hidden_us=back / 4) == pytest.approx(last + whole + 0.75 * back)
     assert two_halves(hidden_us=1e12, weights_hidden_us=1e12) == pytest.approx(last + whole)
-    assert rp.deferred_sums([0, 0], 1).tolist() == [False, False] and rp.deferred_sums([0, 1], 1).all()
     apart = _slots([[-1], [-1], [0], [PRIMARIES]])  # replicas of rank 0's and rank 1's experts: both go early
     pairs = rp.replica_pairs(apart, PRIMARIES)
     assert sorted(pairs[:, 0].tolist()) == [0, 1]
     apart_back = relay(pairs, nbytes=1e6)
-    # one replica per home: each home takes the last halves when the backward ends, so the whole
-    # exchange travels while the last micro-batch computes
-    early, last = relay(pairs[:, ::-1], nbytes=2e6), relay(pairs[:, ::-1], nbytes=1e6)
-    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6) == pytest.approx(
-        early + last + apart_back)
-    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=early) == pytest.approx(
-        last + apart_back)
+    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=1e12) == pytest.approx(
+        relay(pairs[:, ::-1], nbytes=1e6) + apart_back)
     per_micro_batch = functools.partial(rp.exchange_per_micro_batch, apart, PRIMARIES, G, weight_bytes=1e6,
-                                        grad_bytes=2e6, net_gbps=1.0, intra_gbps=2.0)
-    assert per_micro_batch(micro_batches_per_step=4) == pytest.approx((early + last + apart_back) / 4)
-    assert per_micro_batch(micro_batches_per_step=4, hidden_us=1e12) == pytest.approx(apart_back / 4)
-    # one half (a step of one micro-batch, fp32 weights): every sum leaves in the last backward,
-    # hidden up to that backward (2/3 of ``hidden_us``)
-    assert per_micro_batch(micro_batches_per_step=1, hidden_us=0.75 * early) == pytest.approx(
-        0.5 * early + apart_back)
-    assert per_micro_batch(micro_batches_per_step=4, weight_bytes=2e6) == pytest.approx(
-        (early + relay(pairs, nbytes=2e6)) / 4)
+                                        grad_bytes=2e6, net_gbps=1.0, intra_gbps=2.0, hidden_us=1e12)
+    assert per_micro_batch(micro_batches_per_step=4) == pytest.approx(
+        (relay(pairs[:, ::-1], nbytes=1e6) + apart_back) / 4)
+    whole_sums = relay(pairs[:, ::-1], nbytes=2e6)
+    assert per_micro_batch(micro_batches_per_step=1) == pytest.approx((whole_sums + apart_back) / 1)  # one half
+    assert per_micro_batch(micro_batches_per_step=4, weight_bytes=2e6) == pytest.approx(  # fp32 weights: one half
+        (whole_sums + relay(pairs, nbytes=2e6)) / 4)
 
 
 def _skewed_samples(hot: float) -> np.ndarray:
@@ -155,8 +146,7 @@ def test_replicas_are_chosen_where_they_pay_and_not_where_they_do_not():
     args = dict(ranks_per_node=G, redundant=1, dynamic_experts=1, micro_batches_per_step=8)
     choice = rp.choose(_skewed_samples(400.0), e2r, us_per_row=1.0, weight_bytes=1e3, net_gbps=1.0, **args)
     cheap = choice.replica_at
-    # (an exchange this small travels while the micro-batches compute: it costs nothing)
-    assert (cheap >= 0).sum() >= 1 and 0 in cheap and choice.gain_us > choice.cost_us == 0.0
+    assert (cheap >= 0).sum() >= 1 and 0 in cheap and choice.gain_us > choice.cost_us > 0
     assert not np.isin(cheap[:G], [0, 1]).any()  # a replica goes to another node than its expert's
     dear = rp.choose(_skewed_samples(400.0), e2r, us_per_row=1.0, weight_bytes=1e9, net_gbps=1.0, **args)
     assert (dear.replica_at < 0).all() and dear.gain_us == dear.cost_us == 0.0
@@ -287,9 +277,7 @@ def test_the_simulator_replicates_hot_experts_across_nodes_where_it_pays():
         setup = SimSetup(ranks_per_node=8, nodes=2, experts=64, shape=shape, micro_batches_per_step=8,
                          redundant_per_rank=redundant)
         runs[redundant] = simulate(trace, setup, ["feplb"]).metrics()["feplb"]
-    # at 4k rows of GLM-5-sized experts a micro-batch computes longer than its layer's exchange
-    # takes: the exchange travels while it computes, and the step waits for none of it
-    assert runs[1]["replicas"] > 0 and runs[1]["replica_exchange_us"] == 0.0
+    assert runs[1]["replicas"] > 0 and runs[1]["replica_exchange_us"] > 0
     assert runs[1]["token_max_over_mean"] < runs[0]["token_max_over_mean"]
     assert runs[1]["expert_time_us"] < runs[0]["expert_time_us"]
 

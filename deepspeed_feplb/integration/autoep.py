@@ -135,8 +135,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         placement = getattr(self, "placement", None)  # made at install, its replica slots with it
         held = placement.redundant if placement is not None else 0
         return LayerMemoryFacts(self.feplb_ep_group, self.feplb_ep_size, domain_size(config, self.feplb_ep_size),
-                                slices, slices[0].shape[1],
-                                replica_bytes(slices, held, allocated=True, held_back=False))
+                                slices, slices[0].shape[1], replica_bytes(slices, held, allocated=True))
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order
@@ -251,10 +250,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
 
 class _StackedReplicaLink:
     """What `ExpertGradOrder` carries for an AutoEP layer with replica slots: its tensors are the
-    rows, the stacked ``w1, w2, w3``, then each replica slot's three weights. A home takes its
-    replicas' sums in the layer's backward (`ReplicaSlots.sums_here`): holding the stacked
-    gradients back to the backward's end, as a DeepSpeed MoE layer holds its replicated experts',
-    would hold every local expert's."""
+    rows, the stacked ``w1, w2, w3``, then each replica slot's three weights."""
 
     def __init__(self, replicas: ReplicaSlots, later: int):
         self.replicas, self.later = replicas, later

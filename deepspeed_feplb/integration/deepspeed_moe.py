@@ -251,21 +251,14 @@ class FEPLBMOELayer(MOELayer):
         """This forward's local expert parameters with replica slots (primaries, then the replicas'
         weights; `_expert_params` returns them), and ``rows`` through the same `ExpertGradOrder`
         node: its backward, which sends the replicas' gradients home (collective over the EP group),
-        then runs on every rank after the expert stage's backward and before the dispatch's. At a
-        step's end the node takes this rank's replicated experts as detached stand-ins, so that
-        their gradients reach the parameters only with the replicas' sums, when the backward ends
-        (`ReplicaSlots.at_backward_end`)."""
+        then runs on every rank after the expert stage's backward and before the dispatch's."""
         params = self._primary_params() + replicas.weights
         flat = [p for group in params for p in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
             self._linked_params = params
             return rows
-        later = self.later_micro_batches()
-        late = replicas.homed_here() if later == 0 and replicas.defers() else []
-        link = _ReplicaLink(replicas, later, self.num_local_experts, len(params[0]), {i: params[i] for i in late})
-        inputs = [[p.detach().requires_grad_() for p in group] if i in link.late else group
-                  for i, group in enumerate(params)]
-        rows, *aliases = ExpertGradOrder.apply(link, rows, *(p for group in inputs for p in group))
+        link = _ReplicaLink(replicas, self.later_micro_batches(), self.num_local_experts, len(params[0]))
+        rows, *aliases = ExpertGradOrder.apply(link, rows, *flat)
         aliases = iter(aliases)
         self._linked_params = [[next(aliases) for _ in group] for group in params]
         return rows
@@ -359,34 +352,18 @@ class ExpertGradOrder(torch.autograd.Function):
 
 class _ReplicaLink:
     """What `ExpertGradOrder` carries with replica slots: its tensors are ``rows``, the primary
-    experts' parameters (``primaries`` x ``n``), then the replica slots' weights; ``late``: at a
-    step's end, {local index: parameters} of this rank's replicated experts, whose gradients wait
-    for their replicas' sums (the node took stand-ins for them)."""
+    experts' parameters (``primaries`` x ``n``), then the replica slots' weights."""
 
-    def __init__(self, replicas, later: int, primaries: int, n: int, late: dict):
-        self.replicas, self.later, self.primaries, self.n, self.late = replicas, later, primaries, n, late
+    def __init__(self, replicas, later: int, primaries: int, n: int):
+        self.replicas, self.later, self.primaries, self.n = replicas, later, primaries, n
 
     def backward(self, grads: tuple) -> list:
         rows, flat = grads[0], list(grads[1:])
         groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
         homes = groups[:self.primaries]
         self.replicas.backward(groups[self.primaries:], self.later)
-        if self.later == 0 and not self.late:
-            for local, sums in self.replicas.sums_here():
-                homes[local] = with_sum(homes[local], sums)
-        elif self.later == 0:
-            late = sorted(self.late)
-            n = self.n
-
-            def add(grads: list, arrived: list) -> list:
-                summed = dict(arrived)
-                return [g for i, local in enumerate(late) for g in
-                        with_sum(grads[i * n:(i + 1) * n], summed[local])]
-
-            self.replicas.at_backward_end([p for local in late for p in self.late[local]],
-                                          [g for local in late for g in homes[local]], add)
-            for local in late:
-                homes[local] = [None] * n
+        for local, sums in (self.replicas.sums_here() if self.later == 0 else []):
+            homes[local] = with_sum(homes[local], sums)
         return [rows, *(g for group in homes for g in group), *([None] * (len(flat) - self.primaries * self.n))]
 
 

@@ -6,7 +6,8 @@ plain ``deepspeed.initialize`` configures) makes ``engine.step()`` end with each
 `ExpertPlacement.end_step` (agree on the step's loads, re-place every ``interval_steps`` steps),
 makes ``engine.forward`` begin by sending the stepped weights to every layer's replica slots
 (`integration.replicas.ReplicaSlots.refresh_ahead`: they travel while the layers before each one
-compute), runs ``save_checkpoint`` with every expert back in its original slot (`canonical_experts`),
+compute; when the forward returns, every such relay is ordered before what comes next, even for
+a layer that did not run), runs ``save_checkpoint`` with every expert back in its original slot (`canonical_experts`),
 makes the table the identity after ``load_checkpoint``, and clips gradients with each slot's
 norms in DeepSpeed's layout (`canonical_grad_norms`). Idempotent per engine.
 """
@@ -162,8 +163,12 @@ def install(engine) -> None:
         for slots in replica_slots:
             slots.refresh_ahead()
 
+    def settled() -> None:  # a layer that did not run: its relay ends before anything writes what it reads
+        for slots in replica_slots:
+            slots.wait_arriving()
+
     seams.after_step(engine, after_step)
-    seams.before_forward(engine, ahead)
+    seams.around_forward(engine, ahead, settled)
     seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
     seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from deepspeed_feplb.migrate.phase2 import on_stream
-from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, deferred_sums, early_sums
+from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, early_sums
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.weight_watch import content_hash, write_marks
 
@@ -138,7 +138,6 @@ class ReplicaSlots:
         self._early: Optional[_EarlySums] = None  # the step's sums sent early, until its last backward
         self._last: Optional[_LastSums] = None  # the step's last exchange, until `arrived` takes it
         self.ahead_refreshes = 0  # refreshes sent when the engine's forward began (`refresh_ahead`)
-        self.held_back = 0  # a step's gradients of experts homed here delivered at the backward's end
         self._homes: Optional[Callable[[], list[list[torch.Tensor]]]] = None  # `keep_current`'s expert_params
         self._arriving = None  # CUDA event after a `refresh_ahead` relay, until the layer's forward waits for it
 
@@ -176,7 +175,7 @@ class ReplicaSlots:
         weights from the expert's home (``expert_params``: this rank's primary experts' parameters,
         ``[E_local][n]``). ``ahead`` (`refresh_ahead`): on a CUDA device the relay is queued on
         `relay_stream`, and `keep_current` makes the caller's stream wait for it."""
-        self._wait_arriving()  # a relay still writing the slots goes first
+        self.wait_arriving()  # a relay still writing the slots goes first
         me, transfers = self.me, []
         stream = relay_stream(self.device) if ahead else None
         if stream is not None:
@@ -222,8 +221,11 @@ class ReplicaSlots:
         self.ahead_refreshes += 1
         return True
 
-    def _wait_arriving(self) -> None:
-        """The caller's stream waits for a `refresh_ahead` relay still under way (no host wait)."""
+    def wait_arriving(self) -> None:
+        """The caller's stream waits for a `refresh_ahead` relay still under way (no host wait): before
+        anything writes the slots or reads them, or writes the experts' parameters it reads (the
+        layer's forward; the end of the engine's forward, for a layer that did not run, so that the
+        optimizer step and placement moves come after it)."""
         if self._arriving is not None:
             torch.cuda.current_stream(self.device).wait_event(self._arriving)
             self._arriving = None
@@ -242,7 +244,7 @@ class ReplicaSlots:
         self._watched, self._homes = watched, expert_params
         if recomputing() or not self.placement.holds_replicas:
             return
-        self._wait_arriving()
+        self.wait_arriving()
         with self.placement.timing_replicas():
             if self.stale or (self.check_due and self.changed(expert_params())):
                 self.refresh(expert_params())
@@ -275,16 +277,6 @@ class ReplicaSlots:
         """The local indices of this rank's experts that have a replica held (ascending)."""
         me = self.me
         return sorted({local for _, _, e in self._held() for home, local in [self.placement.home_of(e)] if home == me})
-
-    def defers(self) -> bool:
-        """Whether this rank, the home of replicated experts, holds their gradients of a step's last
-        micro-batch back until the backward ends (`at_backward_end`), where it is the home of at
-        most as many replicas as it has replica slots: what it then holds (a gradient and an
-        arrived sum per replica) stays within what `memory.replica_bytes` counts. A home of more
-        takes its replicas' sums in the layer's backward, as they arrive."""
-        homes = [self.placement.home_of(e)[0] for _, _, e in self._held()]
-        deferred = deferred_sums(homes, len(self.weights))
-        return any(home == self.me and defer for home, defer in zip(homes, deferred))
 
     def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> None:
         """One micro-batch's backward (collective over the EP group where it sends): add the replica
@@ -323,35 +315,17 @@ class ReplicaSlots:
             self._send_last(held, replica_grads)
 
     def sums_here(self) -> list[tuple[int, list[torch.Tensor]]]:
-        """After a step's last `backward`, where the layer holds no gradient back (every rank): on a
-        home of replicated experts, `arrived` now (its stream waits for the relay); on any other
-        rank nothing, its wait left to the backward's end (`at_backward_end`: its compute goes on,
-        its sent tensors are freed then)."""
+        """After a step's last `backward`, from the layer's backward (every rank): on a home of
+        replicated experts, `arrived` now (its stream waits for the relay: the sums must join the
+        expert's gradient before autograd hands it to DeepSpeed); on any other rank nothing, its
+        wait left to the end of the backward (an autograd-engine callback), so that its compute
+        goes on while the relay runs and its sent tensors are freed after it."""
         if self.homed_here():
             return self.arrived()
-        self.at_backward_end([], [], None)
+        last, self._last = self._last, None
+        if last is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: last.wait(self.device))
         return []
-
-    def at_backward_end(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-                        add: Optional[Callable[[list[torch.Tensor], list[tuple[int, list[torch.Tensor]]]],
-                                               list[torch.Tensor]]]) -> None:
-        """From a step's last backward through the layer (every rank, after `backward`): queue, for
-        when the running backward ends, the delivery of ``grads`` (this micro-batch's gradients of
-        ``params``, held back from autograd) with the replicas' sums added, ``add(grads, arrived)``
-        (`arrived`), by a backward of their own into ``params``: they accumulate and run their
-        hooks (DeepSpeed's gradient reductions) then, once, in the same order on every rank. So
-        the sums travel while the layers below compute their backward. ``params`` may be empty
-        (a rank that is no home: it waits all the same, so its sent tensors are freed in order)."""
-        def deliver() -> None:
-            arrived = self.arrived()
-            if params:
-                torch.autograd.backward(params, add(grads, arrived))
-                self.held_back += 1
-            elif arrived:
-                raise AssertionError(f"replica sums arrived for local experts {[i for i, _ in arrived]} of a rank "
-                                     "that held back no gradient for them")
-
-        torch.autograd.Variable._execution_engine.queue_callback(deliver)
 
     def _transfers(self, held, outgoing: Callable[[tuple], list[torch.Tensor]],
                    dtype: Callable[[tuple], Optional[torch.dtype]]) -> tuple[list, list]:
@@ -517,10 +491,11 @@ class _LastSums:
 
 
 def relay_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """Where `ReplicaSlots` queues the step's early gradient relay on a CUDA device: one stream per
-    device and process, so that the compute stream goes on with the step's last micro-batch while
-    the relay's rounds wait for each other (a relay waits for each round's transfers on the stream
-    it runs on); None on host memory (the relay runs in the caller's order)."""
+    """Where `ReplicaSlots` queues its relays on a CUDA device (the stepped weights at the engine's
+    forward, a step's early and last gradient halves): one stream per device and process, so that
+    the compute stream goes on while the relay's rounds wait for each other (a relay waits for each
+    round's transfers on the stream it runs on), waiting for it only where it needs what the relay
+    brings; None on host memory (the relay runs in the caller's order)."""
     if device.type != "cuda":
         return None
     return _relay_stream(device.index if device.index is not None else torch.cuda.current_device())

@@ -25,7 +25,8 @@ DeepSpeed upgrade that breaks one breaks it here (and `tests/test_dropin.py`,
   into (it also overrides the engine's ``_train_schedule``; `PipelineEngine` has no public way
   to change its schedule).
 * `after_step`: run a callback after every ``engine.step()`` (DeepSpeed has no step hook);
-  `before_forward`: one when ``engine.forward`` begins, before the model runs.
+  `around_forward`: callbacks when ``engine.forward`` begins, before the model runs, and when it
+  has returned (or raised).
 * `clip_fp32_gradients_with`: ZeRO 0 (fp32) clips by DeepSpeed's formula with per-parameter norms
   given by the caller (cross-node placement gives each rank the norms of the experts it holds in
   DeepSpeed's layout).
@@ -251,17 +252,20 @@ def after_step(engine, callback: Callable[[bool], None]) -> None:
     engine.step = step_then_callback
 
 
-def before_forward(engine, callback: Callable[[], None]) -> None:
-    """Call ``callback()`` when each ``engine.forward`` (``engine(...)``) begins, before the model
-    runs. Relies on ``torch.nn.Module.__call__`` looking ``forward`` up on the instance, as
-    `step_ends` does."""
+def around_forward(engine, before: Callable[[], None], after: Callable[[], None]) -> None:
+    """Call ``before()`` when each ``engine.forward`` (``engine(...)``) begins, before the model
+    runs, and ``after()`` once it has returned or raised. Relies on ``torch.nn.Module.__call__``
+    looking ``forward`` up on the instance, as `step_ends` does."""
     forward = engine.forward
 
-    def callback_then_forward(*args, **kwargs):
-        callback()
-        return forward(*args, **kwargs)
+    def forward_between_callbacks(*args, **kwargs):
+        before()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            after()
 
-    engine.forward = callback_then_forward
+    engine.forward = forward_between_callbacks
 
 
 def clip_fp32_gradients_with(engine, norms: Callable[[list], list]) -> None:

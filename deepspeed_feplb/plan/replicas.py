@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["Choice", "most_replica_slots", "slot_experts", "Split", "split", "load_split", "route", "expected_counts",
            "predicted_rows", "predicted_rows_many", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "early_sums",
-           "deferred_sums", "last_half_bytes", "exchange_us", "exchange_per_micro_batch", "choose"]
+           "last_half_bytes", "exchange_us", "exchange_per_micro_batch", "choose"]
 
 
 def most_replica_slots(experts: int, ranks: int, ranks_per_node: int) -> int:
@@ -394,7 +394,6 @@ def _compiled_expected():
 
 
 RELAY_CHUNK_BYTES = 4 << 20  # `integration.replicas.relay` moves a shard in pieces of this size, hops pipelined
-FORWARD_SHARE = 1 / 3  # of an expert's compute per row, its forward's (the backward's two GEMMs per one)
 
 
 def relay_us(transfers: np.ndarray, ranks: int, ranks_per_node: int, nbytes: float, net_gbps: float,
@@ -478,17 +477,6 @@ def early_sums(homes, redundant: int) -> np.ndarray:
     return early
 
 
-def deferred_sums(homes, redundant: int) -> np.ndarray:
-    """Which held replicas' gradient sums their expert's home takes only when a step's last backward
-    ends (`integration.replicas.ReplicaSlots.defers`), so that they travel while the layers below
-    compute: ``homes`` int [T], each held replica's expert's home rank -> bool [T], true where that
-    home is the home of at most ``redundant`` replicas (what it holds back then stays within what
-    `memory.replica_bytes` counts; every one of its replicas also sends early, `early_sums`)."""
-    homes = np.asarray(homes, np.int64).reshape(-1)
-    _, inverse, counts = np.unique(homes, return_inverse=True, return_counts=True)
-    return counts[inverse.reshape(-1)] <= redundant
-
-
 def last_half_bytes(weight_bytes: float, grad_bytes: float, micro_batches_per_step: int) -> float | None:
     """The bytes of the step's last replica gradient where the sums go home in two halves (more
     than one micro-batch per step, weights narrower than the fp32 sums: the last micro-batch's
@@ -507,13 +495,9 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
       slot, the first ``primaries`` columns of ``slots``): with ``last_bytes`` (a step of several
       micro-batches, gradients narrower than fp32), for each home its first replicas in holder
       order, as many as it has replica slots, send the sum of all but the last micro-batch in the
-      one-but-last backward, then the last one's gradient alone (``last_bytes``: in the gradients'
-      dtype) in its backward; the others (and all without ``last_bytes``) send the sum in it. The
-      last micro-batch hides the early halves up to ``hidden_us`` (its compute); a home of at most
-      as many replicas as it has replica slots (`deferred_sums`) takes the rest only when that
-      backward ends, so it travels while the layers below compute: within the same
-      ``hidden_us`` (without ``last_bytes``, within its backward, 1 - `FORWARD_SHARE` of it);
-      any other home waits for it in the layer's backward;
+      one-but-last backward, which the last micro-batch hides up to ``hidden_us``, then the last
+      one's gradient alone (``last_bytes``: in the gradients' dtype) in its backward; the others
+      (and all without ``last_bytes``) send the sum in it;
     * when the next forward begins the home sends the stepped weights (``weight_bytes``) to the
       replicas of ``weight_slots`` (the table a decision at the step left; default ``slots``),
       which the forward hides up to ``weights_hidden_us``: the layers before each one compute
@@ -521,27 +505,19 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
       layer's forward, of which the caller passes the expert stage's alone (the first MoE layer
       of a model hides only behind what precedes it).
 
-    The hidden shares are each layer's in the steady state of a deep model, whose layers' exchanges
-    share the links while they all compute: the simulator and `choose` see one layer, and pass its
-    expert stage's time alone (attention computes too). The model's first MoE layer, the last in
-    the backward, has little below it to hide its gradients behind: about one layer's exchange per
-    step that this leaves out."""
+    The two hidden shares are each layer's in the steady state of a deep model: the simulator and
+    `choose` see one layer."""
     R = np.asarray(slots).shape[0]
     pairs = replica_pairs(slots, primaries)
     weight_pairs = pairs if weight_slots is None else replica_pairs(weight_slots, primaries)
-    redundant = np.asarray(slots).shape[1] - primaries
-    back, deferred = pairs[:, ::-1], deferred_sums(pairs[:, 0], redundant)
-
-    def relayed(which: np.ndarray, nbytes: float) -> float:
-        return relay_us(back[which], R, ranks_per_node, nbytes, net_gbps, intra_gbps)
-
     if last_bytes is None:
-        sums = (max(0.0, relayed(deferred, grad_bytes) - (1 - FORWARD_SHARE) * hidden_us)
-                + relayed(~deferred, grad_bytes))
+        sums = relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
     else:
-        early = early_sums(pairs[:, 0], redundant)
-        sums = (max(0.0, relayed(early, grad_bytes) + relayed(deferred, last_bytes) - hidden_us)
-                + relayed(early & ~deferred, last_bytes) + relayed(~early, grad_bytes))
+        early = early_sums(pairs[:, 0], np.asarray(slots).shape[1] - primaries)
+        back = pairs[:, ::-1]
+        sums = (max(0.0, relay_us(back[early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps) - hidden_us)
+                + relay_us(back[early], R, ranks_per_node, last_bytes, net_gbps, intra_gbps)
+                + relay_us(back[~early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps))
     weights = relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps)
     return sums + max(0.0, weights - weights_hidden_us)
 
@@ -618,9 +594,9 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         rows = predicted_rows_many(judge, tables, G, dynamic_experts)
         return [(float(r.mean()), float(np.maximum(r - caps, 0.0).mean())) for r in rows]
 
-    # a micro-batch's compute at the mean rows per rank: what the gradient sums hide behind (the
-    # step's last micro-batch), and its forward what the stepped weights hide behind (the next
-    # step's first)
+    # a micro-batch's compute at the mean rows per rank: what the early half of the gradient
+    # exchange hides behind (the step's last micro-batch), and its forward what the stepped
+    # weights hide behind (the next step's first)
     micro_batch_us = judge.sum(axis=1).mean() / R * us_per_row
 
     def cost(replicas: np.ndarray, slots: np.ndarray) -> float:
@@ -657,6 +633,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
 
 ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
+FORWARD_SHARE = 1 / 3  # of an expert's compute per row, its forward's (the backward's two GEMMs per one)
 
 
 def exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,

@@ -81,10 +81,10 @@ class SimSetup:
                decision left, relayed over every link of the two nodes (`replicas.exchange_us`),
                **added to the expert time of the micro-batch that ends the step**
                (``replica_exchange_us``), less what that micro-batch's own expert time hides of
-               the gradient sums, which travel while it computes (experts of 2-byte weights,
-               `ExpertShape.dtype_bytes`, as bf16 training has them; `replicas.exchange_us`), and
-               less what its forward's hides of the stepped weights (standing for the next step's
-               first forward, at whose start they leave). Without
+               the sums of the micro-batches before it, which go home during it (experts of 2-byte
+               weights, `ExpertShape.dtype_bytes`, as bf16 training has them), and less what its
+               forward's hides of the stepped weights (standing for the next step's first forward,
+               at whose start they leave). Without
                ``placement`` every expert keeps its home and decisions choose replicas only.
     replica_host_us: host time per micro-batch that holding any replica costs beyond its
                exchange (a runtime with ``feplb.fixed_costs: "measured"`` measures it): the choice

@@ -1,8 +1,7 @@
-"""A replicated expert's home on a GPU (`integration.replicas.ReplicaSlots.at_backward_end`): its
-gradient of a step's last micro-batch is held back from autograd and delivered when the whole
-backward ends, with the replicas' sums, which arrive on the relay stream (`relay_stream`) well
-after the backward's own work. The delivery waits for them in stream order (no host wait), adds
-them in fp32 and accumulates the result into the parameter once, running its hooks once.
+"""A replicated expert's home on a GPU (`integration.replicas.ReplicaSlots.sums_here`): the
+replicas' sums of a step's last micro-batch arrive on the relay stream (`relay_stream`), and the
+home's compute stream waits for them in stream order (no host wait) before it adds them to the
+expert's gradient; a rank that is no home leaves its wait to the end of the backward.
 
 On one GPU and one process: the sums are "arriving" buffers written on the relay stream behind a
 long spin kernel, as a relay from another node would write them; a missing stream wait would read
@@ -16,11 +15,12 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-class _OneRank:
-    """The placement as `ReplicaSlots` sees it: one rank, no group."""
+class _Placement:
+    """The placement as `ReplicaSlots` sees it: no group (this process is rank 0), rank 1 holds a
+    replica of expert 0, whose home is rank 0's local expert 0."""
     ep_group = None
     ranks_per_node = 1
-    replica_at = np.array([[-1]])
+    replica_at = np.array([[-1], [0]])
 
     @staticmethod
     def home_of(expert: int) -> tuple[int, int]:
@@ -31,41 +31,32 @@ class _OneRank:
         return contextlib.nullcontext()
 
 
-def test_a_held_back_gradient_joins_its_late_sums_when_the_backward_ends():
-    from deepspeed_feplb.integration.replicas import ReplicaSlots, _LastSums, relay_stream, with_sum
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    slots = ReplicaSlots(_OneRank(), [torch.zeros(64, 64, dtype=torch.bfloat16, device=device)], 1)
-    weight = torch.nn.Parameter(torch.randn(64, 64, device=device).to(torch.bfloat16))
-    accumulated = []
-    weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+def _arriving_late(device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    from deepspeed_feplb.integration.replicas import relay_stream
 
     stream = relay_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         late = torch.full((64, 64), float("nan"), device=device)
-        torch.cuda._sleep(200_000_000)  # a relay from another node, long after the backward's own work
+        torch.cuda._sleep(200_000_000)  # a relay from another node, long after the caller's own work
         late.fill_(0.25)
         done = torch.cuda.Event()
         done.record(stream)
+    return late, done
+
+
+def test_a_home_adds_sums_that_arrive_late_in_stream_order():
+    from deepspeed_feplb.integration.replicas import ReplicaSlots, _LastSums, with_sum
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    slots = ReplicaSlots(_Placement(), [torch.zeros(64, 64, dtype=torch.bfloat16, device=device)], 1)
+    late, done = _arriving_late(device)
     # as `_send_last` leaves it on the home: one replica's fp32 sum arriving for local expert 0
-    slots._last = _LastSums(None, [(1, 0, 7, 0, [late])], {}, done)
-
-    class HeldBack(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, stand_in):
-            return stand_in.view_as(stand_in)
-
-        @staticmethod
-        def backward(ctx, grad):
-            slots.at_backward_end([weight], [grad], lambda grads, arrived: with_sum(grads, dict(arrived)[0]))
-            return None
-
-    x = torch.randn(8, 64, device=device).to(torch.bfloat16)
-    out = x @ HeldBack.apply(weight.detach().requires_grad_())
-    out.float().sum().backward()
-    expected = with_sum([x.t() @ torch.ones_like(out)], [torch.full((64, 64), 0.25, device=device)])[0]
-    assert slots.held_back == 1 and len(accumulated) == 1, "delivered more or less than once"
-    assert torch.isfinite(weight.grad).all(), "the sums were read before their relay wrote them"
-    assert torch.equal(weight.grad, expected)
-    assert slots._last is None
+    slots._last = _LastSums(None, [(1, 0, 0, 0, [late])], {}, done)
+    own = torch.randn(64, 64, device=device).to(torch.bfloat16)
+    (local, sums), = slots.sums_here()
+    summed = with_sum([own], sums)[0]  # on the compute stream, right away
+    torch.cuda.synchronize()
+    assert local == 0 and slots._last is None
+    assert torch.isfinite(summed.float()).all(), "the sums were read before their relay wrote them"
+    assert torch.equal(summed, (own.float() + 0.25).to(torch.bfloat16))
