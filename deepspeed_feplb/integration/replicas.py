@@ -176,22 +176,20 @@ class ReplicaSlots:
         ``[E_local][n]``). ``ahead`` (`refresh_ahead`): on a CUDA device the relay is queued on
         `relay_stream`, and `keep_current` makes the caller's stream wait for it."""
         self.wait_arriving()  # a relay still writing the slots goes first
-        me, transfers = self.me, []
-        stream = relay_stream(self.device) if ahead else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights are written, the slots read
-        with torch.no_grad(), on_stream(stream):
+        me = self.me
+
+        def transfers() -> tuple[list, None]:
+            out = []
             for q, j, e in self._held():
                 home, local = self.placement.home_of(e)
                 if home == me == q:
                     raise AssertionError(f"expert {e} has a replica on its own home rank {me}")
-                tensors = ([p.detach().contiguous() for p in expert_params[local]] if home == me
-                           else self.weights[j] if q == me else self._shapes(self.weights[0]))
-                transfers.append((home, q, tensors))
-            relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
-            if stream is not None:
-                self._arriving = torch.cuda.Event()
-                self._arriving.record(stream)
+                out.append((home, q, [p.detach().contiguous() for p in expert_params[local]] if home == me
+                            else self.weights[j] if q == me else self._shapes(self.weights[0])))
+            return out, None
+
+        with torch.no_grad():
+            _, self._arriving = self._relayed(transfers, queued=ahead)
             for j in range(len(self.weights)):
                 # received by the process group, which writes no version: a helper's kept copy of the slot
                 # (`LayerResidency.stamp`) must see the new weights
@@ -347,6 +345,23 @@ class ReplicaSlots:
             transfers.append((q, home, tensors))
         return transfers, arriving
 
+    def _relayed(self, transfers: Callable[[], tuple[list, object]], queued: bool = True) -> tuple[object, object]:
+        """`relay` the transfers that ``transfers()`` returns, beside what the caller keeps of them
+        (buffers allocated there belong to the stream the relay runs on): where ``queued`` and the
+        slots are on a CUDA device, on `relay_stream`, after the caller's stream's work so far (the
+        tensors sent are computed, the slots written are no longer read). Returns (what the caller
+        keeps, the CUDA event after the relay; None where it ran in the caller's order)."""
+        stream = relay_stream(self.device) if queued else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with on_stream(stream):
+            out, kept = transfers()
+            relay(out, self.me, self.placement.ranks_per_node, self._peer, self.device)
+            done = torch.cuda.Event() if stream is not None else None
+            if done is not None:
+                done.record(stream)
+        return kept, done
+
     def _early_pairs(self, held: list[tuple[int, int, int]]) -> set:
         """The held (holder, slot, expert) whose sums go early (`plan.replicas.early_sums`: for each
         home, its first replicas in holder order, as many as it has replica slots). The same on
@@ -360,16 +375,8 @@ class ReplicaSlots:
         while the last micro-batch computes; the home keeps them until the step's last backward
         (`_send_last`)."""
         early = [pair for pair in held if pair in pairs]
-        stream = relay_stream(self.device)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the sums are computed
-        with on_stream(stream):
-            transfers, arriving = self._transfers(early, lambda pair: self._sums[pair[1]],
-                                                  lambda pair: torch.float32)
-            relay(transfers, self.me, self.placement.ranks_per_node, self._peer, self.device)
-            done = torch.cuda.Event() if stream is not None else None
-            if done is not None:
-                done.record(stream)
+        arriving, done = self._relayed(lambda: self._transfers(early, lambda pair: self._sums[pair[1]],
+                                                               lambda pair: torch.float32))
         sent = {j: self._sums[j] for q, j, _ in early if q == self.me}
         self.early_sends += len(sent)
         self._early = _EarlySums({(q, j, e): (local, tensors) for q, j, e, local, tensors in arriving}, sent,
@@ -385,19 +392,11 @@ class ReplicaSlots:
         me = self.me
         early, self._early = self._early, None
         sent_early = early.pairs if early is not None else set()
-        stream = relay_stream(self.device)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are computed
-        with on_stream(stream):
-            outgoing = {}  # this rank's sent tensors, held until the relay is through
-            transfers, arriving = self._transfers(
-                held, lambda pair: outgoing.setdefault(pair, list(replica_grads[pair[1]]) if pair in sent_early
-                                                       else self._sums[pair[1]]),
-                lambda pair: None if pair in sent_early else torch.float32)
-            relay(transfers, me, self.placement.ranks_per_node, self._peer, self.device)
-            done = torch.cuda.Event() if stream is not None else None
-            if done is not None:
-                done.record(stream)
+        outgoing = {}  # this rank's sent tensors, held until the relay is through
+        arriving, done = self._relayed(lambda: self._transfers(
+            held, lambda pair: outgoing.setdefault(pair, list(replica_grads[pair[1]]) if pair in sent_early
+                                                   else self._sums[pair[1]]),
+            lambda pair: None if pair in sent_early else torch.float32))
         self.grad_sends += sum(q == me for q, _, _ in held)
         self._sums = [None] * len(self.weights)
         self._last = _LastSums(early, arriving, outgoing, done)
