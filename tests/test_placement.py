@@ -119,7 +119,7 @@ def _simulated_placements(trace, gas: int, interval: int, decay: float, state_by
     for step in range(trace.steps):
         src = fold_sources(trace.counts[step, 0], 4)
         rows.append(src.sum(axis=0)[policy.slots(0)].sum(axis=1).tolist())
-        policy.placers[0].us_per_token = us_per_token[step // gas]
+        policy.placers[0].us_per_token = us_per_token[step]  # the runtime's after this micro-batch (its step's end)
         policy.step(step, 0, src)
         if setup.step_ends(step):
             placements.append(policy.placers[0].expert_to_rank.tolist())

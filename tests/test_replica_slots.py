@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from deepspeed_feplb.plan.placement import FIRST_REPLICAS_AFTER
 from deepspeed_feplb.testing import run_distributed
 
 import moe_cases
@@ -30,7 +31,7 @@ def _node_rows(results: list, ranks_per_node: int = 2) -> np.ndarray:
                          # ZeRO 1 and 2 share DeepSpeed's optimizer: each case of one stands for the other too
                          [(4, 0, 1, 8, False, False, True), (4, 2, 0, 8, False, False, True),
                           (8, 2, 1, 6, False, False, True), (4, 1, 1, 30, True, False, True),
-                          (4, 2, 1, 6, False, True, True), (4, 1, 1, 8, False, False, False)],
+                          (4, 2, 1, 6, False, True, True), (4, 1, 1, 4, False, False, False)],
                          ids=["zero0", "zero2-no-replicas", "zero2-4-nodes", "zero1-learning-30",
                               "zero2-recomputed", "zero1-homes-kept"])
 def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage, redundant, steps, learn, recompute,
@@ -41,8 +42,10 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
     so the replicas change with it and follow up to a decision (2 steps) behind. ``recompute``:
     the layer runs again in each backward (activation checkpointing), on the replica weights of
     its first forward and with its split. ``moves`` false: ``feplb.placement.enabled`` false,
-    replicas alone; no slot's contents change."""
-    gas = 2
+    replicas alone, 4 micro-batches per step; no slot's contents change, and the first replicas
+    come after the first step's second micro-batch, their gradient sums covering the step's last two."""
+    gas = 2 if moves else 4
+    decided = gas if moves else FIRST_REPLICAS_AFTER  # micro-batches before the first decision
     results = run_distributed(moe_cases.replica_slots_case, world, zero_stage, steps, gas, redundant, learn,
                               recompute, moves, timeout=900)
     r = results[0]
@@ -51,7 +54,7 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
                    for x in results), "an expert left its home with placement.enabled false"
     assert r["forwards"] == steps * gas * (2 if recompute else 1)
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
-    nodes = _node_rows(results)[gas:]  # after the first decision (at the first optimizer step)
+    nodes = _node_rows(results)[decided:]  # after the first decision
     ratio = nodes.max(axis=1) / nodes.min(axis=1)
     if redundant:
         assert any(q >= 0 for step in r["replica_at"] for row in step for q in row), "no replica was made"
@@ -118,9 +121,10 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound, moves):
     replicas at the same optimizer steps and every rank receives the rows the simulator's split
     gives it, micro-batch by micro-batch. ``row_bound``: over a network so slow that no replica
     pays in time, ``feplb.max_rows_over_mean`` makes them (rows before time) alike on both.
-    ``homes_kept``: ``feplb.placement.enabled`` false, replicas alone, chosen again alike at every
-    optimizer step between decisions: the hot experts change nodes after the one decision, and the
-    replicas follow them."""
+    ``homes_kept``: ``feplb.placement.enabled`` false, replicas alone, 4 micro-batches per step: the
+    one decision comes after the first step's second micro-batch, alike, and the replicas are chosen
+    again alike at every optimizer step: the hot experts change nodes after it, and the replicas
+    follow them."""
     from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, scaled
     from deepspeed_feplb.plan.replicas import route
     from deepspeed_feplb.sim.policies import FEPLB, SimSetup
@@ -130,6 +134,7 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound, moves):
                          top_k=2, skew=1.6, drift=0.3, memory=0.8, seed=4)
     gas, interval, decay = 2, 2, 0.3
     if not moves:  # one decision, then the hot experts change nodes: the replicas must follow
+        gas = 4  # the one decision comes before the first step ends, after its second micro-batch
         counts = trace.counts.copy()
         counts[8:] = np.roll(counts[8:], trace.experts // 2, axis=-1)
         trace, interval = replace(trace, counts=counts), 100
@@ -152,17 +157,22 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound, moves):
         placer = policy.placers[0]
         placer.weight_bytes = r["weight_bytes"]  # the runtime's expert, not the profile's shape
         placer.grad_bytes = r["grad_bytes"]
-        rows, replica_at = [], []
+        rows, replica_at, held = [], [], []
         for step in range(trace.steps):
             src = fold_sources(trace.counts[step, 0], 4)
+            held.append(placer.holds_replicas)
             rows.append(route(src, placer.slots, 2, setup.experts_per_rank).sum(axis=1).tolist())
-            placer.us_per_token = r["us_per_token"][step // gas]
+            # the runtime's time per row as its decision here took it: at a step's end, as the step's last
+            # micro-batch left it; a decision between micro-batches, as the next forward began
+            placer.us_per_token = r["us_per_token"][step if setup.step_ends(step) else min(step + 1, trace.steps - 1)]
             policy.step(step, 0, src)
             if setup.step_ends(step):
                 replica_at.append(placer.replica_at.tolist())
-        return rows, replica_at, (placer.replica_drops, placer.replica_changes)
+        return rows, replica_at, (placer.replica_drops, placer.replica_changes), held
 
-    rows, replica_at, changes = replay(setup)
+    rows, replica_at, changes, held = replay(setup)
+    if not moves:  # the first replicas balanced the first step's third micro-batch on
+        assert held.index(True) == FIRST_REPLICAS_AFTER < gas, held
     assert changes == (r["replica_drops"], r["replica_changes"]), (changes, r)
     if not moves:
         followed = replica_at[-1] != replica_at[0] and any(q >= 0 for row in replica_at[-1] for q in row)

@@ -361,6 +361,48 @@ def test_a_placer_that_keeps_homes_chooses_replicas_only():
     assert np.array_equal(placer.expert_to_rank, before) and placer.migrated_experts == 0
 
 
+def test_replicas_alone_are_first_chosen_after_two_micro_batches_not_at_the_steps_end():
+    """Every home kept: the first decision is due mid-step, once `FIRST_REPLICAS_AFTER` micro-batches
+    were seen (the runtime decides as the next forward begins), and only the first; a placer
+    that may move homes waits for the step's end (its optimizer state moves)."""
+    from deepspeed_feplb.plan.placement import FIRST_REPLICAS_AFTER
+
+    for move in (False, True):
+        placer = CrossNodePlacer(E, N, G, interval=8, expert_state_bytes=1e3, net_gbps=1.0, us_per_token=1.0,
+                                 dynamic_experts=1, redundant=1, weight_bytes=1e3, micro_batches_per_step=8,
+                                 warmup=8, move_experts=move)
+        samples = _skewed_samples(400.0)
+        due = []  # after each micro-batch
+        for loads in samples[:FIRST_REPLICAS_AFTER + 1]:
+            placer.observe(loads, refresh=False)
+            due.append(placer.replicas_due_mid_step)
+        assert not placer.due  # the step's end (warmup) is not reached
+        if move:
+            assert not any(due)
+            continue
+        assert due == [seen >= FIRST_REPLICAS_AFTER for seen in range(1, FIRST_REPLICAS_AFTER + 2)], due
+        assert placer.refresh() and (placer.replica_at >= 0).any()
+        assert not placer.replicas_due_mid_step  # decided: later ones come at the steps' ends
+
+
+def test_the_simulator_chooses_replicas_alone_before_the_first_step_ends():
+    """EP 16 (2 x 8), a hot set that does not drift, homes kept: the nodes are balanced from the
+    first step's third micro-batch on, and the replicas' exchange is priced."""
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.sim.policies import SimSetup
+    from deepspeed_feplb.sim.simulate import simulate
+    from deepspeed_feplb.trace.generators import skewed_trace
+
+    trace = skewed_trace(16, 1, 16, 64, tokens_per_rank=4096, top_k=8, skew=1.2, drift=0.0, memory=1.0, seed=4)
+    setup = SimSetup(ranks_per_node=8, nodes=2, experts=64, shape=ExpertShape(hidden=6144, ffn_hidden=2048),
+                     micro_batches_per_step=8, redundant_per_rank=1, placement="off")
+    runs = simulate(trace, setup, ["feplb"]).runs
+    rows = runs["feplb"].rank_rows[:, 0].reshape(16, 2, 8).sum(-1)  # [micro-batches, nodes]
+    node_max_over_mean = rows.max(1) / rows.mean(1)
+    assert node_max_over_mean[:2].min() > 1.03 and (node_max_over_mean[2:] < 1.001).all(), node_max_over_mean
+    assert runs["feplb"].summary["replica_exchange_us"] > 0
+
+
 def test_two_holders_on_one_node_share_its_part():
     w = np.zeros(E)
     w[0] = 100.0

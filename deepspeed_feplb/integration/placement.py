@@ -11,7 +11,8 @@ decided by the same policy the simulator replays (`plan.placement.CrossNodePlace
   optimizer step the step's counts are summed over the expert-parallel group and its
   expert-data-parallel group (one all-reduce of ``[M, E]`` per layer and step), so every rank
   feeds the policy the same loads, one micro-batch at a time, as the simulator does.
-* **Decision.** After the first optimizer step, then every ``interval_steps`` steps, the policy
+* **Decision.** After the first optimizer step (replicas alone, every home kept: as soon as two
+  micro-batches of it were seen, `decide_mid_step`), then every ``interval_steps`` steps, the policy
   looks for a better placement (balanced node loads, hot experts spread over a node's ranks so
   that the dynamic experts can absorb the rest) and adopts the candidate whose predicted gain over
   its horizon most exceeds the time its moves take (``network_gbps`` between nodes,
@@ -47,7 +48,7 @@ from deepspeed_feplb.integration.expert_state import state_bytes_per_expert
 from deepspeed_feplb.integration.replicas import ReplicaSlots
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.plan import replicas
-from deepspeed_feplb.plan.placement import CrossNodePlacer, node_loads
+from deepspeed_feplb.plan.placement import FIRST_REPLICAS_AFTER, CrossNodePlacer, node_loads
 
 
 class ExpertPlacement:
@@ -102,7 +103,7 @@ class ExpertPlacement:
         self.ranks_per_node = ranks_per_node
         self.per_rank = num_experts // ep_size
         self.interval_steps = interval_steps
-        # interval and warmup count micro-batches: set at the first step's end, when M is known
+        # interval and warmup count micro-batches: set when M is known (`_count_steps_of`)
         self.placer = CrossNodePlacer(num_experts, ep_size // ranks_per_node, ranks_per_node, interval=interval_steps,
                                       decay=decay, expert_state_bytes=float(state_bytes_per_expert(expert_params)),
                                       net_gbps=network_gbps, dynamic_experts=dynamic_experts, intra_gbps=intra_gbps,
@@ -125,6 +126,8 @@ class ExpertPlacement:
         self.bundle_bytes = 0  # bytes one expert's move carries (parameters, master copy, optimizer state)
         self._report = {"placement_refreshes": 0, "placement_moved_experts": 0, "placement_bytes": 0}
         self.last_loads: Optional[np.ndarray] = None  # the agreed loads of the last step, float64 [M, E]
+        self._first_loads: Optional[np.ndarray] = None  # the first step's loads agreed by `decide_mid_step`
+        self._mid_step_tried = False  # `decide_mid_step` agreed once
         self.price_host = price_host  # the replica choice prices the host's work on replicas (`end_step`)
         self.replica_host_s = 0.0  # this step's host seconds in the replicas' work (`timing_replicas`)
         self._canonical_blocks = 0  # `canonical` blocks now open
@@ -313,34 +316,22 @@ class ExpertPlacement:
         host_s, self.replica_host_s = self.replica_host_s, 0.0  # the step's work on the replicas
         if not self.pending:
             return False
-        local = torch.stack(self.pending)  # [M, E]
-        self.pending = []
-        extra = torch.zeros(local.shape[0], 2, dtype=torch.float64)
-        extra[0, 0] = us_per_token
         held = self.holds_replicas  # the same on every rank: the tables are
-        if held and self.price_host:  # what this rank's host spent on them beyond their modelled exchange
-            extra[0, 1] = max(0.0, host_s * 1e6 / len(local) - self.placer.exchange_us_per_micro_batch())
-        # on the routing table's device: an NCCL group reduces CUDA tensors only
-        both = torch.cat([local.cpu(), extra], dim=1).to(self.slot_of.device)
-        sizes = [dist.get_world_size(g) if g is not None else 1 for g in (self.ep_group, self.dp_group)]
-        for group, size in zip((self.ep_group, self.dp_group), sizes):
-            if size > 1:
-                dist.all_reduce(both, group=group)
-        ranks = sizes[0] * sizes[1]
-        both = both.cpu()
-        # one EP group's loads (the mean over its expert-data-parallel replicas, which place alike):
-        # what a placement or a replica gains per micro-batch is in one group's rows
-        loads = both[:, :-2].numpy() / sizes[1]
-        self.last_loads = loads
-        if self.steps == 0:  # as the simulator: first decision after one step, then every interval_steps steps
-            self.placer.interval, self.placer.warmup = self.interval_steps * len(loads), len(loads)
-            self.placer.micro_batches_per_step = len(loads)  # a replica's gradient exchange, once per step
+        # what this rank's host spent on them beyond their modelled exchange
+        host_us = host_s * 1e6 / len(self.pending) - self.placer.exchange_us_per_micro_batch() \
+            if held and self.price_host else 0.0
+        loads, us_per_token, fixed_us = self._agreed_loads(us_per_token, max(0.0, host_us))
+        self.pending = []
+        self.last_loads = loads if self._first_loads is None else np.concatenate([self._first_loads, loads])
+        self._first_loads = None
+        if self.steps == 0 and not self.placer.decisions:  # as the simulator: first decision after one step
+            self._count_steps_of(len(loads))
         for row in loads:
             self.placer.observe(row, refresh=False)
         self.steps += 1
-        self.placer.us_per_token = float(both[0, -2]) / ranks
+        self.placer.us_per_token = us_per_token
         if held and self.price_host:  # kept until replicas are held again: the choice weighs it meanwhile
-            self.placer.replica_fixed_us = float(both[0, -1]) / ranks
+            self.placer.replica_fixed_us = fixed_us
         if not self.placer.due:  # replicas chosen again: the hot set drifts between decisions
             if review_owner is None or self.ep_group is None or self.ep_size <= 1:
                 return self.placer.review_replicas()
@@ -356,6 +347,61 @@ class ExpertPlacement:
         self._report["placement_refreshes"] += 1
         self._report["placement_moved_experts"] += moved
         self._report["placement_bytes"] += moved * self.bundle_bytes
+        return True
+
+    def _agreed_loads(self, us_per_token: float, host_us: float = 0.0) -> tuple[np.ndarray, float, float]:
+        """Collective over the ranks that hold the layer: this step's ``pending`` route counts as one
+        EP group's loads, float64 [M, E] (summed over the group, averaged over its
+        expert-data-parallel replicas, which place alike: what a placement or a replica gains per
+        micro-batch is in one group's rows), and the ranks' mean ``us_per_token`` and ``host_us``,
+        in one all-reduce per group."""
+        local = torch.stack(self.pending)  # [M, E]
+        extra = torch.zeros(local.shape[0], 2, dtype=torch.float64)
+        extra[0] = torch.tensor([us_per_token, host_us], dtype=torch.float64)
+        # on the routing table's device: an NCCL group reduces CUDA tensors only
+        both = torch.cat([local.cpu(), extra], dim=1).to(self.slot_of.device)
+        sizes = [dist.get_world_size(g) if g is not None else 1 for g in (self.ep_group, self.dp_group)]
+        for group, size in zip((self.ep_group, self.dp_group), sizes):
+            if size > 1:
+                dist.all_reduce(both, group=group)
+        ranks = sizes[0] * sizes[1]
+        both = both.cpu()
+        return both[:, :-2].numpy() / sizes[1], float(both[0, -2]) / ranks, float(both[0, -1]) / ranks
+
+    def _count_steps_of(self, micro_batches: int) -> None:
+        """Decisions every ``interval_steps`` optimizer steps of ``micro_batches`` each, the first at
+        the first step's end; a replica's gradient exchange priced once per step."""
+        self.placer.interval, self.placer.warmup = self.interval_steps * micro_batches, micro_batches
+        self.placer.micro_batches_per_step = micro_batches
+
+    def decide_mid_step(self, us_per_token: float, micro_batches_per_step: int) -> bool:
+        """Collective over the ranks that hold the layer, where a training forward of the first
+        optimizer step begins: with replicas alone (every home kept) and
+        `plan.placement.FIRST_REPLICAS_AFTER` of its ``micro_batches_per_step`` micro-batches seen,
+        agree on their loads and make the first decision now (`CrossNodePlacer.replicas_due_mid_step`),
+        as the simulator does, so that the step's remaining micro-batches are balanced across nodes
+        too. Nothing moves but the new replicas' weights (they go when this forward begins); each
+        sends home the sum of the micro-batches it computed at the step's end, with every
+        replica's. Tried once, where the measured expert time per row (``us_per_token``, the
+        ranks' mean) is known. Returns whether replicas were chosen."""
+        if (self._mid_step_tried or self.steps or self.redundant == 0 or self.placer.move_experts
+                or not FIRST_REPLICAS_AFTER <= len(self.pending) < micro_batches_per_step):
+            return False
+        self._mid_step_tried = True
+        loads, us_per_token, _ = self._agreed_loads(us_per_token)
+        if us_per_token <= 0.0:  # no expert timed yet: the step's end decides, as without
+            return False
+        self.pending = []
+        self._first_loads = loads
+        self._count_steps_of(micro_batches_per_step)
+        for row in loads:
+            self.placer.observe(row, refresh=False)
+        self.placer.us_per_token = us_per_token
+        if not (self.placer.replicas_due_mid_step and self.placer.refresh()):
+            return False
+        self._replicas_stale()  # the new replicas' first weights
+        self.refreshes += 1
+        self._report["placement_refreshes"] += 1
         return True
 
     def decide_review(self) -> None:

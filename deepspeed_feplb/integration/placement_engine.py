@@ -130,6 +130,7 @@ def install(engine) -> None:
     check_config(getattr(engine, "module", None), engine.config)
     engine._feplb_placement_installed = True
     replica_slots = []  # the placed layers' `ReplicaSlots`, in module order, as of the last step
+    first_step = [True]  # until the first optimizer step ends
 
     def after_step(boundary: bool) -> None:
         if not boundary:
@@ -138,11 +139,10 @@ def install(engine) -> None:
         # found once per step, not per forward (a walk over every module); a layer's placement
         # attaches at its first forward, before the first step
         replica_slots[:] = [layer.placement.replicas for layer in layers if layer.placement.replicas is not None]
+        first_step[0] = False
         for i, layer in enumerate(layers):
-            times = layer.stage.compute_times if layer.stage is not None else None
-            us_per_token = 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0  # fwd + bwd
             # the replicas' review of layer i is weighed by EP rank i mod the group's size alone
-            layer.placement.end_step(layer.expert_states(engine.optimizer), us_per_token,
+            layer.placement.end_step(layer.expert_states(engine.optimizer), _us_per_token(layer),
                                      review_owner=i % layer.placement.ep_size)
         for layer in layers:  # every rank weighs its layers' reviews at once, then they share them
             layer.placement.decide_review()
@@ -160,6 +160,13 @@ def install(engine) -> None:
             layer.placement.reset()
 
     def ahead() -> None:  # collective: every rank's layers in the same order
+        if first_step[0]:  # replicas alone may be chosen before the first step ends (`decide_mid_step`)
+            layers = placed_layers(engine.module)
+            decided = [layer.placement.decide_mid_step(_us_per_token(layer), engine.gradient_accumulation_steps())
+                       for layer in layers]
+            if any(decided):
+                replica_slots[:] = [layer.placement.replicas for layer in layers
+                                    if layer.placement.replicas is not None]
         for slots in replica_slots:
             slots.refresh_ahead()
 
@@ -171,6 +178,12 @@ def install(engine) -> None:
     seams.around_forward(engine, ahead, settled)
     seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
     seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
+
+
+def _us_per_token(layer) -> float:
+    """The layer's measured expert time per routed row, forward and backward (µs; 0: not timed yet)."""
+    times = layer.stage.compute_times if layer.stage is not None else None
+    return 3e6 * times.expert_seconds / times.rows if times and times.rows else 0.0
 
 
 def canonical_grad_norms(module, params: list) -> list:

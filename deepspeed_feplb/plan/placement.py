@@ -415,6 +415,9 @@ def improve_placement(w: np.ndarray, expert_to_rank: np.ndarray, num_nodes: int,
 
 
 RECENT_SAMPLES = 16  # micro-batches the replica choice is judged on
+# micro-batches seen before replicas alone are first chosen (`CrossNodePlacer.replicas_due_mid_step`): the
+# fewest on which `replicas.choose` judges a choice on micro-batches it was not made from
+FIRST_REPLICAS_AFTER = 2
 
 
 @dataclass
@@ -436,7 +439,8 @@ class CrossNodePlacer:
                      is known; at most ``max_retention`` in it), see below.
     intra_gbps:      intra-node bandwidth per GPU (GB/s) for experts that change rank inside a
                      node (inf: free).
-    warmup:          observations before the first decision (None: ``interval``).
+    warmup:          observations before the first decision (None: ``interval``); replicas alone
+                     come sooner (`replicas_due_mid_step`).
     redundant:       replica slots per rank (`plan.replicas`): each decision, and every optimizer
                      step between them (`review_replicas`), chooses which hot experts get a
                      replica on another node (`replicas.choose`, on the last `RECENT_SAMPLES`
@@ -571,6 +575,18 @@ class CrossNodePlacer:
         self.last_cost_us += cost_us
         self.refreshes += 1
         return True
+
+    @property
+    def replicas_due_mid_step(self) -> bool:
+        """Whether the first decision is due now, between two micro-batches of an optimizer step,
+        without waiting for ``warmup``: replicas alone (no expert moves, so nothing of the optimizer's
+        changes hands, and a replica that joins mid-step sends home the gradient sum of the
+        micro-batches it computed, with every replica's, at the step's end), none decided yet and
+        `FIRST_REPLICAS_AFTER` micro-batches seen. The caller (a runtime where the next forward
+        begins, the simulator after a micro-batch that ends no step) then calls `refresh`: the rest
+        of the first step is balanced across nodes too."""
+        return bool(self.redundant and not self.move_experts and self.decisions == 0
+                    and self.seen >= FIRST_REPLICAS_AFTER)
 
     @property
     def holds_replicas(self) -> bool:

@@ -237,7 +237,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--placement-warmup", type=whole_number(1), metavar="MICRO_BATCHES",
                    help="micro-batches before the first re-placement decision of EPLB and of feplb's placement "
                         "layer, taken at the end of the optimizer step that reaches it (default: one step, "
-                        "--micro-batches-per-step)")
+                        "--micro-batches-per-step); replicas alone (--placement off) are first chosen after the "
+                        "second micro-batch, mid-step, as the runtime does")
     p.add_argument("--redundant-per-rank", type=_slots, default=_RUNTIME.placement.redundant_experts_per_rank,
                    metavar="SLOTS",
                    help="replica slots per rank of feplb's cross-node layer (feplb.placement."

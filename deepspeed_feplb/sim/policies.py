@@ -32,7 +32,7 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile, gemm_us
 from deepspeed_feplb.plan.placement import CrossNodePlacer, rebalance_experts, slot_holdings, transfer_us
 from deepspeed_feplb.plan.policy import PlanConstraints, dynamic_candidates, lower_bound, plan_domain
-from deepspeed_feplb.plan.replicas import exchange_us, last_half_bytes, route
+from deepspeed_feplb.plan.replicas import exchange_us, last_half_bytes, relay_us, replica_pairs, route
 from deepspeed_feplb.plan.residency import (
     KeptBytes,
     ResidencyTable,
@@ -94,7 +94,10 @@ class SimSetup:
     Re-placements (EPLB's, and the cross-node layer's of ``feplb``) happen at optimizer steps, as
     a runtime does them: at the end of the first step that is at least ``placement_warmup``
     micro-batches (None: one step) into the trace, then at the end of the first step at least
-    ``eplb_interval`` / ``placement_interval`` micro-batches after the previous decision. Each
+    ``eplb_interval`` / ``placement_interval`` micro-batches after the previous decision. Replicas
+    alone (every home kept) are first chosen sooner, as the runtime chooses them: after the
+    second micro-batch (`CrossNodePlacer.replicas_due_mid_step`), their first weights priced then,
+    less what the next forward hides. Each
     costs the transfer of the experts' state (``expert_state_bytes``, default bf16 weights + fp32
     master, Adam m and v: 14 bytes per parameter) to the ranks that newly hold them, over the
     inter-node link (``profile.net_gbps``) or, inside a node, the copy engine (``profile.ce_gbps``),
@@ -533,6 +536,14 @@ class _NodePolicy:
                 timing["placement_us"] = placer.last_cost_us
             elif ends:  # replicas chosen again: the hot set drifts between decisions
                 placer.review_replicas()
+            elif placer.replicas_due_mid_step and placer.refresh():
+                # the first replicas, as the next forward begins: their first weights leave then,
+                # hidden by that forward as far as it goes (this one's stands for it)
+                pairs = replica_pairs(placer.slots, s.experts_per_rank)
+                first_us = max(0.0, relay_us(pairs, s.ranks, G, s.shape.weight_bytes, s.profile.net_gbps,
+                                             s.profile.ce_gbps) - float(finish[0]))
+                timing["expert_us"] += first_us
+                self.replica_exchange_us += first_us
         if replicated and ends:
             # the step's replicas send their gradient sums home (with several micro-batches per step
             # and bf16/fp16 weights, all but the last one's while this one computes, then its own);
