@@ -17,12 +17,14 @@ NVLink domain and ``D`` dynamic experts per rank (`GroupMemory`):
   most ``resident_budget_mb``; for "auto", `AUTO_FREE_SHARE` of what the rest leaves free
   (`plan.residency.resident_budget_bytes`), the least over the domain's ranks;
 * replica slots (``placement.redundant_experts_per_rank`` ``r`` on an EP group that spans
-  domains): ``L · r · (c + g)``, each slot's weights (allocated when the layer is built: at its
+  domains): ``L · r · (c + g + h)``, each slot's weights (allocated when the layer is built: at its
   first forward for a DeepSpeed MoE layer, at install for an AutoEP one), the fp32 sum of its
-  gradient while a step accumulates, and ``g``, one more fp32 gradient for bf16/fp16 experts (0
+  gradient while a step accumulates, ``g``, one more fp32 gradient for bf16/fp16 experts (0
   for fp32 ones): the early half of a replica's sum, which the expert's home holds through the
-  step's last micro-batch; what a layer
-  has allocated already is not counted again (`replica_bytes`).
+  step's last micro-batch, and ``h = c`` for a DeepSpeed MoE layer (0 for an AutoEP one): an
+  expert's gradient of that micro-batch, which every rank holds back to the backward's end for
+  as many experts as it has slots, and a replica's arrived sum; what a layer has allocated
+  already is not counted again (`replica_bytes`).
 
 `check_at_initialize` measures each rank's free memory once DeepSpeed has built the engine (its
 weights, gradients and optimizer states are then in place), refuses on every rank of an EP group
@@ -74,18 +76,22 @@ class ExpertSizes:
         return slot_bytes(config.dynamic_experts_per_rank, self.expert_bytes, self.tensors + 2, rows, self.row_bytes)
 
 
-def replica_bytes(expert_params: Sequence[torch.Tensor], slots: int, allocated: bool) -> int:
+def replica_bytes(expert_params: Sequence[torch.Tensor], slots: int, allocated: bool, held_back: bool = True) -> int:
     """Device bytes ``slots`` replica slots of one layer still add (experts of ``expert_params``):
     each slot holds what a kept copy does (`migrate.resident.copy_bytes`: the weights and an fp32
     gradient sum), less its weights where ``allocated`` already, and, for weights narrower than
     fp32, one fp32 gradient sum more: the early half of a replica's sum, which its expert's home
     holds from the step's one-but-last backward to its last (`integration.replicas.ReplicaSlots`
-    sends early, for each home, only as many replicas' sums as it has slots)."""
+    sends early, for each home, only as many replicas' sums as it has slots). With ``held_back``
+    (a DeepSpeed MoE layer, whose ranks hold the gradients of a step's last micro-batch of at
+    most as many of their experts as they have slots back to the backward's end, and a home as
+    many replicas' arrived sums: `plan.replicas.held_back_locals`), a kept copy's bytes more per
+    slot: that gradient and that sum (at most an fp32 one)."""
     from deepspeed_feplb.migrate.resident import copy_bytes
     weights = sum(p.numel() * p.element_size() for p in expert_params) if allocated else 0
     narrow = all(p.element_size() < 4 for p in expert_params)
     early = sum(p.numel() for p in expert_params) * 4 if narrow else 0
-    return slots * (copy_bytes(expert_params) - weights + early)
+    return slots * (copy_bytes(expert_params) * (2 if held_back else 1) - weights + early)
 
 
 @dataclass(frozen=True)

@@ -786,7 +786,7 @@ def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, lear
 
 def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1,
                        learn_router: bool = False, recompute: bool = False, enabled: bool = True,
-                       fixed_costs: str = "ignore") -> dict:
+                       fixed_costs: str = "ignore", bucket: int | None = None) -> dict:
     """feplb.placement (``enabled``: homes may move; false: replicas alone, every expert keeping its
     home) with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
     with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``, the layer
@@ -797,20 +797,23 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     replicas' refresh and gradient-send counts; with ``fixed_costs`` "measured", the host cost of
     holding replicas measured by each step's end and the price of the replicas chosen there
     (``replica_fixed_us``: (fixed µs per micro-batch, the choice's cost µs) per step); and how many
-    reviews of the replicas this rank weighed (``reviews_weighed``)."""
+    reviews of the replicas this rank weighed (``reviews_weighed``). ``bucket``: ZeRO's
+    ``reduce_bucket_size`` (None: DeepSpeed's default, larger than the model)."""
     from deepspeed_feplb.plan.placement import CrossNodePlacer
 
     weighed = []
     review_choice = CrossNodePlacer.review_choice
     CrossNodePlacer.review_choice = lambda placer: weighed.append(1) or review_choice(placer)
     try:
-        return {**_replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs),
+        return {**_replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs,
+                                     bucket),
                 "reviews_weighed": len(weighed)}
     finally:
         CrossNodePlacer.review_choice = review_choice
 
 
-def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs) -> dict:
+def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs,
+                       bucket) -> dict:
     import deepspeed
 
     from deepspeed_feplb.integration.expert_state import ModuleExperts
@@ -821,6 +824,8 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
              "placement": {"enabled": enabled, "interval_steps": 2, "network_gbps": 1e6,
                            "redundant_experts_per_rank": redundant, **({"history_decay": 0.5} if enabled else {})}}
     config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
+    if bucket is not None:
+        config["zero_optimization"] = {**config["zero_optimization"], "reduce_bucket_size": bucket}
     models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router, recompute=recompute)
               for name in ("reference", "feplb")}
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
@@ -850,6 +855,7 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
     return {"losses": losses, "param_errors": errors, "micro": micro, "replica_at": replica_at,
             "replica_fixed_us": fixed_us, "refreshes": placement.replicas.refreshes if placement.replicas else 0,
             "ahead_refreshes": placement.replicas.ahead_refreshes if placement.replicas else 0,
+            "held_back": placement.replicas.held_back if placement.replicas else 0,
             "forwards": len(forwards),
             "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
             "expert_at": placement.expert_at.tolist(), "moved_experts": placement.moved_experts,

@@ -63,16 +63,19 @@ def test_a_rank_that_cannot_hold_the_buffers_is_named_with_the_figures_and_keys(
 def test_replica_slots_count_what_their_layers_have_not_allocated_yet():
     """A replica slot holds one expert's weights (allocated with the layer) and, while a step
     accumulates, the fp32 sum of its gradient, and its expert's home the early half of that sum
-    through the step's last micro-batch; a layer that has allocated its slots counts the sums
-    alone, and the share is named with its key."""
+    through the step's last micro-batch and, in a DeepSpeed MoE layer, an expert's gradient of
+    that micro-batch and a replica's arrived sum to the backward's end; a layer that has allocated
+    its slots counts the sums alone, and the share is named with its key."""
     import torch
 
     params = [torch.zeros(2048, 6144, dtype=torch.bfloat16) for _ in range(3)]  # one GLM-5-like expert
-    assert replica_bytes(params, 1, allocated=False) == 72 * MiB + 144 * MiB + 144 * MiB
-    assert replica_bytes(params, 2, allocated=True) == 2 * 2 * 144 * MiB
+    held_back = 72 * MiB + 144 * MiB
+    assert replica_bytes(params, 1, allocated=False) == 72 * MiB + 144 * MiB + 144 * MiB + held_back
+    assert replica_bytes(params, 1, allocated=False, held_back=False) == 72 * MiB + 144 * MiB + 144 * MiB
+    assert replica_bytes(params, 2, allocated=True) == 2 * (2 * 144 * MiB + held_back)
     assert replica_bytes(params, 0, allocated=False) == 0
     fp32 = [p.float() for p in params]  # the sum goes home in one half: no early half at the home
-    assert replica_bytes(fp32, 1, allocated=True) == 144 * MiB
+    assert replica_bytes(fp32, 1, allocated=True, held_back=False) == 144 * MiB
     need = group_memory(FEPLBConfig(), 16, 8, [GLM] * 4, True, replica_slots_bytes=4 * 216 * MiB)
     assert need.replicas == 864 * MiB and need.fixed == need.slots + need.in_flight + need.replicas
     assert group_memory(FEPLBConfig(dynamic_experts_per_rank=0), 16, 8, [GLM] * 4, True, 0, 5) == \

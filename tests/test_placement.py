@@ -241,8 +241,10 @@ def test_auto_replica_slots_are_one_where_an_ep_group_spans_domains_and_the_slot
                                        "step-end collectives cost more than they save; set it to a number of slots "
                                        "to have them anyway\n")
     expert = (8 * 16 + 16 + 16 * 8 + 8) * 4  # P: Linear(8, 16) and Linear(16, 8), fp32
-    slots = 3 * copy_bytes(list(model()[0].deepspeed_moe.experts.deepspeed_experts[0].parameters()))
-    assert slots == 3 * 2 * expert  # a slot per layer: its fp32 weights and gradient sum
+    slots = 3 * 2 * copy_bytes(list(model()[0].deepspeed_moe.experts.deepspeed_experts[0].parameters()))
+    # a slot per layer: its fp32 weights and gradient sum, and an expert's gradient and a replica's
+    # arrived sum held back to a step's last backward's end (a DeepSpeed MoE layer)
+    assert slots == 3 * 2 * 2 * expert
     others = 3 * 2 * 2 * 1 * expert  # per layer 2D (G - 1) P of copies held forward to backward (D = 2, G = 2)
     # a quarter of what the other buffers leave: they fit
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: others + 4 * slots)

@@ -27,15 +27,16 @@ def _node_rows(results: list, ranks_per_node: int = 2) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("world,zero_stage,redundant,steps,learn,recompute,moves",
+@pytest.mark.parametrize("world,zero_stage,redundant,steps,learn,recompute,moves,bucket",
                          # ZeRO 1 and 2 share DeepSpeed's optimizer: each case of one stands for the other too
-                         [(4, 0, 1, 8, False, False, True), (4, 2, 0, 8, False, False, True),
-                          (8, 2, 1, 6, False, False, True), (4, 1, 1, 30, True, False, True),
-                          (4, 2, 1, 6, False, True, True), (4, 1, 1, 4, False, False, False)],
+                         [(4, 0, 1, 8, False, False, True, None), (4, 2, 0, 8, False, False, True, None),
+                          (8, 2, 1, 6, False, False, True, None), (4, 1, 1, 30, True, False, True, None),
+                          (4, 2, 1, 6, False, True, True, None), (4, 1, 1, 4, False, False, False, None),
+                          (4, 2, 1, 6, True, False, False, 64)],
                          ids=["zero0", "zero2-no-replicas", "zero2-4-nodes", "zero1-learning-30",
-                              "zero2-recomputed", "zero1-homes-kept"])
+                              "zero2-recomputed", "zero1-homes-kept", "zero2-small-bucket"])
 def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage, redundant, steps, learn, recompute,
-                                                              moves):
+                                                              moves, bucket):
     """2 nodes of 2 ranks, and 4 nodes of 2 (where the hot expert needs a replica on every other
     node: `replicas.choose` may give an expert several). With a frozen router every micro-batch
     after the first decision is balanced; a learning one (30 steps) spreads its rows as it learns,
@@ -43,11 +44,16 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
     the layer runs again in each backward (activation checkpointing), on the replica weights of
     its first forward and with its split. ``moves`` false: ``feplb.placement.enabled`` false,
     replicas alone, 4 micro-batches per step; no slot's contents change, and the first replicas
-    come after the first step's second micro-batch, their gradient sums covering the step's last two."""
+    come after the first step's second micro-batch, their gradient sums covering the step's last two.
+    On 2 nodes the hot expert's home holds its gradient of each step's last micro-batch back to the
+    backward's end, and every rank the expert at the same local index (on 4 nodes, a home of 3
+    replicas, none); ``bucket``: ZeRO 2's reduce bucket (elements) far smaller than the model,
+    the learning router's and its input layer's gradients among the experts', so the bucket
+    flushes at every few hooks: the held-back hooks fire alike on every rank."""
     gas = 2 if moves else 4
     decided = gas if moves else FIRST_REPLICAS_AFTER  # micro-batches before the first decision
     results = run_distributed(moe_cases.replica_slots_case, world, zero_stage, steps, gas, redundant, learn,
-                              recompute, moves, timeout=900)
+                              recompute, moves, bucket=bucket, timeout=900)
     r = results[0]
     if not moves:
         assert all(x["expert_at"] == list(range(len(x["expert_at"]))) and x["moved_experts"] == 0
@@ -60,7 +66,8 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
         assert any(q >= 0 for step in r["replica_at"] for row in step for q in row), "no replica was made"
         balanced = ratio <= 1.05
         # (the learning router of this case: 42 of 58 within 5%, the rest while the replicas catch up)
-        assert balanced.mean() >= 0.5 if learn else balanced.all(), \
+        # (the small-bucket case is about the hooks' order: its router learns with the homes kept)
+        assert bucket is not None or (balanced.mean() >= 0.5 if learn else balanced.all()), \
             f"node rows per micro-batch after the first decision: {nodes.tolist()}"
         if learn:
             assert len({str(step) for step in r["replica_at"]}) > 2, "the replicas did not follow the router"
@@ -71,6 +78,8 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
         assert r["refreshes"] >= sum(n > 0 for n in held)
         # the stepped weights left when the engine's forward began, not in the layer's own forward
         assert r["ahead_refreshes"] >= sum(n > 0 for n in held), (r["ahead_refreshes"], held)
+        held_back = [x["held_back"] for x in results]
+        assert all(h > 0 for h in held_back) if world == 4 else not any(held_back), held_back
         assert learn or all(held), f"a frozen router's replicas were dropped: {r['replica_at']}"
     else:  # the control: placement alone cannot split the hot expert
         assert ratio.min() > 1.3, f"the case is balanced without replicas, so it shows nothing: {nodes.tolist()}"
@@ -188,6 +197,50 @@ def test_runtime_replicas_equal_the_simulators(tmp_path, bound, moves):
     assert r["replica_at"] == replica_at
     runtime_rows = [[int(v) for v in row] for row in _node_rows(results, 1)]
     assert runtime_rows == rows
+
+
+def test_a_held_back_gradient_reaches_its_parameter_with_the_sums_when_the_backward_ends():
+    """`ReplicaSlots.at_backward_end` on the home of expert 0 (one process, no group): the layer's
+    backward gives autograd nothing for the held-back parameter; when the whole backward ends its
+    gradient arrives with the replica's sum added, once, after every other gradient (its hook
+    fires last), and the step's held-back count rises."""
+    import contextlib
+
+    import torch
+
+    from deepspeed_feplb.integration.replicas import ReplicaSlots, _LastSums
+
+    class Home:  # this process is rank 0, the home of expert 0 (local 0); rank 1 holds its replica
+        ep_group, ep_size, ranks_per_node = None, 2, 1
+        replica_at = np.array([[-1], [0]])
+        home_of = staticmethod(lambda expert: (0, expert))
+        timing_replicas = staticmethod(contextlib.nullcontext)
+
+    slots = ReplicaSlots(Home(), [torch.zeros(2, 2)], 1)
+    assert slots.held_back_locals() == []  # an AutoEP layer's (the default): nothing held back
+    slots.holds_back = True
+    assert slots.held_back_locals() == [0]
+    weight, other = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    order = []
+    weight.register_hook(lambda g: order.append("held back") or g)
+    other.register_hook(lambda g: order.append("other") or g)
+    # as `_send_last` leaves it: the replica's fp32 sum for local expert 0 arriving at the backward's end
+    slots._late = _LastSums(None, [(1, 0, 0, 0, [torch.full((2, 2), 0.25)])], {}, None, {(1, 0, 0)})
+
+    class Hold(torch.autograd.Function):  # what `_ReplicaLink` does for a held-back expert
+        @staticmethod
+        def forward(ctx, stand_in):
+            return stand_in.view_as(stand_in)
+
+        @staticmethod
+        def backward(ctx, grad):
+            slots.at_backward_end([[weight]], [[grad]], [0])
+            return None
+
+    loss = (Hold.apply(weight.detach().requires_grad_()) * 3.0).sum() + (other * 2.0).sum()
+    loss.backward()
+    assert torch.equal(weight.grad, torch.full((2, 2), 3.25)) and torch.equal(other.grad, torch.full((2,), 2.0))
+    assert order == ["other", "held back"] and slots.held_back == 1 and slots._late is None
 
 
 def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_step():

@@ -99,7 +99,7 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     relay = functools.partial(rp.relay_us, ranks=R, ranks_per_node=G, net_gbps=1.0, intra_gbps=2.0)
     # the replicas' fp32 gradient sums (2e6 bytes) go home, then the weights (1e6) come back
     expected = relay(np.array([[2, 0], [3, 0]]), nbytes=2e6) + relay(np.array([[0, 2], [0, 3]]), nbytes=1e6)
-    assert rp.exchange_us(slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0) == pytest.approx(expected)
+    assert rp.exchange_us(slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, held_back=False) == pytest.approx(expected)
     # two replicas of one home share its node's links: rank 0 hands both of rank 1's shards over (hop 0), each
     # rail carries two shards (hop 1), ranks 2 and 3 swap one (hop 2)
     assert relay(np.array([[0, 2], [0, 3]]), nbytes=1e6, chunk_bytes=1e6) == pytest.approx(500 + 1000 + 250)
@@ -111,21 +111,35 @@ def test_the_exchange_is_priced_as_the_runtime_makes_it():
     first, second = np.array([[2, 0]]), np.array([[3, 0]])
     sums, last, whole = relay(first, nbytes=2e6), relay(first, nbytes=1e6), relay(second, nbytes=2e6)
     back = relay(np.array([[0, 2], [0, 3]]), nbytes=1e6)
-    two_halves = functools.partial(rp.exchange_us, slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6)
+    two_halves = functools.partial(rp.exchange_us, slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6,
+                                   held_back=False)
     assert two_halves(hidden_us=0.0) == pytest.approx(sums + last + whole + back)
     assert two_halves(hidden_us=sums / 4) == pytest.approx(0.75 * sums + last + whole + back)
     assert two_halves(hidden_us=1e12) == pytest.approx(last + whole + back)
     # the stepped weights leave when the next forward begins: hidden up to ``weights_hidden_us``
     assert two_halves(hidden_us=1e12, weights_hidden_us=back / 4) == pytest.approx(last + whole + 0.75 * back)
     assert two_halves(hidden_us=1e12, weights_hidden_us=1e12) == pytest.approx(last + whole)
+    # held back to the backward's end (a DeepSpeed MoE layer's runtime): of rank 0's two replicated
+    # experts (local indices 0 and 1) one, as a rank has one replica slot: expert 0's sum travels
+    # while the layers below compute, behind the first relay (expert 1's, which rank 0 waits for)
+    assert rp.held_back_sums(slots, PRIMARIES).tolist() == [True, False]
+    assert rp.exchange_us(slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=1e12) == \
+        pytest.approx(whole + back)
+    assert rp.exchange_us(slots, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, hidden_us=1.5 * sums) == \
+        pytest.approx(whole + back)  # one half: hidden behind the backward, 2/3 of ``hidden_us``
     apart = _slots([[-1], [-1], [0], [PRIMARIES]])  # replicas of rank 0's and rank 1's experts: both go early
     pairs = rp.replica_pairs(apart, PRIMARIES)
     assert sorted(pairs[:, 0].tolist()) == [0, 1]
     apart_back = relay(pairs, nbytes=1e6)
-    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=1e12) == pytest.approx(
-        relay(pairs[:, ::-1], nbytes=1e6) + apart_back)
+    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=1e12,
+                          held_back=False) == pytest.approx(relay(pairs[:, ::-1], nbytes=1e6) + apart_back)
+    # both at local index 0, one per home: both held back, and the whole gradient exchange hides
+    assert rp.held_back_sums(apart, PRIMARIES).all()
+    assert rp.exchange_us(apart, PRIMARIES, G, 1e6, 2e6, 1.0, 2.0, last_bytes=1e6, hidden_us=1e12) == \
+        pytest.approx(apart_back)
     per_micro_batch = functools.partial(rp.exchange_per_micro_batch, apart, PRIMARIES, G, weight_bytes=1e6,
-                                        grad_bytes=2e6, net_gbps=1.0, intra_gbps=2.0, hidden_us=1e12)
+                                        grad_bytes=2e6, net_gbps=1.0, intra_gbps=2.0, hidden_us=1e12,
+                                        held_back=False)
     assert per_micro_batch(micro_batches_per_step=4) == pytest.approx(
         (relay(pairs[:, ::-1], nbytes=1e6) + apart_back) / 4)
     whole_sums = relay(pairs[:, ::-1], nbytes=2e6)

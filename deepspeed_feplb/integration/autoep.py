@@ -135,7 +135,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         placement = getattr(self, "placement", None)  # made at install, its replica slots with it
         held = placement.redundant if placement is not None else 0
         return LayerMemoryFacts(self.feplb_ep_group, self.feplb_ep_size, domain_size(config, self.feplb_ep_size),
-                                slices, slices[0].shape[1], replica_bytes(slices, held, allocated=True))
+                                slices, slices[0].shape[1],
+                                replica_bytes(slices, held, allocated=True, held_back=False))
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order

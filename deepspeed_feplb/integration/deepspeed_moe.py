@@ -131,6 +131,8 @@ class FEPLBMOELayer(MOELayer):
             seams.make_dropless_top1(self.gate)  # DeepSpeed's routes without its host sync
         if placed:
             self.placement = _make_placement(self, config, expert_params, redundant)
+            if self.placement.replicas is not None:  # experts are parameters apiece: their gradients may wait
+                self.placement.replicas.holds_back = True
             self.stage.times_every_call = True
         adopt_loaded_order(self)
         # a known MLP computes any set of its experts in one grouped GEMM per projection
@@ -251,14 +253,22 @@ class FEPLBMOELayer(MOELayer):
         """This forward's local expert parameters with replica slots (primaries, then the replicas'
         weights; `_expert_params` returns them), and ``rows`` through the same `ExpertGradOrder`
         node: its backward, which sends the replicas' gradients home (collective over the EP group),
-        then runs on every rank after the expert stage's backward and before the dispatch's."""
+        then runs on every rank after the expert stage's backward and before the dispatch's. At a
+        step's last micro-batch the node takes the experts at `ReplicaSlots.held_back_locals` (the
+        same local indices on every rank) as detached stand-ins, so that their gradients reach the
+        parameters only with the replicas' sums, when the backward ends
+        (`ReplicaSlots.at_backward_end`)."""
         params = self._primary_params() + replicas.weights
         flat = [p for group in params for p in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
             self._linked_params = params
             return rows
-        link = _ReplicaLink(replicas, self.later_micro_batches(), self.num_local_experts, len(params[0]))
-        rows, *aliases = ExpertGradOrder.apply(link, rows, *flat)
+        later = self.later_micro_batches()
+        late = {i: params[i] for i in (replicas.held_back_locals() if later == 0 else [])}
+        link = _ReplicaLink(replicas, later, self.num_local_experts, len(params[0]), late)
+        inputs = [[p.detach().requires_grad_() for p in group] if i in late else group
+                  for i, group in enumerate(params)]
+        rows, *aliases = ExpertGradOrder.apply(link, rows, *(p for group in inputs for p in group))
         aliases = iter(aliases)
         self._linked_params = [[next(aliases) for _ in group] for group in params]
         return rows
@@ -352,10 +362,12 @@ class ExpertGradOrder(torch.autograd.Function):
 
 class _ReplicaLink:
     """What `ExpertGradOrder` carries with replica slots: its tensors are ``rows``, the primary
-    experts' parameters (``primaries`` x ``n``), then the replica slots' weights."""
+    experts' parameters (``primaries`` x ``n``), then the replica slots' weights; ``late``: at a
+    step's end, {local index: parameters} of the experts whose gradients wait for the backward's
+    end (the node took stand-ins for them: `ReplicaSlots.held_back_locals`)."""
 
-    def __init__(self, replicas, later: int, primaries: int, n: int):
-        self.replicas, self.later, self.primaries, self.n = replicas, later, primaries, n
+    def __init__(self, replicas, later: int, primaries: int, n: int, late: dict):
+        self.replicas, self.later, self.primaries, self.n, self.late = replicas, later, primaries, n, late
 
     def backward(self, grads: tuple) -> list:
         rows, flat = grads[0], list(grads[1:])
@@ -364,6 +376,11 @@ class _ReplicaLink:
         self.replicas.backward(groups[self.primaries:], self.later)
         for local, sums in (self.replicas.sums_here() if self.later == 0 else []):
             homes[local] = with_sum(homes[local], sums)
+        if self.late:
+            late = sorted(self.late)
+            self.replicas.at_backward_end([self.late[i] for i in late], [homes[i] for i in late], late)
+            for i in late:
+                homes[i] = [None] * self.n
         return [rows, *(g for group in homes for g in group), *([None] * (len(flat) - self.primaries * self.n))]
 
 

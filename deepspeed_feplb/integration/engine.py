@@ -322,7 +322,9 @@ def _replica_slot_problem(config: FEPLBConfig, model, rank: int) -> Optional[str
                             [ExpertSizes.of(params, hidden) for _, _, params, hidden, _ in members],
                             transport_kind(config, members[0][2]) == "cuda_ce")
         others += need.fixed + need.kept_set(config)
-    need = sum(replica_bytes(params, 1, allocated=False) for _, _, params, _, _ in spanning)
+    autoep = set(autoep_layers(model))  # whose ranks hold no gradient back (`memory.replica_bytes`)
+    need = sum(replica_bytes(params, 1, allocated=False, held_back=name not in autoep)
+               for name, _, params, _, _ in spanning)
     if need > AUTO_REPLICA_FREE_SHARE * (free - others):
         return (f"rank {rank} has {free / MiB:,.0f} MiB of device memory free, FEPLB's other buffers take "
                 f"{others / MiB:,.0f} MiB, and a replica slot in each of its {len(spanning)} cross-node MoE layers "

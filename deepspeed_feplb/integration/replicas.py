@@ -31,7 +31,11 @@ optimizer, so ZeRO partitions, optimizer state, state dicts and checkpoints neve
   the result joins the expert's own gradient before DeepSpeed reduces it (ZeRO 0/1/2 alike: to
   DeepSpeed it is part of that micro-batch's gradient). Otherwise (fp32 gradients, whose last
   half would be as large as the whole; a step of one micro-batch) the sum goes in the last
-  backward, in one. Training equals DeepSpeed's MoE.
+  backward, in one. Training equals DeepSpeed's MoE. In a DeepSpeed MoE layer (`holds_back`) the
+  experts at `held_back_locals` take the last sums only when the whole backward ends
+  (`at_backward_end`): every rank holds their gradients of the step's last micro-batch back to
+  then, so the sums travel while the layers below compute, and DeepSpeed's hooks fire in the same
+  order on every rank.
 
 Both cross nodes, and both go through `relay`, which spreads each transfer over every
 inter-node link of the two nodes (a node has one per rank) and pipelines its three hops. Every
@@ -51,7 +55,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from deepspeed_feplb.migrate.phase2 import on_stream
-from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, early_sums
+from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, early_sums, held_back_locals
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.weight_watch import content_hash, write_marks
 
@@ -137,6 +141,9 @@ class ReplicaSlots:
         self.early_sends = 0  # sums sent home a micro-batch before the step's end (by this rank's slots)
         self._early: Optional[_EarlySums] = None  # the step's sums sent early, until its last backward
         self._last: Optional[_LastSums] = None  # the step's last exchange, until `arrived` takes it
+        self._late: Optional[_LastSums] = None  # its sums for held-back experts, until the backward's end
+        self.holds_back = False  # a DeepSpeed MoE layer's: `held_back_locals` apply (an AutoEP layer's: none)
+        self.held_back = 0  # steps whose held-back gradients were delivered with their sums (`at_backward_end`)
         self.ahead_refreshes = 0  # refreshes sent when the engine's forward began (`refresh_ahead`)
         self._homes: Optional[Callable[[], list[list[torch.Tensor]]]] = None  # `keep_current`'s expert_params
         self._arriving = None  # CUDA event after a `refresh_ahead` relay, until the layer's forward waits for it
@@ -276,6 +283,23 @@ class ReplicaSlots:
         me = self.me
         return sorted({local for _, _, e in self._held() for home, local in [self.placement.home_of(e)] if home == me})
 
+    def held_back_locals(self) -> list[int]:
+        """The local indices whose experts' gradients of a step's last micro-batch every rank of the
+        EP group holds back to the backward's end (`plan.replicas.held_back_locals`, from the
+        replica table, so the same on every rank; none without `holds_back`), ascending: the
+        replicas' sums for the experts there travel while the layers below compute."""
+        held = self._held()
+        if not (self.holds_back and held):
+            return []
+        at = [self.placement.home_of(e) for _, _, e in held]
+        return held_back_locals([home for home, _ in at], [local for _, local in at], self.placement.ep_size,
+                                len(self.weights)).tolist()
+
+    def _late_pairs(self, held: list[tuple[int, int, int]]) -> set:
+        """The held (holder, slot, expert) whose sums their home takes when the backward ends."""
+        late = set(self.held_back_locals())
+        return {(q, j, e) for q, j, e in held if self.placement.home_of(e)[1] in late}
+
     def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> None:
         """One micro-batch's backward (collective over the EP group where it sends): add the replica
         slots' weight-gradients ``replica_grads`` (``[S][n]``) to the step's fp32 sums. ``later``:
@@ -314,16 +338,42 @@ class ReplicaSlots:
 
     def sums_here(self) -> list[tuple[int, list[torch.Tensor]]]:
         """After a step's last `backward`, from the layer's backward (every rank): on a home of
-        replicated experts, `arrived` now (its stream waits for the relay: the sums must join the
-        expert's gradient before autograd hands it to DeepSpeed); on any other rank nothing, its
-        wait left to the end of the backward (an autograd-engine callback), so that its compute
-        goes on while the relay runs and its sent tensors are freed after it."""
-        if self.homed_here():
+        replicated experts whose gradients it does not hold back, `arrived` now (its stream waits
+        for that relay: the sums must join the expert's gradient before autograd hands it to
+        DeepSpeed); on any other rank nothing, its wait left to the end of the backward (an
+        autograd-engine callback), so that its compute goes on while the relay runs and its sent
+        tensors are freed after it."""
+        late = set(self.held_back_locals())
+        if set(self.homed_here()) - late:
             return self.arrived()
         last, self._last = self._last, None
         if last is not None:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: last.wait(self.device))
         return []
+
+    def at_backward_end(self, params: list[list[torch.Tensor]], grads: list[list[torch.Tensor]],
+                        locals_: list[int]) -> None:
+        """From a step's last backward through the layer (every rank, after `backward`), for the
+        experts at `held_back_locals` ``locals_``: queue, for when the running backward ends, the
+        delivery of ``grads`` (``[k][n]``, this micro-batch's gradients of their parameters
+        ``params``, which autograd was not given) with their replicas' sums added where this rank
+        is their home (`with_sum`), by a backward of their own into ``params``: they accumulate and
+        run their hooks (DeepSpeed's gradient reductions) then, once, in the same order on every
+        rank, as the same local indices are held back everywhere. So the sums travel while the
+        layers below compute their backward."""
+        late, self._late = self._late, None
+
+        def deliver() -> None:
+            sums = dict(self._take(late))
+            torch.autograd.backward([p for group in params for p in group],
+                                    [g for local, group in zip(locals_, grads)
+                                     for g in (with_sum(group, sums.pop(local)) if local in sums else group)])
+            if sums:
+                raise AssertionError(f"replica sums arrived for local experts {sorted(sums)} whose gradients were "
+                                     "not held back")
+            self.held_back += 1
+
+        torch.autograd.Variable._execution_engine.queue_callback(deliver)
 
     def _transfers(self, held, outgoing: Callable[[tuple], list[torch.Tensor]],
                    dtype: Callable[[tuple], Optional[torch.dtype]]) -> tuple[list, list]:
@@ -392,14 +442,21 @@ class ReplicaSlots:
         me = self.me
         early, self._early = self._early, None
         sent_early = early.pairs if early is not None else set()
-        outgoing = {}  # this rank's sent tensors, held until the relay is through
-        arriving, done = self._relayed(lambda: self._transfers(
-            held, lambda pair: outgoing.setdefault(pair, list(replica_grads[pair[1]]) if pair in sent_early
-                                                   else self._sums[pair[1]]),
-            lambda pair: None if pair in sent_early else torch.float32))
+        outgoing = {}  # this rank's sent tensors, held until the relays are through
+
+        def exchange(pairs: list) -> _LastSums:
+            arriving, done = self._relayed(lambda: self._transfers(
+                pairs, lambda pair: outgoing.setdefault(pair, list(replica_grads[pair[1]]) if pair in sent_early
+                                                        else self._sums[pair[1]]),
+                lambda pair: None if pair in sent_early else torch.float32))
+            return _LastSums(early, arriving, outgoing, done, set(pairs))
+
+        # the sums their homes take in the layer's backward first, then those held back to its end
+        late = self._late_pairs(held)
+        self._last = exchange([pair for pair in held if pair not in late])
+        self._late = exchange([pair for pair in held if pair in late]) if late else None
         self.grad_sends += sum(q == me for q, _, _ in held)
         self._sums = [None] * len(self.weights)
-        self._last = _LastSums(early, arriving, outgoing, done)
 
     def arrived(self) -> list[tuple[int, list[torch.Tensor]]]:
         """After a step's last `backward`, on every rank (the caller's stream waits for its relay):
@@ -407,6 +464,10 @@ class ReplicaSlots:
         sums added in holder-rank order, a holder's early sum and last gradient first (in fp32, as
         the holder would have: the same sum, bit for bit), for `with_sum`; else nothing."""
         last, self._last = self._last, None
+        return self._take(last)
+
+    def _take(self, last: Optional["_LastSums"]) -> list[tuple[int, list[torch.Tensor]]]:
+        """`arrived` of one relay of the step's last exchange (its pairs' early sums with it)."""
         if last is None:
             return []
         last.wait(self.device)
@@ -414,7 +475,7 @@ class ReplicaSlots:
         parts = {}  # (holder, slot, expert) -> (local index, fp32 sums [n]): each holder's step sum
         if early is not None:
             early.wait(self.device)
-            parts = dict(early.arrived)
+            parts = {pair: part for pair, part in early.arrived.items() if pair in last.pairs}
         for q, j, e, local, tensors in arriving:
             if (q, j, e) in parts:  # the holder's order: the early sum, then the last gradient (added in fp32)
                 parts[(q, j, e)] = (local, [a.add_(b) for a, b in zip(parts[(q, j, e)][1], tensors)])
@@ -430,10 +491,12 @@ class ReplicaSlots:
         """At the optimizer step: a replica gradient sum still here did not reach its expert (the
         step's last micro-batch ran no backward through the layer, or ran one that did not end
         the step): it is dropped, with a warning, rather than added to the next step's."""
-        if self._last is not None:  # sent, and never taken (`arrived`): no gradient waited for them
+        if self._last is not None or self._late is not None:  # sent, and never taken: no gradient waited for them
             warnings.warn("FEPLB: replica gradient sums reached their experts' homes but no backward took them before "
                           "the optimizer step; they are dropped", RuntimeWarning, stacklevel=2)
             self.arrived()
+            late, self._late = self._late, None
+            self._take(late)
         lost = [j for j, sums in enumerate(self._sums) if sums is not None]
         if lost or self._early is not None:
             warnings.warn(f"FEPLB: the gradients of replica slot(s) {lost or 'sent early'} did not reach their experts "
@@ -468,14 +531,15 @@ class _EarlySums:
 
 
 class _LastSums:
-    """A step's last gradient exchange (`ReplicaSlots._send_last`) until `ReplicaSlots.arrived`:
-    ``early``, the step's `_EarlySums` (None: none went early); ``arriving`` [(holder, slot,
-    expert, local index, buffers)] on an expert's home; ``outgoing`` this rank's sent tensors,
-    held until the relay is through; ``done``, the CUDA event after the relay (None: it ran in the
-    caller's order)."""
+    """One relay of a step's last gradient exchange (`ReplicaSlots._send_last`) until it is taken
+    (`ReplicaSlots.arrived`, `at_backward_end`): ``early``, the step's `_EarlySums` (None: none
+    went early); ``arriving`` [(holder, slot, expert, local index, buffers)] on an expert's home;
+    ``outgoing`` this rank's sent tensors, held until the relay is through; ``done``, the CUDA
+    event after the relay (None: it ran in the caller's order); ``pairs`` the (holder, slot,
+    expert) it carries."""
 
-    def __init__(self, early: Optional[_EarlySums], arriving: list, outgoing: dict, done):
-        self.early, self.arriving, self.outgoing, self.done = early, arriving, outgoing, done
+    def __init__(self, early: Optional[_EarlySums], arriving: list, outgoing: dict, done, pairs: set):
+        self.early, self.arriving, self.outgoing, self.done, self.pairs = early, arriving, outgoing, done, pairs
 
     def wait(self, device: torch.device) -> None:
         """The caller's stream waits for the relay; the arrived buffers, allocated on `relay_stream`,

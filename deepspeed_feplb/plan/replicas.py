@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["Choice", "most_replica_slots", "slot_experts", "Split", "split", "load_split", "route", "expected_counts",
            "predicted_rows", "predicted_rows_many", "RELAY_CHUNK_BYTES", "relay_us", "replica_pairs", "early_sums",
-           "last_half_bytes", "exchange_us", "exchange_per_micro_batch", "choose"]
+           "held_back_locals", "held_back_sums", "last_half_bytes", "exchange_us", "exchange_per_micro_batch", "choose"]
 
 
 def most_replica_slots(experts: int, ranks: int, ranks_per_node: int) -> int:
@@ -394,6 +394,7 @@ def _compiled_expected():
 
 
 RELAY_CHUNK_BYTES = 4 << 20  # `integration.replicas.relay` moves a shard in pieces of this size, hops pipelined
+FORWARD_SHARE = 1 / 3  # of an expert's compute per row, its forward's (the backward's two GEMMs per one)
 
 
 def relay_us(transfers: np.ndarray, ranks: int, ranks_per_node: int, nbytes: float, net_gbps: float,
@@ -477,6 +478,44 @@ def early_sums(homes, redundant: int) -> np.ndarray:
     return early
 
 
+def held_back_locals(homes, locals_, ranks: int, redundant: int) -> np.ndarray:
+    """The local expert indices whose gradients of a step's last micro-batch every rank of the EP
+    group holds back to the backward's end, so that the replicas' sums for the experts there
+    travel while the layers below compute (`integration.replicas.ReplicaSlots.held_back_locals`):
+    ``homes``, ``locals_`` int [T], each held replica's expert's home rank and local index there,
+    of ``ranks`` ranks with ``redundant`` replica slots each -> int64 ascending. Of the local
+    indices of replicated experts, those with the most replicas first (ties: the lower), as many as
+    a rank has replica slots, each where no home would then wait at the end for more replicas'
+    sums than that. Every rank holds back the same indices, an expert's home or not, so DeepSpeed's
+    gradient hooks fire in the same order on all of them (ZeRO 2 fills its reduce bucket in hook
+    order and flushes it by size); what a rank holds then (that many experts' gradients, a home
+    that many replicas' sums) stays within what `memory.replica_bytes` counts."""
+    homes, locals_ = np.asarray(homes, np.int64).reshape(-1), np.asarray(locals_, np.int64).reshape(-1)
+    if not len(homes) or redundant <= 0:
+        return np.zeros(0, np.int64)
+    counts = np.bincount(locals_)
+    taken, per_home = [], np.zeros(ranks, np.int64)
+    for u in sorted(np.flatnonzero(counts), key=lambda u: (-counts[u], u)):
+        waiting = per_home + np.bincount(homes[locals_ == u], minlength=ranks)
+        if len(taken) < redundant and waiting.max() <= redundant:
+            taken.append(u)
+            per_home = waiting
+    return np.array(sorted(taken), np.int64)
+
+
+def held_back_sums(slots: np.ndarray, primaries: int) -> np.ndarray:
+    """bool [T]: whether each held replica of ``slots`` int64 [R, S] (`replica_pairs` order) sends its
+    sum to a home that takes it when the backward ends (`held_back_locals`; the first ``primaries``
+    columns hold each rank's experts, in its local order)."""
+    slots = np.asarray(slots, np.int64)
+    q, j = np.nonzero(slots[:, primaries:] >= 0)
+    local = np.zeros(int(slots.max(initial=-1)) + 1, np.int64)
+    local[slots[:, :primaries].ravel()] = np.tile(np.arange(primaries), slots.shape[0])
+    locals_ = local[slots[q, primaries + j]]
+    homes = replica_pairs(slots, primaries)[:, 0]
+    return np.isin(locals_, held_back_locals(homes, locals_, slots.shape[0], slots.shape[1] - primaries))
+
+
 def last_half_bytes(weight_bytes: float, grad_bytes: float, micro_batches_per_step: int) -> float | None:
     """The bytes of the step's last replica gradient where the sums go home in two halves (more
     than one micro-batch per step, weights narrower than the fp32 sums: the last micro-batch's
@@ -486,7 +525,8 @@ def last_half_bytes(weight_bytes: float, grad_bytes: float, micro_batches_per_st
 
 def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_bytes: float, grad_bytes: float,
                 net_gbps: float, intra_gbps: float = math.inf, weight_slots: np.ndarray | None = None,
-                last_bytes: float | None = None, hidden_us: float = 0.0, weights_hidden_us: float = 0.0) -> float:
+                last_bytes: float | None = None, hidden_us: float = 0.0, weights_hidden_us: float = 0.0,
+                held_back: bool = True) -> float:
     """One optimizer step's replica exchange that the step waits for (µs), as the runtime makes it
     (`integration.replicas.ReplicaSlots`), each transfer relayed over every link of the two nodes
     (`relay_us`):
@@ -497,7 +537,11 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
       order, as many as it has replica slots, send the sum of all but the last micro-batch in the
       one-but-last backward, which the last micro-batch hides up to ``hidden_us``, then the last
       one's gradient alone (``last_bytes``: in the gradients' dtype) in its backward; the others
-      (and all without ``last_bytes``) send the sum in it;
+      (and all without ``last_bytes``) send the sum in it. With ``held_back`` (a DeepSpeed MoE
+      layer's runtime), the homes of `held_back_sums` take theirs only when that backward ends, so
+      they travel while the layers below compute: within the same ``hidden_us`` as the early
+      halves (without ``last_bytes``, within its backward, 1 - `FORWARD_SHARE` of it), after the
+      rest, for which the other homes wait in the layer's backward;
     * when the next forward begins the home sends the stepped weights (``weight_bytes``) to the
       replicas of ``weight_slots`` (the table a decision at the step left; default ``slots``),
       which the forward hides up to ``weights_hidden_us``: the layers before each one compute
@@ -510,14 +554,19 @@ def exchange_us(slots: np.ndarray, primaries: int, ranks_per_node: int, weight_b
     R = np.asarray(slots).shape[0]
     pairs = replica_pairs(slots, primaries)
     weight_pairs = pairs if weight_slots is None else replica_pairs(weight_slots, primaries)
+    back = pairs[:, ::-1]
+    late = held_back_sums(slots, primaries) if held_back else np.zeros(len(pairs), np.bool_)
+
+    def relayed(which: np.ndarray, nbytes: float) -> float:
+        return relay_us(back[which], R, ranks_per_node, nbytes, net_gbps, intra_gbps)
+
     if last_bytes is None:
-        sums = relay_us(pairs[:, ::-1], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps)
+        sums = max(0.0, relayed(late, grad_bytes) - (1 - FORWARD_SHARE) * hidden_us) + relayed(~late, grad_bytes)
     else:
         early = early_sums(pairs[:, 0], np.asarray(slots).shape[1] - primaries)
-        back = pairs[:, ::-1]
-        sums = (max(0.0, relay_us(back[early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps) - hidden_us)
-                + relay_us(back[early], R, ranks_per_node, last_bytes, net_gbps, intra_gbps)
-                + relay_us(back[~early], R, ranks_per_node, grad_bytes, net_gbps, intra_gbps))
+        sums = (max(0.0, relayed(early, grad_bytes) + relayed(early & late, last_bytes) - hidden_us)
+                + relayed(early & ~late, last_bytes) + relayed(~early & ~late, grad_bytes)
+                + max(0.0, relayed(~early & late, grad_bytes) - (1 - FORWARD_SHARE) * hidden_us))
     weights = relay_us(weight_pairs, R, ranks_per_node, weight_bytes, net_gbps, intra_gbps)
     return sums + max(0.0, weights - weights_hidden_us)
 
@@ -558,7 +607,11 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
     holds the expert's weights only (``weight_bytes``; its gradient sum travels as ``grad_bytes``,
     default ``weight_bytes``): the sum joins the expert's gradient before the optimizer step, and
     the stepped weights reach it with the exchange's return half, both relayed over every link of
-    the two nodes (``net_gbps`` between nodes, ``intra_gbps`` inside one).
+    the two nodes (``net_gbps`` between nodes, ``intra_gbps`` inside one). The price leaves out the
+    sums homes hold back to the backward's end (`held_back_sums`): that depends on the whole
+    table's shape, and pricing it steers the choice to fewer replicas that balance worse (2 nodes
+    of 4 at 4k, simulated: 1.096 of the ideal at max/mean 1.063, against 1.098 at 1.049 priced
+    without; benchmarks/PLANNER.md).
 
     ``max_rows_over_mean`` (``feplb.max_rows_over_mean``; 0: none) puts rows before time, as the
     intra-node planner does: the prefix whose predicted busiest rank exceeds that multiple of the
@@ -603,7 +656,7 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
         """A replica table's price per micro-batch; ``slots``: its `slot_experts`."""
         return fixed_us * bool((replicas >= 0).any()) + exchange_per_micro_batch(
             slots, E // R, G, micro_batches_per_step, weight_bytes, grad_bytes, net_gbps, intra_gbps,
-            hidden_us=micro_batch_us, weights_hidden_us=FORWARD_SHARE * micro_batch_us)
+            hidden_us=micro_batch_us, weights_hidden_us=FORWARD_SHARE * micro_batch_us, held_back=False)
 
     expected = fit.mean(axis=0)
     (base, over), = judged_rows(slot_experts(e2r, none)[None])
@@ -633,21 +686,23 @@ def choose(samples: np.ndarray, expert_to_rank: np.ndarray, ranks_per_node: int,
 
 
 ROWS_TIE = 0.005  # `choose`: rows over the bound that differ by less than this share of the mean are a tie
-FORWARD_SHARE = 1 / 3  # of an expert's compute per row, its forward's (the backward's two GEMMs per one)
 
 
 def exchange_per_micro_batch(slots: np.ndarray, primaries: int, ranks_per_node: int, micro_batches_per_step: int,
                               weight_bytes: float, grad_bytes: float | None, net_gbps: float,
-                              intra_gbps: float, hidden_us: float = 0.0, weights_hidden_us: float = 0.0) -> float:
+                              intra_gbps: float, hidden_us: float = 0.0, weights_hidden_us: float = 0.0,
+                              held_back: bool = True) -> float:
     """What the replicas of ``slots`` add to each micro-batch (µs): their step's `exchange_us`
     (gradient sums of ``grad_bytes``, default ``weight_bytes``; with more than one micro-batch per
     step and weights narrower than the sums, in two halves: the last micro-batch's gradient as many
-    bytes as the weights, the early half hidden up to ``hidden_us``; the stepped weights hidden up
-    to ``weights_hidden_us``) spread over the step."""
+    bytes as the weights, the early half hidden up to ``hidden_us``, with ``held_back`` the sums
+    that homes take at the backward's end too; the stepped weights hidden up to
+    ``weights_hidden_us``) spread over the step."""
     grad = weight_bytes if grad_bytes is None else grad_bytes
     return exchange_us(slots, primaries, ranks_per_node, weight_bytes, grad, net_gbps, intra_gbps,
                        last_bytes=last_half_bytes(weight_bytes, grad, micro_batches_per_step),
-                       hidden_us=hidden_us, weights_hidden_us=weights_hidden_us) / micro_batches_per_step
+                       hidden_us=hidden_us, weights_hidden_us=weights_hidden_us,
+                       held_back=held_back) / micro_batches_per_step
 
 
 def _sequence(expected: np.ndarray, e2r: np.ndarray, G: int, redundant: int, repeat: bool) -> list[np.ndarray]:

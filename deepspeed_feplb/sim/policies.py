@@ -82,7 +82,10 @@ class SimSetup:
                **added to the expert time of the micro-batch that ends the step**
                (``replica_exchange_us``), less what that micro-batch's own expert time hides of
                the sums of the micro-batches before it, which go home during it (experts of 2-byte
-               weights, `ExpertShape.dtype_bytes`, as bf16 training has them), and less what its
+               weights, `ExpertShape.dtype_bytes`, as bf16 training has them), and of the last
+               sums of experts whose gradients their home holds back to the backward's end
+               (`replicas.held_back_sums`: a DeepSpeed MoE layer's runtime; an AutoEP layer's
+               homes wait for every sum in the layer's backward), and less what its
                forward's hides of the stepped weights (standing for the next step's first forward,
                at whose start they leave). Without
                ``placement`` every expert keeps its home and decisions choose replicas only.

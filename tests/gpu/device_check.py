@@ -384,8 +384,10 @@ def deepep(check: Check) -> dict:
 
 # ------------------------------------------------------------------ 9. leaks, 10. gpu tests
 def leaks(check: Check, baseline_bytes: int, segments_before: set) -> dict:
-    from deepspeed_feplb.segments import leftover_segments
-    left = sorted(set(leftover_segments()) - segments_before)  # another job's segments are not ours
+    from deepspeed_feplb.segments import leftover_segments, segments_in_use
+    # another job's segments are not ours: those there before, and those a live process maps now
+    # (this check's ranks have all exited)
+    left = sorted(set(leftover_segments()) - segments_before - set(segments_in_use()))
     figures = {"dev_shm_feplb_segments": left}
     if not check.cpu:
         torch.cuda.synchronize()

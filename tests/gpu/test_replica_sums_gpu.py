@@ -52,7 +52,7 @@ def test_a_home_adds_sums_that_arrive_late_in_stream_order():
     slots = ReplicaSlots(_Placement(), [torch.zeros(64, 64, dtype=torch.bfloat16, device=device)], 1)
     late, done = _arriving_late(device)
     # as `_send_last` leaves it on the home: one replica's fp32 sum arriving for local expert 0
-    slots._last = _LastSums(None, [(1, 0, 0, 0, [late])], {}, done)
+    slots._last = _LastSums(None, [(1, 0, 0, 0, [late])], {}, done, {(1, 0, 0)})
     own = torch.randn(64, 64, device=device).to(torch.bfloat16)
     (local, sums), = slots.sums_here()
     summed = with_sum([own], sums)[0]  # on the compute stream, right away
