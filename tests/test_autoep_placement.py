@@ -12,6 +12,7 @@ pytest.importorskip("deepspeed.module_inject.auto_ep_layer")
 
 from test_autoep import VOCAB, _rel, tiny_model  # noqa: E402
 
+from deepspeed_feplb.plan.placement import FIRST_REPLICAS_AFTER  # noqa: E402
 from deepspeed_feplb.testing import run_distributed  # noqa: E402
 
 
@@ -181,7 +182,7 @@ def test_a_placed_autoep_checkpoint_loads_into_plain_autoep(tmp_path):
 
 @pytest.mark.parametrize("world,zero,steps,bf16,moves,slots", [
     (4, 0, 5, False, True, 1), (4, 1, 30, False, True, 1), (8, 2, 5, False, True, 1), (4, 1, 4, True, True, 1),
-    (4, 2, 5, False, False, 1), (4, 2, 5, False, False, "auto")],
+    (4, 2, 5, False, False, 1), (4, 2, 3, False, False, "auto")],
                          ids=["zero0", "zero1-30-steps", "zero2-4-nodes", "zero1-bf16", "zero2-homes-kept",
                               "zero2-homes-kept-auto"])
 def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps, bf16, moves, slots):
@@ -192,8 +193,10 @@ def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps,
     0 before each step, so training equals plain AutoEP; no replica joins the state dict. ``moves``
     false: replicas alone, no expert leaves its slot. ``slots`` "auto" (the default), the ranks
     reporting GPU memory with plenty free: the same slot, decided at initialize before AutoEP's
-    layers are installed."""
-    gas = 2
+    layers are installed; there 4 micro-batches per step, and the first replicas come after the
+    first step's second micro-batch (`ExpertPlacement.decide_mid_step`)."""
+    gas = 4 if slots == "auto" else 2
+    decided = FIRST_REPLICAS_AFTER if slots == "auto" else gas  # micro-batches before the first decision
     free = 2**40 if slots == "auto" else None
     results = run_distributed(placement_case, world, zero, steps, gas, 0.0, "", 1, slots, bf16, moves, free,
                               timeout=900)
@@ -211,12 +214,12 @@ def test_autoep_replicas_balance_the_nodes_and_train_exactly(world, zero, steps,
     assert all(x["replica_at"] == r["replica_at"] for x in results), "ranks disagree on the replicas"
     assert all(any(q >= 0 for row in layer for q in row) for layer in r["replica_at"][0]), r["replica_at"]
     nodes = np.array(r["routed_node_rows"])  # [micro-batches, layers, nodes]
-    before, after = nodes[:gas], nodes[gas:]
+    before, after = nodes[:decided], nodes[decided:]
     assert (before.max(-1) > 1.5 * before.min(-1)).all(), f"placement alone balances the case: {before.tolist()}"
     assert (after.max(-1) / after.min(-1)).max() <= 1.05, f"routes per node after the first decision: {after.tolist()}"
     assert sum(x["grad_sends"] for x in results) >= 2 * (len(r["replica_at"]) - 1)  # every step, each layer
     # inside node 1 the replica slot has all the rows, and phase 2 moves some of them to rank 3
-    assert np.array(results[2]["migrated"])[gas:].min() > 0, results[2]["migrated"]
+    assert np.array(results[2]["migrated"])[decided:].min() > 0, results[2]["migrated"]
     assert r["state_dict_keys"] == r["reference_keys"], "replica slots leaked into the state dict"
 
 
