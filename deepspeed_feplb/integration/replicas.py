@@ -278,11 +278,6 @@ class ReplicaSlots:
             dist.all_reduce(hashes, group=self.placement.ep_group)  # each entry has one contributor
         return bool((hashes[:, 0] != hashes[:, 1]).any())
 
-    def homed_here(self) -> list[int]:
-        """The local indices of this rank's experts that have a replica held (ascending)."""
-        me = self.me
-        return sorted({local for _, _, e in self._held() for home, local in [self.placement.home_of(e)] if home == me})
-
     def held_back_locals(self) -> list[int]:
         """The local indices whose experts' gradients of a step's last micro-batch every rank of the
         EP group holds back to the backward's end (`plan.replicas.held_back_locals`, from the
@@ -343,8 +338,7 @@ class ReplicaSlots:
         DeepSpeed); on any other rank nothing, its wait left to the end of the backward (an
         autograd-engine callback), so that its compute goes on while the relay runs and its sent
         tensors are freed after it."""
-        late = set(self.held_back_locals())
-        if set(self.homed_here()) - late:
+        if self._last is not None and self._last.arriving:  # sums for this rank's experts in that relay
             return self.arrived()
         last, self._last = self._last, None
         if last is not None:
