@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "transport_speed", "layer", "serve_parts", "deepep",
-          "syncs", "launches", "memory", "layer_speed", "launch_budget", "parity", "leaks", "gpu_tests")
+STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "transport_speed", "layer", "serve_parts",
+          "grouped_tile", "deepep", "syncs", "launches", "memory", "layer_speed", "launch_budget", "parity", "leaks",
+          "gpu_tests")
 
 
 def test_device_check_dry_run(tmp_path):
@@ -23,6 +24,7 @@ def test_device_check_dry_run(tmp_path):
     assert all(result["stages"]["layer"][mode]["migrated_tokens"] > 0 for mode in ("after_own_rows", "on_arrival"))
     assert len(result["stages"]["transport_speed"]["sizes"]) == 5
     assert set(result["stages"]["serve_parts"]["variants"]) == {"1 part", "4 parts"}
+    assert result["stages"]["grouped_tile"]["rows"] == list(range(0, 129, 8))
 
 
 def test_a_gpu_run_without_cuda_fails_instead_of_skipping(tmp_path):

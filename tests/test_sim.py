@@ -154,6 +154,25 @@ def test_the_floor_fits_the_h200_measurement():
         assert again == fitted
 
 
+def test_the_row_tile_fit_tells_steps_at_tiles_from_time_that_grows_with_the_rows():
+    """`fit_row_tile` on sweeps across 128-row tile ends (the device check's ``grouped_tile``): times
+    that step by a whole tile past 384 and 512 fit 128; times that grow with every 8 rows fit a tile of
+    32 or less, each with 1% noise (0 misfits in 500 seeds of each); and `grouped_sweep_us` times one
+    grouped call per swept size here."""
+    from deepspeed_feplb.sim.calibrate import fit_row_tile, grouped_sweep_us
+    rng = np.random.default_rng(3)
+    rows = np.arange(384, 641, 8)
+    stepped = 300.0 + 0.5 * np.ceil(rows / 128) * 128
+    smooth = 300.0 + 0.5 * rows
+    for times, tiled in ((stepped, True), (smooth, False)):
+        fit = fit_row_tile(rows, times * (1 + 0.01 * rng.standard_normal(len(times))))
+        assert fit["tile"] == 128 if tiled else fit["tile"] <= 32, fit
+    assert fit_row_tile(rows, stepped)["rms_us"][128] < 1e-6 < fit_row_tile(rows, stepped)["rms_us"][8]
+    swept, times = grouped_sweep_us(ExpertShape(hidden=16, ffn_hidden=32, mats=3), groups=3, rows=16,
+                                    deltas=range(-16, 17, 8), repeat=1)
+    assert swept == [0, 8, 16, 24, 32] and all(t > 0 for t in times)
+
+
 def test_gpu_profile_needs_a_device():
     import torch
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from deepspeed_feplb.plan.cost import PROFILES, ExpertShape, GemmProfile
 
-__all__ = ["get_profile", "calibrate", "calibrate_cpu"]
+__all__ = ["get_profile", "calibrate", "calibrate_cpu", "grouped_sweep_us", "fit_row_tile"]
 
 _CPU_ROWS = (1, 8, 16, 24, 32, 64, 96, 128, 256, 512)
 _CPU_SHAPE = ExpertShape(hidden=512, ffn_hidden=1024)  # the expert `calibrate` times unless told another
@@ -81,6 +81,60 @@ def expert_times_us(shape: ExpertShape, device: str = "cpu", rows=_CPU_ROWS, rep
         run()
         times.append((_best_time_cuda(run, repeat) if cuda else _best_time(run, repeat)) * 1e6)
     return times
+
+
+def grouped_sweep_us(shape: ExpertShape, device: str = "cpu", groups: int = 8, rows: int = 512,
+                     deltas=range(-128, 129, 8), repeat: int = 5) -> tuple[list[int], list[float]]:
+    """Forward time (µs) of one grouped call of ``groups`` experts of ``shape`` (``torch._grouped_mm``
+    per projection, as `grouped_mlp.StackedMLP.grouped` calls it; gated when ``mats`` is 3) with
+    ``rows`` rows each but the first, whose rows sweep ``rows + delta`` for each of ``deltas``:
+    whether a group's time steps at the GEMM's row tile (what ``feplb.chunk_align_tokens: "auto"``
+    assumes: a chunk of part of a tile costs that tile) or grows with its rows. fp32 on the CPU, bf16
+    on a CUDA device (timed with CUDA events). Returns (the first group's rows, times)."""
+    import torch
+    cuda = device != "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def weights(out_features, in_features):  # [groups, out, in] as a stacked nn.Linear, read transposed
+        return torch.randn(groups, out_features, in_features, generator=g, device=device, dtype=dtype).transpose(-2, -1)
+    ups = [weights(shape.ffn_hidden, shape.hidden) for _ in range(shape.mats - 1)]
+    down = weights(shape.hidden, shape.ffn_hidden)
+    swept, times = [], []
+    for delta in deltas:
+        first = rows + int(delta)
+        if first < 0:
+            continue
+        sizes = [first] + [rows] * (groups - 1)
+        x = torch.randn(sum(sizes), shape.hidden, generator=g, device=device, dtype=dtype)
+        ends = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device=device)
+
+        def run(x=x, ends=ends):
+            h = torch._grouped_mm(x, ups[0], offs=ends)
+            for m in ups[1:]:
+                h = h * torch._grouped_mm(x, m, offs=ends)
+            return torch._grouped_mm(h, down, offs=ends)
+
+        run()
+        swept.append(first)
+        times.append((_best_time_cuda(run, repeat) if cuda else _best_time(run, repeat)) * 1e6)
+    return swept, times
+
+
+def fit_row_tile(rows, times_us, tiles=(1, 8, 16, 32, 64, 128, 256)) -> dict:
+    """The row tile that best explains ``times_us`` over ``rows`` (`grouped_sweep_us`):
+    ``t(n) = a + b * ceil(n / tile) * tile`` by least squares for each candidate tile. Returns
+    ``{"tile": the best, "rms_us": {tile: the fit's root-mean-square error}}``; ties (rows that are
+    multiples of both tiles) go to the smaller tile."""
+    n = np.asarray(rows, dtype=np.float64)
+    t = np.asarray(times_us, dtype=np.float64)
+    rms = {}
+    for tile in tiles:
+        A = np.stack([np.ones_like(n), np.ceil(n / tile) * tile], axis=1)
+        coef, *_ = np.linalg.lstsq(A, t, rcond=None)
+        rms[int(tile)] = float(np.sqrt(np.mean((A @ coef - t) ** 2)))
+    best = min(rms, key=lambda tile: (round(rms[tile], 9), tile))
+    return {"tile": best, "rms_us": rms}
 
 
 def fit_profile(name: str, shape: ExpertShape, rows, times_us, tiles, ce_gbps: float, net_gbps: float,

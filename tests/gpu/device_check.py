@@ -25,6 +25,8 @@ time-out still leaves data):
    home early, as at scale.
    ``serve_parts``: a balanced layer's micro-batch with results in one message and in 4 parts
    (`benchmarks/bench_serve_parts.py`), median time of each and their ratio.
+   ``grouped_tile``: a grouped expert GEMM's time as one expert's rows sweep across 128-row tile
+   boundaries, and the row tile that fits it best (what ``chunk_align_tokens: "auto"`` assumes).
 7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
    dispatcher on the device.
 8. ``syncs``, ``launches``, ``memory``, ``layer_speed``, ``launch_budget``: the hot path (`hot_path.py`):
@@ -358,6 +360,34 @@ def serve_parts(check: Check) -> dict:
     return {"ok": min(result["migrated_rows_rank0"].values()) > 0, **result}
 
 
+def grouped_tile(check: Check) -> dict:
+    """Whether a grouped expert GEMM's time steps at a row tile (`sim.calibrate.grouped_sweep_us`):
+    on the GPU 8 GLM-5-sized gated bf16 experts of 512 rows (the recorded 4k trace's: 8 local experts
+    per rank), the first one's rows swept from 384 to 640 in steps of 8; in the dry run the same code
+    at a small fp32 shape (its times say nothing). ``feplb.chunk_align_tokens: "auto"`` moves whole
+    128-row tiles on a GPU because the simulator's profiles pad a piece to them; a fitted tile well
+    below that (a time that grows with the rows) would make finer chunks balance rows at no cost."""
+    from deepspeed_feplb.plan.cost import ExpertShape
+    from deepspeed_feplb.plan.policy import GPU_TILE_ROWS
+    from deepspeed_feplb.sim.calibrate import fit_row_tile, grouped_sweep_us
+    if check.cpu:
+        shape, groups, rows, deltas = ExpertShape(hidden=64, ffn_hidden=128), 4, 64, range(-64, 65, 8)
+    else:
+        shape, groups, rows, deltas = ExpertShape(), 8, 512, range(-128, 129, 8)
+    swept, times = grouped_sweep_us(shape, "cpu" if check.cpu else "cuda", groups, rows, deltas,
+                                    repeat=3 if check.cpu else 5)
+    fit = fit_row_tile(swept, times)
+    at = swept.index(rows)
+    per_row = (times[-1] - times[0]) / (swept[-1] - swept[0])
+    step = (times[at + 1] - times[at]) / (8 * per_row) if per_row > 0 else None
+    return {"ok": all(0 < t < float("inf") for t in times), "groups": groups, "rows": swept,
+            "times_us": [round(t, 2) for t in times], "fitted_tile": fit["tile"],
+            "fit_rms_us": {tile: round(v, 3) for tile, v in fit["rms_us"].items()},
+            # strict tiles: the 8 rows past a tile's end cost a whole tile, so this ratio is about tile / 8
+            "step_past_tile_over_8_rows": None if step is None else round(step, 2),
+            "chunk_align_auto_rows": GPU_TILE_ROWS}
+
+
 # ------------------------------------------------------------------ 7. DeepEP adapter
 def deepep(check: Check) -> dict:
     from deepspeed_feplb.dispatch import deepep_available
@@ -430,7 +460,8 @@ def main(argv=None) -> int:
     hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed")}
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport,
               "transport_speed": transport_speed, "layer": layer, "serve_parts": serve_parts,
-              "deepep": deepep, **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
+              "grouped_tile": grouped_tile, "deepep": deepep,
+              **{name: lambda c, fn=fn: fn(c.cpu) for name, fn in hot.items()},
               "launch_budget": lambda c: hot_path.launch_budget(c.cpu, c.out),
               "parity": lambda c: hot_path.parity(c.cpu),
               "leaks": lambda c: leaks(c, baseline, segments_before), "gpu_tests": gpu_tests}
