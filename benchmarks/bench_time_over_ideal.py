@@ -10,7 +10,8 @@ runtime's), GLM-5-like experts (hidden 6144, ffn 2048), 8 micro-batches per step
   more with the cross-node placement layer on and no replica slot (``--placement on
   --redundant-per-rank 0``: opt-in in the runtime);
 * generated traces nobody tuned for (``trace --kind noaux``, its default skew, seed 7, 48
-  micro-batches, 256 experts top-8): EP 16 as 2 nodes of 8 at 2,048 and 16,384 rows per rank, EP 64
+  micro-batches, 256 experts top-8): EP 8 in one node at 2,048 and 32,768 rows per rank (32 local
+  experts a rank, against the recorded traces' 8), EP 16 as 2 nodes of 8 at 2,048 and 16,384, EP 64
   as 8 nodes of 8 at 4,096 and 32,768, the EP 64 cases once more with the placement layer and one
   replica slot per rank (``--placement on --redundant-per-rank 1``).
 
@@ -57,6 +58,7 @@ CASES = {"ep8_4k": ("stdlib_moe_ep8_4k.npz", 8, 1, ()), "ep8_32k": ("stdlib_moe_
          "ep8_2nodes_32k": ("stdlib_moe_ep8_32k.npz", 4, 2, NO_REPLICA),
          "ep8_2nodes_4k_placement": ("stdlib_moe_ep8_4k.npz", 4, 2, PLACEMENT),
          "ep8_2nodes_32k_placement": ("stdlib_moe_ep8_32k.npz", 4, 2, PLACEMENT),
+         "generated_ep8_2k": ((8, 2048), 8, 1, ()), "generated_ep8_32k": ((8, 32768), 8, 1, ()),
          "generated_ep16_2k": ((16, 2048), 8, 2, NO_REPLICA), "generated_ep16_16k": ((16, 16384), 8, 2, NO_REPLICA),
          "generated_ep64_4k": ((64, 4096), 8, 8, NO_REPLICA), "generated_ep64_32k": ((64, 32768), 8, 8, NO_REPLICA),
          "generated_ep64_4k_replica": ((64, 4096), 8, 8, REPLICA),
