@@ -137,12 +137,13 @@ def equivalence_case(ep_size: int, domain: int, k: int, num_experts: int = 16, d
 
 class TinyMoEModel(torch.nn.Module):
     """Dense -> MoE -> dense, returning (prediction, l_aux); ``recompute``: the MoE layer runs under
-    non-reentrant activation checkpointing (its forward runs again in the backward)."""
+    non-reentrant activation checkpointing (its forward runs again in the backward); ``twice``: the
+    MoE layer runs a second time on its own output (one layer, two uses in one forward)."""
 
-    def __init__(self, moe: torch.nn.Module, recompute: bool = False):
+    def __init__(self, moe: torch.nn.Module, recompute: bool = False, twice: bool = False):
         super().__init__()
         self.inp, self.moe, self.out = torch.nn.Linear(HIDDEN, HIDDEN), moe, torch.nn.Linear(HIDDEN, HIDDEN)
-        self.recompute = recompute
+        self.recompute, self.twice = recompute, twice
 
     def forward(self, x):
         h = self.inp(x) + 1.0
@@ -151,14 +152,22 @@ class TinyMoEModel(torch.nn.Module):
             y, l_aux = checkpoint(lambda t: self.moe(t)[:2], h, use_reentrant=False)
         else:
             y, l_aux, _ = self.moe(h)
+        if self.twice:
+            y, again, _ = self.moe(0.5 * y + h)
+            l_aux = l_aux + again
         return self.out(y), l_aux
 
 
-def train_step(engine, x: torch.Tensor, target: torch.Tensor) -> float:
-    """One micro-batch of TinyMoEModel through ``engine``: forward, backward, step; the loss."""
+def train_step(engine, x: torch.Tensor, target: torch.Tensor, direct: bool = False) -> float:
+    """One micro-batch of TinyMoEModel through ``engine``: forward, backward, step; the loss.
+    ``direct``: the backward is the loss's own (``loss.backward()`` on the loss scaled as
+    ``engine.backward`` would), not ``engine.backward``."""
     prediction, l_aux = engine(x)
     loss = ((prediction - target)**2).mean() + 0.01 * l_aux
-    engine.backward(loss)
+    if direct:
+        (loss / engine.gradient_accumulation_steps()).backward()
+    else:
+        engine.backward(loss)
     engine.step()
     return loss.item()
 
@@ -763,15 +772,15 @@ def placement_case(zero_stage: int, steps: int = 20, domain: int = 2, interval: 
 
 
 def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, learn_router: bool = False,
-                          recompute: bool = False):
-    """TinyMoEModel (top-1, ``recompute`` as there) whose gate sends most tokens to expert 0 (``hot``
+                          recompute: bool = False, twice: bool = False):
+    """TinyMoEModel (top-1, ``recompute`` and ``twice`` as there) whose gate sends most tokens to expert 0 (``hot``
     raises its logit; 0.5: about 95% of all rows, far more than a node of 2 of 4 ranks should
     compute, which placement alone cannot split) and spreads the rest; the router and the layer
     before it are frozen unless ``learn_router``."""
     torch.manual_seed(11)
     model = TinyMoEModel(DeepSpeedMoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=num_experts,
                                       ep_size=ep_size, k=1, min_capacity=0, drop_tokens=False, use_rts=False),
-                         recompute)
+                         recompute, twice)
     with torch.no_grad():
         weight = model.moe.deepspeed_moe.gate.wg.weight
         weight.mul_(0.2)
@@ -786,7 +795,8 @@ def _one_hot_expert_model(num_experts: int, ep_size: int, hot: float = 0.5, lear
 
 def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant: int = 1,
                        learn_router: bool = False, recompute: bool = False, enabled: bool = True,
-                       fixed_costs: str = "ignore", bucket: int | None = None) -> dict:
+                       fixed_costs: str = "ignore", bucket: int | None = None, backward: str = "engine",
+                       twice: bool = False) -> dict:
     """feplb.placement (``enabled``: homes may move; false: replicas alone, every expert keeping its
     home) with ``redundant`` replica slots per rank, 4 ranks as 2 nodes of 2, one expert
     with most rows (`_one_hot_expert_model`, its router learning if ``learn_router``, the layer
@@ -798,7 +808,10 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     holding replicas measured by each step's end and the price of the replicas chosen there
     (``replica_fixed_us``: (fixed µs per micro-batch, the choice's cost µs) per step); and how many
     reviews of the replicas this rank weighed (``reviews_weighed``). ``bucket``: ZeRO's
-    ``reduce_bucket_size`` (None: DeepSpeed's default, larger than the model)."""
+    ``reduce_bucket_size`` (None: DeepSpeed's default, larger than the model). ``backward``:
+    "engine" (``engine.backward``), "direct" (``loss.backward()``: `train_step`'s ``direct``) or
+    "alternating" (the steps' backwards the engine's, direct, the engine's, ...); ``twice``: the
+    layer runs twice per forward (`TinyMoEModel`)."""
     from deepspeed_feplb.plan.placement import CrossNodePlacer
 
     weighed = []
@@ -806,14 +819,14 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     CrossNodePlacer.review_choice = lambda placer: weighed.append(1) or review_choice(placer)
     try:
         return {**_replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs,
-                                     bucket),
+                                     bucket, backward, twice),
                 "reviews_weighed": len(weighed)}
     finally:
         CrossNodePlacer.review_choice = review_choice
 
 
 def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recompute, enabled, fixed_costs,
-                       bucket) -> dict:
+                       bucket, backward, twice) -> dict:
     import deepspeed
 
     from deepspeed_feplb.integration.expert_state import ModuleExperts
@@ -826,7 +839,8 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
     config = {**ds_config(zero_stage, feplb), "train_batch_size": world * gas, "gradient_accumulation_steps": gas}
     if bucket is not None:
         config["zero_optimization"] = {**config["zero_optimization"], "reduce_bucket_size": bucket}
-    models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router, recompute=recompute)
+    models = {name: _one_hot_expert_model(4 * world, world, learn_router=learn_router, recompute=recompute,
+                                          twice=twice)
               for name in ("reference", "feplb")}
     engines = {name: (deepspeed_feplb if name == "feplb" else deepspeed).initialize(
         model=model, model_parameters=param_groups(model), config=config)[0] for name, model in models.items()}
@@ -836,10 +850,11 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
     losses = {name: [] for name in engines}
     micro, replica_at, fixed_us = [], [], []
     for step in range(steps):
+        direct = backward == "direct" or backward == "alternating" and step % 2 == 1
         for m in range(gas):
             x, target = _placed_inputs(step * gas + m, 256)
             for name, engine in engines.items():
-                losses[name].append(train_step(engine, x, target))
+                losses[name].append(train_step(engine, x, target, direct))
             stats = ours.module.moe.feplb_stats
             micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
         replica_at.append(placed_layers(ours.module)[0].placement.replica_at.tolist())
@@ -860,6 +875,18 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
             "grad_sends": placement.replicas.grad_sends if placement.replicas else 0,
             "expert_at": placement.expert_at.tolist(), "moved_experts": placement.moved_experts,
             "state_dict_keys": names, "reference_keys": sorted(engines["reference"].module.state_dict())}
+
+
+def replica_backward_cases(zero_stage: int = 2) -> dict:
+    """`replica_slots_case` (2 nodes of 2, replicas alone, ZeRO ``zero_stage``) once per way a backward
+    may reach the layer's held-back gradients, in one launch: {"direct": every backward
+    ``loss.backward()``, 2 micro-batches per step; "alternating": one micro-batch per step, the
+    steps' backwards the engine's and direct in turn (a direct one after the engine's: the forward
+    held gradients back, its backward cannot wait for the end); "twice": the layer used twice per
+    forward, ``engine.backward``, 2 micro-batches per step}."""
+    return {"direct": replica_slots_case(zero_stage, 4, 2, enabled=False, backward="direct"),
+            "alternating": replica_slots_case(zero_stage, 6, 1, enabled=False, backward="alternating"),
+            "twice": replica_slots_case(zero_stage, 4, 2, enabled=False, twice=True)}
 
 
 def replica_checkpoint_case(tmp: str, zero_stage: int = 0, steps: int = 7, save_at: int = 4) -> dict:

@@ -90,6 +90,24 @@ def test_replicas_balance_every_micro_batch_and_train_exactly(world, zero_stage,
     assert r["state_dict_keys"] == r["reference_keys"], "replica slots leaked into the state dict"
 
 
+def test_held_back_gradients_train_exactly_however_the_backward_is_called():
+    """A step's last gradients held back to the backward's end must reach DeepSpeed's ZeRO 2 before
+    its reduction epilogue, once per parameter. A direct ``loss.backward()`` runs that epilogue in a
+    callback queued before FEPLB's, so FEPLB holds nothing back after seeing one and delivers in the
+    layer's backward where a forward already held back; a layer used twice in one forward delivers
+    both uses' gradients in one backward, so each parameter's hooks run once (before, ZeRO 2 failed
+    with "already been reduced" and, after a direct backward, at the optimizer step)."""
+    results = run_distributed(moe_cases.replica_backward_cases, 4, 2, timeout=900)
+    for name in ("direct", "alternating", "twice"):
+        runs = [x[name] for x in results]
+        reference, ours = np.array(runs[0]["losses"]["reference"]), np.array(runs[0]["losses"]["feplb"])
+        assert np.allclose(ours, reference, rtol=1e-5, atol=1e-6), (name, ours - reference)
+        worst = max(max(x["param_errors"].values()) for x in runs)
+        assert worst < 1e-5, f"{name}: parameters differ from DeepSpeed's MoE by {worst:.2e}"
+        held_back = [x["held_back"] for x in runs]
+        assert (not any(held_back)) if name == "direct" else all(h > 0 for h in held_back), (name, held_back)
+
+
 def test_the_host_cost_of_held_replicas_is_measured_agreed_and_priced():
     """``feplb.fixed_costs: "measured"``: from the first step with replicas held, the ranks agree
     at each step on what their hosts spent on them beyond the modelled exchange (each forward's
@@ -203,7 +221,9 @@ def test_a_held_back_gradient_reaches_its_parameter_with_the_sums_when_the_backw
     """`ReplicaSlots.at_backward_end` on the home of expert 0 (one process, no group): the layer's
     backward gives autograd nothing for the held-back parameter; when the whole backward ends its
     gradient arrives with the replica's sum added, once, after every other gradient (its hook
-    fires last), and the step's held-back count rises."""
+    fires last), and the step's held-back count rises. Nothing is held back before a backward
+    through the layer ran inside the engine's, nor after one did not; one that does not (a direct
+    ``loss.backward()``) gets the gradient in the layer's backward, before the end."""
     import contextlib
 
     import torch
@@ -219,13 +239,16 @@ def test_a_held_back_gradient_reaches_its_parameter_with_the_sums_when_the_backw
     slots = ReplicaSlots(Home(), [torch.zeros(2, 2)], 1)
     assert slots.held_back_locals() == []  # an AutoEP layer's (the default): nothing held back
     slots.holds_back = True
+    assert slots.held_back_locals() == []  # until a backward through the layer was the engine's
+    slots.backward([[torch.zeros(2, 2)]], later=1)  # (rank 1 holds the replica: nothing to add or send here)
     assert slots.held_back_locals() == [0]
     weight, other = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
     order = []
     weight.register_hook(lambda g: order.append("held back") or g)
     other.register_hook(lambda g: order.append("other") or g)
-    # as `_send_last` leaves it: the replica's fp32 sum for local expert 0 arriving at the backward's end
-    slots._late = _LastSums(None, [(1, 0, 0, 0, [torch.full((2, 2), 0.25)])], {}, None, {(1, 0, 0)})
+
+    def arriving():  # as `_send_last` leaves it: the replica's fp32 sum for local expert 0
+        slots._late = _LastSums(None, [(1, 0, 0, 0, [torch.full((2, 2), 0.25)])], {}, None, {(1, 0, 0)})
 
     class Hold(torch.autograd.Function):  # what `_ReplicaLink` does for a held-back expert
         @staticmethod
@@ -234,6 +257,7 @@ def test_a_held_back_gradient_reaches_its_parameter_with_the_sums_when_the_backw
 
         @staticmethod
         def backward(ctx, grad):
+            arriving()
             slots.at_backward_end([[weight]], [[grad]], [0])
             return None
 
@@ -241,6 +265,33 @@ def test_a_held_back_gradient_reaches_its_parameter_with_the_sums_when_the_backw
     loss.backward()
     assert torch.equal(weight.grad, torch.full((2, 2), 3.25)) and torch.equal(other.grad, torch.full((2,), 2.0))
     assert order == ["other", "held back"] and slots.held_back == 1 and slots._late is None
+    # the layer used twice in one forward: both uses' gradients and sums in one delivery, one hook call
+    weight.grad, other.grad, order[:] = None, None, []
+    loss = sum((Hold.apply(weight.detach().requires_grad_()) * c).sum() for c in (3.0, 5.0)) + (other * 2.0).sum()
+    loss.backward()
+    assert torch.equal(weight.grad, torch.full((2, 2), 8.5)) and order == ["other", "held back"]
+    assert slots.held_back == 2
+    # a direct `loss.backward()` (DeepSpeed's epilogue queued first): delivered in the layer's backward,
+    # before the backward's end; and no later forward holds back
+    slots.in_engine_backward = lambda: False
+    weight.grad, order[:] = None, []
+    ended = []
+
+    class Ends(torch.autograd.Function):  # marks the backward's end, queued before FEPLB's delivery could be
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: ended.append(list(order)))
+            return grad
+
+    loss = Ends.apply((Hold.apply(weight.detach().requires_grad_()) * 3.0).sum())
+    loss.backward()
+    assert torch.equal(weight.grad, torch.full((2, 2), 3.25)) and ended == [["held back"]]
+    slots.backward([[torch.zeros(2, 2)]], later=1)
+    assert slots.held_back_locals() == []
 
 
 def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_step():

@@ -71,6 +71,8 @@ class FEPLBMOELayer(MOELayer):
             self.step_ends = _every_micro_batch  # replaced by the engine's, see `seams.step_ends`
         if not hasattr(self, "later_micro_batches"):
             self.later_micro_batches = _none_later  # likewise, `seams.later_micro_batches`
+        if not hasattr(self, "in_engine_backward"):
+            self.in_engine_backward = _no_engine_epilogue  # likewise, `seams.in_engine_backward`
 
     @property
     def feplb_stats(self) -> dict:
@@ -133,6 +135,7 @@ class FEPLBMOELayer(MOELayer):
             self.placement = _make_placement(self, config, expert_params, redundant)
             if self.placement.replicas is not None:  # experts are parameters apiece: their gradients may wait
                 self.placement.replicas.holds_back = True
+                self.placement.replicas.in_engine_backward = self.in_engine_backward
             self.stage.times_every_call = True
         adopt_loaded_order(self)
         # a known MLP computes any set of its experts in one grouped GEMM per projection
@@ -324,6 +327,12 @@ def _every_micro_batch() -> bool:
     return True
 
 
+def _no_engine_epilogue() -> bool:
+    """Without an engine, no reduction waits at the backward's end before FEPLB's callbacks
+    (`seams.in_engine_backward`)."""
+    return True
+
+
 def _none_later() -> int:
     """Without an engine that says otherwise, no micro-batch of the step follows (`_every_micro_batch`)."""
     return 0
@@ -373,7 +382,7 @@ class _ReplicaLink:
         rows, flat = grads[0], list(grads[1:])
         groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
         homes = groups[:self.primaries]
-        self.replicas.backward(groups[self.primaries:], self.later)
+        self.replicas.backward(groups[self.primaries:], self.later, sorted(self.late))
         for local, sums in (self.replicas.sums_here() if self.later == 0 else []):
             homes[local] = with_sum(homes[local], sums)
         if self.late:
@@ -424,6 +433,7 @@ class MoE(ds_layer.MoE):
         if engine is not None:
             self.deepspeed_moe.step_ends = seams.step_ends(engine)
             self.deepspeed_moe.later_micro_batches = seams.later_micro_batches(engine)
+            self.deepspeed_moe.in_engine_backward = seams.in_engine_backward(engine)
         if self.deepspeed_moe.feplb_config is None and engine is not None:
             self.deepspeed_moe.feplb_config = load_config(seams.engine_feplb_section(engine))
         config = self.deepspeed_moe.feplb_config

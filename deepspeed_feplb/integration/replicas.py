@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -143,6 +143,11 @@ class ReplicaSlots:
         self._last: Optional[_LastSums] = None  # the step's last exchange, until `arrived` takes it
         self._late: Optional[_LastSums] = None  # its sums for held-back experts, until the backward's end
         self.holds_back = False  # a DeepSpeed MoE layer's: `held_back_locals` apply (an AutoEP layer's: none)
+        # whether the running backward is the engine's (`seams.in_engine_backward`), and whether the
+        # last one through the layer was: gradients are held back only after one was
+        self.in_engine_backward: Callable[[], bool] = lambda: True
+        self._engine_backward_seen = False
+        self._deliveries: list[tuple] = []  # held-back gradients of the running backward, until its end
         self.held_back = 0  # steps whose held-back gradients were delivered with their sums (`at_backward_end`)
         self.ahead_refreshes = 0  # refreshes sent when the engine's forward began (`refresh_ahead`)
         self._homes: Optional[Callable[[], list[list[torch.Tensor]]]] = None  # `keep_current`'s expert_params
@@ -284,18 +289,19 @@ class ReplicaSlots:
         replica table, so the same on every rank; none without `holds_back`), ascending: the
         replicas' sums for the experts there travel while the layers below compute."""
         held = self._held()
-        if not (self.holds_back and held):
+        if not (self.holds_back and self._engine_backward_seen and held):
             return []
         at = [self.placement.home_of(e) for _, _, e in held]
         return held_back_locals([home for home, _ in at], [local for _, local in at], self.placement.ep_size,
                                 len(self.weights)).tolist()
 
-    def _late_pairs(self, held: list[tuple[int, int, int]]) -> set:
-        """The held (holder, slot, expert) whose sums their home takes when the backward ends."""
-        late = set(self.held_back_locals())
+    def _late_pairs(self, held: list[tuple[int, int, int]], held_back: Sequence[int]) -> set:
+        """The held (holder, slot, expert) whose sums their home takes when the backward ends: those
+        of the experts at the local indices ``held_back``."""
+        late = set(held_back)
         return {(q, j, e) for q, j, e in held if self.placement.home_of(e)[1] in late}
 
-    def backward(self, replica_grads: list[list[torch.Tensor]], later: int) -> None:
+    def backward(self, replica_grads: list[list[torch.Tensor]], later: int, held_back: Sequence[int] = ()) -> None:
         """One micro-batch's backward (collective over the EP group where it sends): add the replica
         slots' weight-gradients ``replica_grads`` (``[S][n]``) to the step's fp32 sums. ``later``:
         the micro-batches of the step after this one. With one left and gradients narrower than
@@ -304,7 +310,9 @@ class ReplicaSlots:
         goes (`_send_last`): this micro-batch's gradients alone where the sums went early, else the
         sums; `arrived` then gives them. A micro-batch with more to come after an early send (a
         schedule the engine did not announce) takes it back: the holders go on adding to the sums
-        they sent, the homes drop theirs."""
+        they sent, the homes drop theirs. ``held_back``: the local indices whose gradients this
+        micro-batch's forward held back (`held_back_locals` then)."""
+        self._engine_backward_seen = self.in_engine_backward()
         held = self._held()
         if self._early is not None and later > 0:  # taken back: each sum goes on in the holder's order
             early, self._early = self._early, None
@@ -329,7 +337,7 @@ class ReplicaSlots:
         if later > 0:
             return
         with self.placement.timing_replicas():
-            self._send_last(held, replica_grads)
+            self._send_last(held, replica_grads, held_back)
 
     def sums_here(self) -> list[tuple[int, list[torch.Tensor]]]:
         """After a step's last `backward`, from the layer's backward (every rank): on a home of
@@ -348,26 +356,46 @@ class ReplicaSlots:
     def at_backward_end(self, params: list[list[torch.Tensor]], grads: list[list[torch.Tensor]],
                         locals_: list[int]) -> None:
         """From a step's last backward through the layer (every rank, after `backward`), for the
-        experts at `held_back_locals` ``locals_``: queue, for when the running backward ends, the
-        delivery of ``grads`` (``[k][n]``, this micro-batch's gradients of their parameters
-        ``params``, which autograd was not given) with their replicas' sums added where this rank
-        is their home (`with_sum`), by a backward of their own into ``params``: they accumulate and
-        run their hooks (DeepSpeed's gradient reductions) then, once, in the same order on every
-        rank, as the same local indices are held back everywhere. So the sums travel while the
-        layers below compute their backward."""
-        late, self._late = self._late, None
+        experts at `held_back_locals` ``locals_``: the delivery of ``grads`` (``[k][n]``, this
+        micro-batch's gradients of their parameters ``params``, which autograd was not given) with
+        their replicas' sums added where this rank is their home (`with_sum`), by a backward of
+        their own into ``params``: they accumulate and run their hooks (DeepSpeed's gradient
+        reductions) then, once, in the same order on every rank, as the same local indices are held
+        back everywhere. Inside the engine's backward it waits for the running backward's end (an
+        autograd-engine callback), so the sums travel while the layers below compute; a layer run
+        twice in one forward delivers both runs' gradients in that one backward. Under a direct
+        ``loss.backward()`` it is now (DeepSpeed reduces in a callback queued before any of ours),
+        and the next steps hold nothing back (`held_back_locals`)."""
+        delivery = (params, grads, locals_, self._late)
+        self._late = None
+        if not self.in_engine_backward():
+            self._deliver([delivery])
+            return
+        self._deliveries.append(delivery)
+        if len(self._deliveries) == 1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._deliver_queued)
 
-        def deliver() -> None:
+    def _deliver_queued(self) -> None:
+        deliveries, self._deliveries = self._deliveries, []
+        self._deliver(deliveries)
+
+    def _deliver(self, deliveries: list[tuple]) -> None:
+        """`at_backward_end`'s deliveries, each (params, grads, local indices, its `_LastSums`), in
+        one backward: a parameter in several adds their gradients first, so that its hooks run once."""
+        totals: dict[int, list] = {}  # id(parameter) -> [parameter, gradient]
+        for params, grads, locals_, late in deliveries:
             sums = dict(self._take(late))
-            torch.autograd.backward([p for group in params for p in group],
-                                    [g for local, group in zip(locals_, grads)
-                                     for g in (with_sum(group, sums.pop(local)) if local in sums else group)])
+            for local, group, grad in zip(locals_, params, grads):
+                for p, g in zip(group, with_sum(grad, sums.pop(local)) if local in sums else grad):
+                    if id(p) in totals:
+                        totals[id(p)][1] = totals[id(p)][1] + g
+                    else:
+                        totals[id(p)] = [p, g]
             if sums:
                 raise AssertionError(f"replica sums arrived for local experts {sorted(sums)} whose gradients were "
                                      "not held back")
-            self.held_back += 1
-
-        torch.autograd.Variable._execution_engine.queue_callback(deliver)
+        torch.autograd.backward([p for p, _ in totals.values()], [g for _, g in totals.values()])
+        self.held_back += 1
 
     def _transfers(self, held, outgoing: Callable[[tuple], list[torch.Tensor]],
                    dtype: Callable[[tuple], Optional[torch.dtype]]) -> tuple[list, list]:
@@ -428,7 +456,8 @@ class ReplicaSlots:
         for j in sent:
             self._sums[j] = None
 
-    def _send_last(self, held: list[tuple[int, int, int]], replica_grads: list[list[torch.Tensor]]) -> None:
+    def _send_last(self, held: list[tuple[int, int, int]], replica_grads: list[list[torch.Tensor]],
+                   held_back: Sequence[int]) -> None:
         """`backward` at the step's end (collective): each held replica's fp32 sum goes home, or,
         where the sum before went early, this micro-batch's ``replica_grads`` alone, in their own
         dtype; on a CUDA device queued on `relay_stream`, so the layer's backward goes on. `arrived`
@@ -436,9 +465,8 @@ class ReplicaSlots:
         me = self.me
         early, self._early = self._early, None
         sent_early = early.pairs if early is not None else set()
-        outgoing = {}  # this rank's sent tensors, held until the relays are through
-
         def exchange(pairs: list) -> _LastSums:
+            outgoing = {}  # this rank's sent tensors, held until this relay is through
             arriving, done = self._relayed(lambda: self._transfers(
                 pairs, lambda pair: outgoing.setdefault(pair, list(replica_grads[pair[1]]) if pair in sent_early
                                                         else self._sums[pair[1]]),
@@ -446,7 +474,7 @@ class ReplicaSlots:
             return _LastSums(early, arriving, outgoing, done, set(pairs))
 
         # the sums their homes take in the layer's backward first, then those held back to its end
-        late = self._late_pairs(held)
+        late = self._late_pairs(held, held_back)
         self._last = exchange([pair for pair in held if pair not in late])
         self._late = exchange([pair for pair in held if pair in late]) if late else None
         self.grad_sends += sum(q == me for q, _, _ in held)
@@ -469,7 +497,8 @@ class ReplicaSlots:
         parts = {}  # (holder, slot, expert) -> (local index, fp32 sums [n]): each holder's step sum
         if early is not None:
             early.wait(self.device)
-            parts = {pair: part for pair, part in early.arrived.items() if pair in last.pairs}
+            # taken out, so that the other relay's `_LastSums` does not keep them to the backward's end
+            parts = {pair: early.arrived.pop(pair) for pair in [p for p in early.arrived if p in last.pairs]}
         for q, j, e, local, tensors in arriving:
             if (q, j, e) in parts:  # the holder's order: the early sum, then the last gradient (added in fp32)
                 parts[(q, j, e)] = (local, [a.add_(b) for a, b in zip(parts[(q, j, e)][1], tensors)])

@@ -133,6 +133,21 @@ def later_micro_batches(engine) -> Callable[[], int]:
     return later
 
 
+def in_engine_backward(engine) -> Callable[[], bool]:
+    """A function that says, during a backward, whether it runs inside ``engine.backward(loss)``,
+    which reduces the gradients once autograd has returned (so a gradient delivered when autograd's
+    backward ends is in time), rather than a direct ``loss.backward()``, for which DeepSpeed's ZeRO
+    optimizer queued its reduction epilogue as the backward began, to run before any end-of-backward
+    callback queued after it. True for an engine without that flag (a DeepSpeed that has no direct
+    backward). Holds the engine weakly."""
+    ref = weakref.ref(engine)
+
+    def inside() -> bool:
+        e = ref()
+        return e is None or bool(getattr(e, "_running_engine_backward", True))
+    return inside
+
+
 def _track_forward(engine) -> None:
     """Set ``engine._feplb_in_forward`` while ``engine.forward`` runs (once per engine)."""
     if getattr(engine, "_feplb_forward_tracked", False) or getattr(engine, "feplb_step_ends", None) is not None:
