@@ -21,8 +21,10 @@ MODEL = nt.Array(from_dtype(MODEL_DTYPE), 1, "C")
 # Per-rank state of one water-filling pass, rows of an int64 [5, G] array (numba compiles no
 # closures, so the pass's functions share their state through it).
 _FINAL, _ROOM, _RECV, _SEND, _GAVE = range(5)
-# Scalar state, an int64 [2] array: receivers with room left, moves written so far.
-_OPEN, _MOVES = range(2)
+# Scalar state, an int64 [3] array: receivers with room left, moves written so far, and whether a
+# receiver takes chunks only up to the level (not up to the slack above it) where that leaves it a
+# whole chunk of room (a "tight" pass: donors then spread over more receivers).
+_OPEN, _MOVES, _TIGHT = range(3)
 # What _push returns while its loop is not finished: the rows it needs a receiver to make room for.
 _DONE = -1
 # _push's `forced` receiver: none (pick one), or "making room failed: take the roomiest".
@@ -177,7 +179,10 @@ def _push(r, e, ps, used, forced, chain, stop, cap, max_helpers, align, counts, 
             forced = _PICK
             c = room[j]
             amt = want if want < c else c
-            if align > 1 and amt < left and amt % align:
+            below = c - (align - 1)  # the receiver's room up to the level itself
+            if sc[_TIGHT] and align > 1 and amt < left and amt > below >= align:
+                amt = below - below % align
+            elif align > 1 and amt < left and amt % align:
                 amt = _chunk(amt, left, c, final[r] - moved - final[j], align, stop > 0 and amt == need)
                 if amt <= 0:
                     break
@@ -256,8 +261,8 @@ def _make_room(want, banned, cap, max_helpers, align, counts, top_e, top_n, s, s
 
 
 @njit("Tuple((int64[:, ::1], int64[::1]))(int64, int64, int64[::1], int64[:, ::1], int64[:, ::1], "
-      "int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1])", cache=True)
-def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident):
+      "int64[:, ::1], int64[:, ::1], int64, int64, int64, int64, int64[:, :, ::1], boolean)", cache=True)
+def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident, tight):
     """One water-filling pass toward ``level``: ranks more than ``slack`` above ``level``
     ("donors", largest excess first, ties to the lower rank) push their excess, hottest candidate
     first, to ranks at or below it ("receivers"), which may end at most ``slack`` rows above
@@ -280,7 +285,8 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copi
     s[_RECV, :] = copies
     s[_SEND, :] = copies
     s[_GAVE, :] = 0
-    sc = np.zeros(2, np.int64)
+    sc = np.zeros(3, np.int64)
+    sc[_TIGHT] = tight
     for j in range(G):
         x = loads[j]
         room[j] = cap - x if x <= level and cap > x else 0
@@ -316,15 +322,17 @@ def _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copi
     return out[:sc[_MOVES]], final.copy()
 
 
-@njit("int64[::1](int64[:, ::1], int64[:, ::1], int64, int64, int64, int64[:, :, ::1], boolean, int64)", cache=True)
-def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floor):
+@njit("int64[::1](int64[:, ::1], int64[:, ::1], int64, int64, int64, int64[:, :, ::1], boolean, int64, boolean)",
+      cache=True)
+def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floor, tight):
     """The row-balancing plan. counts int64 [G, E] (C order); dynamic int64 [G, D]: the experts
     each rank published as dynamic, the only ones whose rows move (-1: none); copies: weight copies per
     rank (an int; the caller maps "unlimited" to G * D * max_helpers); resident int64 [G, E, W]: bit masks of
     the helpers that hold each expert's weights (`holds`); chain: when the limits bind, bisect
     over chaining passes (False: the one water-filling pass, a cheaper, coarser plan); floor: the
     level balances no lower than this many rows (a row cap, `policy.PlanConstraints.row_cap`;
-    0: down to the lower bound).
+    0: down to the lower bound); tight: a receiver takes chunks up to the level, not up to the
+    slack above it, where it has a whole chunk of room below the level (`_TIGHT`).
     Returns int64 [G + 4 M]: rank_tokens [G], then the moves [M, 4] sorted by (home,
     local_expert), flat (one array: each array returned to Python costs ~1 µs); empty for
     negative counts or a dynamic expert out of range (the caller raises)."""
@@ -353,7 +361,8 @@ def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floo
     if top_load <= level + slack:
         return loads
 
-    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, _NO_CHAIN, resident)
+    moves, final = _fill(level, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, _NO_CHAIN, resident,
+                         tight)
     best_max = final.max()
     if chain and best_max > level + slack:
         # The helper or Copy-Engine limits bind: let receivers make room by chaining moves (for
@@ -365,7 +374,8 @@ def plan_pass(counts, dynamic, max_helpers, align, copies, resident, chain, floo
         while lo <= hi and (lo == level or hi - lo >= slack):
             mid = (lo + hi) // 2 if lo > level else level
             for chain in (_CHAIN_LAST, _CHAIN_ANY):
-                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident)
+                m, f = _fill(mid, slack, loads, counts, top_e, top_n, s, max_helpers, align, copies, chain, resident,
+                             tight)
                 fmax = f.max()
                 if fmax < best_max:
                     moves, final, best_max = m, f, fmax
@@ -677,13 +687,26 @@ def _most_copies(counts, flat, resident):
     return max(sent.max(), got.max())
 
 
+@njit("boolean(int64[::1], int64[::1])", cache=True)
+def _received_above_mean(before, after):
+    """Whether a rank that received rows (``after`` > ``before``, int64 [G] each) ended above the
+    mean: only then can a tight pass (`_TIGHT`) give a different plan."""
+    mean = -(-before.sum() // before.shape[0])
+    for r in range(before.shape[0]):
+        if after[r] > before[r] and after[r] > mean:
+            return True
+    return False
+
+
 @njit(nt.int64[::1](nt.int64[:, ::1], nt.int64[:, ::1], nt.int64, nt.int64, nt.int64, nt.int64[:, :, ::1], MODEL,
                    nt.boolean, nt.int64, nt.int64), cache=True)
 def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, keep, later, row_cap):
     """The compiled body of `policy.plan_domain`: `plan_pass` results for fewer and fewer weight
     copies per rank (``copies``, then halving the most the plan used, down to 1, or to 0 when
     helpers hold weights: then only they take rows) and no moves at all, judged by the time model
-    (``model``: `MODEL`; length 0: rows only, one pass); returns the one with the smallest
+    (``model``: `MODEL`; length 0: rows only, one pass), with chunks of more than a row also the
+    plan whose receivers stop at the level (``tight``, which the plans with fewer copies then
+    follow where it was faster); returns the one with the smallest
     makespan, except that a plan with fewer copies wins when it is at most `_FEWER_COPIES_SLACK`
     slower. Stops once fewer copies cost more than that. ``keep``: weight copies stay on their
     helpers for the rest of the step (gradients return at its end, not with this micro-batch);
@@ -697,10 +720,10 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
     far as the limits allow. Returns `plan_pass`'s layout."""
     G = counts.shape[0]
     if model.shape[0] == 0 and row_cap > 0:  # rows only: balance down to the cap where that gets there
-        capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap)
+        capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap, False)
         if capped.shape[0] < G or capped[:G].max() <= row_cap + align - 1:
             return capped
-    best = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, 0)
+    best = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, 0, False)
     if model.shape[0] == 0 or best.shape[0] == G:
         return best
     limit = max(row_cap + align - 1, best[:G].max()) if row_cap > 0 else np.iinfo(np.int64).max
@@ -710,8 +733,16 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
         stay[r] = counts[r].sum()
     no_moves = _makespan(counts, stay, resident, keep, later, model, after_plan)
     best_t = _makespan(counts, best, resident, keep, later, model, after_plan)
+    tight = False
+    if align > 1 and _received_above_mean(stay, best[:G]):
+        # receivers filled to the level only: rows closer to it, in more chunks (more weight copies)
+        cand = plan_pass(counts, dynamic, max_helpers, align, copies, resident, False, 0, True)
+        if cand.shape[0] > G and cand[:G].max() <= limit:
+            t = _makespan(counts, cand, resident, keep, later, model, after_plan)
+            if t < best_t:
+                best, best_t, tight = cand, t, True
     if row_cap > 0:
-        capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap)
+        capped = plan_pass(counts, dynamic, max_helpers, align, copies, resident, True, row_cap, False)
         if capped.shape[0] > G and capped[:G].max() <= limit:
             t = _makespan(counts, capped, resident, keep, later, model, after_plan)
             if t <= best_t:
@@ -719,7 +750,7 @@ def plan_timed(counts, dynamic, max_helpers, align, copies, resident, model, kee
     k = _most_copies(counts, best, resident)
     while k > 1 or k == 1 and resident.any():  # with k = 0 only helpers that hold weights take rows
         k //= 2
-        cand = plan_pass(counts, dynamic, max_helpers, align, k, resident, False, 0)
+        cand = plan_pass(counts, dynamic, max_helpers, align, k, resident, False, 0, tight)
         if cand[:G].max() > limit:
             continue
         t = _makespan(counts, cand, resident, keep, later, model, after_plan)
