@@ -23,7 +23,8 @@ their hottest candidates to ranks below it ("receivers"), best fit first, so tha
 remainder. Where the helper or copy limits leave a donor above ``W``, receivers make room by
 chaining their own dynamic experts on, and ``W`` is raised by bisection until every donor fits
 (to within ``chunk_align - 1`` rows, the slack a plan's maximum carries anyway; exactly with chunks
-of one row).
+of one row). A second pass fills receivers only up to the level itself where they have a whole
+chunk of room below it (donors then spread over more receivers, in more chunks).
 Token plans are then judged by the time model (`plan_timed`): the fastest is the plan.
 """
 from __future__ import annotations
