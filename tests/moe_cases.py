@@ -617,6 +617,29 @@ def checkpointed_case(use_reentrant: bool, ep_size: int = 2, k: int = 2) -> dict
             "micro_batches_recorded": len(collector.take())}
 
 
+def second_backward_case(ep_size: int = 2, k: int = 2) -> dict:
+    """A balanced FEPLB layer's output back-propagated twice (``torch.autograd.grad`` with
+    ``retain_graph``, then ``backward``): the first gives DeepSpeed's input gradient, the second is
+    refused with an error that says why. Returns the first's error against DeepSpeed's MoE, the
+    second's error message and whether rows moved."""
+    feplb = {"nvlink_domain_size": ep_size, "dynamic_experts_per_rank": 2, "chunk_align_tokens": 1,
+             "fixed_costs": "ignore", "max_helpers_per_expert": 4}
+    reference, ours = build_pair(16, ep_size, k, feplb, seed=k)
+    x, w = rank_inputs(k)
+    grads = []
+    for layer in (reference, ours):
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)[0]
+        grads.append(torch.autograd.grad((out * w).sum(), xi, retain_graph=True)[0])
+    try:
+        (out * w).sum().backward()
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"input_grad_error": relative_error(grads[1], grads[0]), "error": error,
+            "migrated": int(ours.feplb_stats["migrated_tokens"])}
+
+
 def misuse_case(kind: str) -> dict:
     """One misuse on 2 ranks; returns this rank's error message (empty when nothing was raised).
 

@@ -15,6 +15,7 @@ def cases() -> dict:
     out = {mode: moe_cases.checkpointed_case(mode == "reentrant") for mode in MODES}
     out.update({f"{mode} training": moe_cases.accumulation_case(0, "step", 2, steps=2, checkpointing=mode)
                 for mode in MODES})
+    out["twice"] = moe_cases.second_backward_case()
     return out
 
 
@@ -46,3 +47,13 @@ def test_training_with_accumulation_and_kept_copies_equals_deepspeed(results, mo
         assert worst <= TOLERANCE, f"rank {rank}: parameter {name} differs by {worst:.2e}"
     if mode == "non-reentrant":  # the forward with gradients is the original one: copies are kept
         assert results[0][f"{mode} training"]["traffic"]["resident_hits"] > 0
+
+
+def test_a_balanced_micro_batch_is_back_propagated_once_and_a_second_backward_says_why(results):
+    """``torch.autograd.grad(..., retain_graph=True)`` then ``backward()`` through one balanced
+    forward: the first equals DeepSpeed's MoE, the second raises on every rank, naming the cause,
+    instead of an AttributeError from deep inside phase 2."""
+    assert sum(r["twice"]["migrated"] for r in results) > 0, "no migration: the test would prove nothing"
+    for r in results:
+        assert r["twice"]["input_grad_error"] <= TOLERANCE, r["twice"]
+        assert "back-propagated already" in r["twice"]["error"] and "once per forward" in r["twice"]["error"], r
