@@ -158,13 +158,13 @@ class TinyMoEModel(torch.nn.Module):
         return self.out(y), l_aux
 
 
-def train_step(engine, x: torch.Tensor, target: torch.Tensor, direct: bool = False) -> float:
+def train_step(engine, x: torch.Tensor, target: torch.Tensor, backward: str = "engine") -> float:
     """One micro-batch of TinyMoEModel through ``engine``: forward, backward, step; the loss.
-    ``direct``: the backward is the loss's own (``loss.backward()`` on the loss scaled as
-    ``engine.backward`` would), not ``engine.backward``."""
+    ``backward``: "engine" (``engine.backward``) or "direct" (the loss's own ``loss.backward()``, on
+    the loss scaled as ``engine.backward`` would)."""
     prediction, l_aux = engine(x)
     loss = ((prediction - target)**2).mean() + 0.01 * l_aux
-    if direct:
+    if backward == "direct":
         (loss / engine.gradient_accumulation_steps()).backward()
     else:
         engine.backward(loss)
@@ -832,9 +832,8 @@ def replica_slots_case(zero_stage: int, steps: int = 12, gas: int = 2, redundant
     (``replica_fixed_us``: (fixed µs per micro-batch, the choice's cost µs) per step); and how many
     reviews of the replicas this rank weighed (``reviews_weighed``). ``bucket``: ZeRO's
     ``reduce_bucket_size`` (None: DeepSpeed's default, larger than the model). ``backward``:
-    "engine" (``engine.backward``), "direct" (``loss.backward()``: `train_step`'s ``direct``) or
-    "alternating" (the steps' backwards the engine's, direct, the engine's, ...); ``twice``: the
-    layer runs twice per forward (`TinyMoEModel`)."""
+    `train_step`'s, or "alternating" (the steps' backwards the engine's, direct, the engine's,
+    ...); ``twice``: the layer runs twice per forward (`TinyMoEModel`)."""
     from deepspeed_feplb.plan.placement import CrossNodePlacer
 
     weighed = []
@@ -873,11 +872,12 @@ def _replica_slots_run(zero_stage, steps, gas, redundant, learn_router, recomput
     losses = {name: [] for name in engines}
     micro, replica_at, fixed_us = [], [], []
     for step in range(steps):
-        direct = backward == "direct" or backward == "alternating" and step % 2 == 1
+        mode = "direct" if backward == "alternating" and step % 2 == 1 else \
+            "engine" if backward == "alternating" else backward
         for m in range(gas):
             x, target = _placed_inputs(step * gas + m, 256)
             for name, engine in engines.items():
-                losses[name].append(train_step(engine, x, target, direct))
+                losses[name].append(train_step(engine, x, target, mode))
             stats = ours.module.moe.feplb_stats
             micro.append({"ranks": stats["ranks"], "tokens_before": stats["tokens_before"]})
         replica_at.append(placed_layers(ours.module)[0].placement.replica_at.tolist())

@@ -294,6 +294,31 @@ def test_a_held_back_gradient_reaches_its_parameter_with_the_sums_when_the_backw
     assert slots.held_back_locals() == []
 
 
+def test_a_replica_link_runs_one_backward_per_forward():
+    """`ExpertGradOrder` with a replica link (which sends the replicas' sums home in its backward):
+    a second backward through the same graph (``retain_graph``) is refused with what to do, not run
+    with sums already spent."""
+    import torch
+
+    from deepspeed_feplb.integration.deepspeed_moe import ExpertGradOrder
+
+    class Link:  # `_ReplicaLink`'s interface: the gradients through, counting its backwards
+        runs = 0
+
+        def backward(self, grads):
+            Link.runs += 1
+            return list(grads)
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    x = torch.ones(3, requires_grad=True)
+    rows, alias = ExpertGradOrder.apply(Link(), x, weight)
+    loss = (rows * alias).sum()
+    torch.autograd.grad(loss, x, retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated already"):
+        loss.backward()
+    assert Link.runs == 1
+
+
 def test_a_sum_that_missed_its_backward_is_dropped_not_carried_into_the_next_step():
     """The step's last micro-batch ran no backward through the layer (a skipped non-finite loss):
     its replicas' gradient sums never went home; at the optimizer step they are dropped with a

@@ -41,6 +41,7 @@ from deepspeed_feplb.integration.placement import (
 )
 from deepspeed_feplb.integration.replicas import with_sum
 from deepspeed_feplb.memory import LayerMemoryFacts, replica_bytes
+from deepspeed_feplb.migrate.phase2 import ONE_BACKWARD
 from deepspeed_feplb.once import first_time
 from deepspeed_feplb.stats import recomputing
 from deepspeed_feplb.trace.record import get_recorder
@@ -361,12 +362,17 @@ class ExpertGradOrder(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, link, *tensors):
-        ctx.link = link
+        ctx.link, ctx.link_ran = link, False
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *(grads if ctx.link is None else ctx.link.backward(grads)))
+        if ctx.link is None:
+            return (None, *grads)
+        if ctx.link_ran:  # a second backward through the graph: the replicas' sums went home in the first
+            raise RuntimeError(ONE_BACKWARD)
+        ctx.link_ran = True
+        return (None, *ctx.link.backward(grads))
 
 
 class _ReplicaLink:

@@ -676,6 +676,15 @@ def grad_experts(residency: Optional[LayerResidency], local_rank: int, dynamic: 
     return [*dynamic, *sorted(kept_here - set(dynamic))]
 
 
+# A FEPLB layer's backward exchanges gradients between the ranks (phase 2's rows and kept copies,
+# replica slots' sums) once per forward: a second backward through the same graph
+# (``retain_graph=True``) would find them spent.
+ONE_BACKWARD = ("FEPLB: this MoE layer's micro-batch was back-propagated already; its backward exchanges "
+                "gradients between the ranks and runs once per forward. Take every gradient you need in one "
+                "backward (torch.autograd.backward(..., inputs=...) or torch.autograd.grad of several outputs at "
+                "once), or run the forward again for the second one")
+
+
 class Phase2Anchor(torch.autograd.Function):
     """Identity on ``(dyn_x, *params)`` (the ``grad_experts``' parameters), applied before the static
     experts' forward: autograd runs later nodes first, so its backward, where phase 2 waits for the
@@ -692,19 +701,11 @@ class Phase2Anchor(torch.autograd.Function):
     def backward(ctx, grad_x, *grad_params):
         step, n = ctx.box.pop("step", None), ctx.params_per_expert
         if step is None:
-            raise RuntimeError(_BACKWARD_ONCE)
+            raise RuntimeError(ONE_BACKWARD)
         grouped = [None if grad_params[i] is None else list(grad_params[i:i + n])
                    for i in range(0, len(grad_params), n)]
         grad_x, grouped = step.backward_rest(grad_x, grouped)
         return (None, None, grad_x, *[g for gp in grouped for g in (gp if gp is not None else [None] * n)])
-
-
-# A balanced micro-batch's backward exchanges its rows' gradients between the ranks once: a second
-# backward through the same graph (``retain_graph=True``) would have nothing to exchange.
-_BACKWARD_ONCE = ("FEPLB: a balanced micro-batch of this MoE layer was back-propagated already; its backward "
-                  "exchanges gradients between the ranks and runs once per forward. Take every gradient you need in "
-                  "one backward (torch.autograd.backward(..., inputs=...) or torch.autograd.grad of several outputs "
-                  "at once), or run the forward again for the second one")
 
 
 class DynamicExperts(torch.autograd.Function):
@@ -721,7 +722,7 @@ class DynamicExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         if ctx.step is None:
-            raise RuntimeError(_BACKWARD_ONCE)
+            raise RuntimeError(ONE_BACKWARD)
         grad_x, grad_params = ctx.step.backward_home(grad_y.contiguous())
         ctx.step = None
         flat = [g for gp in grad_params for g in gp]
