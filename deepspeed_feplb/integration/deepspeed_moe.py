@@ -388,11 +388,11 @@ class _ReplicaLink:
         rows, flat = grads[0], list(grads[1:])
         groups = [flat[i:i + self.n] for i in range(0, len(flat), self.n)]
         homes = groups[:self.primaries]
-        self.replicas.backward(groups[self.primaries:], self.later, sorted(self.late))
+        late = sorted(self.late)
+        self.replicas.backward(groups[self.primaries:], self.later, late)
         for local, sums in (self.replicas.sums_here() if self.later == 0 else []):
             homes[local] = with_sum(homes[local], sums)
-        if self.late:
-            late = sorted(self.late)
+        if late:
             self.replicas.at_backward_end([self.late[i] for i in late], [homes[i] for i in late], late)
             for i in late:
                 homes[i] = [None] * self.n

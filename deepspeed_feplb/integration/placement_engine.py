@@ -138,7 +138,7 @@ def install(engine) -> None:
         layers = placed_layers(engine.module)
         # found once per step, not per forward (a walk over every module); a layer's placement
         # attaches at its first forward, before the first step
-        replica_slots[:] = [layer.placement.replicas for layer in layers if layer.placement.replicas is not None]
+        replica_slots[:] = _replica_slots(layers)
         first_step[0] = False
         for i, layer in enumerate(layers):
             # the replicas' review of layer i is weighed by EP rank i mod the group's size alone
@@ -165,8 +165,7 @@ def install(engine) -> None:
             decided = [layer.placement.decide_mid_step(_us_per_token(layer), engine.gradient_accumulation_steps())
                        for layer in layers]
             if any(decided):
-                replica_slots[:] = [layer.placement.replicas for layer in layers
-                                    if layer.placement.replicas is not None]
+                replica_slots[:] = _replica_slots(layers)
         for slots in replica_slots:
             slots.refresh_ahead()
 
@@ -178,6 +177,11 @@ def install(engine) -> None:
     seams.around_forward(engine, ahead, settled)
     seams.around_checkpoints(engine, lambda: canonical_experts(engine), loading)
     seams.clip_fp32_gradients_with(engine, lambda params: canonical_grad_norms(engine.module, params))
+
+
+def _replica_slots(layers) -> list:
+    """The `ReplicaSlots` of ``layers`` (placed layers), in their order, where they have any."""
+    return [layer.placement.replicas for layer in layers if layer.placement.replicas is not None]
 
 
 def _us_per_token(layer) -> float:
