@@ -506,35 +506,33 @@ def _link_copy(link_out, link_in, h, j, length):
     return end
 
 
-@njit(nt.float64[:, ::1](nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], nt.int64[:, ::1],
-                        MODEL), cache=True)
-def _timeline(static, later, pairs, sizes, flush, model):
-    """`finish_us` from the ranks' own work (`_own_us`) and the plan's messages (`_messages`).
-    Plain loops over ranks and messages: a plan is timed several times, and array temporaries
-    cost more than the arithmetic here."""
+@njit(nt.void(nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], MODEL, nt.float64[::1]),
+      cache=True)
+def _forward(static, later, pairs, sizes, model, out):
+    """The forward row of `finish_us` into ``out`` float64 [G], from the ranks' own work (`_own_us`)
+    and the plan's messages (`_messages`). The messages leave once the plan is there (with
+    `sends_after_static`, a grouped static call on the CPU, once the home computed its static
+    experts); a helper serves them after its own rows, homes in message order, or with
+    `serves_on_arrival` each as soon as it is in, ahead of its own rows (``lane``: when the served
+    work is done so far); either way the rank finishes when all its work is (``t``). Plain loops
+    over ranks and messages: a plan is timed several times, and array temporaries cost more than
+    the arithmetic here."""
     G, K = static.shape[0], pairs.shape[0]
     tm = model[0]
-    wcopy, gcopy, rcopy = tm.weight_copy_us, tm.grad_copy_us, tm.row_copy_us
-    latency, plan_ready = tm.message_us, tm.plan_us
-    forward, backward = tm.forward_share, 1.0 - tm.forward_share
-    out = np.empty((2, G))
-    t = np.empty(G)  # when each rank is free to compute
-    link_out = np.empty(G)  # each rank's outgoing copy-engine link, free from
-    link_in = np.zeros(G)  # each rank's incoming link, free from
-    back = np.empty(K)  # when each message's results are home
-
-    # forward: the messages leave once the plan is there (with `sends_after_static`, a grouped
-    # static call on the CPU, once the home computed its static experts); a helper serves them
-    # after its own rows, homes in message order, or with `serves_on_arrival` each as soon as it is
-    # in, ahead of its own rows (``lane``: when the served work is done so far); either way the
-    # rank finishes when all its work is (``t``)
+    wcopy, rcopy = tm.weight_copy_us, tm.row_copy_us
+    latency, plan_ready, forward = tm.message_us, tm.plan_us, tm.forward_share
+    ranks = np.zeros((3, G))
+    link_out = ranks[0]  # each rank's outgoing copy-engine link, free from
+    link_in = ranks[1]  # each rank's incoming link, free from
+    lane = ranks[2]
+    t = out  # when each rank is free to compute
     on_arrival = tm.serves_on_arrival > 0
-    lane = np.zeros(G)
     for r in range(G):
         link_out[r] = plan_ready
         if tm.sends_after_static > 0:
             link_out[r] = max(plan_ready, forward * static[r])
         t[r] = max(forward * static[r], plan_ready) + forward * later[r]
+    back = np.empty(K)  # when each message's results are home
     for k in range(K):
         h, j = pairs[k, 0], pairs[k, 1]
         arrival = _link_copy(link_out, link_in, h, j, sizes[k, 1] * wcopy + sizes[k, 0] * rcopy) + latency
@@ -543,23 +541,34 @@ def _timeline(static, later, pairs, sizes, flush, model):
         start = _served_from(lane, j, arrival, cost) if on_arrival else t[j] - cost
         parts = _parts(sizes[k, 0], model)  # the outputs go home, part by part
         back[k] = _returned(start, cost, parts, sizes[k, 0] / parts * rcopy, 0.0) + latency
-    for r in range(G):
-        out[0, r] = t[r]
     for k in range(K):
-        out[0, pairs[k, 0]] = max(out[0, pairs[k, 0]], back[k])
+        out[pairs[k, 0]] = max(out[pairs[k, 0]], back[k])
 
-    # backward: the output-gradients leave at once, one copy at a time per link; a helper serves
-    # its homes after its own experts' backward (the runtime's order: `DynamicExperts`, the static
-    # experts, `Phase2Anchor`), or with `serves_on_arrival` as they arrive
+
+@njit(nt.void(nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], nt.int64[:, ::1], MODEL,
+              nt.float64[::1]), cache=True)
+def _backward(static, later, pairs, sizes, flush, model, out):
+    """The backward row of `finish_us` into ``out`` float64 [G] (it does not depend on the forward:
+    each stage starts when the all-to-all before it ends). The output-gradients leave at once, one
+    copy at a time per link; a helper serves its homes after its own experts' backward (the
+    runtime's order: `DynamicExperts`, the static experts, `Phase2Anchor`), or with
+    `serves_on_arrival` as they arrive."""
+    G, K = static.shape[0], pairs.shape[0]
+    tm = model[0]
+    gcopy, rcopy, latency = tm.grad_copy_us, tm.row_copy_us, tm.message_us
+    backward = 1.0 - tm.forward_share
+    ranks = np.zeros((4, G))
+    link_out, link_in, lane, flushed = ranks[0], ranks[1], ranks[2], ranks[3]
+    t = out
+    on_arrival = tm.serves_on_arrival > 0
     for r in range(G):
         t[r] = backward * (static[r] + later[r])
-        link_out[r], link_in[r], lane[r] = 0.0, 0.0, 0.0
-    arrive = np.empty(K)
+    messages = np.empty((2, K))
+    arrive, back = messages[0], messages[1]
     for k in range(K):
         arrive[k] = _link_copy(link_out, link_in, pairs[k, 0], pairs[k, 1], sizes[k, 0] * rcopy) + latency
     # the step's end: a helper's kept copies that no chunk of this micro-batch uses hold their final
     # gradients already, and go home once its output-gradients have left, before anything it serves
-    flushed = np.zeros(G)
     for f in range(flush.shape[0]):
         h, j = flush[f, 0], flush[f, 1]
         link_out[j] += gcopy
@@ -573,9 +582,18 @@ def _timeline(static, later, pairs, sizes, flush, model):
         link_out[j] = _returned(start, cost, parts, sizes[k, 0] / parts * rcopy, link_out[j]) + sizes[k, 2] * gcopy
         back[k] = link_out[j] + latency
     for r in range(G):
-        out[1, r] = max(t[r], flushed[r])
+        out[r] = max(t[r], flushed[r])
     for k in range(K):
-        out[1, pairs[k, 0]] = max(out[1, pairs[k, 0]], back[k])
+        out[pairs[k, 0]] = max(out[pairs[k, 0]], back[k])
+
+
+@njit(nt.float64[:, ::1](nt.float64[::1], nt.float64[::1], nt.int64[:, ::1], nt.float64[:, ::1], nt.int64[:, ::1],
+                        MODEL), cache=True)
+def _timeline(static, later, pairs, sizes, flush, model):
+    """`finish_us` from the ranks' own work (`_own_us`) and the plan's messages (`_messages`)."""
+    out = np.empty((2, static.shape[0]))
+    _forward(static, later, pairs, sizes, model, out[0])
+    _backward(static, later, pairs, sizes, flush, model, out[1])
     return out
 
 
@@ -658,18 +676,25 @@ def _makespan(counts, flat, resident, keep, later, model, dynamic):
                                dynamic))
     elif M == 0:  # no moves: every micro-batch of the step alike
         t = (1.0 + later) * makespan(finish_us(counts, moves, fresh, fresh, no_flush, model, dynamic))
-    else:  # one evaluation of the ranks' own work for every timeline
+    else:  # one evaluation of the ranks' own work, and each stage only as often as it differs
         static, own_later = _own_us(counts, moves, model, dynamic)
         pairs, sizes = _messages(moves, fresh, np.ones(M, np.bool_), G, model)
         chunks = sizes[:, 2].copy()
         sizes[:, 2] = 0.0  # until the step's end the copies keep their gradients
-        t = makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
-        t_held = t
+        finish = np.empty(G)
+        _forward(static, own_later, pairs, sizes, model, finish)
+        forward = finish.max()
+        _backward(static, own_later, pairs, sizes, no_flush, model, finish)
+        backward = finish.max()
+        t = forward + backward
         if fresh.any():
             sizes[:, 1] = 0.0  # every copy held: no weights travel
-            t_held = makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
-        sizes[:, 1], sizes[:, 2] = 0.0, chunks  # the step's last: every chunk returns the step's gradients
-        t += (later - 1) * t_held + makespan(_timeline(static, own_later, pairs, sizes, no_flush, model))
+            _forward(static, own_later, pairs, sizes, model, finish)
+            forward = finish.max()
+        t_held = forward + backward
+        sizes[:, 2] = chunks  # the step's last: every chunk returns the step's gradients
+        _backward(static, own_later, pairs, sizes, no_flush, model, finish)
+        t += (later - 1) * t_held + (forward + finish.max())
     return t
 
 
