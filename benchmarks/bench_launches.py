@@ -19,6 +19,10 @@ forward and backward, and of its expert stage alone (dispatch to combine, exclus
 backward; the parameters' gradients start as None, as after an optimizer step). Then host
 time of forward + backward per micro-batch (median of ``--reps``, slower rank of each), variants
 interleaved micro-batch by micro-batch so that machine noise hits all alike.
+``--profile``: one more micro-batch per variant under `torch.profiler` (CPU, and CUDA on a GPU),
+after the timed ones: per rank the top events by host and by device self time, and the host time
+of every event that waits (a device sync, a blocking copy, a collective; `profile_summary`), so
+that a GPU run tells where a variant's host time goes.
 The script runs on older checkouts too (put one first on ``PYTHONPATH``): the counter is this
 file's own copy of `deepspeed_feplb.testing.op_count`, loaded by path.
 """
@@ -73,6 +77,7 @@ def _use_ce_on_host(calls: dict) -> None:
 def _worker(opts: dict) -> dict:
     import torch
     import torch.distributed as dist
+    import torch.profiler
 
     import deepspeed_feplb
     from deepspeed_feplb.expert_stage import ExpertStage
@@ -195,8 +200,48 @@ def _worker(opts: dict) -> dict:
             host[name].append((time.perf_counter() - start) * 1e6)
     for name in layers:
         figures[name]["host_us"] = host[name]
+    if opts.get("profile"):
+        for name, layer in layers.items():
+            batch = batches[0]
+            sync()
+            activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+            try:  # a profiler that cannot start on this machine (no CUPTI) costs the profile, not the counts
+                with torch.profiler.profile(activities=activities) as prof:
+                    out, l_aux = step(layer, batch)
+                    ((out * batch[1]).sum() + l_aux).backward()
+                    sync()
+                figures[name]["profile"] = profile_summary(prof.key_averages(), opts.get("top", 6) * 2)
+            except RuntimeError as exc:
+                figures[name]["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     dist.barrier()
     return figures
+
+
+# host events that wait: for the device (CUDA runtime), for other ranks (the dispatcher's all-to-all,
+# whose autograd function holds the collective's wait; gloo, NCCL)
+WAITS = ("Synchronize", "cudaStreamWaitEvent", "cudaMemcpy", "AllToAll", "gloo", "nccl", "wait")
+
+
+def profile_summary(averages, top: int) -> dict:
+    """What one micro-batch spent its time on, from `torch.profiler`'s ``key_averages()``: the
+    ``top`` events by host self time and by device self time (name, calls, µs), and every event
+    whose name says it waits (`WAITS`: a device sync, a blocking copy, a collective) with its
+    host self time, so that a GPU run tells launches from waits."""
+    def rows(key):
+        ranked = sorted((e for e in averages if key(e) > 0), key=key, reverse=True)
+        return [[e.key, e.count, round(key(e), 1)] for e in ranked[:top]]
+
+    def host(e):
+        return e.self_cpu_time_total
+
+    def device(e):
+        return e.self_device_time_total
+
+    waits = sorted(([e.key, e.count, round(host(e), 1)] for e in averages if any(w in e.key for w in WAITS)),
+                   key=lambda w: -w[2])
+    return {"host_self_us": rows(host), "device_self_us": rows(device), "waits_host_us": waits,
+            "host_self_us_total": round(sum(map(host, averages)), 1),
+            "device_self_us_total": round(sum(map(device, averages)), 1)}
 
 
 def main(argv=None) -> int:
@@ -219,6 +264,9 @@ def main(argv=None) -> int:
     parser.add_argument("--flat-params", action="store_true",
                         help="lay each layer's expert parameters out as ZeRO 1/2's flat buffers do (one expert "
                              "after the other in one buffer), as a run with a DeepSpeed engine has them")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one micro-batch per variant (torch.profiler: the top host and device "
+                             "events, and the waits), after the timed ones")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -255,6 +303,15 @@ def main(argv=None) -> int:
             if r["forward"]["transport_calls"] or r["backward"]["transport_calls"]:
                 print(f"transport device calls, {name}, rank {rank}: forward {r['forward']['transport_calls']}, "
                       f"backward {r['backward']['transport_calls']}")
+    if args.profile:
+        for name in VARIANTS:
+            for rank, r in enumerate(result["variants"][name]["per_rank"]):
+                p = r["profile"]
+                if "error" in p:
+                    print(f"profile, {name}, rank {rank}: {p['error']}")
+                    continue
+                print(f"profile, {name}, rank {rank}: host {p['host_self_us_total']:.0f} us, device "
+                      f"{p['device_self_us_total']:.0f} us; waits (host us) {p['waits_host_us'][:4]}")
     print(f"load average (1 min) before / after: {result['load_average_1m']}")
     if args.json:
         with open(args.json, "w") as f:

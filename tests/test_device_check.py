@@ -25,6 +25,9 @@ def test_device_check_dry_run(tmp_path):
     assert len(result["stages"]["transport_speed"]["sizes"]) == 5
     assert set(result["stages"]["serve_parts"]["variants"]) == {"1 part", "4 parts"}
     assert result["stages"]["grouped_tile"]["rows"] == list(range(0, 129, 8))
+    profile = result["stages"]["launch_budget"]["variants"]["grouped, balanced"]["per_rank"][0]["profile"]
+    assert profile["host_self_us"] and profile["host_self_us_total"] > 0
+    assert any(name == "AllToAllV" for name, _, _ in profile["waits_host_us"])
 
 
 def test_a_gpu_run_without_cuda_fails_instead_of_skipping(tmp_path):

@@ -314,7 +314,8 @@ class UnknownExpert(torch.nn.Sequential):
 def launch_budget(cpu: bool, out_dir) -> dict:
     """`benchmarks/bench_launches.py` on this device: aten ops per layer and per expert stage, forward
     and backward, and host time per micro-batch, grouped and per-expert experts, balanced and not
-    (2 ranks; on a GPU both on device 0 with the CE transport)."""
+    (2 ranks; on a GPU both on device 0 with the CE transport), and one micro-batch of each under
+    `torch.profiler` (``--profile``: where the host time goes, and the waits)."""
     import json
     import sys
     from pathlib import Path
@@ -323,7 +324,7 @@ def launch_budget(cpu: bool, out_dir) -> dict:
     import bench_launches
     path = Path(out_dir) / "launch_budget.json"
     bench_launches.main(["--device", "cpu" if cpu else "cuda", "--dtype", "float32" if cpu else "bfloat16",
-                         "--reps", "5" if cpu else "30", "--json", str(path)])
+                         "--reps", "5" if cpu else "30", "--profile", "--json", str(path)])
     result = json.loads(path.read_text())
     balanced = result["variants"]["grouped, balanced"]["per_rank"]
     return {**result, "ok": all(r["migrated_rows"] > 0 for r in balanced[:1])}
