@@ -1,6 +1,9 @@
 # The two commands of the README. Both create .venv on first use and install into it:
-# torch's CPU build first (pinned: an unpinned torch pulls a multi-GB CUDA build), then us.
+# torch first (pinned: an unpinned torch pulls a multi-GB CUDA build), then us.
 PYTHON ?= python3
+# an index to take torch from (empty: pip's own); https://download.pytorch.org/whl/cpu for the CPU
+# build where pip's indexes offer only the CUDA one (public PyPI on Linux x86_64)
+TORCH_INDEX ?=
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STEPS  ?= 30
@@ -12,7 +15,7 @@ PORT   ?= 29671
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 
 $(VENV)/.installed: $(BIN)/python setup.py
 	$(BIN)/pip install --quiet -e ".[test,plot]"

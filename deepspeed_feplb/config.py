@@ -169,7 +169,7 @@ class GatingConfig(FEPLBConfigModel):
     """'softmax': DeepSpeed's own TopKGate (top-1/top-2/top-k); 'sigmoid': sigmoid top-k scoring with aux-loss-free bias balancing (DeepSeek-V3 style)."""
 
     bias_update_rate: float = Field(1e-3, ge=0)
-    """sigmoid: step size of the aux-loss-free balancing bias update (per step, towards the mean expert load)."""
+    """sigmoid: step size of the aux-loss-free balancing bias update (once per training forward, i.e. per micro-batch, towards the mean expert load)."""
 
     normalize_topk: bool = True
     """sigmoid: renormalise the selected top-k scores to sum to 1."""
@@ -201,10 +201,10 @@ class PlacementConfig(FEPLBConfigModel):
     """Weight of the newest micro-batch in the exponential moving average of each expert's load."""
 
     redundant_experts_per_rank: Union[Annotated[int, Field(ge=0)], Literal["auto"]] = "auto"
-    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch), with placement enabled or not (then every expert keeps its home and only replicas are chosen): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), each micro-batch splits their rows between the nodes, and at every optimizer step between decisions the replicas are chosen again on the recent micro-batches (they follow a hot set that drifts, those held staying unless a new set does better; with fixed_costs 'measured' the hosts' measured work on held replicas is priced too). A replica holds weights only (no optimizer state; each slot one expert's weights, and an fp32 sum of its gradient while a step accumulates, counted at deepspeed_feplb.initialize); its gradient is summed into the expert's before the optimizer step. A node holds one copy of an expert at most, so a layer of E experts over R ranks in N nodes fills at most E * (N - 1) / R slots per rank (more is refused when the layer is built); an EP group within one node has no replicas. "auto" (the default): 1 on the layers whose EP group spans more than one NVLink domain and whose experts compute on a GPU, decided at deepspeed_feplb.initialize once DeepSpeed has built the engine, where the run supports replicas (ZeRO stage 0 to 2 without fp16/bf16 at stage 0, no pipeline; DeepSpeed MoE experts without buffers; AutoEP with its all-to-all dispatch, not folded with AutoTP) and one slot in each such layer (its weights and fp32 gradient sum) takes at most a quarter of the device memory free then beside FEPLB's other buffers, on every rank; else 0, one line saying why; a layer used without deepspeed_feplb.initialize (a plain deepspeed.initialize, or no engine) has none."""
+    """Replica slots per rank (DeepSpeed MoE and AutoEP layers; AutoEP with its all-to-all dispatch), with placement enabled or not (then every expert keeps its home and only replicas are chosen): at each placement decision the hottest experts get a replica on another node where the predicted gain pays for its gradient exchange at every optimizer step (or, with max_rows_over_mean set, where it brings the busiest rank closer to that bound), each micro-batch splits their rows between the nodes, and at every optimizer step between decisions the replicas are chosen again on the recent micro-batches (they follow a hot set that drifts, those held staying unless a new set does better; with fixed_costs 'measured' the hosts' measured work on held replicas is priced too). A replica holds weights only (no optimizer state; each slot one expert's weights and an fp32 sum of its gradient while a step accumulates, plus for 16-bit experts the early half of that sum at the expert's home, and for a DeepSpeed MoE layer one held-back gradient of the expert: all counted at deepspeed_feplb.initialize, docs/GPU.md "Memory per rank"); its gradient is summed into the expert's before the optimizer step. A node holds one copy of an expert at most, so a layer of E experts over R ranks in N nodes fills at most E * (N - 1) / R slots per rank (more is refused when the layer is built); an EP group within one node has no replicas. "auto" (the default): 1 on the layers whose EP group spans more than one NVLink domain and whose experts compute on a GPU, decided at deepspeed_feplb.initialize once DeepSpeed has built the engine, where the run supports replicas (ZeRO stage 0 to 2 without fp16/bf16 at stage 0, no pipeline; DeepSpeed MoE experts without buffers; AutoEP with its all-to-all dispatch, not folded with AutoTP) and one slot in each such layer (with the buffers above) takes at most a quarter of the device memory free then beside FEPLB's other buffers, on every rank; else 0, one line saying why; a layer used without deepspeed_feplb.initialize (a plain deepspeed.initialize, or no engine) has none."""
 
     network_gbps: float = Field(50.0, gt=0)
-    """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node."""
+    """Bandwidth per rank between nodes, in GB/s (1e9 bytes/s), used to price a move of an expert to another node and the replicas' exchange of gradients and weights at every optimizer step."""
 
 
 class FEPLBConfig(FEPLBConfigModel):
@@ -248,7 +248,7 @@ class FEPLBConfig(FEPLBConfigModel):
 
     transport_slot_mb: Union[Literal["auto"], Annotated[float, AfterValidator(_slot_size),
                                                         Field(json_schema_extra={"minimum": MIN_TRANSPORT_SLOT_MB})]] = "auto"
-    """Size of each phase-2 receive slot (one per peer of the domain, on the GPU with 'cuda_ce'), in MiB, allocated once when the domain opens; a larger message travels through it in parts. At least 1/1024 (1 KiB: a ring of 4 slots of whole 256-byte pieces). 'auto': D chunks with their weights plus a rank's mean rows in one part (docs/GPU.md has the formula)."""
+    """Size of each phase-2 receive ring (one per peer of the domain, on the GPU with 'cuda_ce', split into 4 slots of a quarter each), in MiB, allocated once when the domain opens; a larger message travels through it in parts. At least 1/1024 (1 KiB: a ring of 4 slots of whole 256-byte pieces). 'auto': D chunks with their weights plus a rank's mean rows in one part (docs/GPU.md has the formula)."""
 
     weight_residency: Literal["step", "micro_batch"] = "step"
     """'step': a helper keeps a received copy until the optimizer step (later micro-batches need no new copy) and returns its accumulated weight-gradient in the step's last backward. 'micro_batch': copy and return every micro-batch (the paper's scheme)."""
@@ -275,7 +275,7 @@ class FEPLBConfig(FEPLBConfigModel):
 
 
 # (why the keys have no effect, when, the keys): `idle_keys`, checked in this order
-_MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "serve_parts", "serve_part_rows", "ce_budget", "transport_slot_mb", "weight_residency",
+_MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "serve_on_arrival", "serve_parts", "serve_part_rows", "ce_budget", "transport_slot_mb", "weight_residency",
               "max_resident_experts", "keep_copies_across_steps", "resident_budget_mb", "scheduler.mode", "scheduler.plan_timeout_ms",
               "scheduler.restart", "scheduler.start_after_steps")
 _IDLE_RULES = (
