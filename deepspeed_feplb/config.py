@@ -275,7 +275,7 @@ class FEPLBConfig(FEPLBConfigModel):
 
 
 # (why the keys have no effect, when, the keys): `idle_keys`, checked in this order
-_MIGRATION = ("max_helpers_per_expert", "chunk_align_tokens", "serve_on_arrival", "serve_parts", "serve_part_rows", "ce_budget", "transport_slot_mb", "weight_residency",
+_MIGRATION = ("transport", "max_helpers_per_expert", "chunk_align_tokens", "serve_on_arrival", "serve_parts", "serve_part_rows", "ce_budget", "transport_slot_mb", "weight_residency",
               "max_resident_experts", "keep_copies_across_steps", "resident_budget_mb", "scheduler.mode", "scheduler.plan_timeout_ms",
               "scheduler.restart", "scheduler.start_after_steps")
 _IDLE_RULES = (

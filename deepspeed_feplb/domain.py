@@ -57,6 +57,13 @@ def domain_size(config: FEPLBConfig, ep_size: int) -> int:
     return size
 
 
+def moves_in_domains(config: FEPLBConfig, ep_size: int) -> bool:
+    """Whether a layer of an EP group of ``ep_size`` ranks balances inside its NVLink domains (phase
+    2: a transport, a scheduler): more than one rank per domain and dynamic experts to move. Only
+    such a layer needs its transport, and so, on CUDA, CuPy."""
+    return ep_size > 1 and config.dynamic_experts_per_rank > 0 and domain_size(config, ep_size) > 1
+
+
 def validate_domain_size(config: FEPLBConfig, ep_size: int) -> None:
     """`FEPLBConfigError` naming ``feplb.nvlink_domain_size`` where it does not divide ``ep_size``, or
     where a domain of that size would span hosts (more ranks than a host has, as far as the launcher

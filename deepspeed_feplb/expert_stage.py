@@ -33,7 +33,7 @@ from deepspeed_feplb.balanced import BalancedMicroBatch
 from deepspeed_feplb.collectives import gather_counts, gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.dispatch import GroupFacts
-from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime
+from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, moves_in_domains
 from deepspeed_feplb.expert_costs import ComputeTimes
 from deepspeed_feplb.experts import ExpertCall, LocalExperts, StaticFn, timed_pieces
 from deepspeed_feplb.memory import ExpertSizes
@@ -82,10 +82,11 @@ class ExpertStage:
                  expert_params: Sequence[torch.Tensor], hidden: int):
         self.config, self.ep_group, self.ep_size, self.num_local_experts = config, ep_group, ep_size, num_local_experts
         self.domain_size = domain_size(config, ep_size)
-        self.balances = ep_size > 1 and config.dynamic_experts_per_rank > 0 and self.domain_size > 1
+        self.balances = moves_in_domains(config, ep_size)
         self.sizes = ExpertSizes.of(expert_params, hidden)  # weights, a kept copy, a row
         self.expert_bytes = self.sizes.expert_bytes  # what a balanced micro-batch reads (`balanced.BalancingLayer`)
-        self.transport_cls = transport_class(config, expert_params)  # checks the configured backends exist here
+        # checks the configured transport works here, where the layer needs one
+        self.transport_cls = transport_class(config, expert_params) if self.balances else None
         self.device = expert_params[0].device  # the transport's, not torch's current device
         self.compute_times = ComputeTimes()
         self.stage_times = StageTimes()  # host time per stage (forward and backward)

@@ -198,6 +198,7 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
 
     from deepspeed_feplb.collectives import gather_small
     from deepspeed_feplb.dispatch import dispatcher_kind
+    from deepspeed_feplb.domain import moves_in_domains
     from deepspeed_feplb.migrate import transport_kind
 
     free_bytes = free_bytes or device_free_bytes
@@ -221,7 +222,8 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
                 deepep = sum(buffer_bytes(deep_ep, max(m.hidden for m in members),
                                           first.expert_params[0].element_size(), first.ep_size))
             need = group_memory(config, first.ep_size, G, [ExpertSizes.of(m.expert_params, m.hidden) for m in members],
-                                transport_kind(config, first.expert_params) == "cuda_ce", deepep,
+                                moves_in_domains(config, first.ep_size)
+                                and transport_kind(config, first.expert_params) == "cuda_ce", deepep,
                                 sum(m.replica_bytes for m in members))
         problems = memory_problems(dist.get_rank(), free, need, config) if free is not None else []
         mine = (free, need.fixed, need.kept_most, problems)

@@ -33,6 +33,21 @@ def test_consistent_setup_passes(monkeypatch):
     check_consistency(model(num_experts=8, ep_size=2), load_config({"feplb": {"dynamic_experts_per_rank": 4}}))
 
 
+@pytest.mark.parametrize("section", [{"dynamic_experts_per_rank": 0}, {"nvlink_domain_size": 1}])
+def test_a_layer_that_moves_nothing_inside_a_node_needs_no_transport(monkeypatch, section):
+    """Without dynamic experts, or with one rank per NVLink domain, phase 2 never runs: a transport
+    this machine cannot open (here cuda_ce without CUDA, as CUDA experts without CuPy) is not
+    refused, and the layer builds without one."""
+    from deepspeed_feplb.expert_stage import ExpertStage
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = load_config({"feplb": {"transport": "cuda_ce", **section}})
+    moe = model(num_experts=4, ep_size=2)
+    check_consistency(moe, config)
+    stage = ExpertStage(config, None, 2, 2, list(moe_cases.make_expert().parameters()), moe_cases.HIDDEN)
+    assert not stage.balances and stage.transport_cls is None
+
+
 KINDS = ["out_of_range", "nan_hidden", "zero_tokens", "one_expert", "odd_shapes"]
 
 

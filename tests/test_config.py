@@ -370,9 +370,9 @@ def _with(**section):
     ({"gating": {"score": "sigmoid", "bias_update_rate": 0.1}}, []),
     ({"stats": {"enabled": False, "monitor": False}},
      ["feplb.stats.enabled is false, so feplb.stats.monitor has no effect"]),
-    ({"dynamic_experts_per_rank": 0, "serve_on_arrival": True, "serve_parts": 2},
+    ({"dynamic_experts_per_rank": 0, "transport": "cuda_ce", "serve_on_arrival": True, "serve_parts": 2},
      ["feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler), so "
-      "feplb.serve_on_arrival, feplb.serve_parts have no effect"]),
+      "feplb.transport, feplb.serve_on_arrival, feplb.serve_parts have no effect"]),
     ({"dynamic_experts_per_rank": 0, "weight_residency": "micro_batch", "max_resident_experts": 3,
       "scheduler": {"restart": False}},  # each key once, under the first reason
      ["feplb.dynamic_experts_per_rank is 0: no expert moves inside a node (no phase 2, no scheduler), so "

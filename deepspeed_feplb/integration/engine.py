@@ -213,7 +213,7 @@ def check_consistency(model, config: FEPLBConfig) -> None:
     import torch.distributed as dist
 
     from deepspeed_feplb.dispatch import validate_dispatcher
-    from deepspeed_feplb.domain import validate_domain_size
+    from deepspeed_feplb.domain import moves_in_domains, validate_domain_size
     from deepspeed_feplb.migrate import validate_transport
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -233,7 +233,8 @@ def check_consistency(model, config: FEPLBConfig) -> None:
                 f"feplb.dynamic_experts_per_rank: {config.dynamic_experts_per_rank} exceeds the "
                 f"{module.num_local_experts} local experts per rank of {where}; use at most {module.num_local_experts}")
         params = list(module.deepspeed_moe.experts.deepspeed_experts[0].parameters())
-        validate_transport(config, params)
+        if moves_in_domains(config, module.ep_size):
+            validate_transport(config, params)
         validate_dispatcher(config, module.ep_size, params, module.deepspeed_moe.gate.wg.in_features)
 
 
@@ -284,7 +285,7 @@ def _replica_slot_problem(config: FEPLBConfig, model, rank: int) -> Optional[str
     `benchmarks/bench_replicas_runtime.py`), or slots larger than `AUTO_REPLICA_FREE_SHARE` of the
     device memory free now less what FEPLB's other buffers take (`memory.group_memory` of every
     layer, without a DeepEP buffer, and a ``resident_budget_mb`` set)."""
-    from deepspeed_feplb.domain import domain_size
+    from deepspeed_feplb.domain import domain_size, moves_in_domains
     from deepspeed_feplb.integration.autoep import DEEPEP_BACKEND, autoep_layers
     from deepspeed_feplb.integration.deepspeed_moe import FEPLBMOELayer
     from deepspeed_feplb.memory import ExpertSizes, MiB, device_free_bytes, group_memory, replica_bytes
@@ -320,7 +321,7 @@ def _replica_slot_problem(config: FEPLBConfig, model, rank: int) -> Optional[str
         members = [layer for layer in layers if layer[1] == size]
         need = group_memory(config, size, domain_size(config, size),
                             [ExpertSizes.of(params, hidden) for _, _, params, hidden, _ in members],
-                            transport_kind(config, members[0][2]) == "cuda_ce")
+                            moves_in_domains(config, size) and transport_kind(config, members[0][2]) == "cuda_ce")
         others += need.fixed + need.kept_set(config)
     autoep = set(autoep_layers(model))  # whose ranks hold no gradient back (`memory.replica_bytes`)
     need = sum(replica_bytes(params, 1, allocated=False, held_back=name not in autoep)
