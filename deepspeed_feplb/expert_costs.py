@@ -20,6 +20,15 @@ from deepspeed_feplb.config import FEPLBConfig
 from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS, TimeModel
 
 
+def device_mark(device: torch.device) -> torch.cuda.Event:
+    """A timing event recorded now on ``device``'s current stream: the experts' device, which need
+    not be torch's current one (a loop that placed the model with ``model.to(local_rank)`` leaves
+    that at 0), and whose stream their work is queued on."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(None if torch.cuda.current_device() == device.index else torch.cuda.current_stream(device))
+    return event
+
+
 @dataclass
 class PieceFit:
     """Forward expert time ``t = k * piece_s + n * row_s`` for a call of ``k`` expert pieces and
@@ -123,12 +132,7 @@ class ComputeTimes:
         if device.type != "cuda":
             return time.perf_counter
         self.resolve()
-
-        def mark():
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return mark
+        return lambda: device_mark(device)
 
     def probe(self, rows: torch.Tensor, counts: np.ndarray, call: Callable[[int, torch.Tensor], torch.Tensor],
               mark: Callable[[], object]) -> None:

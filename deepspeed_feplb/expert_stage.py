@@ -34,7 +34,7 @@ from deepspeed_feplb.collectives import gather_counts, gather_small
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError
 from deepspeed_feplb.dispatch import GroupFacts
 from deepspeed_feplb.domain import DomainRuntime, domain_size, get_runtime, moves_in_domains
-from deepspeed_feplb.expert_costs import ComputeTimes
+from deepspeed_feplb.expert_costs import ComputeTimes, device_mark
 from deepspeed_feplb.experts import ExpertCall, LocalExperts, StaticFn, timed_pieces
 from deepspeed_feplb.memory import ExpertSizes
 from deepspeed_feplb.migrate import transport_class
@@ -211,7 +211,8 @@ class ExpertStage:
         start, cpu_start = time.perf_counter(), time.process_time()
         if self.records and record is not None:
             if self.device.type == "cuda":
-                record["events"] = [_device_mark(), None, None, None]  # the recorded stage times on the device's clock
+                # the recorded stage times, on the device's clock
+                record["events"] = [device_mark(self.device), None, None, None]
             record["fit_us"] = self.compute_times.fitted_us(balanced)  # what this micro-batch's path was priced at
             record["forward_share"] = self.compute_times.forward_share(balanced)
         if balanced:
@@ -257,7 +258,7 @@ class ExpertStage:
         forward_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         events = record.get("events")
         if events is not None:
-            events[1] = _device_mark()
+            events[1] = device_mark(self.device)
         calls = self.compute_times.calls  # (0, 0) on CUDA: only host-timed calls are counted (`finish`)
         phase2, plan_wait_s = record.get("phase2"), record.get("plan_wait_s", 0.0)
         phase2_forward_waits_s = phase2.wait_s if phase2 is not None else 0.0  # its backward adds its own
@@ -271,7 +272,7 @@ class ExpertStage:
         def backward_begins(grad):
             begun.extend((time.perf_counter(), time.process_time()))
             if events is not None:
-                events[2] = _device_mark()
+                events[2] = device_mark(self.device)
 
         def backward_ends(grad):
             if not begun:
@@ -281,7 +282,7 @@ class ExpertStage:
                 last["backward_us"] = backward_s * 1e6
                 last["cpu_us"] = (cpu_s + time.process_time() - begun[1]) * 1e6
                 if events is not None:
-                    events[3] = _device_mark()
+                    events[3] = device_mark(self.device)
             if calls[0]:
                 backward_waits_s = phase2.wait_s - phase2_forward_waits_s if phase2 is not None else 0.0
                 times.stage_done(forward_s - plan_wait_s - phase2_forward_waits_s, backward_s - backward_waits_s,
@@ -339,13 +340,6 @@ class ExpertStage:
         G, first = self.domain_size, self._domain_first()
         ranks = dist.get_process_group_ranks(self.ep_group)[first:first + G]
         return unbalanced_stats(facts.received[first:first + G], ranks)
-
-
-def _device_mark():
-    """A CUDA event recorded now on the current stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def _device_times(last: dict) -> dict:

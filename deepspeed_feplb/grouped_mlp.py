@@ -93,11 +93,11 @@ class StackedMLP:
             (w_up, w_down), expert_of_row = weights, None
         h = torch._grouped_mm(_Contiguous.apply(x), w_up.transpose(-2, -1), offs=ends)
         if expert_of_row is not None:
-            h = _RowBias.apply(h, b_up, expert_of_row)
+            h = _RowBias.apply(h, b_up, expert_of_row, counts)
         h = self.activation(h)
         y = torch._grouped_mm(h, w_down.transpose(-2, -1), offs=ends)
         if expert_of_row is not None:
-            y = _RowBias.apply(y, b_down, expert_of_row)
+            y = _RowBias.apply(y, b_down, expert_of_row, counts)
         return _Contiguous.apply(y)
 
     def _loop(self, weights: list[torch.Tensor], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -171,24 +171,28 @@ class _InPlace(torch.autograd.Function):
 
 
 class _RowBias(torch.autograd.Function):
-    """``h + bias[expert_of_row]``: h ``[N, F]``, bias ``[k, F]``, expert_of_row ``int [N]``. Its
-    backward sums each expert's bias gradient in fp32 and rounds once, as a Linear's ``grad.sum(0)``
-    does (an ``index_add`` in bf16 would round after every row). In bf16 the forward rounds twice
-    (the GEMM's output, then the sum) where a Linear's fused ``addmm`` rounds once: one bf16 rounding,
-    as DeepSpeed's MoE itself rounds its experts' first Linear when it holds several."""
+    """``h + bias[expert_of_row]``: h ``[N, F]``, bias ``[k, F]``, expert_of_row ``int [N]`` (the
+    rows grouped by expert, ``counts`` ``int [k]`` of them each). Its backward sums each expert's
+    bias gradient in fp32 and rounds once, as a Linear's ``grad.sum(0)`` does (an ``index_add`` in
+    bf16 would round after every row), row after row within each expert (``segment_reduce``): the
+    same sum every run on a GPU too, where an ``index_add`` adds with atomics in any order. In bf16
+    the forward rounds twice (the GEMM's output, then the sum) where a Linear's fused ``addmm``
+    rounds once: one bf16 rounding, as DeepSpeed's MoE itself rounds its experts' first Linear when
+    it holds several."""
 
     @staticmethod
-    def forward(ctx, h, bias, expert_of_row):
-        ctx.save_for_backward(expert_of_row)
+    def forward(ctx, h, bias, expert_of_row, counts):
+        ctx.save_for_backward(counts)
         ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return h + bias.index_select(0, expert_of_row)
 
     @staticmethod
     def backward(ctx, grad):
-        (expert_of_row, ) = ctx.saved_tensors
-        sums = grad.new_zeros(ctx.bias_shape, dtype=torch.float32)
-        sums.index_add_(0, expert_of_row, grad if grad.dtype == torch.float32 else grad.float())
-        return grad, sums.to(ctx.bias_dtype), None
+        (counts, ) = ctx.saved_tensors
+        # unsafe: the counts are the rows' own grouping; the check would read them on the host
+        sums = torch.segment_reduce(grad if grad.dtype == torch.float32 else grad.float(), "sum", lengths=counts,
+                                    axis=0, unsafe=True)
+        return grad, sums.to(ctx.bias_dtype), None, None
 
 
 class _Contiguous(torch.autograd.Function):

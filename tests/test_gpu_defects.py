@@ -215,7 +215,7 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
             assert enable_timing
             self.at, self.done = None, False
 
-        def record(self):
+        def record(self, stream=None):
             Event.now += 10.0  # ms of GPU work between two marks
             self.at = Event.now
 
@@ -226,6 +226,7 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
             return end.at - self.at
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the experts' device
     times = ComputeTimes()
     mark = times.clock(torch.device("cuda", 0))
     begin, static_done, end = mark(), mark(), mark()
@@ -312,15 +313,45 @@ def test_sends_never_wait_for_the_device_and_keep_their_memory():
         assert result["syncs_during"] == 0, "a send synchronised on an event per message"
 
 
-def test_events_let_a_waiting_host_thread_sleep():
+def test_events_let_a_waiting_host_thread_sleep_and_belong_to_the_experts_device():
+    """Events sleep a waiting host thread, and are made on the backend's device even where the
+    caller's current device is another (``model.to(local_rank)`` leaves torch's at 0; CUDA refuses
+    to record an event of device 0 on a stream of device 1), the caller's restored after."""
     from deepspeed_feplb.migrate.backend import CudaBackend
-    flags = []
+    made, current = [], [0]
     runtime = types.SimpleNamespace(eventDisableTiming=2, eventBlockingSync=1, eventInterprocess=4,
-                                    eventCreateWithFlags=lambda f: flags.append(f) or 7)
+                                    getDevice=lambda: current[0], setDevice=lambda d: current.__setitem__(0, d),
+                                    eventCreateWithFlags=lambda f: made.append((f, current[0])) or 7)
     backend = object.__new__(CudaBackend)  # no CuPy here: only the runtime calls are faked
-    backend._rt = runtime
+    backend._rt, backend.index = runtime, 1
+    assert backend.event_create() == 7
+    assert made == [(2 | 1, 1)] and current == [0]
+    current[0] = 1  # already current: nothing switched
     backend.event_create()
-    assert flags == [2 | 1]
+    assert made[-1] == (2 | 1, 1) and current == [1]
+
+
+def test_stage_timing_events_go_on_the_experts_devices_stream(monkeypatch):
+    """The stage's and the cost fit's timing events record on the experts' device's current stream,
+    not on that of torch's current device, which may be idle."""
+    import torch
+
+    from deepspeed_feplb.expert_costs import device_mark
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    device_mark(torch.device("cuda", 1))
+    device_mark(torch.device("cuda", 0))
+    assert recorded == ["stream of cuda:1", None]
 
 
 # ------------------------------------------------------------------ 4. the receiver's copy-out

@@ -198,9 +198,19 @@ class CudaBackend:
 
     # events and streams
     def event_create(self) -> int:
-        """An event without timing; a host thread that synchronises on it sleeps (BlockingSync)
-        instead of spinning a core."""
-        return int(self._rt.eventCreateWithFlags(self._rt.eventDisableTiming | self._rt.eventBlockingSync))
+        """An event without timing on this backend's device; a host thread that synchronises on it
+        sleeps (BlockingSync) instead of spinning a core. An event belongs to the device current
+        where it is made and is recorded only on that device's streams, and the caller's current
+        device need not be ours (a loop that placed the model with ``model.to(local_rank)`` leaves
+        torch's at 0)."""
+        before = self._rt.getDevice()
+        if before != self.index:
+            self._rt.setDevice(self.index)
+        try:
+            return int(self._rt.eventCreateWithFlags(self._rt.eventDisableTiming | self._rt.eventBlockingSync))
+        finally:
+            if before != self.index:
+                self._rt.setDevice(before)
 
     def event_destroy(self, event: int) -> None:
         self._rt.eventDestroy(event)

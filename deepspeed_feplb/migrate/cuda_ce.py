@@ -634,6 +634,7 @@ class CudaCETransport:
             wire.checked_into(into, [(shape, dtype) for dtype, _, shape in found], backend.device.type)
         self._taken[src] = number
         channel[TAKEN] = number  # the description is read: the sender may reuse its entry
+        staging = None
         try:
             stream, own, caller = self._recv_streams[src], self._inbound[src], backend.current_stream()
             pieces = [(out.data_ptr(), offset, out.nbytes) for out, (_, offset, _) in zip(tensors, found)]
@@ -668,13 +669,14 @@ class CudaCETransport:
                     backend.memcpy_async(dst, staging.data_ptr() + at, length, stream)
                 if self._poison:
                     backend.memset_async(staging.data_ptr(), 0xFF, nbytes, stream)
-                copied = self._event()
-                backend.event_record(copied, stream)
-                with self._lock:
+                with self._lock:  # the background thread takes and returns spare events too
+                    copied = self._event()
+                    backend.event_record(copied, stream)
                     self._in_flight[src].append((copied, [staging]))  # kept until its copies ran
             backend.event_record(self._events["done"][src], stream)
             backend.stream_wait_event(caller, self._events["done"][src])  # the caller sees the data
         except BaseException as exc:  # the message is taken but not read: the link is out of step
+            self._hold_while_copying(src, [*tensors, *([staging] if staging is not None else [])])
             # a copy of a peer's death (the raised one holds this frame's tensors); anything else: out of step
             self._failure = self._failure or (
                 PeerDiedError(str(exc)) if isinstance(exc, PeerDiedError) else
@@ -683,6 +685,22 @@ class CudaCETransport:
             raise
         self._check_open()  # a peer that died meanwhile: the tensors were released, not written (host backend)
         return tensors
+
+    def _hold_while_copying(self, src: int, tensors: list) -> None:
+        """A `recv` that failed part-way: the copies it queued into ``tensors`` still run (a dead
+        peer's waits are released, a live one delivers every part it enqueued), so their memory is
+        kept from reuse until the receive stream passed them, as a sent tensor's is; best effort,
+        the failure is what the caller hears."""
+        stream = self._recv_streams.get(src)
+        if stream is None:
+            return
+        try:
+            with self._lock:
+                copied = self._event()
+                self.backend.event_record(copied, stream)
+                self._in_flight[src].append((copied, tensors))
+        except Exception:  # noqa: BLE001 - a device that fails here fails the transport anyway
+            pass
 
     # ---------------------------------------------------------------- off the critical path
     def _run_background(self) -> None:
