@@ -177,14 +177,16 @@ def kept_budget_of(ep_ranks: Sequence[int], domain: int) -> Optional[float]:
 @dataclass
 class LayerMemoryFacts:
     """What a FEPLB layer tells `check_at_initialize`: its EP group and size, ranks per NVLink
-    domain (`domain.domain_size`), one expert's parameters, the hidden size and what its replica
-    slots still add (`replica_bytes`)."""
+    domain (`domain.domain_size`), one expert's parameters, the hidden size, what its replica
+    slots still add (`replica_bytes`), and whether it moves rows inside its domains
+    (`domain.moves_in_domains`: only then has it receive slots)."""
     ep_group: object
     ep_size: int
     domain_size: int
     expert_params: list
     hidden: int
     replica_bytes: int = 0
+    moves_in_domains: bool = True
 
 
 def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
@@ -198,7 +200,6 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
 
     from deepspeed_feplb.collectives import gather_small
     from deepspeed_feplb.dispatch import dispatcher_kind
-    from deepspeed_feplb.domain import moves_in_domains
     from deepspeed_feplb.migrate import transport_kind
 
     free_bytes = free_bytes or device_free_bytes
@@ -222,8 +223,8 @@ def check_at_initialize(layers: Sequence[LayerMemoryFacts], config: FEPLBConfig,
                 deepep = sum(buffer_bytes(deep_ep, max(m.hidden for m in members),
                                           first.expert_params[0].element_size(), first.ep_size))
             need = group_memory(config, first.ep_size, G, [ExpertSizes.of(m.expert_params, m.hidden) for m in members],
-                                moves_in_domains(config, first.ep_size)
-                                and transport_kind(config, first.expert_params) == "cuda_ce", deepep,
+                                first.moves_in_domains and transport_kind(config, first.expert_params) == "cuda_ce",
+                                deepep,
                                 sum(m.replica_bytes for m in members))
         problems = memory_problems(dist.get_rank(), free, need, config) if free is not None else []
         mine = (free, need.fixed, need.kept_most, problems)

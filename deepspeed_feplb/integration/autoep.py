@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBConfigError, FEPLBModelError
-from deepspeed_feplb.domain import domain_size, start_planner_early, validate_domain_size
+from deepspeed_feplb.domain import domain_size, moves_in_domains, start_planner_early, validate_domain_size
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
 from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph
 from deepspeed_feplb.integration import seams
@@ -136,7 +136,8 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
         held = placement.redundant if placement is not None else 0
         return LayerMemoryFacts(self.feplb_ep_group, self.feplb_ep_size, domain_size(config, self.feplb_ep_size),
                                 slices, slices[0].shape[1],
-                                replica_bytes(slices, held, allocated=True, held_back=False))
+                                replica_bytes(slices, held, allocated=True, held_back=False),
+                                moves_in_domains(config, self.feplb_ep_size))
 
     def _feplb_attach(self) -> None:
         adopt_loaded_order(self)  # without a placement, refuses a state dict in placement order

@@ -23,7 +23,7 @@ from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
 from deepspeed_feplb.config import FEPLBConfig, FEPLBModelError, load_config
 from deepspeed_feplb.dispatch import make_dispatcher
-from deepspeed_feplb.domain import domain_size, install_exit_handlers, start_planner_early
+from deepspeed_feplb.domain import domain_size, install_exit_handlers, moves_in_domains, start_planner_early
 from deepspeed_feplb.expert_stage import ExpertStage, check_group_agrees
 from deepspeed_feplb.experts import ExpertSpec, LocalExperts, on_graph, run_expert
 from deepspeed_feplb.gate import SigmoidTopKGate
@@ -94,7 +94,8 @@ class FEPLBMOELayer(MOELayer):
         return LayerMemoryFacts(self.ep_group, self.ep_size, domain_size(config, self.ep_size), params,
                                 self.gate.wg.in_features,
                                 replica_bytes(params, replica_slots_per_rank(config, self.ep_size),
-                                              allocated=placement is not None and placement.replicas is not None))
+                                              allocated=placement is not None and placement.replicas is not None),
+                                moves_in_domains(config, self.ep_size))
 
     # ------------------------------------------------------------------ runtime attach
     def _attach(self) -> None:
