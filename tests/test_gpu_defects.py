@@ -695,3 +695,42 @@ def test_the_typed_driver_uses_only_names_the_installed_bindings_have():
         assert callable(getattr(driver, name)), name
     assert int(driver.CUstream(7)) == 7 and int(driver.CUdeviceptr(2**40 + 8)) == 2**40 + 8
     assert driver.CUresult(801) == driver.CUresult.CUDA_ERROR_NOT_SUPPORTED
+
+
+def test_a_kernel_launches_on_the_tensors_device_and_torchs_stream_there(monkeypatch):
+    """`kernels.cuda._launch` (no CuPy here: CuPy and torch's stream binding are stand-ins) runs the
+    kernel with the tensors' device current and torch's current stream of that device entered, read
+    through torch's raw binding, and builds CuPy's handle of that stream once."""
+    import sys
+
+    from deepspeed_feplb.kernels import cuda as kernels
+    log, made = [], []
+
+    class Context:
+        def __init__(self, what):
+            self.what = what
+
+        def __enter__(self):
+            log.append(("enter", self.what))
+
+        def __exit__(self, *exc):
+            log.append(("exit", self.what))
+
+    def external(ptr, index):
+        made.append((ptr, index))
+        return Context(("stream", ptr, index))
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: Context(("device", index)),
+                                                            ExternalStream=external))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7000 + index, raising=False)
+    monkeypatch.setattr(kernels, "_module", lambda index: {"k": lambda grid, block, args: log.append(("run", grid))})
+    kernels._external_stream.cache_clear()
+    try:
+        for _ in range(2):
+            kernels._launch("k", torch.device("cuda", 1), 3, ())
+    finally:
+        kernels._external_stream.cache_clear()
+    assert log[:5] == [("enter", ("device", 1)), ("enter", ("stream", 7001, 1)), ("run", (3, )),
+                       ("exit", ("stream", 7001, 1)), ("exit", ("device", 1))]
+    assert made == [(7001, 1)]
