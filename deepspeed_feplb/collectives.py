@@ -71,16 +71,20 @@ def _host_part(row: np.dtype) -> np.dtype:
     return np.dtype([(name, row.fields[name][0]) for name in names[names.index("counts") + 1:]])
 
 
+def all_gather_flat(mine: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Every rank's ``mine`` (``[n]``, the same n everywhere) as ``[size, n]``, gathered into one
+    tensor: no list of outputs to allocate and stack (on NCCL a list gather launches a copy per
+    rank after the collective)."""
+    out = mine.new_empty(size * mine.numel())
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=group)
+    return out.view(size, -1)
+
+
 def gather_rows(mine: torch.Tensor, row: np.dtype, group, size: int) -> tuple[np.ndarray, float]:
     """Every rank's ``mine`` (int64 ``[row.itemsize // 8]`` on the group's device) in one all-gather
     and one copy to the host: (the rows, ``row`` ``[size]``; seconds the exchange took)."""
     start = time.perf_counter()
-    if size > 1:
-        gathered = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(gathered, mine, group=group)
-        table = torch.stack(gathered).cpu().numpy()
-    else:
-        table = mine[None].cpu().numpy()
+    table = (all_gather_flat(mine, group, size) if size > 1 else mine[None]).cpu().numpy()
     return np.ascontiguousarray(table).view(row)[:, 0], time.perf_counter() - start
 
 

@@ -115,6 +115,21 @@ def test_expert_positions_is_a_stable_sort_by_expert():
                        + offsets[routes[valid]])
 
 
+def test_the_torch_dispatchers_regroup_takes_rows_from_source_major_to_expert_major():
+    """`torch_a2a.expert_major_order` (vectorised) against its definition, block by block, on
+    random block sizes with empty blocks, sources and experts."""
+    from deepspeed_feplb.dispatch.torch_a2a import expert_major_order
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        counts = rng.integers(0, 6, size=(rng.integers(1, 9), rng.integers(1, 33)))
+        counts *= rng.random(counts.shape) < rng.random()
+        starts = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
+        want = [row for e in range(counts.shape[1]) for s in range(counts.shape[0])
+                for row in range(starts[s, e], starts[s, e] + counts[s, e])]
+        got = expert_major_order(counts)
+        assert got.dtype == np.int64 and got.tolist() == want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_weighted_combine_matches_the_torch_dispatcher_formula(dtype):
     rows = _rows(9, 6, dtype=dtype, seed=1)

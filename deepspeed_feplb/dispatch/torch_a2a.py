@@ -156,7 +156,9 @@ def expert_major_order(counts: np.ndarray) -> np.ndarray:
 
     counts: ``int64 [sources, experts]`` block sizes of the source-major layout -> ``int64 [sum]``.
     """
-    starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
-    blocks = [np.arange(starts[s, e], starts[s, e] + counts[s, e]) for e in range(counts.shape[1])
-              for s in range(counts.shape[0])]
-    return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, dtype=np.int64)
+    counts = np.asarray(counts, np.int64)
+    flat = counts.reshape(-1)
+    starts = (np.cumsum(flat) - flat).reshape(counts.shape)  # each block's first row, source-major
+    sizes, firsts = counts.T.reshape(-1), starts.T.reshape(-1)  # the blocks in (expert, source) order
+    # a row's place in the output, less its block's place there, is its block's offset from its source start
+    return np.repeat(firsts - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(flat.sum()), dtype=np.int64)

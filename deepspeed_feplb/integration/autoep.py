@@ -242,7 +242,7 @@ class FEPLBGroupedExperts(GroupedExperts if GroupedExperts is not None else torc
             x = rows[:sum(sizes)] if primaries == list(range(len(primaries))) else torch.cat(
                 [blocks[e] for e in primaries])
             outs.append(GroupedExperts.forward(_StackedAs(self, stacked), x,
-                                               torch.as_tensor(static_counts, device=rows.device)))
+                                               torch.from_numpy(static_counts).to(rows.device, non_blocking=True)))
         for e in static[len(primaries):]:
             if len(blocks[e]):
                 outs.append(self._grouped([w.unsqueeze(0) for w in replicas[e - self.num_experts]], blocks[e],
@@ -381,7 +381,7 @@ class PlacedLayer(AutoEPMoELayer if AutoEPMoELayer is not None else torch.nn.Mod
             slot_counts = self.tokens_per_expert
         with torch.no_grad():
             if placement.holds_replicas:  # routing went through the host already: its slot table
-                holds = torch.from_numpy(placement.slot_experts()).to(slot_counts.device)
+                holds = torch.from_numpy(placement.slot_experts()).to(slot_counts.device, non_blocking=True)
                 held = holds >= 0
                 self.tokens_per_expert.index_add_(0, holds[held], slot_counts[held])
             else:  # each expert in its primary slot alone: a gather on the device, no host copy

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepspeed_feplb.collectives import all_gather_flat
 from deepspeed_feplb.config import FEPLBConfigError
 from deepspeed_feplb.domain import domain_size
 from deepspeed_feplb.integration import seams
@@ -179,7 +180,8 @@ class ExpertPlacement:
         second = np.zeros(self.num_experts, np.int64)  # the second part's slot
         for e, rows, slot in seconds:
             first[e], second[e] = rows, slot
-        both = torch.from_numpy(np.concatenate([table, first, second])).to(self.device).view(3, -1)
+        # from fresh host memory, not pinned: a non-blocking upload is staged at once and waits for no stream
+        both = torch.from_numpy(np.concatenate([table, first, second])).to(self.device, non_blocking=True).view(3, -1)
         slots = torch.where(valid, both[0][clamped], invalid)
         if not seconds:
             return slots
@@ -245,11 +247,9 @@ class ExpertPlacement:
         # and whether this rank's experts were written in place since its last forward: every rank
         # then refreshes the replicas before they compute (`ReplicaSlots.keep_current`)
         wrote = self.replicas is not None and self.replicas.wrote_in_place()
-        counts = torch.cat([counts, torch.tensor([int(wrote)], dtype=counts.dtype).to(counts.device)])
+        counts = torch.cat([counts, counts.new_full((1, ), int(wrote))])  # filled on the device: no upload
         if self.ep_group is not None and self.ep_size > 1:
-            gathered = [torch.empty_like(counts) for _ in range(self.ep_size)]
-            dist.all_gather(gathered, counts, group=self.ep_group)
-            src = torch.stack(gathered).cpu().numpy()
+            src = all_gather_flat(counts, self.ep_group, self.ep_size).cpu().numpy()
         else:
             src = counts.cpu().numpy()[None]
         if src[:, -1].any():
