@@ -1,6 +1,8 @@
 """Device-to-host syncs, found on the CPU (`deepspeed_feplb.testing.sync_audit`): what the audit
-counts, and a balanced layer's forward and backward within the budget of issue "GPU hot path II":
-one host read per layer forward (phase 1's count table), none in backward."""
+counts (host reads of device values, and blocking uploads of host data), and a balanced layer's
+forward and backward within the budget of issue "GPU hot path II": one host read per layer forward
+(phase 1's count table), none in backward."""
+import numpy as np
 import pytest
 import torch
 
@@ -27,9 +29,20 @@ def test_the_audit_counts_host_reads_of_device_values_only():
         host.tolist()
         host.sum().item()
         (y * 0).sum().backward()
+        table = np.arange(4)
+        torch.from_numpy(table).to(y.device)  # host data to the device, blocking: a sync on a GPU
+        uploaded = torch.from_numpy(table).to(y.device, non_blocking=True)  # staged at once: no sync
+        torch.as_tensor(table, device=y.device)
+        torch.tensor([1, 2], device=y.device)
+        host.to(torch.float32)  # no device: stays on the host
+        host.to("cpu")  # the host's, by name
+        y.to(y.device)  # already the device's
+        torch.zeros(3, device=y.device)  # made on the device: nothing uploaded
+        uploaded.tolist()  # the device's now: read back
     assert [r.split(" at ")[0] for r in audit.reads] == [
         "_local_scalar_dense", ".tolist()", ".cpu()", "_local_scalar_dense", "nonzero", "index with a boolean mask",
-        "repeat_interleave without output_size"], audit.reads
+        "repeat_interleave without output_size", "blocking upload .to(device)", "blocking upload torch.as_tensor(..., "
+        "device=)", "blocking upload torch.tensor(..., device=)", ".tolist()"], audit.reads
     assert all("test_sync_audit.py" in r for r in audit.reads)
 
 

@@ -11,6 +11,12 @@ value-dependent operators), except where only the CPU kernel reads (``one_hot`` 
 checks its indices on the host on the CPU, not on CUDA). A ``.to("cpu")`` is not counted (on the
 CPU it cannot be told from a ``.to(x.device)``); a host read of its result is.
 
+An upload of host data to the device (``t.to(x.device)`` of a host tensor, ``torch.tensor(data,
+device=...)``, ``torch.as_tensor(data, device=...)``) without ``non_blocking=True`` is counted too: on
+a GPU a blocking copy from host memory synchronises the stream. The device is told from a
+``torch.device`` (``x.device``, ``self.device``) or a device-side tensor given as the target; a
+string such as ``"cpu"`` is the host's. The uploaded tensor is device-side from then on.
+
 What it cannot see: a tensor the code creates on the device from nothing (``torch.zeros(n,
 device=x.device)``) is not marked until a marked tensor flows into it, so reading it back is
 missed; such reads are rare (the code made the values), and a GPU's own audit
@@ -25,14 +31,15 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # operators that read device values on the host: a scalar, or an output size that depends on values
 _READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
           "unique_consecutive", "equal", "is_nonzero", "bincount", "histc"}
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_to_all_single", "all_reduce", "broadcast",
-                "reduce_scatter_tensor")
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single", "all_reduce",
+                "broadcast", "reduce_scatter_tensor")
 
 
 @dataclass
@@ -104,6 +111,39 @@ class _Marks(TorchDispatchMode):
         return out
 
 
+class _Uploads(TorchFunctionMode):
+    """Host data moved to the device (module docstring): the result is device-side, and without
+    ``non_blocking=True`` the copy is a sync."""
+
+    def __init__(self, marks: _Marks):
+        super().__init__()
+        self.marks = marks
+
+    def _target(self, func, args, kwargs):
+        """What ``func`` uploads, as (how, blocking), or None: not an upload of host data."""
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) and not self.marks.is_marked(args[0]):
+            device = kwargs.get("device", args[1] if len(args) > 1 else None)
+            to_device = isinstance(device, torch.device) or (isinstance(device, torch.Tensor)
+                                                              and self.marks.is_marked(device))
+            blocking = not (kwargs.get("non_blocking") or any(a is True for a in args[1:]))
+            return (".to(device)", blocking) if to_device else None
+        if func in (torch.tensor, torch.as_tensor) and isinstance(kwargs.get("device"), torch.device):
+            data = args[0] if args else kwargs.get("data")
+            if not self.marks.is_marked(data):
+                return f"torch.{func.__name__}(..., device=)", True
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        upload = self._target(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if upload is not None:
+            self.marks.mark(out)
+            if upload[1]:
+                self.marks.read(f"blocking upload {upload[0]}")
+        return out
+
+
 @contextlib.contextmanager
 def audit_syncs(*device_tensors):
     """``with audit_syncs(x, *params) as audit:`` the host reads of device-side tensors inside the
@@ -124,7 +164,9 @@ def audit_syncs(*device_tensors):
             if not marks.is_marked(self):
                 return original(self, *args, **kwargs)
             marks.read(f".{name}()")
-            with torch._C._DisableTorchDispatch():  # the host's copy (a GPU's .cpu() copies): not device-side
+            # the host's copy (a GPU's .cpu() copies): not device-side; and not this method again
+            # through the upload mode, which hands torch functions back by their public name
+            with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
                 return original(self.clone() if name == "cpu" else self, *args, **kwargs)
         return method
 
@@ -157,7 +199,7 @@ def audit_syncs(*device_tensors):
     for name in saved_collectives:
         setattr(dist, name, collective(name))
     try:
-        with marks:
+        with marks, _Uploads(marks):
             yield audit
     finally:
         for name, method in saved_methods.items():
