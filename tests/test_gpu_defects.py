@@ -226,7 +226,9 @@ def test_cuda_compute_is_timed_with_events_read_one_micro_batch_later(monkeypatc
             return end.at - self.at
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the experts' device
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7000 + index, raising=False)
+    from deepspeed_feplb import expert_costs
+    monkeypatch.setattr(expert_costs, "_torch_stream", lambda index, ptr: None)
     times = ComputeTimes()
     mark = times.clock(torch.device("cuda", 0))
     begin, static_done, end = mark(), mark(), mark()
@@ -346,12 +348,20 @@ def test_stage_timing_events_go_on_the_experts_devices_stream(monkeypatch):
         def record(self, stream=None):
             recorded.append(stream)
 
+    from deepspeed_feplb import expert_costs
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
-    device_mark(torch.device("cuda", 1))
-    device_mark(torch.device("cuda", 0))
-    assert recorded == ["stream of cuda:1", None]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7000 + index, raising=False)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device: f"stream {ptr} of cuda:{device}")
+    expert_costs._torch_stream.cache_clear()
+    try:
+        device_mark(torch.device("cuda", 1))
+        device_mark(torch.device("cuda", 0))
+        device_mark(torch.device("cuda", 1))
+        assert expert_costs._torch_stream.cache_info().misses == 2  # a handle per stream, made once
+    finally:
+        expert_costs._torch_stream.cache_clear()
+    assert recorded == ["stream 7001 of cuda:1", "stream 7000 of cuda:0", "stream 7001 of cuda:1"]
 
 
 # ------------------------------------------------------------------ 4. the receiver's copy-out

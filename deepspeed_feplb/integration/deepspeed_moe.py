@@ -188,13 +188,13 @@ class FEPLBMOELayer(MOELayer):
             if self.training and not recomputing():  # a reentrant checkpoint's first forward runs without grad
                 self.placement.record(expert_ids)
             expert_ids = self.placement.route(expert_ids)
+        primary = self._primary_params() if replicas is not None else None  # walked once for this forward
         if replicas is not None:  # collective; after the route, which may find them stale
-            replicas.keep_current(self._primary_params, self.step_ends(),
-                                  [p for expert in self.experts.deepspeed_experts for p in expert.parameters()])
+            replicas.keep_current(self._primary_params, self.step_ends(), [p for group in primary for p in group])
         with timed("dispatch"):
             rows, counts_by_source, handle, facts = self.dispatcher.dispatch(x, expert_ids, self.stage.announce())
         if replicas is not None:
-            rows = self._link_replicas(rows, replicas)
+            rows = self._link_replicas(rows, replicas, primary)
         out = self.stage.run(rows, counts_by_source.sum(0), self.local_experts, facts, self.step_ends(),
                              self.later_micro_batches())
         with timed("combine"):
@@ -254,7 +254,7 @@ class FEPLBMOELayer(MOELayer):
         aliases = iter(ExpertGradOrder.apply(None, *flat))
         return [[next(aliases) for _ in group] for group in params]
 
-    def _link_replicas(self, rows: torch.Tensor, replicas) -> torch.Tensor:
+    def _link_replicas(self, rows: torch.Tensor, replicas, primary: list[list[torch.Tensor]]) -> torch.Tensor:
         """This forward's local expert parameters with replica slots (primaries, then the replicas'
         weights; `_expert_params` returns them), and ``rows`` through the same `ExpertGradOrder`
         node: its backward, which sends the replicas' gradients home (collective over the EP group),
@@ -262,8 +262,8 @@ class FEPLBMOELayer(MOELayer):
         step's last micro-batch the node takes the experts at `ReplicaSlots.held_back_locals` (the
         same local indices on every rank) as detached stand-ins, so that their gradients reach the
         parameters only with the replicas' sums, when the backward ends
-        (`ReplicaSlots.at_backward_end`)."""
-        params = self._primary_params() + replicas.weights
+        (`ReplicaSlots.at_backward_end`). ``primary``: this forward's `_primary_params`."""
+        params = primary + replicas.weights
         flat = [p for group in params for p in group]
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in flat)):
             self._linked_params = params
