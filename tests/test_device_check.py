@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("preflight", "kernels", "copy", "overlap", "transport", "transport_speed", "layer", "serve_parts",
-          "grouped_tile", "deepep", "syncs", "launches", "memory", "layer_speed", "launch_budget", "parity", "leaks",
-          "gpu_tests")
+          "grouped_tile", "deepep", "syncs", "launches", "host_calls", "memory", "layer_speed", "launch_budget",
+          "parity", "leaks", "gpu_tests")
 
 
 def test_device_check_dry_run(tmp_path):
@@ -25,6 +25,7 @@ def test_device_check_dry_run(tmp_path):
     assert len(result["stages"]["transport_speed"]["sizes"]) == 5
     assert set(result["stages"]["serve_parts"]["variants"]) == {"1 part", "4 parts"}
     assert result["stages"]["grouped_tile"]["rows"] == list(range(0, 129, 8))
+    assert result["stages"]["host_calls"]["empty_us"] > 0
     profile = result["stages"]["launch_budget"]["variants"]["grouped, balanced"]["per_rank"][0]["profile"]
     assert profile["host_self_us"] and profile["host_self_us_total"] > 0
     assert any(name == "AllToAllV" for name, _, _ in profile["waits_host_us"])

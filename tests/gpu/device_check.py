@@ -29,8 +29,9 @@ time-out still leaves data):
    boundaries, and the row tile that fits it best (what ``chunk_align_tokens: "auto"`` assumes).
 7. ``deepep``: the DeepEP adapter (on `ReferenceBuffer` when ``deep_ep`` is absent) against the torch
    dispatcher on the device.
-8. ``syncs``, ``launches``, ``memory``, ``layer_speed``, ``launch_budget``: the hot path (`hot_path.py`):
-   device-to-host syncs per layer forward (at most 1) and backward (0), kernels per layer, FEPLB's
+8. ``syncs``, ``launches``, ``host_calls``, ``memory``, ``layer_speed``, ``launch_budget``: the hot path
+   (`hot_path.py`): device-to-host syncs per layer forward (at most 1) and backward (0), kernels per
+   layer, host µs per call of the stream and timing calls a layer pass makes often, FEPLB's
    added peak memory against docs/GPU.md's bound, the layer's speed against DeepSpeed's MoE at
    EP = 1, aten ops and host time per layer (`benchmarks/bench_launches.py`).
 9. ``leaks``: no ``feplb-`` segment left in /dev/shm, device memory back to where it started.
@@ -457,7 +458,7 @@ def main(argv=None) -> int:
     baseline = 0 if args.cpu else torch.cuda.memory_allocated(0)
     segments_before = set(leftover_segments())
     import hot_path
-    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "memory", "layer_speed")}
+    hot = {name: getattr(hot_path, name) for name in ("syncs", "launches", "host_calls", "memory", "layer_speed")}
     stages = {"kernels": kernels, "copy": copy, "overlap": overlap, "transport": transport,
               "transport_speed": transport_speed, "layer": layer, "serve_parts": serve_parts,
               "grouped_tile": grouped_tile, "deepep": deepep,

@@ -177,6 +177,38 @@ def launches(cpu: bool) -> dict:
     return {"per_rank": run_distributed(_launches_worker, 2, cpu, timeout=150)}
 
 
+def host_calls(cpu: bool) -> dict:
+    """Host µs per call (median of 5 runs of 1,000 calls) of what a layer pass calls often on a GPU's
+    host: torch's handle of the current stream (``torch.cuda.current_stream``, with and without the
+    device), the raw handle (`kernels.cuda.current_stream_ptr`), a timing mark
+    (`expert_costs.device_mark`) and a bare timing event's record. The dry run times a CPU call in
+    their place (``empty_us``), to run the timer."""
+    import statistics
+    import time
+
+    def per_call_us(fn) -> float:
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            runs.append((time.perf_counter() - start) * 1e3)  # µs per call: seconds / 1000 * 1e6
+        return round(statistics.median(runs), 3)
+
+    if cpu:
+        return {"empty_us": per_call_us(lambda: torch.empty(0))}
+    from deepspeed_feplb.expert_costs import device_mark
+    from deepspeed_feplb.kernels.cuda import current_stream_ptr
+    device = torch.device("cuda", 0)
+    figures = {"current_stream_us": per_call_us(torch.cuda.current_stream),
+               "current_stream_of_device_us": per_call_us(lambda: torch.cuda.current_stream(device)),
+               "current_stream_ptr_us": per_call_us(lambda: current_stream_ptr(0)),
+               "device_mark_us": per_call_us(lambda: device_mark(device)),
+               "event_record_us": per_call_us(lambda: torch.cuda.Event(enable_timing=True).record())}
+    torch.cuda.synchronize()
+    return figures
+
+
 def _memory_worker(cpu: bool, enabled: bool) -> dict:
     import deepspeed_feplb
     from deepspeed_feplb.migrate.resident import copy_bytes
