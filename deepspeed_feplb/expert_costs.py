@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.config import FEPLBConfig
-from deepspeed_feplb.kernels.cuda import current_stream_ptr
+from deepspeed_feplb.kernels.cuda import cuda_index, current_stream_ptr
 from deepspeed_feplb.plan.timeline import FWD_BWD_GEMMS, TimeModel
 
 
@@ -27,7 +27,7 @@ def device_mark(device: torch.device) -> torch.cuda.Event:
     not be torch's current one (a loop that placed the model with ``model.to(local_rank)`` leaves
     that at 0), and whose stream their work is queued on. A layer marks 10-20 times per forward: the
     stream comes from torch's raw binding, its torch handle made once (`current_stream_ptr`)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     event = torch.cuda.Event(enable_timing=True)
     event.record(_torch_stream(index, current_stream_ptr(index)))
     return event

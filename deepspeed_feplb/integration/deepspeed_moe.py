@@ -188,8 +188,9 @@ class FEPLBMOELayer(MOELayer):
             if self.training and not recomputing():  # a reentrant checkpoint's first forward runs without grad
                 self.placement.record(expert_ids)
             expert_ids = self.placement.route(expert_ids)
-        primary = self._primary_params() if replicas is not None else None  # walked once for this forward
+        primary = None
         if replicas is not None:  # collective; after the route, which may find them stale
+            primary = self._primary_params()  # walked once for this forward: the write marks and the link
             replicas.keep_current(self._primary_params, self.step_ends(), [p for group in primary for p in group])
         with timed("dispatch"):
             rows, counts_by_source, handle, facts = self.dispatcher.dispatch(x, expert_ids, self.stage.announce())

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
+from deepspeed_feplb.kernels.cuda import cuda_index
 from deepspeed_feplb.migrate.phase2 import on_stream
 from deepspeed_feplb.plan.replicas import RELAY_CHUNK_BYTES, early_sums, held_back_locals
 from deepspeed_feplb.stats import recomputing
@@ -584,7 +585,7 @@ def relay_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     brings; None on host memory (the relay runs in the caller's order)."""
     if device.type != "cuda":
         return None
-    return _relay_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return _relay_stream(cuda_index(device))
 
 
 @functools.lru_cache(maxsize=None)

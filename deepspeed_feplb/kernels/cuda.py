@@ -85,10 +85,16 @@ def _module(device_index: int) -> dict:
         return _modules[device_index][1]
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of CUDA ``device`` (torch's current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def current_stream_ptr(index: int) -> int:
     """Torch's current stream on CUDA device ``index``, as a raw handle: torch's C binding where it
-    has one (``torch.cuda.current_stream(device)`` builds a Stream object, ~20 µs per call on the
-    H200 machine, and a layer launches a kernel or takes a stream several times per pass)."""
+    has one (``torch.cuda.current_stream(device)`` builds a Stream object: ~20 µs per call in a
+    cProfile of the H200 machine, perhaps less unprofiled, the device check's ``host_calls`` stage
+    times it; a layer launches a kernel or takes a stream several times per pass)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
         return int(raw(index))
@@ -105,7 +111,7 @@ def _external_stream(index: int, ptr: int):
 
 def _launch(name: str, device: torch.device, blocks: int, args: tuple) -> None:
     import cupy
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     kernel = _module(index)[name]
     with cupy.cuda.Device(index), _external_stream(index, current_stream_ptr(index)):
         kernel((max(1, min(blocks, _MAX_BLOCKS)), ), (_THREADS, ), args)

@@ -595,9 +595,15 @@ class CudaCETransport:
             channel[BELL] += 1
             self._notify(me, dst, BELL)
         while outgoing and outgoing[0].described and outgoing[0].enqueued == len(outgoing[0].parts):
-            copied = self._event()
-            backend.event_record(copied, stream)
-            self._in_flight[dst].append((copied, outgoing.popleft().tensors))  # kept until the copies ran
+            self._hold(dst, stream, outgoing.popleft().tensors)
+
+    def _hold(self, peer: int, stream: int, tensors: list) -> None:
+        """Keep ``tensors`` from reuse until ``stream`` has run what is queued on it now (an event
+        recorded here; `_release_copied` lets them go). Under the lock: the caller's thread and the
+        background one both take spare events."""
+        copied = self._event()
+        self.backend.event_record(copied, stream)
+        self._in_flight[peer].append((copied, tensors))
 
     def _release_copied(self, dst: int, wait: bool) -> None:
         """Drop the sent tensors whose copies to ``dst`` ran (all of them, waiting, with ``wait``)."""
@@ -669,10 +675,8 @@ class CudaCETransport:
                     backend.memcpy_async(dst, staging.data_ptr() + at, length, stream)
                 if self._poison:
                     backend.memset_async(staging.data_ptr(), 0xFF, nbytes, stream)
-                with self._lock:  # the background thread takes and returns spare events too
-                    copied = self._event()
-                    backend.event_record(copied, stream)
-                    self._in_flight[src].append((copied, [staging]))  # kept until its copies ran
+                with self._lock:
+                    self._hold(src, stream, [staging])
             backend.event_record(self._events["done"][src], stream)
             backend.stream_wait_event(caller, self._events["done"][src])  # the caller sees the data
         except BaseException as exc:  # the message is taken but not read: the link is out of step
@@ -696,9 +700,7 @@ class CudaCETransport:
             return
         try:
             with self._lock:
-                copied = self._event()
-                self.backend.event_record(copied, stream)
-                self._in_flight[src].append((copied, tensors))
+                self._hold(src, stream, tensors)
         except Exception:  # noqa: BLE001 - a device that fails here fails the transport anyway
             pass
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from deepspeed_feplb.experts import ExpertSpec
+from deepspeed_feplb.kernels.cuda import cuda_index
 from deepspeed_feplb.migrate import Transport, messages
 from deepspeed_feplb.migrate.resident import HeldCopy, LayerResidency
 from deepspeed_feplb.plan.policy import serves_on_arrival
@@ -57,7 +58,7 @@ def served_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     order)."""
     if device.type != "cuda":
         return None
-    return _served_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return _served_stream(cuda_index(device))
 
 
 def serving_stream(setting, device: torch.device) -> Optional[torch.cuda.Stream]:
